@@ -1,0 +1,48 @@
+"""Builds the FastAPI application from an `ApiContext`."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI
+
+import servewell
+from servewell.api import routes_simple, routes_v2
+from servewell.api.context import ApiContext
+from servewell.api.errors import install_error_handlers
+from servewell.api.middleware import RequestContextMiddleware
+
+DESCRIPTION = """servewell serves ONNX, TorchScript and PyTorch models.
+
+* `POST /predict`: one base64 image in, a label out.
+* `/v2/...`: the Open Inference Protocol v2 (KServe / Triton REST), usable with `tritonclient`.
+* Every response carries `X-Request-ID` and `X-Process-Time`; errors are
+  `{"error": {"code", "message", "request_id"}}`.
+"""
+
+
+def create_app(
+    api: ApiContext,
+    on_startup: Callable[[], Awaitable[None]] | None = None,
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
+) -> FastAPI:
+    """The HTTP application; `on_startup`/`on_shutdown` run in its lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if on_startup is not None:
+            await on_startup()
+        try:
+            yield
+        finally:
+            if on_shutdown is not None:
+                await on_shutdown()
+
+    app = FastAPI(title="servewell", version=servewell.__version__, description=DESCRIPTION, lifespan=lifespan)
+    app.state.api = api
+    install_error_handlers(app)
+    app.include_router(routes_simple.router)
+    app.include_router(routes_v2.router)
+    app.add_middleware(RequestContextMiddleware)
+    return app

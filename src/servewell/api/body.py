@@ -1,0 +1,32 @@
+"""Reading request bodies with a size limit and a content-type check."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from servewell.errors import PayloadTooLarge, UnsupportedMediaType
+
+
+def check_content_type(request: Request, allowed: tuple[str, ...]) -> None:
+    """415 unless the Content-Type is absent or one of `allowed`."""
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media not in allowed:
+        raise UnsupportedMediaType(f"Content-Type '{media}' is not accepted here; send {' or '.join(allowed)}")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refusing (413) one that declares or streams more than `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

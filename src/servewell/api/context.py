@@ -1,0 +1,73 @@
+"""What every route needs: the engine, the limits, and the pool that decodes images."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+from fastapi import Request
+
+from servewell.api.codecs.image import image_to_array
+from servewell.config.model import ModelConfig
+from servewell.config.server import ServerConfig
+from servewell.engine.engine import InferenceEngine
+from servewell.errors import InvalidInput
+
+URGENCY_HEADER = "x-urgency"
+TIMEOUT_HEADER = "x-request-timeout-ms"
+
+
+@dataclass(slots=True)
+class ApiContext:
+    """Shared state of the HTTP layer."""
+
+    engine: InferenceEngine
+    settings: ServerConfig
+    decode_pool: ThreadPoolExecutor
+
+    async def decode_images(self, config: ModelConfig, blobs: list[bytes]) -> np.ndarray:
+        """Decode encoded images into one input batch, off the event loop."""
+        spec = config.preprocess
+        if spec is None:
+            raise InvalidInput(f"model '{config.name}' declares no image preprocessing, so it takes no images")
+        limit = self.settings.max_image_pixels
+
+        def work() -> np.ndarray:
+            return np.stack([image_to_array(blob, spec, limit) for blob in blobs])
+
+        return await asyncio.get_running_loop().run_in_executor(self.decode_pool, work)
+
+
+def api_context(request: Request) -> ApiContext:
+    """FastAPI dependency giving routes the shared context."""
+    return request.app.state.api
+
+
+def lane_from(request: Request, urgency: str | None = None) -> str:
+    """Lane of a request: high when the `X-Urgency` header or the body says so."""
+    header = request.headers.get(URGENCY_HEADER, "").strip().lower()
+    return "high" if "high" in (header, urgency) else "normal"
+
+
+def timeout_from_header(request: Request) -> float | None:
+    """Deadline in ms from `X-Request-Timeout-Ms`, if given (422 when not a positive number)."""
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise InvalidInput(f"header X-Request-Timeout-Ms must be a positive number of milliseconds, got {raw!r}")
+    return value
+
+
+def server_timing(queue_s: float, preprocess_s: float, compute_s: float, total_s: float) -> str:
+    """`Server-Timing` header value, durations in milliseconds."""
+    return (
+        f"preprocess;dur={preprocess_s * 1000:.3f}, queue;dur={queue_s * 1000:.3f}, "
+        f"compute;dur={compute_s * 1000:.3f}, total;dur={total_s * 1000:.3f}"
+    )

@@ -1,0 +1,56 @@
+"""Every error leaves as `{"error": {"code", "message", "request_id"}}` with the right status."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from servewell.errors import ServeError
+from servewell.observability.context import request_id_var
+
+log = logging.getLogger("servewell.api")
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized", 400: "bad_request"}
+
+
+def error_response(status: int, code: str, message: str, retry_after_s: float | None = None) -> Response:
+    """A JSON error response carrying the current request id."""
+    body = {"error": {"code": code, "message": message, "request_id": request_id_var.get()}}
+    headers = {}
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def serve_error_response(exc: ServeError) -> Response:
+    """Response for a `ServeError`, logged once (4xx at info, 5xx at warning)."""
+    level = logging.WARNING if exc.status >= 500 else logging.INFO
+    log.log(level, "request failed: %s", exc.message, extra={"status": exc.status, "code": exc.code})
+    retry = exc.retry_after_s if exc.status == 503 else None
+    return error_response(exc.status, exc.code, exc.message, retry)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map framework and servewell exceptions onto the JSON error shape."""
+
+    async def on_serve_error(_: Request, exc: ServeError) -> Response:
+        return serve_error_response(exc)
+
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        code = _HTTP_CODES.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, code, str(exc.detail))
+
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return error_response(422, "invalid_input", f"field '{where}': {first.get('msg')}")
+
+    app.add_exception_handler(ServeError, on_serve_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)

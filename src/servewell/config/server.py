@@ -1,0 +1,75 @@
+"""Typed configuration of the server: one tree, read from a file, the environment and the CLI.
+
+Precedence: CLI flags > environment (`SERVEWELL_<FIELD>`, read only in `load_server_config`) >
+config file (YAML) > defaults. Field descriptions are the CLI's help text.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ENV_PREFIX = "SERVEWELL_"
+
+
+class ServerConfig(BaseModel):
+    """Everything `servewell serve` can be told."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_repository: Path | None = Field(
+        None, description="Directory with one sub-directory per model; default: the built-in digits model."
+    )
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "servewell", description="Where built-in models are built and cached."
+    )
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest request body accepted (413 above).")
+    max_image_pixels: int = Field(
+        16_000_000, ge=1, description="Largest decoded image, in pixels, accepted (413 above; stops decompression bombs)."
+    )
+    load_timeout_s: float = Field(120.0, gt=0, description="A model whose load and warm-up take longer is killed and marked failed.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
+    log_format: Literal["json", "console"] = Field("json", description="JSON lines, or human-readable console lines.")
+    decode_threads: int = Field(2, ge=1, le=64, description="Threads that decode and resize images off the event loop.")
+
+
+class ConfigFileError(ValueError):
+    """The config file or an environment variable holds an invalid value."""
+
+
+def _from_env(environ: dict[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name in ServerConfig.model_fields:
+        key = ENV_PREFIX + name.upper()
+        if key in environ:
+            values[name] = environ[key]
+    return values
+
+
+def load_server_config(
+    config_file: Path | None, overrides: dict[str, Any], environ: dict[str, str] | None = None
+) -> ServerConfig:
+    """Merge defaults, the YAML file, `SERVEWELL_*` variables and CLI `overrides` (None = unset)."""
+    merged: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            raw = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigFileError(f"{config_file}: cannot read: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigFileError(f"{config_file}: expected a mapping of fields")
+        merged.update(raw)
+    merged.update(_from_env(dict(os.environ) if environ is None else environ))
+    merged.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return ServerConfig.model_validate(merged)
+    except ValidationError as exc:
+        where = config_file or "settings"
+        problems = "; ".join(f"field '{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors())
+        raise ConfigFileError(f"{where}: {problems}") from None

@@ -1,0 +1,155 @@
+"""Pure, synchronous queueing rules of one model: priority lanes, deadlines, bounds, shapes.
+
+No clocks, sockets or event loop here: callers pass `now`, so every rule is unit-tested
+directly. `ModelScheduler` drives this from the event loop.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Generic, Hashable, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class QueuedItem(Generic[T]):
+    """One request waiting in a lane."""
+
+    payload: T
+    lane: int
+    rows: int
+    shape_key: Hashable
+    deadline_at: float
+    enqueued_at: float
+    seq: int = 0
+    cancelled: bool = False
+    queued: bool = False
+
+
+@dataclass(order=True, slots=True)
+class _HeapEntry:
+    deadline_at: float
+    seq: int
+    item: QueuedItem = field(compare=False)
+
+
+class BatchQueue(Generic[T]):
+    """Lanes ordered by priority (lane 0 first); earliest deadline first within a lane.
+
+    Each lane holds at most `max_queue_size` requests; `push` refuses beyond that so
+    memory stays bounded whatever the load.
+    """
+
+    def __init__(self, lanes: int, max_queue_size: int) -> None:
+        self._lanes: list[list[_HeapEntry]] = [[] for _ in range(lanes)]
+        self._counts = [0] * lanes
+        self.max_queue_size = max_queue_size
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return sum(self._counts)
+
+    def depth(self, lane: int) -> int:
+        """Requests waiting in `lane` (cancelled ones excluded)."""
+        return self._counts[lane]
+
+    def push(self, item: QueuedItem[T]) -> bool:
+        """Queue `item`; False when its lane is full (the caller refuses the request)."""
+        if self._counts[item.lane] >= self.max_queue_size:
+            return False
+        item.seq = next(self._seq)
+        item.queued = True
+        heapq.heappush(self._lanes[item.lane], _HeapEntry(item.deadline_at, item.seq, item))
+        self._counts[item.lane] += 1
+        return True
+
+    def cancel(self, item: QueuedItem[T]) -> None:
+        """Drop `item` if it is still queued; it is discarded lazily and never handed out."""
+        if item.queued and not item.cancelled:
+            item.cancelled = True
+            item.queued = False
+            self._counts[item.lane] -= 1
+
+    def expire(self, now: float) -> list[QueuedItem[T]]:
+        """Remove and return every queued item whose deadline is at or before `now`."""
+        expired: list[QueuedItem[T]] = []
+        for lane, heap in enumerate(self._lanes):
+            kept = []
+            for entry in heap:
+                if entry.item.cancelled:
+                    continue
+                if entry.deadline_at <= now:
+                    entry.item.queued = False
+                    expired.append(entry.item)
+                    self._counts[lane] -= 1
+                else:
+                    kept.append(entry)
+            if len(kept) != len(heap):
+                heapq.heapify(kept)
+                self._lanes[lane] = kept
+        return expired
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of any queued item."""
+        best: float | None = None
+        for heap in self._lanes:
+            self._drop_cancelled_head(heap)
+            if heap and (best is None or heap[0].deadline_at < best):
+                best = heap[0].deadline_at
+        return best
+
+    def head(self) -> QueuedItem[T] | None:
+        """The item that would lead the next batch: top lane first, then earliest deadline."""
+        for heap in self._lanes:
+            self._drop_cancelled_head(heap)
+            if heap:
+                return heap[0].item
+        return None
+
+    def oldest_enqueued_at(self) -> float | None:
+        """When the longest-waiting queued item arrived."""
+        times = [e.item.enqueued_at for heap in self._lanes for e in heap if not e.item.cancelled]
+        return min(times) if times else None
+
+    def ready_rows(self, shape_key: Hashable) -> int:
+        """Rows queued that could join a batch of `shape_key`."""
+        return sum(
+            e.item.rows for heap in self._lanes for e in heap
+            if not e.item.cancelled and e.item.shape_key == shape_key
+        )
+
+    def take_batch(self, max_rows: int) -> list[QueuedItem[T]]:
+        """Remove and return the next batch: led by `head()`, filled with same-shape items in
+        lane then deadline order, without exceeding `max_rows` rows (a single item larger than
+        `max_rows` still goes alone; admission keeps such items out)."""
+        lead = self.head()
+        if lead is None:
+            return []
+        batch: list[QueuedItem[T]] = []
+        rows = 0
+        for lane, heap in enumerate(self._lanes):
+            if rows >= max_rows:
+                break
+            skipped: list[_HeapEntry] = []
+            while heap and rows < max_rows:
+                entry = heapq.heappop(heap)
+                item = entry.item
+                if item.cancelled:
+                    continue
+                if item.shape_key != lead.shape_key or (batch and rows + item.rows > max_rows):
+                    skipped.append(entry)
+                    continue
+                item.queued = False
+                batch.append(item)
+                rows += item.rows
+                self._counts[lane] -= 1
+            for entry in skipped:
+                heapq.heappush(heap, entry)
+        return batch
+
+    def _drop_cancelled_head(self, heap: list[_HeapEntry]) -> None:
+        while heap and heap[0].item.cancelled:
+            heapq.heappop(heap)

@@ -1,0 +1,134 @@
+"""The engine the API talks to: model lookup, admission and inference, behind one small class.
+
+Routes never see schedulers or workers; they call `InferenceEngine.infer` and read
+`ModelView`s. The engine can therefore be faked in tests or moved behind another transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from servewell.config.model import ModelConfig
+from servewell.engine.model_entry import InstanceInfo, LoadProgressFn, ModelEntry, ModelState
+from servewell.engine.repository import scan_repository
+from servewell.engine.scheduler import LANES, RequestResult
+from servewell.engine.validation import check_inputs
+from servewell.errors import ModelNotReady, NotFound, ShuttingDown
+
+
+@dataclass(slots=True, frozen=True)
+class ModelView:
+    """Read-only facts about a model for metadata, health and index endpoints."""
+
+    name: str
+    version: str
+    state: ModelState
+    reason: str | None
+    config: ModelConfig | None
+    load_s: float | None
+    queue_depth: int
+    instances: tuple[InstanceInfo, ...]
+
+
+class InferenceEngine:
+    """All models of one repository."""
+
+    def __init__(self, repository: Path, load_timeout_s: float, on_progress: LoadProgressFn | None = None) -> None:
+        self.repository = repository
+        self._load_timeout_s = load_timeout_s
+        self._on_progress = on_progress
+        self._entries: dict[str, ModelEntry] = {}
+        self._accepting = True
+
+    async def start(self) -> None:
+        """Read the repository and load every valid model (concurrently)."""
+        for source in scan_repository(self.repository):
+            self._entries[source.name] = ModelEntry(
+                source.name, source.directory, source.config, source.error, self._load_timeout_s, self._on_progress
+            )
+        await asyncio.gather(*(entry.load() for entry in self._entries.values()))
+
+    async def stop(self) -> None:
+        """Stop admitting, finish what was admitted, stop every worker."""
+        self._accepting = False
+        await asyncio.gather(*(entry.stop() for entry in self._entries.values()))
+
+    # --- queries -------------------------------------------------------------------------
+
+    @property
+    def live(self) -> bool:
+        """The frontend is up and answering."""
+        return True
+
+    @property
+    def ready(self) -> bool:
+        """Accepting requests, and every valid model is ready."""
+        valid = [e for e in self._entries.values() if e.config is not None]
+        return self._accepting and bool(valid) and all(e.state == "ready" for e in valid)
+
+    def models(self) -> list[ModelView]:
+        """Every model of the repository, valid or not."""
+        return [self._view(e) for e in self._entries.values()]
+
+    def model(self, name: str, version: str | None = None) -> ModelView:
+        """One model; `NotFound` for an unknown name or version."""
+        return self._view(self._entry(name, version))
+
+    def default_model_name(self) -> str:
+        """The model `/predict` uses when the request names none: the only or the first valid model."""
+        valid = [name for name, e in self._entries.items() if e.config is not None]
+        if not valid:
+            raise NotFound("the repository has no valid model")
+        return "digits" if "digits" in valid else valid[0]
+
+    # --- inference -----------------------------------------------------------------------
+
+    async def infer(
+        self,
+        name: str,
+        version: str | None,
+        inputs: dict[str, np.ndarray],
+        *,
+        lane: str = "normal",
+        timeout_ms: float | None = None,
+        request_id: str = "",
+    ) -> RequestResult:
+        """Validate, queue and run one request; raises a `ServeError` subclass on any failure."""
+        entry = self._entry(name, version)
+        if not self._accepting:
+            raise ShuttingDown("the server is shutting down and accepts no new requests")
+        if entry.state != "ready" or entry.scheduler is None:
+            retry = None if entry.state in ("failed", "invalid", "unloaded") else 2.0
+            detail = f": {entry.reason}" if entry.reason else ""
+            raise ModelNotReady(f"model '{name}' is {entry.state}{detail}", retry_after_s=retry or 5.0)
+        rows = check_inputs(entry.config, inputs)
+        lane_index = LANES.index(lane) if lane in LANES else LANES.index("normal")
+        future = entry.scheduler.submit(inputs, rows, lane_index, timeout_ms, request_id)
+        return await future
+
+    def config_of(self, name: str, version: str | None = None) -> ModelConfig:
+        """The valid config of a model (`NotFound` / `ModelNotReady` otherwise)."""
+        entry = self._entry(name, version)
+        if entry.config is None:
+            raise ModelNotReady(f"model '{name}' is invalid: {entry.reason}", retry_after_s=None)
+        return entry.config
+
+    def _entry(self, name: str, version: str | None) -> ModelEntry:
+        entry = self._entries.get(name)
+        if entry is None:
+            raise NotFound(f"unknown model '{name}'; this server has {sorted(self._entries)}")
+        if version not in (None, "", entry.version):
+            raise NotFound(f"model '{name}' has no version '{version}'; it serves version '{entry.version}'")
+        return entry
+
+    @staticmethod
+    def _view(entry: ModelEntry) -> ModelView:
+        scheduler = entry.scheduler
+        return ModelView(
+            entry.name, entry.version, entry.state, entry.reason, entry.config, entry.load_s,
+            scheduler.queue_depth if scheduler else 0, tuple(entry.instances()),
+        )

@@ -1,0 +1,96 @@
+"""Errors the engine and the API answer with: each has an HTTP status and a stable code."""
+
+from __future__ import annotations
+
+
+class ServeError(Exception):
+    """A failure the client is told about as `{"error": {"code", "message", "request_id"}}`."""
+
+    status: int = 500
+    code: str = "internal"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class BadRequest(ServeError):
+    """Malformed JSON, bad base64, an undecodable image."""
+
+    status, code = 400, "bad_request"
+
+
+class NotFound(ServeError):
+    """Unknown model, version or route."""
+
+    status, code = 404, "not_found"
+
+
+class PayloadTooLarge(ServeError):
+    """Body or image above the configured limit."""
+
+    status, code = 413, "payload_too_large"
+
+
+class UnsupportedMediaType(ServeError):
+    """Wrong Content-Type."""
+
+    status, code = 415, "unsupported_media_type"
+
+
+class InvalidInput(ServeError):
+    """Well-formed request whose tensors or fields do not match the model."""
+
+    status, code = 422, "invalid_input"
+
+
+class Unauthorized(ServeError):
+    """Missing or wrong admin token."""
+
+    status, code = 401, "unauthorized"
+
+
+class Unavailable(ServeError):
+    """The request cannot be served now; retrying later may succeed."""
+
+    status, code = 503, "unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = 1.0) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+
+
+class ModelNotReady(Unavailable):
+    """The model is loading, failed or unloaded."""
+
+    code = "model_not_ready"
+
+
+class Overloaded(Unavailable):
+    """The model's queue for this lane is full."""
+
+    code = "overloaded"
+
+
+class DeadlineExceeded(Unavailable):
+    """The request's deadline passed before the model could run it."""
+
+    code = "deadline_exceeded"
+
+
+class WorkerLost(Unavailable):
+    """The worker process running the request died; the request is safe to retry."""
+
+    code = "worker_lost"
+
+
+class ShuttingDown(Unavailable):
+    """The server is draining and admits no new work."""
+
+    code = "shutting_down"
+
+
+class ModelError(ServeError):
+    """The model itself raised while running the batch."""
+
+    status, code = 500, "model_error"

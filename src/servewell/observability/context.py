@@ -1,0 +1,10 @@
+"""Context variables that carry the current request's identity into logs."""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+
+#: Id of the request being handled ("" outside a request).
+request_id_var: ContextVar[str] = ContextVar("servewell_request_id", default="")
+#: Model the current request is for ("" when unknown).
+model_var: ContextVar[str] = ContextVar("servewell_model", default="")

@@ -1,0 +1,67 @@
+"""Logging setup: JSON lines (default) or console lines, each carrying request id and model.
+
+Request bodies, images and tensors are never passed to a logger anywhere in servewell.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import sys
+
+import orjson
+
+from servewell.observability.context import model_var, request_id_var
+
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+class JsonLineFormatter(logging.Formatter):
+    """One JSON object per line: timestamp, level, logger, message, request id, model, extras."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        event = {
+            "ts": dt.datetime.fromtimestamp(record.created, dt.timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        request_id = request_id_var.get()
+        if request_id:
+            event["request_id"] = request_id
+        model = getattr(record, "model", None) or model_var.get()
+        if model:
+            event["model"] = model
+        for key, value in vars(record).items():
+            if key not in _STANDARD and key not in event and not key.startswith("_"):
+                event[key] = value
+        if record.exc_info:
+            event["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(event, default=str).decode()
+
+
+class ConsoleFormatter(logging.Formatter):
+    """Human-readable lines for a terminal."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname:<7} {record.name}: {record.getMessage()}"
+        request_id = request_id_var.get()
+        if request_id:
+            line += f" [{request_id}]"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def configure_logging(level: str = "info", fmt: str = "json") -> None:
+    """Route servewell's and uvicorn's logs to stderr in the chosen format."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLineFormatter() if fmt == "json" else ConsoleFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
+    # One access line per request would be a per-request INFO log on the hot path.
+    logging.getLogger("uvicorn.access").disabled = True

@@ -1,0 +1,78 @@
+"""Composition root: settings -> repository -> engine -> app -> uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import uvicorn
+
+from servewell.api.app import create_app
+from servewell.api.context import ApiContext
+from servewell.config.server import ServerConfig
+from servewell.engine.engine import InferenceEngine
+
+log = logging.getLogger("servewell.server")
+
+BUILTIN_MODEL = "digits"
+
+
+def builtin_repository(cache_dir: Path) -> Path:
+    """Where the built-in models live."""
+    return cache_dir / "models"
+
+
+def ensure_builtin_repository(cache_dir: Path) -> Path:
+    """Build (once, cached) the built-in digits model and return its repository.
+
+    Building imports torch, so it runs in a child process: the frontend never imports it.
+    """
+    repository = builtin_repository(cache_dir)
+    if not (repository / BUILTIN_MODEL / "model.yaml").is_file():
+        log.info("building the built-in model '%s' into %s (first run only)", BUILTIN_MODEL, repository)
+    command = [sys.executable, "-m", "servewell.examples.build", BUILTIN_MODEL, "--out", str(repository)]
+    done = subprocess.run(command, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"building the built-in model failed (exit code {done.returncode})")
+    return repository
+
+
+def _log_progress(model: str, instance: int, stage: str, elapsed_s: float) -> None:
+    log.info("loading %s[%d]: %s (%.1f s)", model, instance, stage, elapsed_s,
+             extra={"model": model, "instance": instance, "stage": stage, "elapsed_s": round(elapsed_s, 3)})
+
+
+def build_app(settings: ServerConfig):  # noqa: ANN201 - FastAPI
+    """The app for `settings`; models load in the background once it starts, so liveness
+    answers at once and readiness tells the truth while they load."""
+    repository = settings.model_repository or ensure_builtin_repository(settings.cache_dir)
+    engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress)
+    pool = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
+    loading: list[asyncio.Task] = []
+
+    async def startup() -> None:
+        loading.append(asyncio.get_running_loop().create_task(engine.start()))
+
+    async def shutdown() -> None:
+        for task in loading:
+            if not task.done():
+                task.cancel()
+        await engine.stop()
+        pool.shutdown(wait=False)
+
+    return create_app(ApiContext(engine, settings, pool), startup, shutdown)
+
+
+def serve(settings: ServerConfig) -> None:
+    """Run the server until SIGINT/SIGTERM; in-flight requests finish before exit."""
+    app = build_app(settings)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+        timeout_graceful_shutdown=30, lifespan="on",
+    )
+    log.info("servewell listening on http://%s:%d", settings.host, settings.port)
+    uvicorn.Server(config).run()

@@ -1,0 +1,201 @@
+"""Frontend side of one worker process: spawn it, follow its load, hand it batches.
+
+A reader thread blocks on the pipe and hands every reply to the event loop, so the loop
+never polls and learns of a worker's death (pipe EOF) the moment it happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from servewell.config.model import ModelConfig
+from servewell.errors import ModelError, WorkerLost
+from servewell.workers.messages import (
+    BatchDone,
+    BatchFailed,
+    LoadFailed,
+    LoadProgress,
+    RunBatch,
+    Shutdown,
+    WorkerReady,
+    WorkerReply,
+)
+from servewell.workers.process_main import worker_main
+from servewell.workers.shm import SegmentReader, SharedArena
+
+ProgressCallback = Callable[[str, float], None]
+
+
+class WorkerLoadError(Exception):
+    """The worker could not load its model (the message says why)."""
+
+
+@dataclass(slots=True)
+class BatchOutcome:
+    """Outputs of one batch (copied out of shared memory) and the worker's own timing."""
+
+    outputs: dict[str, np.ndarray]
+    compute_s: float
+
+
+class WorkerHandle:
+    """One model instance in its own process."""
+
+    def __init__(self, config: ModelConfig, model_dir: Path, on_progress: ProgressCallback | None = None) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self._on_progress = on_progress
+        self._ids = itertools.count(1)
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._conn = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Future[WorkerReady] | None = None
+        self._pending: dict[int, asyncio.Future[BatchOutcome]] = {}
+        self._arena: SharedArena | None = None
+        self._reader = SegmentReader()
+        self.alive = False
+        self.ready_info: WorkerReady | None = None
+        self.rss_bytes = 0
+        self.on_lost: Callable[[WorkerHandle], None] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the worker, once started."""
+        return self._process.pid if self._process else None
+
+    async def start(self, timeout_s: float) -> WorkerReady:
+        """Spawn the worker and wait until its model is loaded and warmed up."""
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(
+            target=worker_main,
+            args=(child, self.config, str(self.model_dir)),
+            name=f"servewell-worker-{self.config.name}",
+            daemon=True,
+        )
+        self._process.start()
+        child.close()
+        self._conn = parent
+        self.alive = True
+        threading.Thread(target=self._read_replies, name=f"reader-{self.config.name}", daemon=True).start()
+        try:
+            info = await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
+        except asyncio.TimeoutError:
+            self.kill()
+            raise WorkerLoadError(f"load did not finish within {timeout_s:g} s; the worker was killed") from None
+        self.ready_info = info
+        self.rss_bytes = info.rss_bytes
+        return info
+
+    async def run(self, parts: dict[str, list[np.ndarray]]) -> BatchOutcome:
+        """Run one batch made of the row blocks in `parts`, concatenated along axis 0."""
+        if not self.alive or self._conn is None:
+            raise WorkerLost("the worker process is not running")
+        if self._arena is None:
+            self._arena = SharedArena()
+        shapes = {}
+        for name, blocks in parts.items():
+            rows = sum(b.shape[0] for b in blocks)
+            shapes[name] = ((rows, *blocks[0].shape[1:]), blocks[0].dtype)
+        views = self._arena.views(shapes)
+        for name, blocks in parts.items():
+            start = 0
+            for block in blocks:
+                views[name][start : start + block.shape[0]] = block
+                start += block.shape[0]
+        refs = self._arena.refs_of(views)
+        del views  # the arena may need to grow next time; hold no views into it
+        batch_id = next(self._ids)
+        future = self._loop.create_future()
+        self._pending[batch_id] = future
+        try:
+            self._conn.send(RunBatch(batch_id, self._arena.name, refs))
+        except (OSError, ValueError):
+            self._pending.pop(batch_id, None)
+            raise WorkerLost("the worker process is not running") from None
+        return await future
+
+    def _read_replies(self) -> None:
+        conn = self._conn
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                self._loop.call_soon_threadsafe(self._lost)
+                return
+            self._loop.call_soon_threadsafe(self._dispatch, message)
+            if isinstance(message, LoadFailed):
+                return
+
+    def _dispatch(self, message: WorkerReply) -> None:
+        if isinstance(message, LoadProgress):
+            if self._on_progress:
+                self._on_progress(message.stage, message.elapsed_s)
+        elif isinstance(message, WorkerReady):
+            if not self._ready.done():
+                self._ready.set_result(message)
+        elif isinstance(message, LoadFailed):
+            self.alive = False
+            if not self._ready.done():
+                self._ready.set_exception(WorkerLoadError(message.reason))
+        elif isinstance(message, BatchDone):
+            future = self._pending.pop(message.batch_id, None)
+            self.rss_bytes = message.rss_bytes
+            if future is not None and not future.done():
+                outputs = self._reader.arrays(message.segment, message.outputs, copy=True)
+                future.set_result(BatchOutcome(outputs, message.compute_s))
+        elif isinstance(message, BatchFailed):
+            future = self._pending.pop(message.batch_id, None)
+            if future is not None and not future.done():
+                future.set_exception(ModelError(f"model failed on the batch: {message.message}"))
+
+    def _lost(self) -> None:
+        was_alive = self.alive
+        self.alive = False
+        code = self._process.exitcode if self._process else None
+        if self._process is not None and code is None:
+            self._process.join(timeout=0.5)
+            code = self._process.exitcode
+        reason = f"worker process {self.pid} exited (code {code})"
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(WorkerLoadError(f"{reason} while loading"))
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(WorkerLost(f"{reason}; the request was not completed and is safe to retry"))
+        self._pending.clear()
+        if was_alive and self.on_lost is not None:
+            self.on_lost(self)
+
+    def kill(self) -> None:
+        """End the worker at once (hung load, shutdown timeout)."""
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Ask the worker to exit after its current batch; kill it if it does not."""
+        self.on_lost = None
+        if self._conn is not None and self.alive:
+            try:
+                self._conn.send(Shutdown())
+            except (OSError, ValueError):
+                pass
+        if self._process is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._process.join, timeout_s)
+            if self._process.is_alive():
+                self._process.kill()
+                await asyncio.get_running_loop().run_in_executor(None, self._process.join, 2.0)
+        self.alive = False
+        self._reader.close()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None

@@ -1,0 +1,89 @@
+"""Typed messages between the frontend and a worker process.
+
+Small control messages travel pickled over a pipe; tensor bytes never do: they live in
+shared memory and the messages carry only `TensorRef` descriptors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, frozen=True)
+class TensorRef:
+    """Where one tensor lies in a shared-memory segment."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+# frontend -> worker
+
+
+@dataclass(slots=True, frozen=True)
+class RunBatch:
+    """Run one batch whose inputs lie in the shared-memory segment `segment`."""
+
+    batch_id: int
+    segment: str
+    inputs: tuple[TensorRef, ...]
+    request_ids: tuple[str, ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
+class Shutdown:
+    """Finish the batch in hand, release resources and exit."""
+
+
+# worker -> frontend
+
+
+@dataclass(slots=True, frozen=True)
+class LoadProgress:
+    """The worker reached a loading stage."""
+
+    stage: str
+    elapsed_s: float
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerReady:
+    """The model loaded and warmed up; the worker accepts batches."""
+
+    pid: int
+    load_s: float
+    warmup_s: float
+    rss_bytes: int
+    stages: tuple[tuple[str, float], ...] = field(default_factory=tuple)
+
+
+@dataclass(slots=True, frozen=True)
+class LoadFailed:
+    """The model could not be loaded; the worker exits after sending this."""
+
+    reason: str
+
+
+@dataclass(slots=True, frozen=True)
+class BatchDone:
+    """Outputs of a batch, in the worker's output segment `segment`."""
+
+    batch_id: int
+    segment: str
+    outputs: tuple[TensorRef, ...]
+    compute_s: float
+    rss_bytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class BatchFailed:
+    """The model raised while running a batch; the worker stays up."""
+
+    batch_id: int
+    message: str
+
+
+WorkerReply = LoadProgress | WorkerReady | LoadFailed | BatchDone | BatchFailed

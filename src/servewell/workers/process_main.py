@@ -1,0 +1,118 @@
+"""Entry point of a worker process: load one model instance, warm it up, run batches.
+
+Workers are dumb: they load, run what they are given, and report. Everything that
+imports a framework (torch, onnxruntime) happens here, never in the frontend.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+
+from servewell.config.model import ModelConfig
+from servewell.workers.messages import (
+    BatchDone,
+    BatchFailed,
+    LoadFailed,
+    LoadProgress,
+    RunBatch,
+    Shutdown,
+    WorkerReady,
+)
+from servewell.workers.shm import SegmentReader, SharedArena
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def worker_main(conn: Connection, config: ModelConfig, model_dir: str) -> None:
+    """Run until the frontend says `Shutdown` or goes away."""
+    # Ctrl-C in a terminal reaches the whole process group; the frontend decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Thread pools read these when the framework is first imported, so set them first.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(config.threads)
+
+    started = time.perf_counter()
+    stages: list[tuple[str, float]] = []
+
+    def progress(stage: str) -> None:
+        elapsed = time.perf_counter() - started
+        stages.append((stage, elapsed))
+        conn.send(LoadProgress(stage, elapsed))
+
+    try:
+        from servewell.runtimes import load_runtime
+        from servewell.runtimes.warmup import warm_up
+
+        progress("import runtime")
+        runtime = load_runtime(config, Path(model_dir), progress)
+        load_s = time.perf_counter() - started
+        warmup_s = 0.0
+        if config.warmup:
+            progress("warm-up")
+            warmup_s = warm_up(runtime, config)
+    except Exception as exc:  # any load failure is reported, never raised into the void
+        conn.send(LoadFailed(_describe(exc)))
+        conn.close()
+        return
+
+    conn.send(WorkerReady(os.getpid(), load_s, warmup_s, rss_bytes(), tuple(stages)))
+    _serve(conn, runtime)
+
+
+def _serve(conn: Connection, runtime) -> None:  # noqa: ANN001 - a ModelRuntime
+    reader = SegmentReader()
+    arena = SharedArena()
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return  # the frontend is gone: nobody to serve
+            if isinstance(message, Shutdown):
+                return
+            if isinstance(message, RunBatch):
+                conn.send(_run(message, runtime, reader, arena))
+    finally:
+        reader.close()
+        arena.close()
+        runtime.close()
+
+
+def _run(message: RunBatch, runtime, reader: SegmentReader, arena: SharedArena):  # noqa: ANN001
+    inputs = reader.arrays(message.segment, message.inputs, copy=False)
+    started = time.perf_counter()
+    try:
+        outputs = runtime.run(inputs)
+        compute_s = time.perf_counter() - started
+        refs = arena.write({k: np.ascontiguousarray(v) for k, v in outputs.items()})
+    except Exception as exc:
+        return BatchFailed(message.batch_id, _describe(exc))
+    finally:
+        del inputs
+    return BatchDone(message.batch_id, arena.name, refs, compute_s, rss_bytes())
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    if not isinstance(exc, (ValueError, RuntimeError, OSError)) and type(exc).__name__ != "ModelLoadError":
+        text = f"{type(exc).__name__}: {text}"
+    # The last frame tells a model author where it broke without dumping a full trace to clients.
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames and type(exc).__name__ != "ModelLoadError":
+        last = frames[-1]
+        text += f" (at {Path(last.filename).name}:{last.lineno})"
+    return text

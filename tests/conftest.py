@@ -1,0 +1,16 @@
+"""Markers come from the folder a test lives in: tests/unit, tests/integration, tests/e2e."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+_ROOT = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = Path(item.fspath).relative_to(_ROOT).parts
+        if parts and parts[0] in ("unit", "integration", "e2e"):
+            item.add_marker(parts[0])
