@@ -1,0 +1,128 @@
+"""ONNX models run by onnxruntime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from servewell.config.model import ModelConfig, TensorSpec
+from servewell.runtimes.base import ModelLoadError, ProgressFn
+
+#: onnxruntime's element type names mapped to numpy; types numpy lacks (bfloat16, ...) are absent.
+_ORT_TO_NUMPY: dict[str, np.dtype] = {
+    f"tensor({ort_name})": np.dtype(np_name)
+    for ort_name, np_name in [
+        ("float", "float32"), ("float16", "float16"), ("double", "float64"), ("bool", "bool"),
+        ("int8", "int8"), ("int16", "int16"), ("int32", "int32"), ("int64", "int64"),
+        ("uint8", "uint8"), ("uint16", "uint16"), ("uint32", "uint32"), ("uint64", "uint64"),
+        ("string", "object"),
+    ]
+}
+
+
+class OnnxRuntime:
+    """An onnxruntime session behind the `ModelRuntime` interface."""
+
+    def __init__(self, session: ort.InferenceSession, config: ModelConfig) -> None:
+        self._session: ort.InferenceSession | None = session
+        # Cast each input to what the graph takes, so a model.yaml that says FP32 for an
+        # FP16 graph still runs; numpy dtype None means "leave as is".
+        self._input_dtypes = {i.name: _ORT_TO_NUMPY.get(i.type) for i in session.get_inputs()}
+        self._output_names = [spec.name for spec in config.outputs]
+        self._output_dtypes = [np.dtype(spec.numpy_dtype) for spec in config.outputs]
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch; outputs are cast to the dtypes model.yaml declares."""
+        if self._session is None:
+            raise RuntimeError("the ONNX runtime is closed")
+        missing = [name for name in self._input_dtypes if name not in inputs]
+        if missing:
+            raise ValueError(f"missing inputs {missing}")
+        feeds = {
+            name: np.ascontiguousarray(inputs[name], dtype=dtype) for name, dtype in self._input_dtypes.items()
+        }
+        results = self._session.run(self._output_names, feeds)
+        return {
+            name: np.asarray(result).astype(dtype, copy=False)
+            for name, result, dtype in zip(self._output_names, results, self._output_dtypes)
+        }
+
+    def close(self) -> None:
+        """Drop the session; onnxruntime frees its memory when the last reference goes."""
+        self._session = None
+
+
+def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> OnnxRuntime:
+    """Create an inference session for `model_dir / config.artifact` and check it against the config."""
+    path = model_dir / config.artifact
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = config.threads
+    # One batch at a time per worker: parallelism across operators would only fight the
+    # intra-op threads and the other instances for cores.
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    providers = _providers(config.device, progress)
+    progress("read and optimize graph")
+    try:
+        session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    except Exception as exc:  # onnxruntime raises its own exception types for bad files
+        raise ModelLoadError(f"onnxruntime cannot load {config.artifact}: {exc}") from exc
+    progress("check graph against model.yaml")
+    _check_names(config, session)
+    graph_inputs = {i.name: i.shape for i in session.get_inputs()}
+    for spec in config.inputs:
+        _check_input_shape(spec, graph_inputs[spec.name], config.max_batch_size)
+    return OnnxRuntime(session, config)
+
+
+def _providers(device: str, progress: ProgressFn) -> list[str | tuple[str, dict[str, str]]]:
+    if not device.startswith("cuda"):
+        return ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        progress(f"device {device} requested but onnxruntime has no CUDA provider; running on CPU")
+        return ["CPUExecutionProvider"]
+    device_id = device.partition(":")[2] or "0"
+    return [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
+
+
+def _check_names(config: ModelConfig, session: ort.InferenceSession) -> None:
+    config_inputs = [spec.name for spec in config.inputs]
+    graph_inputs = [i.name for i in session.get_inputs()]
+    if sorted(config_inputs) != sorted(graph_inputs):
+        raise ModelLoadError(
+            f"input names in model.yaml {config_inputs} do not match the ONNX graph's inputs {graph_inputs}"
+        )
+    graph_outputs = [o.name for o in session.get_outputs()]
+    unknown = [spec.name for spec in config.outputs if spec.name not in graph_outputs]
+    if unknown:
+        raise ModelLoadError(
+            f"outputs {unknown} in model.yaml are not outputs of the ONNX graph, which has {graph_outputs}"
+        )
+
+
+def _check_input_shape(spec: TensorSpec, graph_shape: list[int | str | None], max_batch_size: int) -> None:
+    """Catch the usual export mistakes at load: a missing batch axis, a batch axis fixed to 1."""
+    batched = max_batch_size > 0
+    declared: list[int] = ([-1] if batched else []) + list(spec.shape)
+    if len(graph_shape) != len(declared):
+        how = "a batch dimension plus " if batched else "no batch dimension (max_batch_size 0) and "
+        raise ModelLoadError(
+            f"input {spec.name!r}: the ONNX graph takes shape {graph_shape}, model.yaml declares {how}"
+            f"{spec.shape}; fix shape or max_batch_size"
+        )
+    # Batches hold 1..max_batch_size items, so a fixed batch axis only works when it is 1 = max.
+    if batched and isinstance(graph_shape[0], int) and not graph_shape[0] == max_batch_size == 1:
+        raise ModelLoadError(
+            f"input {spec.name!r}: the ONNX graph fixes the batch dimension to {graph_shape[0]}, "
+            f"but batches hold 1 to max_batch_size {max_batch_size} items; export with a dynamic "
+            "batch axis, or set max_batch_size: 1 for a graph fixed to 1"
+        )
+    for index, (want, got) in enumerate(zip(declared, graph_shape)):
+        if want != -1 and isinstance(got, int) and want != got:
+            raise ModelLoadError(
+                f"input {spec.name!r}: dimension {index} is {got} in the ONNX graph {graph_shape}, "
+                f"model.yaml declares {spec.shape}"
+            )

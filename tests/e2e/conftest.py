@@ -1,0 +1,99 @@
+"""Starts the real server (`python -m servewell serve ...`) as a user would, and stops it by pid."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One running servewell, its base URL and its captured log."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "servewell", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        )
+
+    def wait_live(self, timeout_s: float = 120) -> None:
+        self._wait("/v2/health/live", timeout_s)
+
+    def wait_ready(self, timeout_s: float = 180) -> None:
+        self._wait("/v2/health/ready", timeout_s)
+
+    def _wait(self, path: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{path} not 200 after {timeout_s} s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def servewell_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache directory per test session, so the built-in model is built once."""
+    return tmp_path_factory.mktemp("servewell-cache")
+
+
+@pytest.fixture(scope="session")
+def digits_server(servewell_cache: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The default server: `servewell serve` with the built-in digits model."""
+    server = ServerProcess(["--cache-dir", str(servewell_cache)], tmp_path_factory.mktemp("logs") / "digits.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory: pytest.TempPathFactory):
+    """Factory for extra servers; each is stopped at the end of the session."""
+    started: list[ServerProcess] = []
+
+    def start(args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
+        server = ServerProcess(args, tmp_path_factory.mktemp("logs") / f"server{len(started)}.log", env)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

@@ -1,0 +1,170 @@
+"""A repository built in the test: one model per runtime, plus broken ones that must not stop the rest."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+FACTORY_SOURCE = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+
+    class Tiny(nn.Module):
+        def __init__(self, hidden: int = 8):
+            super().__init__()
+            self.fc1 = nn.Linear(4, hidden)
+            self.fc2 = nn.Linear(hidden, 3)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)))
+
+
+    def build(hidden: int = 8):
+        return Tiny(hidden)
+''')
+
+
+def tiny_module() -> torch.nn.Module:
+    namespace: dict = {}
+    exec(FACTORY_SOURCE, namespace)  # the same source the server's factory imports
+    torch.manual_seed(0)
+    return namespace["build"](hidden=8).eval()
+
+
+def write_config(directory: Path, **fields) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    base = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [3]}],
+        "max_batch_size": 8,
+    }
+    (directory / "model.yaml").write_text(yaml.safe_dump({**base, **fields}))
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    root = tmp_path_factory.mktemp("repo")
+    module = tiny_module()
+    example = torch.zeros(2, 4)
+
+    onnx_dir = root / "tiny_onnx"
+    write_config(onnx_dir, runtime="onnx", artifact="model.onnx", threads=1)
+    torch.onnx.export(module, (example,), str(onnx_dir / "model.onnx"), dynamo=False, input_names=["x"],
+                      output_names=["y"], dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}})
+
+    ts_dir = root / "tiny_ts"
+    write_config(ts_dir, runtime="torchscript", artifact="model.pt", freeze=True)
+    torch.jit.trace(module, example).save(str(ts_dir / "model.pt"))
+
+    pt_dir = root / "tiny_pt"
+    write_config(pt_dir, runtime="pytorch", artifact="model.safetensors", factory="tiny_factory:build",
+                 factory_kwargs={"hidden": 8})
+    (pt_dir / "tiny_factory.py").write_text(FACTORY_SOURCE)
+    save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(pt_dir / "model.safetensors"))
+
+    state_dir = root / "tiny_pt_statedict"
+    write_config(state_dir, runtime="pytorch", artifact="weights.pt", factory="tiny_factory:build")
+    (state_dir / "tiny_factory.py").write_text(FACTORY_SOURCE)
+    torch.save(module.state_dict(), state_dir / "weights.pt")
+
+    pickled_dir = root / "pickled"
+    write_config(pickled_dir, runtime="pytorch", artifact="model.pt", factory="tiny_factory:build")
+    (pickled_dir / "tiny_factory.py").write_text(FACTORY_SOURCE)
+    whole = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    torch.save(whole, pickled_dir / "model.pt")  # a whole pickled module: refused by default
+
+    write_config(root / "broken_yaml", runtime="onnx", artifact="model.onnx", max_batch_size="lots")
+    (root / "broken_yaml" / "model.onnx").write_bytes(b"")
+
+    write_config(root / "corrupt_onnx", runtime="onnx", artifact="model.onnx")
+    (root / "corrupt_onnx" / "model.onnx").write_bytes(b"this is not an onnx file")
+    return root, module
+
+
+GOOD = ("tiny_onnx", "tiny_ts", "tiny_pt", "tiny_pt_statedict")
+
+
+@pytest.fixture(scope="module")
+def server(repository, start_server):
+    root, _ = repository
+    srv = start_server(["--model-repository", str(root)])
+    srv.wait_live()
+    deadline = time.monotonic() + 180
+    with httpx.Client(base_url=srv.url, timeout=10) as client:
+        while time.monotonic() < deadline:
+            index = client.post("/v2/repository/index").json()
+            states = {m["name"]: m["state"] for m in index}
+            if all(states.get(n) == "READY" for n in GOOD) and states.get("corrupt_onnx") == "UNAVAILABLE" \
+                    and states.get("pickled") == "UNAVAILABLE":
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"models not settled: {index}\n{srv.log()[-3000:]}")
+    return srv
+
+
+@pytest.mark.parametrize("name", GOOD)
+def test_each_runtime_serves_the_same_numbers_as_torch(server, repository, name):
+    _, module = repository
+    x = np.random.default_rng(1).normal(size=(3, 4)).astype(np.float32)
+    expected = module(torch.from_numpy(x)).detach().numpy()
+    r = httpx.post(f"{server.url}/v2/models/{name}/infer", json={
+        "inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32", "data": x.ravel().tolist()}],
+    })
+    assert r.status_code == 200, r.text
+    out = r.json()["outputs"][0]
+    assert out["name"] == "y" and out["shape"] == [3, 3] and out["datatype"] == "FP32"
+    np.testing.assert_allclose(np.array(out["data"]).reshape(3, 3), expected, rtol=1e-5, atol=1e-5)
+    meta = httpx.get(f"{server.url}/v2/models/{name}").json()
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+
+
+def test_broken_models_are_reported_with_file_field_and_reason(server):
+    index = {m["name"]: m for m in httpx.post(server.url + "/v2/repository/index").json()}
+    broken = index["broken_yaml"]
+    assert broken["state"] == "UNAVAILABLE"
+    assert "broken_yaml/model.yaml" in broken["reason"] and "max_batch_size" in broken["reason"]
+    assert "unsafe_allow_pickle" in index["pickled"]["reason"]
+    assert index["corrupt_onnx"]["reason"]
+
+
+def test_requests_to_a_model_that_is_not_ready_get_503_with_retry_after(server):
+    r = httpx.post(server.url + "/v2/models/corrupt_onnx/infer", json={
+        "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0, 0, 0, 0]}]})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+    assert int(r.headers["retry-after"]) >= 1
+    ready = httpx.get(server.url + "/v2/models/corrupt_onnx/ready")
+    assert ready.status_code == 503
+    # Readiness tells the truth: a valid model failed, so the server as a whole is not ready...
+    assert httpx.get(server.url + "/v2/health/ready").status_code == 503
+    health = httpx.get(server.url + "/healthz").json()
+    assert health["models"]["corrupt_onnx"]["state"] == "failed"
+    assert health["models"]["tiny_onnx"]["state"] == "ready"
+    # ...while the healthy models keep serving.
+    assert httpx.get(server.url + "/v2/models/tiny_onnx/ready").status_code == 200
+
+
+def test_predict_on_a_tensor_model_says_to_use_infer(server):
+    r = httpx.post(server.url + "/predict", json={"image_base64": "aGVsbG8=", "model": "tiny_onnx"})
+    assert r.status_code == 422 and "/v2/models/tiny_onnx/infer" in r.json()["error"]["message"]
+
+
+def test_models_command_lists_the_repository_and_why_models_are_invalid(repository):
+    root, _ = repository
+    done = subprocess.run([sys.executable, "-m", "servewell", "models", "--model-repository", str(root)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1  # some model is invalid
+    lines = {line.split()[0]: line for line in done.stdout.splitlines()[1:]}
+    assert "INVALID" in lines["broken_yaml"] and "field 'max_batch_size'" in lines["broken_yaml"]
+    assert "ok" in lines["tiny_pt"] and "runtime pytorch" in lines["tiny_pt"]
