@@ -51,6 +51,18 @@ class Unauthorized(ServeError):
     status, code = 401, "unauthorized"
 
 
+class Forbidden(ServeError):
+    """The caller may not use this endpoint."""
+
+    status, code = 403, "forbidden"
+
+
+class ClientClosed(ServeError):
+    """The client went away before the answer was ready (nginx's 499); nobody reads this."""
+
+    status, code = 499, "client_closed_request"
+
+
 class Unavailable(ServeError):
     """The request cannot be served now; retrying later may succeed."""
 

@@ -8,7 +8,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI
 
 import servewell
-from servewell.api import routes_simple, routes_v2
+from servewell.api import routes_admin, routes_simple, routes_v2
 from servewell.api.context import ApiContext
 from servewell.api.errors import install_error_handlers
 from servewell.api.middleware import RequestContextMiddleware
@@ -44,5 +44,6 @@ def create_app(
     install_error_handlers(app)
     app.include_router(routes_simple.router)
     app.include_router(routes_v2.router)
+    app.include_router(routes_admin.router)
     app.add_middleware(RequestContextMiddleware)
     return app

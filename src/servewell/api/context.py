@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Awaitable
 
 import numpy as np
 from fastapi import Request
@@ -13,7 +14,8 @@ from servewell.api.codecs.image import image_to_array
 from servewell.config.model import ModelConfig
 from servewell.config.server import ServerConfig
 from servewell.engine.engine import InferenceEngine
-from servewell.errors import InvalidInput
+from servewell.engine.scheduler import RequestResult
+from servewell.errors import ClientClosed, InvalidInput
 
 URGENCY_HEADER = "x-urgency"
 TIMEOUT_HEADER = "x-request-timeout-ms"
@@ -45,10 +47,12 @@ def api_context(request: Request) -> ApiContext:
     return request.app.state.api
 
 
-def lane_from(request: Request, urgency: str | None = None) -> str:
-    """Lane of a request: high when the `X-Urgency` header or the body says so."""
+def lane_from(request: Request, urgency: str | None = None) -> str | None:
+    """Lane of a request: the `X-Urgency` header or the body's urgency; None is the default lane."""
     header = request.headers.get(URGENCY_HEADER, "").strip().lower()
-    return "high" if "high" in (header, urgency) else "normal"
+    if header:
+        return header
+    return urgency
 
 
 def timeout_from_header(request: Request) -> float | None:
@@ -71,3 +75,23 @@ def server_timing(queue_s: float, preprocess_s: float, compute_s: float, total_s
         f"preprocess;dur={preprocess_s * 1000:.3f}, queue;dur={queue_s * 1000:.3f}, "
         f"compute;dur={compute_s * 1000:.3f}, total;dur={total_s * 1000:.3f}"
     )
+
+
+async def unless_disconnected(request: Request, work: Awaitable[RequestResult]) -> RequestResult:
+    """Await `work`; if the client disconnects first, cancel it, so a queued request is dropped
+    before it costs compute. The body has been read, so the next ASGI message is the disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise ClientClosed("the client disconnected before the result was ready")
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -14,7 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from servewell.api.body import check_content_type, read_body
 from servewell.api.codecs.image import decode_base64
-from servewell.api.context import ApiContext, api_context, lane_from, server_timing, timeout_from_header
+from servewell.api.context import (
+    ApiContext,
+    api_context,
+    lane_from,
+    server_timing,
+    timeout_from_header,
+    unless_disconnected,
+)
 from servewell.config.model import ModelConfig
 from servewell.errors import BadRequest, InvalidInput
 from servewell.observability.context import model_var, request_id_var
@@ -74,14 +81,12 @@ async def predict(request: Request, api: ApiContext = Depends(api_context)) -> R
     batch = await api.decode_images(config, [image])
     preprocess_s = time.perf_counter() - decode_started
     inputs = {config.image_input: batch.astype(config.input_spec(config.image_input).numpy_dtype, copy=False)}
-    result = await api.engine.infer(
+    result = await unless_disconnected(request, api.engine.infer(
         name, None, inputs, lane=lane_from(request, req.urgency),
         timeout_ms=timeout_from_header(request), request_id=request_id_var.get(),
-    )
-    post_started = time.perf_counter()
+    ))
     doc = {"result": interpret(config, result.outputs), "request_id": request_id_var.get()}
     timing = server_timing(result.queue_s, preprocess_s, result.compute_s, time.perf_counter() - started)
-    del post_started
     return _json(doc, headers={"Server-Timing": timing})
 
 
@@ -116,7 +121,8 @@ async def healthz(api: ApiContext = Depends(api_context)) -> Response:
             "queue_depth": view.queue_depth,
             "load_s": round(view.load_s, 3) if view.load_s is not None else None,
             "instances": [
-                {"instance": i.instance, "pid": i.pid, "alive": i.alive, "rss_bytes": i.rss_bytes}
+                {"instance": i.instance, "pid": i.pid, "alive": i.alive, "rss_bytes": i.rss_bytes,
+                 "rows_computed": i.rows_computed}
                 for i in view.instances
             ],
             "rss_bytes": sum(i.rss_bytes for i in view.instances),

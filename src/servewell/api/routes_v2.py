@@ -17,7 +17,7 @@ import servewell
 from servewell.api.body import check_content_type, read_body
 from servewell.api.codecs.image import decode_base64
 from servewell.api.codecs.tensors import DecodedTensor, encode_infer_response, parse_infer_request
-from servewell.api.context import ApiContext, api_context, server_timing, timeout_from_header
+from servewell.api.context import ApiContext, api_context, server_timing, timeout_from_header, unless_disconnected
 from servewell.config.model import ModelConfig
 from servewell.engine.engine import ModelView
 from servewell.engine.validation import expected_shape
@@ -167,12 +167,14 @@ async def infer(name: str, request: Request, version: str | None = None, api: Ap
     for tensor in parsed.inputs:
         inputs[tensor.name] = await _model_input(api, config, tensor)
     preprocess_s = time.perf_counter() - preprocess_started
-    lane, timeout_ms = _scheduling(parsed.parameters)
+    lane, timeout_ms = _scheduling(parsed.parameters, config.batching.lanes)
+    if request.headers.get("x-urgency", "").strip().lower() == "high":
+        lane = config.batching.lanes[0]
     header_timeout = timeout_from_header(request)
-    result = await api.engine.infer(
-        name, version, inputs, lane=lane if request.headers.get("x-urgency", "").lower() != "high" else "high",
+    result = await unless_disconnected(request, api.engine.infer(
+        name, version, inputs, lane=lane,
         timeout_ms=header_timeout if header_timeout is not None else timeout_ms, request_id=request_id_var.get(),
-    )
+    ))
     outputs = result.outputs
     if parsed.requested_outputs is not None:
         unknown = [n for n in parsed.requested_outputs if n not in outputs]
@@ -213,11 +215,17 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     return out
 
 
-def _scheduling(parameters: dict[str, Any]) -> tuple[str, float | None]:
-    """Lane and deadline from OIP parameters: priority 1 (or "high") is the high lane; timeout is in
-    microseconds, as Triton and tritonclient define it."""
+def _scheduling(parameters: dict[str, Any], lanes: list[str]) -> tuple[str | None, float | None]:
+    """Lane and deadline from OIP parameters. priority follows Triton: 0 is the default lane,
+    1 the highest, 2 the next...; a lane name is accepted too. timeout is in microseconds, as
+    Triton and tritonclient define it."""
     priority = parameters.get("priority", 0)
-    lane = "high" if priority in (1, "high") else "normal"
+    if isinstance(priority, str) and priority in lanes:
+        lane: str | None = priority
+    elif isinstance(priority, int) and not isinstance(priority, bool) and priority >= 0:
+        lane = lanes[min(priority, len(lanes)) - 1] if priority > 0 else None
+    else:
+        raise InvalidInput(f"parameters.priority must be 0..{len(lanes)} or one of {lanes}")
     timeout = parameters.get("timeout")
     if timeout is None:
         return lane, None

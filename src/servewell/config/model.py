@@ -92,16 +92,37 @@ class ClassifyPostprocess(_Strict):
 
 
 class BatchingConfig(_Strict):
-    """How the model's scheduler groups requests into batches."""
+    """How the model's scheduler groups requests into batches (all changeable while serving)."""
 
-    policy: Literal["idle", "window"] = Field(
+    policy: Literal["idle", "window", "adaptive"] = Field(
         "idle",
-        description="idle: start a batch as soon as an instance is free; "
-        "window: wait up to max_wait_ms for a fuller batch.",
+        description="idle: start a batch as soon as an instance is free; window: wait up to max_wait_ms for a "
+        "fuller batch; adaptive: wait only as long as the learned batch-latency curve and latency_slo_ms allow.",
     )
-    max_wait_ms: float = Field(25.0, ge=0, description="window policy: longest a request waits for others to join its batch.")
+    max_wait_ms: float = Field(25.0, ge=0, description="window policy: longest a request waits for others to join "
+                               "its batch (also the adaptive policy's cap).")
+    latency_slo_ms: float = Field(200.0, gt=0, description="adaptive policy: p99 latency target the waits must respect.")
     max_queue_size: int = Field(256, ge=1, description="Requests queued per lane before new ones are refused (503).")
     default_timeout_ms: float = Field(30000.0, gt=0, description="Deadline of a request that names none.")
+    lanes: list[str] = Field(
+        default_factory=lambda: ["high", "normal"], min_length=1,
+        description="Priority lanes, highest first; requests name one (default: 'normal', else the last lane).",
+    )
+    max_consecutive_high: int = Field(
+        8, ge=1, description="After this many batches in a row from a higher lane while a lower one waits, "
+        "the lower lane gets the next batch (no starvation).",
+    )
+    reserve_instance_for_high: bool = Field(
+        False, description="Keep one instance for the first lane only, so urgent requests never queue behind "
+        "running work (needs instances >= 2).",
+    )
+
+    @field_validator("lanes")
+    @classmethod
+    def _lanes_unique(cls, lanes: list[str]) -> list[str]:
+        if len(set(lanes)) != len(lanes):
+            raise ValueError("lane names must be unique")
+        return lanes
 
 
 class ModelConfig(_Strict):
@@ -171,6 +192,8 @@ class ModelConfig(_Strict):
             target = self.preprocess.input or (names[0] if len(names) == 1 else None)
             if target not in names:
                 raise ValueError("preprocess.input must name one of the inputs when the model has several")
+        if self.batching.reserve_instance_for_high and self.instances < 2:
+            raise ValueError("batching.reserve_instance_for_high needs instances >= 2")
         if self.postprocess is not None and self.postprocess.output is not None:
             if self.postprocess.output not in [t.name for t in self.outputs]:
                 raise ValueError("postprocess.output must name one of the outputs")

@@ -34,6 +34,9 @@ class ServerConfig(BaseModel):
         16_000_000, ge=1, description="Largest decoded image, in pixels, accepted (413 above; stops decompression bombs)."
     )
     load_timeout_s: float = Field(120.0, gt=0, description="A model whose load and warm-up take longer is killed and marked failed.")
+    admin_token: str | None = Field(
+        None, description="Bearer token for /admin endpoints; when unset they answer loopback clients only."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
     log_format: Literal["json", "console"] = Field("json", description="JSON lines, or human-readable console lines.")
     decode_threads: int = Field(2, ge=1, le=64, description="Threads that decode and resize images off the event loop.")

@@ -37,17 +37,20 @@ class _HeapEntry:
 
 
 class BatchQueue(Generic[T]):
-    """Lanes ordered by priority (lane 0 first); earliest deadline first within a lane.
+    """Lanes ordered by priority (lane 0 first); earliest deadline first within a lane; a lower
+    lane gets a batch after `max_consecutive_high` higher-lane batches in a row.
 
     Each lane holds at most `max_queue_size` requests; `push` refuses beyond that so
     memory stays bounded whatever the load.
     """
 
-    def __init__(self, lanes: int, max_queue_size: int) -> None:
+    def __init__(self, lanes: int, max_queue_size: int, max_consecutive_high: int = 8) -> None:
         self._lanes: list[list[_HeapEntry]] = [[] for _ in range(lanes)]
         self._counts = [0] * lanes
         self.max_queue_size = max_queue_size
+        self.max_consecutive_high = max_consecutive_high
         self._seq = itertools.count()
+        self._streak = 0
 
     def __len__(self) -> int:
         return sum(self._counts)
@@ -101,53 +104,66 @@ class BatchQueue(Generic[T]):
                 best = heap[0].deadline_at
         return best
 
-    def head(self) -> QueuedItem[T] | None:
-        """The item that would lead the next batch: top lane first, then earliest deadline."""
-        for heap in self._lanes:
-            self._drop_cancelled_head(heap)
-            if heap:
-                return heap[0].item
-        return None
+    def next_lane(self) -> int | None:
+        """Lane the next batch comes from: the highest non-empty one, unless it has led
+        `max_consecutive_high` batches in a row while a lower lane waited (no starvation)."""
+        waiting = [lane for lane, count in enumerate(self._counts) if count > 0]
+        if not waiting:
+            return None
+        if len(waiting) > 1 and self._streak >= self.max_consecutive_high:
+            return waiting[1]
+        return waiting[0]
 
-    def oldest_enqueued_at(self) -> float | None:
-        """When the longest-waiting queued item arrived."""
-        times = [e.item.enqueued_at for heap in self._lanes for e in heap if not e.item.cancelled]
+    def head(self, lane: int | None = None) -> QueuedItem[T] | None:
+        """The item that would lead the next batch (of `lane`, default `next_lane()`)."""
+        lane = self.next_lane() if lane is None else lane
+        if lane is None:
+            return None
+        heap = self._lanes[lane]
+        self._drop_cancelled_head(heap)
+        return heap[0].item if heap else None
+
+    def oldest_enqueued_at(self, lane: int) -> float | None:
+        """When the longest-waiting item of `lane` arrived."""
+        times = [e.item.enqueued_at for e in self._lanes[lane] if not e.item.cancelled]
         return min(times) if times else None
 
-    def ready_rows(self, shape_key: Hashable) -> int:
-        """Rows queued that could join a batch of `shape_key`."""
-        return sum(
-            e.item.rows for heap in self._lanes for e in heap
-            if not e.item.cancelled and e.item.shape_key == shape_key
-        )
+    def ready_rows(self, lane: int, shape_key: Hashable) -> int:
+        """Rows queued in `lane` that could join a batch of `shape_key`."""
+        return sum(e.item.rows for e in self._lanes[lane] if not e.item.cancelled and e.item.shape_key == shape_key)
 
-    def take_batch(self, max_rows: int) -> list[QueuedItem[T]]:
-        """Remove and return the next batch: led by `head()`, filled with same-shape items in
-        lane then deadline order, without exceeding `max_rows` rows (a single item larger than
-        `max_rows` still goes alone; admission keeps such items out)."""
-        lead = self.head()
+    def take_batch(self, max_rows: int, lane: int | None = None) -> list[QueuedItem[T]]:
+        """Remove and return the next batch from one lane (lanes never share a batch, so an urgent
+        batch stays small): led by that lane's earliest deadline, filled with same-shape items in
+        deadline order up to `max_rows` rows (a single larger item still goes alone)."""
+        top = self.next_lane()
+        lane = top if lane is None else lane
+        lead = self.head(lane) if lane is not None else None
         if lead is None:
             return []
+        waiting = [i for i, count in enumerate(self._counts) if count > 0]
+        if lane == waiting[0] and len(waiting) > 1:
+            self._streak += 1
+        else:
+            self._streak = 0
+        heap = self._lanes[lane]
         batch: list[QueuedItem[T]] = []
         rows = 0
-        for lane, heap in enumerate(self._lanes):
-            if rows >= max_rows:
-                break
-            skipped: list[_HeapEntry] = []
-            while heap and rows < max_rows:
-                entry = heapq.heappop(heap)
-                item = entry.item
-                if item.cancelled:
-                    continue
-                if item.shape_key != lead.shape_key or (batch and rows + item.rows > max_rows):
-                    skipped.append(entry)
-                    continue
-                item.queued = False
-                batch.append(item)
-                rows += item.rows
-                self._counts[lane] -= 1
-            for entry in skipped:
-                heapq.heappush(heap, entry)
+        skipped: list[_HeapEntry] = []
+        while heap and rows < max_rows:
+            entry = heapq.heappop(heap)
+            item = entry.item
+            if item.cancelled:
+                continue
+            if item.shape_key != lead.shape_key or (batch and rows + item.rows > max_rows):
+                skipped.append(entry)
+                continue
+            item.queued = False
+            batch.append(item)
+            rows += item.rows
+            self._counts[lane] -= 1
+        for entry in skipped:
+            heapq.heappush(heap, entry)
         return batch
 
     def _drop_cancelled_head(self, heap: list[_HeapEntry]) -> None:

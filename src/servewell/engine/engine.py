@@ -7,7 +7,8 @@ Routes never see schedulers or workers; they call `InferenceEngine.infer` and re
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ import numpy as np
 from servewell.config.model import ModelConfig
 from servewell.engine.model_entry import InstanceInfo, LoadProgressFn, ModelEntry, ModelState
 from servewell.engine.repository import scan_repository
-from servewell.engine.scheduler import LANES, RequestResult
+from servewell.engine.scheduler import RequestResult, SchedulerStats
 from servewell.engine.validation import check_inputs
 from servewell.errors import ModelNotReady, NotFound, ShuttingDown
 
@@ -32,6 +33,8 @@ class ModelView:
     load_s: float | None
     queue_depth: int
     instances: tuple[InstanceInfo, ...]
+    lane_depths: dict[str, int]
+    stats: SchedulerStats | None
 
 
 class InferenceEngine:
@@ -93,7 +96,7 @@ class InferenceEngine:
         version: str | None,
         inputs: dict[str, np.ndarray],
         *,
-        lane: str = "normal",
+        lane: str | None = None,
         timeout_ms: float | None = None,
         request_id: str = "",
     ) -> RequestResult:
@@ -106,9 +109,24 @@ class InferenceEngine:
             detail = f": {entry.reason}" if entry.reason else ""
             raise ModelNotReady(f"model '{name}' is {entry.state}{detail}", retry_after_s=retry or 5.0)
         rows = check_inputs(entry.config, inputs)
-        lane_index = LANES.index(lane) if lane in LANES else LANES.index("normal")
-        future = entry.scheduler.submit(inputs, rows, lane_index, timeout_ms, request_id)
+        future = entry.scheduler.submit(inputs, rows, lane, timeout_ms, request_id)
         return await future
+
+    def batching(self, name: str) -> dict[str, Any]:
+        """Live batching settings of a model."""
+        return self._scheduler(name).settings()
+
+    def update_batching(self, name: str, changes: dict[str, Any]) -> dict[str, Any]:
+        """Change a model's batching settings while it serves; queued requests are kept."""
+        scheduler = self._scheduler(name)
+        scheduler.update(changes)
+        return scheduler.settings()
+
+    def _scheduler(self, name: str):  # noqa: ANN202 - ModelScheduler
+        entry = self._entry(name, None)
+        if entry.scheduler is None:
+            raise ModelNotReady(f"model '{name}' is invalid: {entry.reason}", retry_after_s=None)
+        return entry.scheduler
 
     def config_of(self, name: str, version: str | None = None) -> ModelConfig:
         """The valid config of a model (`NotFound` / `ModelNotReady` otherwise)."""
@@ -131,4 +149,5 @@ class InferenceEngine:
         return ModelView(
             entry.name, entry.version, entry.state, entry.reason, entry.config, entry.load_s,
             scheduler.queue_depth if scheduler else 0, tuple(entry.instances()),
+            scheduler.lane_depths() if scheduler else {}, replace(scheduler.stats) if scheduler else None,
         )

@@ -32,6 +32,7 @@ class InstanceInfo:
     pid: int | None
     alive: bool
     rss_bytes: int
+    rows_computed: int
 
 
 class ModelEntry:
@@ -67,7 +68,8 @@ class ModelEntry:
     def instances(self) -> list[InstanceInfo]:
         """Per-instance process facts."""
         return [
-            InstanceInfo(i, w.pid if w else None, bool(w and w.alive), w.rss_bytes if w else 0)
+            InstanceInfo(i, w.pid if w else None, bool(w and w.alive), w.rss_bytes if w else 0,
+                         w.rows_computed if w else 0)
             for i, w in enumerate(self._workers)
         ]
 

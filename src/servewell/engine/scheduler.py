@@ -1,23 +1,30 @@
 """Per-model scheduler: admits requests into priority lanes and feeds free workers batches.
 
 Event-driven: it acts when a request arrives, when a worker becomes free, and on one timer
-(the earliest of "window closes" and "a queued deadline passes"). It never polls.
+(the earliest of "a batching wait ends" and "a queued deadline passes"). It never polls.
+The rules themselves live in `BatchQueue` (ordering, lanes, bounds) and `batch_policy`
+(when to start); this class only wires them to the event loop and the workers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from servewell.config.model import ModelConfig
+from servewell.config.model import BatchingConfig, ModelConfig
+from servewell.engine.batch_policy import (
+    ArrivalRate,
+    BatchLatencyModel,
+    BatchOpportunity,
+    adaptive_wait,
+    idle_wait,
+    window_wait,
+)
 from servewell.engine.batch_queue import BatchQueue, QueuedItem
-from servewell.errors import DeadlineExceeded, ModelError, Overloaded, ServeError, ShuttingDown, WorkerLost
-
-#: Lane names in priority order; lane 0 goes first.
-LANES: tuple[str, ...] = ("high", "normal")
+from servewell.errors import DeadlineExceeded, InvalidInput, ModelError, Overloaded, ServeError, ShuttingDown
 
 
 @dataclass(slots=True)
@@ -38,8 +45,18 @@ class PendingRequest:
     request_id: str
     future: asyncio.Future[RequestResult]
     enqueued_at: float
-    dispatched_at: float = 0.0
     item: QueuedItem | None = field(default=None, repr=False)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters since start, for health and benchmarks."""
+
+    batches: int = 0
+    rows: int = 0
+    expired: int = 0
+    cancelled: int = 0
+    rejected: int = 0
 
 
 class ModelScheduler:
@@ -47,25 +64,88 @@ class ModelScheduler:
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
-        self._queue: BatchQueue[PendingRequest] = BatchQueue(len(LANES), config.batching.max_queue_size)
-        self._idle: list = []  # WorkerHandle
+        self.batching: BatchingConfig = config.batching
+        self.max_batch_size = max(1, config.max_batch_size)
+        self.lanes: tuple[str, ...] = tuple(config.batching.lanes)
+        self._queue: BatchQueue[PendingRequest] = BatchQueue(
+            len(self.lanes), self.batching.max_queue_size, self.batching.max_consecutive_high
+        )
+        self._idle: list = []  # WorkerHandle-like: .alive, async .run(parts)
+        self._reserved = None  # the instance kept for the first lane, when configured
+        self._reserved_free = False
+        self._workers = 0
         self._running = 0
         self._timer: asyncio.TimerHandle | None = None
         self._accepting = True
         self._drained: asyncio.Event | None = None
-        self._batch_s_ema: float | None = None
+        self._latency = BatchLatencyModel()
+        self._arrivals = ArrivalRate()
+        self.stats = SchedulerStats()
+
+    # --- settings ------------------------------------------------------------------------
+
+    def update(self, changes: dict[str, Any]) -> BatchingConfig:
+        """Change batching settings (and `max_batch_size`) while serving; nothing queued is lost.
+
+        `max_batch_size` may not exceed the model's configured value (the size it warmed up
+        with); lanes are fixed at load time.
+        """
+        changes = dict(changes)
+        if "max_batch_size" in changes:
+            size = changes.pop("max_batch_size")
+            ceiling = max(1, self.config.max_batch_size)
+            if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= ceiling:
+                raise InvalidInput(f"max_batch_size must be an integer from 1 to {ceiling} (the configured maximum)")
+            self.max_batch_size = size
+        if "lanes" in changes:
+            raise InvalidInput("lanes are fixed while the model is loaded; change model.yaml and reload")
+        merged = {**self.batching.model_dump(), **changes}
+        try:
+            updated = BatchingConfig.model_validate(merged)
+        except ValueError as exc:
+            raise InvalidInput(f"invalid batching settings: {exc}") from None
+        if updated.reserve_instance_for_high and self.config.instances < 2:
+            raise InvalidInput("reserve_instance_for_high needs instances >= 2")
+        self.batching = updated
+        self._queue.max_queue_size = updated.max_queue_size
+        self._queue.max_consecutive_high = updated.max_consecutive_high
+        if not updated.reserve_instance_for_high and self._reserved is not None:
+            if self._reserved_free:
+                self._idle.append(self._reserved)
+            self._reserved, self._reserved_free = None, False
+        self._pump()
+        return updated
+
+    def settings(self) -> dict[str, Any]:
+        """Current live settings."""
+        return {"max_batch_size": self.max_batch_size, **self.batching.model_dump()}
 
     # --- workers -------------------------------------------------------------------------
 
     def add_worker(self, worker) -> None:  # noqa: ANN001 - WorkerHandle
         """Make a ready worker available for batches."""
-        self._idle.append(worker)
-        self._pump()
+        self._workers += 1
+        self._release(worker)
 
     def remove_worker(self, worker) -> None:  # noqa: ANN001
         """Forget a worker (it died or is being stopped)."""
+        self._workers = max(0, self._workers - 1)
         if worker in self._idle:
             self._idle.remove(worker)
+        if worker is self._reserved:
+            self._reserved, self._reserved_free = None, False
+
+    def _release(self, worker) -> None:  # noqa: ANN001
+        self._return_worker(worker)
+        self._pump()
+
+    def _return_worker(self, worker) -> None:  # noqa: ANN001
+        if self.batching.reserve_instance_for_high and self._reserved is None and self._workers >= 2:
+            self._reserved = worker
+        if worker is self._reserved:
+            self._reserved_free = True
+        else:
+            self._idle.append(worker)
 
     # --- requests ------------------------------------------------------------------------
 
@@ -74,39 +154,57 @@ class ModelScheduler:
         """Requests waiting, all lanes together."""
         return len(self._queue)
 
+    def lane_depths(self) -> dict[str, int]:
+        """Requests waiting per lane."""
+        return {name: self._queue.depth(i) for i, name in enumerate(self.lanes)}
+
     @property
     def running_batches(self) -> int:
         """Batches on workers right now."""
         return self._running
 
+    def lane_index(self, lane: str | None) -> int:
+        """Index of a lane name; unknown or None means 'normal' (or the lowest lane)."""
+        if lane in self.lanes:
+            return self.lanes.index(lane)
+        return self.lanes.index("normal") if "normal" in self.lanes else len(self.lanes) - 1
+
     def submit(
-        self, inputs: dict[str, np.ndarray], rows: int, lane: int, timeout_ms: float | None, request_id: str
+        self, inputs: dict[str, np.ndarray], rows: int, lane: str | None, timeout_ms: float | None, request_id: str
     ) -> asyncio.Future[RequestResult]:
         """Queue a request; its future resolves with the result or a `ServeError`.
 
         Raises `Overloaded` at once when the lane is full, `ShuttingDown` while draining.
+        Cancelling the future (the client went away) drops the request before compute.
         """
         if not self._accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
+        if rows > self.max_batch_size and self.config.max_batch_size > 0:
+            raise InvalidInput(f"a batch of {rows} exceeds the current max_batch_size {self.max_batch_size}")
         loop = asyncio.get_running_loop()
         now = loop.time()
-        timeout_s = (timeout_ms if timeout_ms is not None else self.config.batching.default_timeout_ms) / 1000.0
+        lane_index = self.lane_index(lane)
+        timeout_s = (timeout_ms if timeout_ms is not None else self.batching.default_timeout_ms) / 1000.0
         future: asyncio.Future[RequestResult] = loop.create_future()
         pending = PendingRequest(inputs, request_id, future, now)
         shape_key = tuple((name, a.shape[1:], a.dtype.str) for name, a in inputs.items())
-        item = QueuedItem(pending, lane, rows, shape_key, now + timeout_s, now)
+        item = QueuedItem(pending, lane_index, rows, shape_key, now + timeout_s, now)
         if not self._queue.push(item):
+            self.stats.rejected += 1
             raise Overloaded(
-                f"model '{self.config.name}' has {self._queue.depth(lane)} requests queued in lane "
-                f"'{LANES[lane]}', its limit",
+                f"model '{self.config.name}' has {self._queue.depth(lane_index)} requests queued in lane "
+                f"'{self.lanes[lane_index]}', its limit",
                 retry_after_s=self._predicted_drain_s(),
             )
+        self._arrivals.observe(now)
         pending.item = item
         future.add_done_callback(lambda f, it=item: f.cancelled() and self._on_cancel(it))
         self._pump()
         return future
 
     def _on_cancel(self, item: QueuedItem) -> None:
+        if item.queued:
+            self.stats.cancelled += 1
         self._queue.cancel(item)
         self._check_drained()
 
@@ -116,24 +214,32 @@ class ModelScheduler:
         loop = asyncio.get_running_loop()
         now = loop.time()
         for item in self._queue.expire(now):
+            self.stats.expired += 1
             _fail(item.payload, DeadlineExceeded(
                 f"the request waited {1000 * (now - item.enqueued_at):.0f} ms in the queue and passed its deadline "
                 "before the model could run it"
             ))
         wake_at: float | None = None
-        max_rows = max(1, self.config.max_batch_size)
-        while self._idle and len(self._queue):
-            head = self._queue.head()
-            if head is None:
+        while len(self._queue):
+            lane = self._queue.next_lane()
+            if lane is None:
                 break
-            open_until = self._window_closes_at(head, max_rows)
-            if open_until is not None and open_until > now:
-                wake_at = open_until
+            worker = self._pick_worker(lane)
+            if worker is None and lane != 0 and self._queue.depth(0):
+                lane = 0  # only the reserved instance is free, and urgent work waits
+                worker = self._pick_worker(lane)
+            if worker is None:
                 break
-            batch = [i.payload for i in self._queue.take_batch(max_rows) if not i.payload.future.done()]
+            head = self._queue.head(lane)
+            wait_until = self._wait_until(lane, head, now) if head is not None else None
+            if wait_until is not None:
+                wake_at = wait_until
+                self._return_worker(worker)
+                break
+            batch = [i.payload for i in self._queue.take_batch(self.max_batch_size, lane) if not i.payload.future.done()]
             if not batch:
+                self._return_worker(worker)
                 continue
-            worker = self._idle.pop()
             self._running += 1
             loop.create_task(self._execute(worker, batch))
         deadline = self._queue.next_deadline()
@@ -146,21 +252,37 @@ class ModelScheduler:
             self._timer = loop.call_at(wake_at, self._pump)
         self._check_drained()
 
-    def _window_closes_at(self, head: QueuedItem, max_rows: int) -> float | None:
-        """When the batch led by `head` must start; None means now."""
-        if self.config.batching.policy != "window" or head.lane == 0 or not self._accepting:
-            return None
-        if self._queue.ready_rows(head.shape_key) >= max_rows:
-            return None
-        oldest = self._queue.oldest_enqueued_at()
-        return (oldest if oldest is not None else head.enqueued_at) + self.config.batching.max_wait_ms / 1000.0
+    def _pick_worker(self, lane: int):  # noqa: ANN202
+        """A free worker for a batch of `lane`: the reserved one serves only the first lane."""
+        if lane == 0 and self._reserved is not None and self._reserved_free and self._reserved.alive:
+            self._reserved_free = False
+            return self._reserved
+        if self._idle:
+            return self._idle.pop()
+        return None
+
+    def _wait_until(self, lane: int, head: QueuedItem, now: float) -> float | None:
+        """When a batch of `lane` led by `head` must start; None means now."""
+        if lane == 0 or not self._accepting:
+            return None  # the first lane never waits; a draining server flushes
+        oldest = self._queue.oldest_enqueued_at(lane)
+        op = BatchOpportunity(
+            now, oldest if oldest is not None else head.enqueued_at,
+            self._queue.ready_rows(lane, head.shape_key), self.max_batch_size, max(1, self._workers),
+        )
+        policy = self.batching.policy
+        if policy == "window":
+            return window_wait(op, self.batching.max_wait_ms / 1000.0)
+        if policy == "adaptive":
+            return adaptive_wait(op, self._latency, self._arrivals, self.batching.latency_slo_ms / 1000.0,
+                                 self.batching.max_wait_ms / 1000.0)
+        return idle_wait(op)
 
     async def _execute(self, worker, batch: list[PendingRequest]) -> None:  # noqa: ANN001
         loop = asyncio.get_running_loop()
         started = loop.time()
-        for request in batch:
-            request.dispatched_at = started
         names = [spec.name for spec in self.config.inputs]
+        rows = sum(r.item.rows for r in batch)
         try:
             outcome = await worker.run({name: [r.inputs[name] for r in batch] for name in names})
             results = self._split(outcome.outputs, batch)
@@ -171,9 +293,9 @@ class ModelScheduler:
             for request in batch:
                 _fail(request, ModelError(f"batch failed: {exc}"))
         else:
-            elapsed = loop.time() - started
-            self._batch_s_ema = elapsed if self._batch_s_ema is None else 0.8 * self._batch_s_ema + 0.2 * elapsed
-            rows = sum(r.item.rows for r in batch)
+            self._latency.observe(rows, loop.time() - started)
+            self.stats.batches += 1
+            self.stats.rows += rows
             for request, outputs in zip(batch, results):
                 if not request.future.done():
                     request.future.set_result(
@@ -182,7 +304,7 @@ class ModelScheduler:
         finally:
             self._running -= 1
             if worker.alive:
-                self._idle.append(worker)
+                self._return_worker(worker)
             self._pump()
 
     def _split(self, outputs: dict[str, np.ndarray], batch: list[PendingRequest]) -> list[dict[str, np.ndarray]]:
@@ -201,10 +323,10 @@ class ModelScheduler:
         return results
 
     def _predicted_drain_s(self) -> float:
-        per_batch = self._batch_s_ema or 0.05
-        workers = max(1, len(self._idle) + self._running)
-        batches = len(self._queue) / max(1, self.config.max_batch_size) / workers
-        return max(1.0, round(batches * per_batch + 0.5))
+        """Seconds until the queue would drain at the learned batch latency."""
+        per_batch = self._latency.predict(self.max_batch_size) if self._latency.observed else 0.05
+        batches = len(self._queue) / self.max_batch_size / max(1, self._workers)
+        return max(1.0, batches * per_batch)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -230,6 +352,3 @@ class ModelScheduler:
 def _fail(request: PendingRequest, error: ServeError) -> None:
     if not request.future.done():
         request.future.set_exception(error)
-
-
-__all__ = ["LANES", "ModelScheduler", "RequestResult", "WorkerLost"]

@@ -64,6 +64,7 @@ class WorkerHandle:
         self.alive = False
         self.ready_info: WorkerReady | None = None
         self.rss_bytes = 0
+        self.rows_computed = 0
         self.on_lost: Callable[[WorkerHandle], None] | None = None
 
     @property
@@ -151,6 +152,7 @@ class WorkerHandle:
         elif isinstance(message, BatchDone):
             future = self._pending.pop(message.batch_id, None)
             self.rss_bytes = message.rss_bytes
+            self.rows_computed = message.rows_computed
             if future is not None and not future.done():
                 outputs = self._reader.arrays(message.segment, message.outputs, copy=True)
                 future.set_result(BatchOutcome(outputs, message.compute_s))

@@ -76,6 +76,7 @@ class BatchDone:
     outputs: tuple[TensorRef, ...]
     compute_s: float
     rss_bytes: int
+    rows_computed: int = 0  # rows this worker has run since it started, this batch included
 
 
 @dataclass(slots=True, frozen=True)

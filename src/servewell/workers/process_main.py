@@ -76,6 +76,7 @@ def worker_main(conn: Connection, config: ModelConfig, model_dir: str) -> None:
 def _serve(conn: Connection, runtime) -> None:  # noqa: ANN001 - a ModelRuntime
     reader = SegmentReader()
     arena = SharedArena()
+    rows_computed = 0
     try:
         while True:
             try:
@@ -85,14 +86,15 @@ def _serve(conn: Connection, runtime) -> None:  # noqa: ANN001 - a ModelRuntime
             if isinstance(message, Shutdown):
                 return
             if isinstance(message, RunBatch):
-                conn.send(_run(message, runtime, reader, arena))
+                rows_computed += message.inputs[0].shape[0] if message.inputs and message.inputs[0].shape else 1
+                conn.send(_run(message, runtime, reader, arena, rows_computed))
     finally:
         reader.close()
         arena.close()
         runtime.close()
 
 
-def _run(message: RunBatch, runtime, reader: SegmentReader, arena: SharedArena):  # noqa: ANN001
+def _run(message: RunBatch, runtime, reader: SegmentReader, arena: SharedArena, rows_computed: int):  # noqa: ANN001
     inputs = reader.arrays(message.segment, message.inputs, copy=False)
     started = time.perf_counter()
     try:
@@ -103,7 +105,7 @@ def _run(message: RunBatch, runtime, reader: SegmentReader, arena: SharedArena):
         return BatchFailed(message.batch_id, _describe(exc))
     finally:
         del inputs
-    return BatchDone(message.batch_id, arena.name, refs, compute_s, rss_bytes())
+    return BatchDone(message.batch_id, arena.name, refs, compute_s, rss_bytes(), rows_computed)
 
 
 def _describe(exc: BaseException) -> str:

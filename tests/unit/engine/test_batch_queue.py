@@ -22,13 +22,23 @@ def test_high_lane_goes_first_then_earliest_deadline():
     assert q.take_batch(max_rows=1) == []
 
 
-def test_batch_fills_up_to_max_rows_in_priority_order():
+def test_batch_fills_up_to_max_rows_in_deadline_order_and_lanes_never_mix():
     q = BatchQueue(lanes=2, max_queue_size=10)
     for i in range(5):
         q.push(item(f"n{i}", deadline=10 + i))
     q.push(item("h", lane=HIGH))
-    assert names(q.take_batch(max_rows=3)) == ["h", "n0", "n1"]
-    assert len(q) == 3
+    assert names(q.take_batch(max_rows=3)) == ["h"]  # an urgent batch stays small
+    assert names(q.take_batch(max_rows=3)) == ["n0", "n1", "n2"]
+    assert len(q) == 2
+
+
+def test_lower_lane_cannot_starve():
+    q = BatchQueue(lanes=2, max_queue_size=100, max_consecutive_high=3)
+    q.push(item("n"))
+    for i in range(10):
+        q.push(item(f"h{i}", lane=HIGH, deadline=i))
+    taken = [names(q.take_batch(max_rows=1))[0] for _ in range(5)]
+    assert taken == ["h0", "h1", "h2", "n", "h3"]
 
 
 def test_only_same_shape_items_share_a_batch():

@@ -7,15 +7,15 @@ import pytest
 
 from servewell.config.model import ModelConfig
 from servewell.engine.scheduler import ModelScheduler
-from servewell.errors import DeadlineExceeded, ModelError, Overloaded, ShuttingDown, WorkerLost
+from servewell.errors import DeadlineExceeded, InvalidInput, ModelError, Overloaded, ShuttingDown, WorkerLost
 from servewell.workers.handle import BatchOutcome
 
-HIGH, NORMAL = 0, 1
+HIGH, NORMAL = "high", "normal"
 
 
-def config(**batching) -> ModelConfig:
+def config(instances: int = 1, **batching) -> ModelConfig:
     return ModelConfig.model_validate({
-        "name": "m", "runtime": "onnx", "artifact": "m.onnx", "max_batch_size": 4,
+        "name": "m", "runtime": "onnx", "artifact": "m.onnx", "max_batch_size": 4, "instances": instances,
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [2]}],
         "outputs": [{"name": "y", "datatype": "FP32", "shape": [2]}],
         "batching": batching,
@@ -181,4 +181,54 @@ def test_drain_finishes_queued_work_then_refuses_new_requests():
         worker.release.set()
         await drained
         assert all(p.done() and not p.exception() for p in pending)
+    asyncio.run(main())
+
+
+def test_reserved_instance_serves_urgent_requests_while_the_other_is_busy():
+    async def main():
+        s = ModelScheduler(config(instances=2, reserve_instance_for_high=True))
+        general, reserved = FakeWorker(), FakeWorker()
+        general.release.clear()
+        s.add_worker(general)
+        s.add_worker(reserved)  # the second instance becomes the reserved one
+        busy = submit(s, 0)
+        queued = [submit(s, v) for v in range(1, 6)]
+        urgent = await asyncio.wait_for(submit(s, 99, lane=HIGH), timeout=1)
+        assert urgent.outputs["y"][0, 0] == 198
+        assert reserved.batches == [[99]]  # normal work never ran on the reserved instance
+        general.release.set()
+        await asyncio.gather(busy, *queued)
+        assert reserved.batches == [[99]]
+    asyncio.run(main())
+
+
+def test_settings_change_while_serving_without_losing_requests():
+    async def main():
+        s = ModelScheduler(config(policy="window", max_wait_ms=10_000))
+        worker = FakeWorker()
+        s.add_worker(worker)
+        waiting = [submit(s, v) for v in range(2)]  # held by the long window
+        await asyncio.sleep(0.01)
+        assert not any(w.done() for w in waiting)
+        s.update({"policy": "idle", "max_batch_size": 2})
+        results = await asyncio.wait_for(asyncio.gather(*waiting), timeout=1)
+        assert [r.batch_size for r in results] == [2, 2]
+        with pytest.raises(InvalidInput):
+            s.update({"max_batch_size": 64})  # above what the model was loaded and warmed up with
+        with pytest.raises(InvalidInput):
+            s.update({"policy": "fastest"})
+        assert s.settings()["policy"] == "idle"
+    asyncio.run(main())
+
+
+def test_adaptive_policy_starts_at_once_at_low_load():
+    async def main():
+        s = ModelScheduler(config(policy="adaptive", max_wait_ms=500, latency_slo_ms=1000))
+        s.add_worker(FakeWorker())
+        loop = asyncio.get_running_loop()
+        for v in range(3):
+            t0 = loop.time()
+            await submit(s, v)
+            await asyncio.sleep(0.05)  # sparse arrivals
+            assert loop.time() - t0 < 0.3
     asyncio.run(main())

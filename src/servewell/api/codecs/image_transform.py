@@ -1,0 +1,213 @@
+"""Turn one decoded image into one model input item, as an `ImagePreprocess` spec describes.
+
+Pure numpy + Pillow, so the HTTP frontend can preprocess without importing torch. The digits
+example model is trained on images that went through this very function, so any change to
+the arithmetic here changes what that model sees: rebuild it (bump its builder version).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from servewell.config.model import ImagePreprocess
+
+#: ImageNet evaluation crops 224 out of 256: the crop keeps this fraction of the short side.
+CENTER_CROP_FRACTION = 0.875
+#: Border kept around the ink on each side, as a fraction of the ink's longer side.
+INK_MARGIN_FRACTION = 0.05
+#: Ink must stand this many grey levels (of 255) above the paper, else the image has no ink.
+MIN_INK_CONTRAST = 32.0
+#: Ink threshold, as a fraction of the way from the paper level to the ink level.
+INK_THRESHOLD_FRACTION = 0.25
+#: Ink is searched on a copy no longer than this: plenty for a bounding box, and cheap.
+INK_ANALYSIS_MAX_SIDE = 512
+
+_ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
+_HIGH_DEPTH_MODES = frozenset({"I", "F", "I;16", "I;16L", "I;16B", "I;16N"})
+
+
+def transform_image(image: Image.Image, spec: ImagePreprocess) -> np.ndarray:
+    """Preprocess one image into a float32 array of shape (C, H, W) or (H, W, C), per `spec.layout`.
+
+    Steps: apply the EXIF orientation; convert to grayscale or RGB (transparent pixels are
+    composited onto white, 16-bit and float images are rescaled to 0..255); invert if asked;
+    fit to `spec.size` (stretch, ink_bbox or center_crop); multiply by `spec.scale`; then
+    subtract `spec.mean` and divide by `spec.std` per channel when given.
+
+    A JPEG that has not been loaded yet is decoded at a reduced scale when the target is much
+    smaller (`Image.draft`), which mutates `image`. Raises ValueError for an image mode that
+    cannot be turned into grayscale or RGB, or for mean/std lengths that do not match.
+    """
+    height, width = spec.size
+    _draft_jpeg(image, spec)
+    image = ImageOps.exif_transpose(image)
+    image = _to_mode(image, "L" if spec.channels == 1 else "RGB")
+    if spec.invert:
+        image = ImageOps.invert(image)
+    if spec.fit == "stretch":
+        # LANCZOS antialiases when shrinking (its support widens with the factor) and stays sharp
+        # when enlarging; reducing_gap lets Pillow box-reduce large images first, for speed.
+        image = image.resize((width, height), Image.Resampling.LANCZOS, reducing_gap=3.0)
+    elif spec.fit == "center_crop":
+        image = _center_crop(image, width, height)
+    else:
+        image = _ink_bbox(image, width, height)
+
+    pixels = np.asarray(image, dtype=np.float32)
+    if pixels.ndim == 2:
+        pixels = pixels[:, :, None]
+    pixels = pixels * np.float32(spec.scale)
+    if spec.mean is not None:
+        pixels = pixels - _per_channel(spec.mean, spec.channels, "mean")
+    if spec.std is not None:
+        pixels = pixels / _per_channel(spec.std, spec.channels, "std")
+    if spec.layout == "CHW":
+        pixels = pixels.transpose(2, 0, 1)
+    return np.ascontiguousarray(pixels, dtype=np.float32)
+
+
+def _draft_jpeg(image: Image.Image, spec: ImagePreprocess) -> None:
+    """Let libjpeg decode at 1/2, 1/4 or 1/8 scale when the target is far smaller (much faster).
+
+    Asks for a square so the guarantee survives an EXIF rotation. Non-JPEG images ignore it.
+    """
+    if image.format != "JPEG" or image.mode not in ("RGB", "L"):
+        return
+    target = max(spec.size)
+    if spec.fit == "stretch":
+        need = 2 * target
+    elif spec.fit == "center_crop":
+        need = math.ceil(target / CENTER_CROP_FRACTION)
+    else:
+        # The ink may fill only part of the picture; keep enough pixels to find and sample it.
+        need = max(16 * target, 128)
+    image.draft("L" if spec.channels == 1 else "RGB", (need, need))
+
+
+def _to_mode(image: Image.Image, mode: str) -> Image.Image:
+    """Convert to "L" or "RGB" the way a person would look at the picture."""
+    if image.mode == mode:
+        return image
+    if image.mode in ("P", "PA"):
+        has_alpha = image.mode == "PA" or "transparency" in image.info
+        image = image.convert("RGBA" if has_alpha else "RGB")
+    if image.mode in _HIGH_DEPTH_MODES:
+        image = _high_depth_to_l(image)
+    if image.mode in _ALPHA_MODES:
+        # Transparent regions of drawings and logos are meant to read as blank paper.
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(white, rgba).convert("RGB")
+    try:
+        return image.convert(mode)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"cannot convert an image of mode {image.mode!r} to {mode}") from exc
+
+
+def _high_depth_to_l(image: Image.Image) -> Image.Image:
+    """Map 16-bit, 32-bit integer and float images onto 0..255 grey levels."""
+    values = np.asarray(image, dtype=np.float32)
+    if image.mode == "F":
+        # Float images conventionally hold 0..1; anything larger is taken as 0..255.
+        if values.size and float(values.max()) <= 1.0:
+            values = values * 255.0
+    elif image.mode.startswith("I;16") or (values.size and float(values.max()) > 255.0):
+        values = values / 257.0  # 65535 -> 255
+    return Image.fromarray(np.clip(values + 0.5, 0, 255).astype(np.uint8), "L")
+
+
+def _center_crop(image: Image.Image, width: int, height: int) -> Image.Image:
+    """Scale so the target covers CENTER_CROP_FRACTION of the image, then take the centre.
+
+    Done as one resize of a source box, so no intermediate image is made.
+    """
+    src_w, src_h = image.size
+    scale = max(width / src_w, height / src_h) / CENTER_CROP_FRACTION
+    box_w, box_h = width / scale, height / scale
+    left, top = (src_w - box_w) / 2, (src_h - box_h) / 2
+    return image.resize(
+        (width, height), Image.Resampling.LANCZOS, box=(left, top, left + box_w, top + box_h), reducing_gap=3.0
+    )
+
+
+def _ink_bbox(image: Image.Image, width: int, height: int) -> Image.Image:
+    """Crop to the bright ink (after inversion), centre it with a small margin, and resize.
+
+    The paper level (median of the border) is mapped to 0 and the ink level to 255, so grey
+    paper and grey pencil in a photo look like the clean scans a digit model was trained on.
+    The resize uses BOX (area averaging): the UCI digits were made by counting ink pixels in
+    blocks, which is what BOX does.
+    """
+    paper, ink, box = _find_ink(image.convert("L") if image.mode != "L" else image)
+    left, top, right, bottom = box
+    ink_w, ink_h = right - left, bottom - top
+    # Grow the box to the target's aspect ratio around the ink's centre, plus the margin.
+    side = max(ink_w / width, ink_h / height) * (1.0 + 2.0 * INK_MARGIN_FRACTION)
+    crop_w, crop_h = side * width, side * height
+    cx, cy = (left + right) / 2, (top + bottom) / 2
+    crop_box = (
+        round(cx - crop_w / 2),
+        round(cy - crop_h / 2),
+        round(cx - crop_w / 2) + max(1, round(crop_w)),
+        round(cy - crop_h / 2) + max(1, round(crop_h)),
+    )
+    # Pixels outside the picture come back as 0 from crop(): "no ink", also after the levels.
+    cropped = image.crop(crop_box)
+    levels = np.clip(np.rint((np.arange(256, dtype=np.float32) - paper) * (255.0 / (ink - paper))), 0, 255)
+    cropped = Image.fromarray(levels.astype(np.uint8)[np.asarray(cropped)], cropped.mode)
+    resample = Image.Resampling.BOX if cropped.width >= width and cropped.height >= height else Image.Resampling.BILINEAR
+    return cropped.resize((width, height), resample)
+
+
+def _find_ink(gray: Image.Image) -> tuple[float, float, tuple[float, float, float, float]]:
+    """Return (paper level, ink level, ink box in `gray`'s pixel coordinates).
+
+    The box is the whole image when no ink stands out clearly from the paper.
+    """
+    factor = max(1, math.ceil(max(gray.size) / INK_ANALYSIS_MAX_SIDE))
+    small = gray.reduce(factor) if factor > 1 else gray
+    a = np.asarray(small, dtype=np.float32)
+    h, w = a.shape
+    edge = max(1, min(h, w) // 20)
+    border = np.concatenate([a[:edge].ravel(), a[-edge:].ravel(), a[:, :edge].ravel(), a[:, -edge:].ravel()])
+    paper = float(np.median(border))
+    # The k-th brightest pixel, not the brightest: a speck of dust or a JPEG spike is not ink.
+    k = max(8, a.size // 2000)
+    flat = a.ravel()
+    ink = float(np.partition(flat, flat.size - k)[flat.size - k]) if flat.size > k else float(flat.max())
+    full = (0.0, 0.0, float(gray.width), float(gray.height))
+    if ink - paper < MIN_INK_CONTRAST:
+        return paper, paper + MIN_INK_CONTRAST, full
+    mask = a > paper + INK_THRESHOLD_FRACTION * (ink - paper)
+    mask &= _neighbour_count(mask) >= 2  # drop isolated specks; any stroke has neighbours
+    rows, cols = np.flatnonzero(mask.any(axis=1)), np.flatnonzero(mask.any(axis=0))
+    if rows.size == 0:
+        return paper, ink, full
+    box = (
+        float(cols[0] * factor),
+        float(rows[0] * factor),
+        float(min(gray.width, (cols[-1] + 1) * factor)),
+        float(min(gray.height, (rows[-1] + 1) * factor)),
+    )
+    return paper, ink, box
+
+
+def _neighbour_count(mask: np.ndarray) -> np.ndarray:
+    """How many of each pixel's 8 neighbours are set."""
+    padded = np.pad(mask, 1).astype(np.uint8)
+    h, w = mask.shape
+    total = np.zeros((h, w), dtype=np.uint8)
+    for dy in range(3):
+        for dx in range(3):
+            if dy != 1 or dx != 1:
+                total += padded[dy : dy + h, dx : dx + w]
+    return total
+
+
+def _per_channel(values: list[float], channels: int, what: str) -> np.ndarray:
+    if len(values) not in (1, channels):
+        raise ValueError(f"preprocess {what} has {len(values)} values; the image has {channels} channels")
+    return np.asarray(values, dtype=np.float32).reshape(1, 1, -1)

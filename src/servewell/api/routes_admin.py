@@ -1,0 +1,57 @@
+"""Operator endpoints: live batching settings per model. Guarded by `admin_token`."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from servewell.api.body import check_content_type, read_body
+from servewell.api.context import ApiContext, api_context
+from servewell.errors import BadRequest, Forbidden, InvalidInput, Unauthorized
+
+router = APIRouter(prefix="/admin", tags=["admin"])
+
+_LOOPBACK = ("127.", "::1", "localhost")
+
+
+def require_admin(request: Request, api: ApiContext = Depends(api_context)) -> ApiContext:
+    """401 without the configured bearer token; with no token configured, loopback clients only."""
+    token = api.settings.admin_token
+    if token:
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise Unauthorized("this endpoint needs 'Authorization: Bearer <admin_token>'")
+    elif request.client is None or not request.client.host.startswith(_LOOPBACK):
+        raise Forbidden("admin endpoints answer loopback clients only unless admin_token is configured")
+    return api
+
+
+@router.get("/models/{name}/batching", summary="Live batching settings")
+async def get_batching(name: str, api: ApiContext = Depends(require_admin)) -> Response:
+    """The model's current batching settings."""
+    return Response(orjson.dumps(api.engine.batching(name)), media_type="application/json")
+
+
+@router.patch(
+    "/models/{name}/batching",
+    summary="Change batching settings while serving",
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "type": "object",
+        "properties": {k: {} for k in ("policy", "max_batch_size", "max_wait_ms", "latency_slo_ms", "max_queue_size",
+                                       "default_timeout_ms", "max_consecutive_high", "reserve_instance_for_high")},
+    }}}}},
+)
+async def patch_batching(name: str, request: Request, api: ApiContext = Depends(require_admin)) -> Response:
+    """Apply the given fields; queued and running requests are kept."""
+    check_content_type(request, ("application/json",))
+    try:
+        changes: Any = orjson.loads(await read_body(request, api.settings.max_body_bytes))
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(changes, dict) or not changes:
+        raise InvalidInput("send a JSON object with the settings to change")
+    return Response(orjson.dumps(api.engine.update_batching(name, changes)), media_type="application/json")
