@@ -36,7 +36,18 @@ class ServerProcess:
         self._wait("/v2/health/live", timeout_s)
 
     def wait_ready(self, timeout_s: float = 180) -> None:
-        self._wait("/v2/health/ready", timeout_s)
+        """Wait until every model is ready; fail at once when one has failed to load."""
+        self.wait_live(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            health = httpx.get(self.url + "/healthz", timeout=5)
+            if health.status_code == 200:
+                return
+            broken = {n: m["reason"] for n, m in health.json()["models"].items() if m["state"] in ("failed", "invalid")}
+            if broken:
+                raise RuntimeError(f"models failed to load: {broken}\n{self.log()[-3000:]}")
+            time.sleep(0.2)
+        raise TimeoutError(f"not ready after {timeout_s} s:\n{self.log()[-4000:]}")
 
     def _wait(self, path: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

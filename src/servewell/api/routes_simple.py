@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict
 from typing import Any, Literal
 
 import numpy as np
@@ -126,6 +127,8 @@ async def healthz(api: ApiContext = Depends(api_context)) -> Response:
                 for i in view.instances
             ],
             "rss_bytes": sum(i.rss_bytes for i in view.instances),
+            "lanes": view.lane_depths,
+            "scheduler": asdict(view.stats) if view.stats else None,
         }
     ready = api.engine.ready
     doc = {

@@ -1,0 +1,161 @@
+"""Scheduling seen from outside: urgent requests overtake, expired and abandoned requests never
+reach the model (counted by the worker), a full queue refuses at once, settings change live."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+import httpx
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+SLOW_FACTORY = textwrap.dedent('''
+    import time
+
+    import torch
+    from torch import nn
+
+
+    class Slow(nn.Module):
+        """Echoes its input after a fixed delay per batch: a stand-in for a heavy model."""
+
+        def __init__(self, delay_ms: float = 100.0):
+            super().__init__()
+            self.delay_s = delay_ms / 1000.0
+            self.scale = nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            time.sleep(self.delay_s)
+            return x * self.scale
+
+
+    def build(delay_ms: float = 100.0):
+        return Slow(delay_ms)
+''')
+
+
+def slow_model(root, name: str, delay_ms: float, **fields) -> None:
+    directory = root / name
+    directory.mkdir(parents=True)
+    (directory / "slow_factory.py").write_text(SLOW_FACTORY)
+    save_file({"scale": torch.ones(1)}, str(directory / "model.safetensors"))
+    config = {
+        "runtime": "pytorch", "artifact": "model.safetensors", "factory": "slow_factory:build",
+        "factory_kwargs": {"delay_ms": delay_ms},
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
+        **fields,
+    }
+    (directory / "model.yaml").write_text(yaml.safe_dump(config))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, start_server):
+    root = tmp_path_factory.mktemp("slow-repo")
+    slow_model(root, "slow", 100, max_batch_size=4)
+    slow_model(root, "tiny_queue", 150, max_batch_size=1, batching={"max_queue_size": 2})
+    slow_model(root, "one_at_a_time", 200, max_batch_size=1)
+    srv = start_server(["--model-repository", str(root)])
+    srv.wait_ready()
+    return srv
+
+
+def body(value: float, **parameters) -> dict:
+    doc = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [value]}]}
+    if parameters:
+        doc["parameters"] = parameters
+    return doc
+
+
+def rows_computed(url: str, model: str) -> int:
+    health = httpx.get(url + "/healthz").json()
+    return sum(i["rows_computed"] for i in health["models"][model]["instances"])
+
+
+def test_urgent_request_overtakes_a_full_normal_queue(server):
+    async def main():
+        order: list[str] = []
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=httpx.Limits(max_connections=64)) as c:
+            async def send(tag: str, value: float, **params):
+                r = await c.post("/v2/models/slow/infer", json=body(value, **params))
+                assert r.status_code == 200, r.text
+                assert r.json()["outputs"][0]["data"] == [value]  # every request gets its own row back
+                order.append(tag)
+
+            normal = [asyncio.create_task(send(f"n{i}", i)) for i in range(24)]
+            while (await c.get("/healthz")).json()["models"]["slow"]["queue_depth"] < 12:
+                await asyncio.sleep(0.01)
+            urgent = asyncio.create_task(send("urgent", 99.0, priority=1))
+            await asyncio.gather(urgent, *normal)
+        # 24 normal requests make 6 batches of 4; the urgent one waits only for the running batch.
+        assert order.index("urgent") <= 8, order
+    asyncio.run(main())
+
+
+def test_expired_requests_are_answered_503_and_never_reach_the_model(server):
+    before = rows_computed(server.url, "one_at_a_time")
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+            first = asyncio.create_task(c.post("/v2/models/one_at_a_time/infer", json=body(1)))
+            await asyncio.sleep(0.05)
+            doomed = [c.post("/v2/models/one_at_a_time/infer", json=body(2), headers={"X-Request-Timeout-Ms": "30"})
+                      for _ in range(3)]
+            doomed.append(c.post("/v2/models/one_at_a_time/infer", json=body(3, timeout=30_000)))  # OIP: microseconds
+            answers = await asyncio.gather(*doomed)
+            assert (await first).status_code == 200
+            return answers
+
+    answers = asyncio.run(main())
+    for r in answers:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "deadline_exceeded"
+        assert "retry-after" in r.headers
+    assert rows_computed(server.url, "one_at_a_time") - before == 1  # only the first request ran
+    assert httpx.get(server.url + "/healthz").json()["models"]["one_at_a_time"]["scheduler"]["expired"] >= 4
+
+
+def test_abandoned_request_is_dropped_before_compute(server):
+    before = rows_computed(server.url, "one_at_a_time")
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+            first = asyncio.create_task(c.post("/v2/models/one_at_a_time/infer", json=body(1)))
+            await asyncio.sleep(0.05)
+            async with httpx.AsyncClient(base_url=server.url, timeout=0.05) as impatient:
+                with pytest.raises(httpx.TimeoutException):
+                    await impatient.post("/v2/models/one_at_a_time/infer", json=body(2))
+            assert (await first).status_code == 200
+            await asyncio.sleep(0.3)  # the abandoned request would have run by now
+
+    asyncio.run(main())
+    assert rows_computed(server.url, "one_at_a_time") - before == 1
+    assert httpx.get(server.url + "/healthz").json()["models"]["one_at_a_time"]["scheduler"]["cancelled"] >= 1
+
+
+def test_full_queue_refuses_at_once_with_retry_after_and_never_500(server):
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, limits=httpx.Limits(max_connections=32)) as c:
+            return await asyncio.gather(*(c.post("/v2/models/tiny_queue/infer", json=body(i)) for i in range(16)))
+
+    answers = asyncio.run(main())
+    codes = [r.status_code for r in answers]
+    assert set(codes) <= {200, 503}, codes
+    refused = [r for r in answers if r.status_code == 503]
+    assert refused and codes.count(200) >= 3
+    for r in refused:
+        assert r.json()["error"]["code"] == "overloaded" and int(r.headers["retry-after"]) >= 1
+
+
+def test_batching_settings_change_while_serving(server):
+    url = server.url + "/admin/models/slow/batching"
+    assert httpx.get(url).json()["policy"] == "idle"
+    changed = httpx.patch(url, json={"policy": "window", "max_wait_ms": 5, "max_batch_size": 2})
+    assert changed.status_code == 200 and changed.json()["policy"] == "window"
+    assert httpx.get(url).json()["max_batch_size"] == 2
+    bad = httpx.patch(url, json={"max_batch_size": 99})
+    assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_input"
+    r = httpx.post(server.url + "/v2/models/slow/infer", json=body(5))
+    assert r.status_code == 200
+    httpx.patch(url, json={"policy": "idle", "max_batch_size": 4})
