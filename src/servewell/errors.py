@@ -45,6 +45,12 @@ class InvalidInput(ServeError):
     status, code = 422, "invalid_input"
 
 
+class LoadFailed(ServeError):
+    """An operator's load request could not be carried out (bad config, load or warm-up failed)."""
+
+    status, code = 422, "load_failed"
+
+
 class Unauthorized(ServeError):
     """Missing or wrong admin token."""
 

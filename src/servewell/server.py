@@ -50,7 +50,7 @@ def build_app(settings: ServerConfig):  # noqa: ANN201 - FastAPI
     """The app for `settings`; models load in the background once it starts, so liveness
     answers at once and readiness tells the truth while they load."""
     repository = settings.model_repository or ensure_builtin_repository(settings.cache_dir)
-    engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress)
+    engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes)
     pool = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
     loading: list[asyncio.Task] = []
 

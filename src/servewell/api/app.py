@@ -45,5 +45,6 @@ def create_app(
     app.include_router(routes_simple.router)
     app.include_router(routes_v2.router)
     app.include_router(routes_admin.router)
+    app.include_router(routes_admin.repository_router)
     app.add_middleware(RequestContextMiddleware)
     return app

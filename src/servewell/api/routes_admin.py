@@ -14,6 +14,8 @@ from servewell.api.context import ApiContext, api_context
 from servewell.errors import BadRequest, Forbidden, InvalidInput, Unauthorized
 
 router = APIRouter(prefix="/admin", tags=["admin"])
+#: The OIP model-repository extension (Triton's load/unload), guarded like /admin.
+repository_router = APIRouter(prefix="/v2/repository", tags=["Open Inference Protocol v2"])
 
 _LOOPBACK = ("127.", "::1", "localhost")
 
@@ -55,3 +57,21 @@ async def patch_batching(name: str, request: Request, api: ApiContext = Depends(
     if not isinstance(changes, dict) or not changes:
         raise InvalidInput("send a JSON object with the settings to change")
     return Response(orjson.dumps(api.engine.update_batching(name, changes)), media_type="application/json")
+
+
+def _state(view) -> dict[str, Any]:  # noqa: ANN001 - ModelView
+    return {"name": view.name, "version": view.version, "state": view.state, "reason": view.reason}
+
+
+@repository_router.post("/models/{name}/load", summary="Load or reload a model (zero failed requests)")
+async def load_model(name: str, api: ApiContext = Depends(require_admin)) -> Response:
+    """Read the model's directory again and load it; the new version warms up before traffic moves."""
+    view = await api.engine.load_model(name)
+    return Response(orjson.dumps(_state(view)), media_type="application/json")
+
+
+@repository_router.post("/models/{name}/unload", summary="Unload a model")
+async def unload_model(name: str, api: ApiContext = Depends(require_admin)) -> Response:
+    """Finish the model's queued and running requests, then stop its workers."""
+    view = await api.engine.unload_model(name)
+    return Response(orjson.dumps(_state(view)), media_type="application/json")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict
 from typing import Any, Literal
@@ -26,6 +25,7 @@ from servewell.api.context import (
 from servewell.config.model import ModelConfig
 from servewell.errors import BadRequest, InvalidInput
 from servewell.observability.context import model_var, request_id_var
+from servewell.observability.process import rss_bytes
 
 router = APIRouter()
 
@@ -121,6 +121,8 @@ async def healthz(api: ApiContext = Depends(api_context)) -> Response:
             "reason": view.reason,
             "queue_depth": view.queue_depth,
             "load_s": round(view.load_s, 3) if view.load_s is not None else None,
+            "restarts": view.restarts,
+            "recycles": view.recycles,
             "instances": [
                 {"instance": i.instance, "pid": i.pid, "alive": i.alive, "rss_bytes": i.rss_bytes,
                  "rows_computed": i.rows_computed}
@@ -134,15 +136,8 @@ async def healthz(api: ApiContext = Depends(api_context)) -> Response:
     doc = {
         "status": "ok" if ready else "not_ready",
         "ready": ready,
-        "frontend_rss_bytes": _rss_bytes(),
+        "frontend_rss_bytes": rss_bytes(),
+        "memory_budget": {"total_bytes": api.engine.budget.total_bytes, "reserved_bytes": api.engine.budget.used_bytes},
         "models": models,
     }
     return _json(doc, 200 if ready else 503, None if ready else {"Retry-After": "2"})
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0

@@ -158,7 +158,27 @@ class ModelConfig(_Strict):
     optimize_for_inference: bool = Field(
         False, description="torchscript runtime: apply torch.jit.optimize_for_inference (implies freeze)."
     )
-    warmup: bool = Field(True, description="Run a dummy batch before the model is reported ready.")
+    warmup: bool = Field(True, description="Run dummy batches up to max_batch_size before the model is reported ready.")
+    dtype_tolerance: float = Field(
+        0.05, gt=0, description="dtype auto: largest relative difference from fp32 outputs on the warm-up batch "
+        "that still allows bf16.",
+    )
+    lazy_submodules: list[str] = Field(
+        default_factory=list, description="pytorch runtime: submodules (dotted names) whose weights load on first "
+        "use instead of at start (at most once, even under concurrency).",
+    )
+    memory_limit_bytes: int | None = Field(
+        None, ge=1, description="Resident memory one instance may use; above it the worker is drained and "
+        "restarted, and warm-up lowers the effective max batch size to stay below it.",
+    )
+    gpu_memory_fraction: float | None = Field(
+        None, gt=0, le=1, description="CUDA devices: hard cap on this instance's share of device memory "
+        "(torch.cuda.set_per_process_memory_fraction).",
+    )
+    cpu_affinity: list[int] | None = Field(None, description="CPU cores the instance's process may run on.")
+    allocator: Literal["system", "jemalloc"] = Field(
+        "system", description="Memory allocator of the worker process; jemalloc is used when libjemalloc is installed.",
+    )
     preprocess: ImagePreprocess | None = Field(None, description="Image decoding for /predict and BYTES inputs.")
     postprocess: ClassifyPostprocess | None = Field(None, description="Label decoding for /predict.")
     metadata: dict[str, str] = Field(default_factory=dict, description="Free-form facts shown in model metadata.")

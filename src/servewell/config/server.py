@@ -33,7 +33,11 @@ class ServerConfig(BaseModel):
     max_image_pixels: int = Field(
         16_000_000, ge=1, description="Largest decoded image, in pixels, accepted (413 above; stops decompression bombs)."
     )
-    load_timeout_s: float = Field(120.0, gt=0, description="A model whose load and warm-up take longer is killed and marked failed.")
+    load_timeout_s: float = Field(30.0, gt=0, description="A model whose load and warm-up take longer is killed and marked failed.")
+    memory_budget_bytes: int | None = Field(
+        None, ge=1, description="Host memory all models together may use (estimated before loading); "
+        "default: 90% of the memory available at start.",
+    )
     admin_token: str | None = Field(
         None, description="Bearer token for /admin endpoints; when unset they answer loopback clients only."
     )

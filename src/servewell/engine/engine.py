@@ -15,10 +15,11 @@ import numpy as np
 
 from servewell.config.model import ModelConfig
 from servewell.engine.model_entry import InstanceInfo, LoadProgressFn, ModelEntry, ModelState
-from servewell.engine.repository import scan_repository
+from servewell.engine.memory_budget import MemoryBudget, machine_memory_budget
+from servewell.engine.repository import read_model_config, scan_repository
 from servewell.engine.scheduler import RequestResult, SchedulerStats
 from servewell.engine.validation import check_inputs
-from servewell.errors import ModelNotReady, NotFound, ShuttingDown
+from servewell.errors import LoadFailed, ModelNotReady, NotFound, ShuttingDown
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,6 +32,8 @@ class ModelView:
     reason: str | None
     config: ModelConfig | None
     load_s: float | None
+    restarts: int
+    recycles: int
     queue_depth: int
     instances: tuple[InstanceInfo, ...]
     lane_depths: dict[str, int]
@@ -40,20 +43,59 @@ class ModelView:
 class InferenceEngine:
     """All models of one repository."""
 
-    def __init__(self, repository: Path, load_timeout_s: float, on_progress: LoadProgressFn | None = None) -> None:
+    def __init__(
+        self,
+        repository: Path,
+        load_timeout_s: float,
+        on_progress: LoadProgressFn | None = None,
+        memory_budget_bytes: int | None = None,
+    ) -> None:
         self.repository = repository
+        self.budget = MemoryBudget(memory_budget_bytes or machine_memory_budget())
         self._load_timeout_s = load_timeout_s
         self._on_progress = on_progress
         self._entries: dict[str, ModelEntry] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
         self._accepting = True
 
     async def start(self) -> None:
         """Read the repository and load every valid model (concurrently)."""
         for source in scan_repository(self.repository):
-            self._entries[source.name] = ModelEntry(
-                source.name, source.directory, source.config, source.error, self._load_timeout_s, self._on_progress
-            )
+            self._entries[source.name] = self._new_entry(source.name, source.directory, source.config, source.error)
         await asyncio.gather(*(entry.load() for entry in self._entries.values()))
+
+    def _new_entry(self, name: str, directory: Path, config: ModelConfig | None, error: str | None) -> ModelEntry:
+        return ModelEntry(name, directory, config, error, self._load_timeout_s, self.budget, self._on_progress)
+
+    async def load_model(self, name: str) -> ModelView:
+        """(Re)load a model from its repository directory with zero failed requests: the new
+        version loads and warms up while the old one serves; then traffic moves and the old drains."""
+        directory = self.repository / name
+        if not name or "/" in name or name.startswith(".") or not directory.is_dir():
+            raise NotFound(f"the repository {self.repository} has no model directory '{name}'")
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            try:
+                config = read_model_config(directory)
+            except ValueError as exc:
+                raise LoadFailed(str(exc)) from None
+            fresh = self._new_entry(name, directory, config, None)
+            await fresh.load()
+            if fresh.state != "ready":
+                raise LoadFailed(f"model '{name}' failed to load (the previous version, if any, keeps serving): "
+                                 f"{fresh.reason}")
+            old = self._entries.get(name)
+            self._entries[name] = fresh  # from here on, new requests go to the new version
+            if old is not None:
+                await old.stop()  # drains what the old version had accepted
+            return self._view(fresh)
+
+    async def unload_model(self, name: str) -> ModelView:
+        """Stop serving a model: queued and running requests finish, then its workers stop."""
+        entry = self._entry(name, None)
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            await entry.stop()
+            entry.state, entry.reason = "unloaded", "unloaded by an operator"
+            return self._view(entry)
 
     async def stop(self) -> None:
         """Stop admitting, finish what was admitted, stop every worker."""
@@ -70,8 +112,8 @@ class InferenceEngine:
     @property
     def ready(self) -> bool:
         """Accepting requests, and every valid model is ready."""
-        valid = [e for e in self._entries.values() if e.config is not None]
-        return self._accepting and bool(valid) and all(e.state == "ready" for e in valid)
+        serving = [e for e in self._entries.values() if e.config is not None and e.state != "unloaded"]
+        return self._accepting and bool(serving) and all(e.state == "ready" for e in serving)
 
     def models(self) -> list[ModelView]:
         """Every model of the repository, valid or not."""
@@ -148,6 +190,6 @@ class InferenceEngine:
         scheduler = entry.scheduler
         return ModelView(
             entry.name, entry.version, entry.state, entry.reason, entry.config, entry.load_s,
-            scheduler.queue_depth if scheduler else 0, tuple(entry.instances()),
+            entry.restarts, entry.recycles, scheduler.queue_depth if scheduler else 0, tuple(entry.instances()),
             scheduler.lane_depths() if scheduler else {}, replace(scheduler.stats) if scheduler else None,
         )

@@ -140,6 +140,8 @@ class ModelScheduler:
         self._pump()
 
     def _return_worker(self, worker) -> None:  # noqa: ANN001
+        if getattr(worker, "retiring", False):
+            return  # being drained and replaced: no new batches
         if self.batching.reserve_instance_for_high and self._reserved is None and self._workers >= 2:
             self._reserved = worker
         if worker is self._reserved:

@@ -7,9 +7,13 @@ never polls and learns of a worker's death (pipe EOF) the moment it happens.
 from __future__ import annotations
 
 import asyncio
+import ctypes.util
 import itertools
+import logging
 import multiprocessing
+import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,10 +32,29 @@ from servewell.workers.messages import (
     WorkerReady,
     WorkerReply,
 )
+from servewell.observability.process import rss_bytes as process_rss_bytes
 from servewell.workers.process_main import worker_main
 from servewell.workers.shm import SegmentReader, SharedArena
 
+log = logging.getLogger("servewell.workers")
+
 ProgressCallback = Callable[[str, float], None]
+
+_JEMALLOC_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib/libjemalloc.so.2",
+)
+_spawn_lock = threading.Lock()
+
+
+def find_jemalloc() -> str | None:
+    """Path of libjemalloc if the machine has it."""
+    for path in _JEMALLOC_PATHS:
+        if os.path.exists(path):
+            return path
+    found = ctypes.util.find_library("jemalloc")
+    return found if found and os.path.isabs(found) else None
 
 
 class WorkerLoadError(Exception):
@@ -65,7 +88,11 @@ class WorkerHandle:
         self.ready_info: WorkerReady | None = None
         self.rss_bytes = 0
         self.rows_computed = 0
+        self.retiring = False
+        self.ready_at: float | None = None
+        self.exit_reason = ""
         self.on_lost: Callable[[WorkerHandle], None] | None = None
+        self.on_batch_done: Callable[[WorkerHandle], None] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -84,7 +111,7 @@ class WorkerHandle:
             name=f"servewell-worker-{self.config.name}",
             daemon=True,
         )
-        self._process.start()
+        self._spawn()
         child.close()
         self._conn = parent
         self.alive = True
@@ -96,7 +123,31 @@ class WorkerHandle:
             raise WorkerLoadError(f"load did not finish within {timeout_s:g} s; the worker was killed") from None
         self.ready_info = info
         self.rss_bytes = info.rss_bytes
+        self.ready_at = time.monotonic()
         return info
+
+    def _spawn(self) -> None:
+        """Start the process; with `allocator: jemalloc` it is preloaded into the child only."""
+        preload = None
+        if self.config.allocator == "jemalloc":
+            preload = find_jemalloc()
+            if preload is None:
+                log.warning("model %s: allocator jemalloc requested but libjemalloc is not installed "
+                            "(Debian: libjemalloc2); using the system allocator", self.config.name)
+        if preload is None:
+            self._process.start()
+            return
+        # spawn execs a fresh interpreter with this process's environment: set it just for the start.
+        with _spawn_lock:
+            previous = os.environ.get("LD_PRELOAD")
+            os.environ["LD_PRELOAD"] = preload if not previous else f"{preload}:{previous}"
+            try:
+                self._process.start()
+            finally:
+                if previous is None:
+                    os.environ.pop("LD_PRELOAD", None)
+                else:
+                    os.environ["LD_PRELOAD"] = previous
 
     async def run(self, parts: dict[str, list[np.ndarray]]) -> BatchOutcome:
         """Run one batch made of the row blocks in `parts`, concatenated along axis 0."""
@@ -156,6 +207,8 @@ class WorkerHandle:
             if future is not None and not future.done():
                 outputs = self._reader.arrays(message.segment, message.outputs, copy=True)
                 future.set_result(BatchOutcome(outputs, message.compute_s))
+            if self.on_batch_done is not None:
+                self.on_batch_done(self)
         elif isinstance(message, BatchFailed):
             future = self._pending.pop(message.batch_id, None)
             if future is not None and not future.done():
@@ -169,6 +222,7 @@ class WorkerHandle:
             self._process.join(timeout=0.5)
             code = self._process.exitcode
         reason = f"worker process {self.pid} exited (code {code})"
+        self.exit_reason = f"exit code {code}" + (" (killed by a signal)" if code is not None and code < 0 else "")
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(WorkerLoadError(f"{reason} while loading"))
         for future in self._pending.values():

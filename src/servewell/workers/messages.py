@@ -58,6 +58,9 @@ class WorkerReady:
     warmup_s: float
     rss_bytes: int
     stages: tuple[tuple[str, float], ...] = field(default_factory=tuple)
+    effective_max_batch_size: int = 0  # what warm-up proved fits the memory limit (0: no batching)
+    peak_bytes_by_batch: tuple[tuple[int, int], ...] = ()  # (batch size, peak resident bytes) from warm-up
+    serving_dtype: str = ""
 
 
 @dataclass(slots=True, frozen=True)

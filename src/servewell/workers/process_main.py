@@ -25,16 +25,8 @@ from servewell.workers.messages import (
     Shutdown,
     WorkerReady,
 )
+from servewell.observability.process import rss_bytes
 from servewell.workers.shm import SegmentReader, SharedArena
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
 
 
 def worker_main(conn: Connection, config: ModelConfig, model_dir: str) -> None:
@@ -47,6 +39,13 @@ def worker_main(conn: Connection, config: ModelConfig, model_dir: str) -> None:
 
     started = time.perf_counter()
     stages: list[tuple[str, float]] = []
+    if config.cpu_affinity:
+        try:
+            os.sched_setaffinity(0, config.cpu_affinity)
+        except (OSError, ValueError) as exc:
+            conn.send(LoadFailed(f"cpu_affinity {config.cpu_affinity} cannot be applied: {exc}"))
+            conn.close()
+            return
 
     def progress(stage: str) -> None:
         elapsed = time.perf_counter() - started

@@ -8,6 +8,7 @@ the arithmetic here changes what that model sees: rebuild it (bump its builder v
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -133,66 +134,121 @@ def _center_crop(image: Image.Image, width: int, height: int) -> Image.Image:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Ink:
+    """Where the ink is and how bright, after inversion, in full-image pixel coordinates."""
+
+    box: tuple[float, float, float, float]  # left, top, right, bottom
+    paper: tuple[float, float, float]  # paper level = p0 + p1 * x + p2 * y (a plane: uneven light)
+    contrast: float  # ink level above the paper
+
+
 def _ink_bbox(image: Image.Image, width: int, height: int) -> Image.Image:
     """Crop to the bright ink (after inversion), centre it with a small margin, and resize.
 
-    The paper level (median of the border) is mapped to 0 and the ink level to 255, so grey
-    paper and grey pencil in a photo look like the clean scans a digit model was trained on.
-    The resize uses BOX (area averaging): the UCI digits were made by counting ink pixels in
-    blocks, which is what BOX does.
+    The paper level is mapped to 0 and the ink level to 255, so grey or unevenly lit paper and
+    grey pencil in a photo look like the clean scans a digit model is trained on. The resize
+    uses BOX (area averaging): the UCI digits were made by counting ink pixels in blocks.
     """
-    paper, ink, box = _find_ink(image.convert("L") if image.mode != "L" else image)
-    left, top, right, bottom = box
-    ink_w, ink_h = right - left, bottom - top
+    ink = _find_ink(image if image.mode == "L" else image.convert("L"))
+    left, top, right, bottom = ink.box
     # Grow the box to the target's aspect ratio around the ink's centre, plus the margin.
-    side = max(ink_w / width, ink_h / height) * (1.0 + 2.0 * INK_MARGIN_FRACTION)
-    crop_w, crop_h = side * width, side * height
-    cx, cy = (left + right) / 2, (top + bottom) / 2
-    crop_box = (
-        round(cx - crop_w / 2),
-        round(cy - crop_h / 2),
-        round(cx - crop_w / 2) + max(1, round(crop_w)),
-        round(cy - crop_h / 2) + max(1, round(crop_h)),
-    )
-    # Pixels outside the picture come back as 0 from crop(): "no ink", also after the levels.
-    cropped = image.crop(crop_box)
-    levels = np.clip(np.rint((np.arange(256, dtype=np.float32) - paper) * (255.0 / (ink - paper))), 0, 255)
-    cropped = Image.fromarray(levels.astype(np.uint8)[np.asarray(cropped)], cropped.mode)
-    resample = Image.Resampling.BOX if cropped.width >= width and cropped.height >= height else Image.Resampling.BILINEAR
-    return cropped.resize((width, height), resample)
+    side = max((right - left) / width, (bottom - top) / height) * (1.0 + 2.0 * INK_MARGIN_FRACTION)
+    crop_w, crop_h = max(1, round(side * width)), max(1, round(side * height))
+    x0 = round((left + right - crop_w) / 2)
+    y0 = round((top + bottom - crop_h) / 2)
+    # Pixels outside the picture come back as 0 from crop(): below the paper, so "no ink".
+    pixels = np.asarray(image.crop((x0, y0, x0 + crop_w, y0 + crop_h)), dtype=np.float32)
+    p0, px, py = ink.paper
+    paper = p0 + px * np.arange(x0, x0 + crop_w, dtype=np.float32)[None, :] + py * np.arange(
+        y0, y0 + crop_h, dtype=np.float32
+    )[:, None]
+    if pixels.ndim == 3:
+        paper = paper[:, :, None]
+    levels = np.clip((pixels - paper) * (255.0 / ink.contrast) + 0.5, 0, 255).astype(np.uint8)
+    cropped = Image.fromarray(levels, image.mode)
+    shrinking = cropped.width >= width and cropped.height >= height
+    return cropped.resize((width, height), Image.Resampling.BOX if shrinking else Image.Resampling.BILINEAR)
 
 
-def _find_ink(gray: Image.Image) -> tuple[float, float, tuple[float, float, float, float]]:
-    """Return (paper level, ink level, ink box in `gray`'s pixel coordinates).
+def _find_ink(gray: Image.Image) -> _Ink:
+    """Locate the ink of an inverted grayscale image (ink bright, paper dark).
 
-    The box is the whole image when no ink stands out clearly from the paper.
+    The paper level is a plane fitted to the image border, so a photo lit from one side does
+    not read as ink. The box is the whole image when no ink stands out clearly.
     """
     factor = max(1, math.ceil(max(gray.size) / INK_ANALYSIS_MAX_SIDE))
     small = gray.reduce(factor) if factor > 1 else gray
     a = np.asarray(small, dtype=np.float32)
     h, w = a.shape
-    edge = max(1, min(h, w) // 20)
-    border = np.concatenate([a[:edge].ravel(), a[-edge:].ravel(), a[:, :edge].ravel(), a[:, -edge:].ravel()])
-    paper = float(np.median(border))
+    # Full-image coordinates of the centres of the analysis pixels.
+    xs = (np.arange(w, dtype=np.float32) + 0.5) * factor - 0.5
+    ys = (np.arange(h, dtype=np.float32) + 0.5) * factor - 0.5
+    paper = _fit_paper(a, xs, ys)
+    flat = a - (paper[0] + paper[1] * xs[None, :] + paper[2] * ys[:, None])
     # The k-th brightest pixel, not the brightest: a speck of dust or a JPEG spike is not ink.
-    k = max(8, a.size // 2000)
-    flat = a.ravel()
-    ink = float(np.partition(flat, flat.size - k)[flat.size - k]) if flat.size > k else float(flat.max())
+    contrast = _kth_largest_level(flat, k=max(8, flat.size // 2000))
     full = (0.0, 0.0, float(gray.width), float(gray.height))
-    if ink - paper < MIN_INK_CONTRAST:
-        return paper, paper + MIN_INK_CONTRAST, full
-    mask = a > paper + INK_THRESHOLD_FRACTION * (ink - paper)
+    if contrast < MIN_INK_CONTRAST:
+        return _Ink(full, paper, MIN_INK_CONTRAST)
+    mask = flat > INK_THRESHOLD_FRACTION * contrast
     mask &= _neighbour_count(mask) >= 2  # drop isolated specks; any stroke has neighbours
     rows, cols = np.flatnonzero(mask.any(axis=1)), np.flatnonzero(mask.any(axis=0))
     if rows.size == 0:
-        return paper, ink, full
+        return _Ink(full, paper, contrast)
     box = (
         float(cols[0] * factor),
         float(rows[0] * factor),
         float(min(gray.width, (cols[-1] + 1) * factor)),
         float(min(gray.height, (rows[-1] + 1) * factor)),
     )
-    return paper, ink, box
+    return _Ink(box, paper, contrast)
+
+
+def _fit_paper(a: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> tuple[float, float, float]:
+    """Fit paper level = p0 + p1 * x + p2 * y to the border pixels of `a`, ignoring ink on the border."""
+    h, w = a.shape
+    edge = max(1, min(h, w) // 20)
+    strips = [(slice(0, edge), slice(None)), (slice(h - edge, h), slice(None))]
+    if h > 2 * edge:
+        strips += [(slice(edge, h - edge), slice(0, edge)), (slice(edge, h - edge), slice(w - edge, w))]
+    values, px, py = [], [], []
+    for rows, cols in strips:
+        block = a[rows, cols]
+        values.append(block.ravel())
+        px.append(np.broadcast_to(xs[cols][None, :], block.shape).ravel())
+        py.append(np.broadcast_to(ys[rows][:, None], block.shape).ravel())
+    # A thousand points pin down three numbers; more only costs time on large photos.
+    step = max(1, sum(v.size for v in values) // 1024)
+    v = np.concatenate(values)[::step].astype(np.float64)
+    scale = float(max(xs[-1], ys[-1], 1.0))  # keeps the least-squares problem well conditioned
+    design = np.stack([np.ones_like(v), np.concatenate(px)[::step] / scale, np.concatenate(py)[::step] / scale], 1)
+    coef, *_ = np.linalg.lstsq(design, v, rcond=None)
+    residual = v - design @ coef
+    spread = 1.4826 * _median(np.abs(residual - _median(residual)))
+    # Ink is brighter than paper after inversion: refit without points far above the fit.
+    keep = residual <= max(3.0 * spread, 4.0)
+    if not keep.all() and keep.sum() >= 3:
+        coef, *_ = np.linalg.lstsq(design[keep], v[keep], rcond=None)
+    return float(coef[0]), float(coef[1] / scale), float(coef[2] / scale)
+
+
+def _median(values: np.ndarray) -> float:
+    """Median (upper, for even counts) without np.median's overhead, which shows on small images."""
+    middle = values.size // 2
+    return float(np.partition(values, middle)[middle])
+
+
+def _kth_largest_level(values: np.ndarray, k: int) -> float:
+    """The k-th largest of `values` (grey levels in -255..255), to the nearest level.
+
+    A histogram, because a full partition of a photo's pixels costs milliseconds.
+    """
+    levels = np.clip(np.rint(values), -255, 255).astype(np.int32).ravel() + 255
+    counts = np.bincount(levels, minlength=511)
+    from_top = np.cumsum(counts[::-1])
+    index = int(np.searchsorted(from_top, min(k, levels.size)))
+    return float(255 - index)
 
 
 def _neighbour_count(mask: np.ndarray) -> np.ndarray:

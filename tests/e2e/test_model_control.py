@@ -1,0 +1,168 @@
+"""Loading within a memory budget, load timeouts, memory-limit recycling, and live reloads."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+import time
+
+import httpx
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from test_batching import body, slow_model
+
+
+def onnx_model(root, name: str, version: str = "1") -> None:
+    directory = root / name
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    module = torch.nn.Linear(1, 1)
+    torch.onnx.export(module, (torch.zeros(2, 1),), str(directory / "model.onnx"), dynamo=False,
+                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}})
+    (directory / "model.yaml").write_text(yaml.safe_dump({
+        "runtime": "onnx", "artifact": "model.onnx", "version": version, "max_batch_size": 8,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
+    }))
+
+
+HANGING = textwrap.dedent('''
+    import time
+    from torch import nn
+
+    def build():
+        time.sleep(600)  # a load that never finishes
+        return nn.Linear(1, 1)
+''')
+
+LEAKY = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    class Leaky(nn.Module):
+        """Keeps 200 MB per real (non-zero) batch: a slow memory leak."""
+
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(1))
+            self.kept = []
+
+        def forward(self, x):
+            if bool((x != 0).any()):
+                self.kept.append(torch.ones(50_000_000))
+            return x * self.scale
+
+    def build():
+        return Leaky()
+''')
+
+
+def factory_model(root, name: str, source: str, **fields) -> None:
+    directory = root / name
+    directory.mkdir(parents=True)
+    (directory / "factory.py").write_text(source)
+    save_file({"scale": torch.ones(1)} if "scale" in source else {"weight": torch.zeros(1, 1), "bias": torch.zeros(1)},
+              str(directory / "model.safetensors"))
+    (directory / "model.yaml").write_text(yaml.safe_dump({
+        "runtime": "pytorch", "artifact": "model.safetensors", "factory": "factory:build",
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}], **fields,
+    }))
+
+
+def wait_settled(url: str, names: list[str], timeout_s: float = 90) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        models = httpx.get(url + "/healthz").json()["models"]
+        if all(models[n]["state"] in ("ready", "failed", "invalid") for n in names):
+            return models
+        time.sleep(0.2)
+    raise TimeoutError(models)
+
+
+def test_model_over_the_memory_budget_is_refused_while_another_serves(tmp_path, start_server):
+    onnx_model(tmp_path, "small")
+    slow_model(tmp_path, "big_torch", 1, max_batch_size=1, instances=2)
+    server = start_server(["--model-repository", str(tmp_path), "--memory-budget-bytes", str(300 << 20)])
+    server.wait_live()
+    models = wait_settled(server.url, ["small", "big_torch"])
+    assert models["small"]["state"] == "ready"
+    reason = models["big_torch"]["reason"]
+    assert models["big_torch"]["state"] == "failed"
+    assert "big_torch" in reason and "MiB" in reason and "300 MiB memory budget" in reason
+    r = httpx.post(server.url + "/v2/models/small/infer", json=body(2.0))
+    assert r.status_code == 200
+
+
+def test_a_hanging_load_is_killed_at_the_timeout(tmp_path, start_server):
+    onnx_model(tmp_path, "small")
+    factory_model(tmp_path, "hangs", HANGING)
+    server = start_server(["--model-repository", str(tmp_path), "--load-timeout-s", "8"])
+    server.wait_live()
+    models = wait_settled(server.url, ["small", "hangs"])
+    assert models["hangs"]["state"] == "failed" and "within 8 s" in models["hangs"]["reason"]
+    assert models["hangs"]["instances"][0]["alive"] is False
+    assert httpx.post(server.url + "/v2/models/small/infer", json=body(1.0)).status_code == 200
+
+
+def test_worker_over_its_memory_limit_is_drained_and_replaced(tmp_path, start_server):
+    factory_model(tmp_path, "leaky", LEAKY, max_batch_size=1, memory_limit_bytes=1200 << 20)
+    server = start_server(["--model-repository", str(tmp_path)])
+    server.wait_ready()
+    first_pid = httpx.get(server.url + "/healthz").json()["models"]["leaky"]["instances"][0]["pid"]
+    codes = [httpx.post(server.url + "/v2/models/leaky/infer", json=body(1.0), timeout=60).status_code
+             for _ in range(12)]
+    assert set(codes) == {200}  # draining loses nothing
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        model = httpx.get(server.url + "/healthz").json()["models"]["leaky"]
+        if model["recycles"] >= 1 and model["state"] == "ready" and model["instances"][0]["pid"] != first_pid:
+            break
+        time.sleep(0.2)
+    assert model["recycles"] >= 1 and model["restarts"] == 0, model
+    assert httpx.post(server.url + "/v2/models/leaky/infer", json=body(0.0)).status_code == 200
+    assert "exceeds memory_limit_bytes" in server.log()
+
+
+def test_reload_under_load_has_zero_failed_requests_and_needs_the_admin_token(tmp_path, start_server):
+    onnx_model(tmp_path, "live", version="1")
+    server = start_server(["--model-repository", str(tmp_path), "--admin-token", "s3cret"])
+    server.wait_ready()
+    load_url = server.url + "/v2/repository/models/live/load"
+    assert httpx.post(load_url).status_code == 401
+    assert httpx.post(load_url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    onnx_model(tmp_path, "live", version="2")  # a new version appears in the repository
+
+    async def main():
+        answers: list[int] = []
+        stop = asyncio.Event()
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            async def user():
+                while not stop.is_set():
+                    r = await client.post("/v2/models/live/infer", json=body(1.0))
+                    answers.append(r.status_code)
+
+            users = [asyncio.create_task(user()) for _ in range(6)]
+            await asyncio.sleep(0.5)
+            reload = await client.post("/v2/repository/models/live/load", headers={"Authorization": "Bearer s3cret"},
+                                       timeout=120)
+            await asyncio.sleep(0.5)
+            stop.set()
+            await asyncio.gather(*users)
+        return reload, answers
+
+    reload, answers = asyncio.run(main())
+    assert reload.status_code == 200 and reload.json()["version"] == "2", reload.text
+    assert answers and set(answers) == {200}, {c: answers.count(c) for c in set(answers)}
+    assert httpx.get(server.url + "/v2/models/live").json()["versions"] == ["2"]
+    unload = httpx.post(server.url + "/v2/repository/models/live/unload", headers={"Authorization": "Bearer s3cret"})
+    assert unload.status_code == 200 and unload.json()["state"] == "unloaded"
+    r = httpx.post(server.url + "/v2/models/live/infer", json=body(1.0))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+    index = httpx.post(server.url + "/v2/repository/index").json()
+    assert index == [{"name": "live", "version": "2", "state": "UNAVAILABLE", "reason": "unloaded by an operator"}]
+
