@@ -13,7 +13,14 @@ from servewell.config.server import ConfigFileError, ServerConfig, load_server_c
 _FLAG_TYPES = {int: int, float: float, str: str, Path: Path}
 
 
-def _flag_type(annotation: object) -> type:
+def _float_list(text: str) -> list[float]:
+    """Comma-separated numbers, for list-valued settings."""
+    return [float(part) for part in text.split(",") if part.strip()]
+
+
+def _flag_type(annotation: object):  # noqa: ANN202 - a callable argparse uses as type
+    if typing.get_origin(annotation) is list:
+        return _float_list
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) is typing.Literal:
         return str
@@ -33,9 +40,11 @@ def _add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | N
         if typing.get_origin(inner[0]) is typing.Literal:
             choices = list(typing.get_args(inner[0]))
         default = field.default if field.default is not None else "none"
+        if field.default_factory is not None:
+            default = ",".join(str(v) for v in field.default_factory())
         parser.add_argument(
             flag, dest=name, type=_flag_type(field.annotation), choices=choices, default=None,
-            help=f"{field.description} (default: {default})",
+            help=f"{field.description} (default: {default})".replace("%", "%%"),
         )
 
 

@@ -10,11 +10,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from servewell.api.app import create_app
 from servewell.api.context import ApiContext
 from servewell.config.server import ServerConfig
 from servewell.engine.engine import InferenceEngine
+from servewell.observability.gpu import GpuProbe
+from servewell.observability.metrics import ServeMetrics, StateCollector
+from servewell.observability.process import process_facts
+from servewell.observability.steps import set_step_sink
+from servewell.observability.tracing import Tracing, settings_from
 
 log = logging.getLogger("servewell.server")
 
@@ -46,11 +54,19 @@ def _log_progress(model: str, instance: int, stage: str, elapsed_s: float) -> No
              extra={"model": model, "instance": instance, "stage": stage, "elapsed_s": round(elapsed_s, 3)})
 
 
-def build_app(settings: ServerConfig):  # noqa: ANN201 - FastAPI
+def build_app(settings: ServerConfig) -> FastAPI:
     """The app for `settings`; models load in the background once it starts, so liveness
     answers at once and readiness tells the truth while they load."""
     repository = settings.model_repository or ensure_builtin_repository(settings.cache_dir)
-    engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes)
+    metrics = ServeMetrics(settings.latency_buckets_s)
+    tracing = Tracing(settings_from(settings.otlp_endpoint, settings.otlp_protocol, settings.trace_sample_ratio))
+    set_step_sink(lambda name, seconds: metrics.trace_steps.labels(name).observe(seconds))
+    engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes,
+                             metrics, tracing)
+    gpus = GpuProbe()
+    metrics.registry.register(StateCollector(
+        engine.samples, process_facts, gpus.read, lambda: (engine.budget.total_bytes, engine.budget.used_bytes),
+    ))
     pool = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
     loading: list[asyncio.Task] = []
 
@@ -63,8 +79,16 @@ def build_app(settings: ServerConfig):  # noqa: ANN201 - FastAPI
                 task.cancel()
         await engine.stop()
         pool.shutdown(wait=False)
+        tracing.shutdown()
 
-    return create_app(ApiContext(engine, settings, pool), startup, shutdown)
+    app = create_app(ApiContext(engine, settings, pool, metrics, tracing), startup, shutdown)
+
+    @app.get("/metrics", summary="Prometheus metrics", tags=["observability"])
+    async def prometheus_metrics() -> Response:
+        """Every metric family in the Prometheus text format (names in the README)."""
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
 
 
 def serve(settings: ServerConfig) -> None:

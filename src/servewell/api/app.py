@@ -46,5 +46,6 @@ def create_app(
     app.include_router(routes_v2.router)
     app.include_router(routes_admin.router)
     app.include_router(routes_admin.repository_router)
-    app.add_middleware(RequestContextMiddleware)
+    app.add_middleware(RequestContextMiddleware, metrics=api.metrics, tracing=api.tracing,
+                       slow_request_s=api.settings.slow_request_ms / 1000.0)
     return app

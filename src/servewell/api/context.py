@@ -16,6 +16,9 @@ from servewell.config.server import ServerConfig
 from servewell.engine.engine import InferenceEngine
 from servewell.engine.scheduler import RequestResult
 from servewell.errors import ClientClosed, InvalidInput
+from servewell.observability.context import stages_var
+from servewell.observability.metrics import ServeMetrics
+from servewell.observability.tracing import Tracing
 
 URGENCY_HEADER = "x-urgency"
 TIMEOUT_HEADER = "x-request-timeout-ms"
@@ -28,6 +31,17 @@ class ApiContext:
     engine: InferenceEngine
     settings: ServerConfig
     decode_pool: ThreadPoolExecutor
+    metrics: ServeMetrics
+    tracing: Tracing
+
+    def record_stages(self, model: str, result: RequestResult, preprocess_s: float, postprocess_s: float) -> None:
+        """Per-request stage durations: into the histograms, and for the middleware's slow-request log."""
+        self.metrics.preprocess.labels(model).observe(preprocess_s)
+        self.metrics.postprocess.labels(model).observe(postprocess_s)
+        stages = stages_var.get()
+        if stages is not None:
+            stages.update(preprocess=preprocess_s, queue=result.queue_s, compute=result.compute_s,
+                          postprocess=postprocess_s)
 
     async def decode_images(self, config: ModelConfig, blobs: list[bytes]) -> np.ndarray:
         """Decode encoded images into one input batch, off the event loop."""
@@ -69,11 +83,12 @@ def timeout_from_header(request: Request) -> float | None:
     return value
 
 
-def server_timing(queue_s: float, preprocess_s: float, compute_s: float, total_s: float) -> str:
+def server_timing(queue_s: float, preprocess_s: float, compute_s: float, postprocess_s: float, total_s: float) -> str:
     """`Server-Timing` header value, durations in milliseconds."""
     return (
         f"preprocess;dur={preprocess_s * 1000:.3f}, queue;dur={queue_s * 1000:.3f}, "
-        f"compute;dur={compute_s * 1000:.3f}, total;dur={total_s * 1000:.3f}"
+        f"compute;dur={compute_s * 1000:.3f}, postprocess;dur={postprocess_s * 1000:.3f}, "
+        f"total;dur={total_s * 1000:.3f}"
     )
 
 

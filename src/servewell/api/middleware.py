@@ -1,4 +1,5 @@
-"""Pure ASGI middleware: request id, X-Process-Time, and a JSON 500 for anything unexpected.
+"""Pure ASGI middleware: request id, trace context, timing, metrics, slow/failed request logs,
+and a JSON 500 for anything unexpected.
 
 Pure ASGI (not BaseHTTPMiddleware) so it adds no task or body copy per request.
 """
@@ -10,43 +11,64 @@ import re
 import time
 import uuid
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servewell.api.errors import error_response
-from servewell.observability.context import model_var, request_id_var
+from servewell.observability.context import model_var, request_id_var, stages_var
+from servewell.observability.metrics import ServeMetrics
+from servewell.observability.tracing import SpanKind, Tracing, extract_context
 
 log = logging.getLogger("servewell.api")
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+_UNTIMED = ("/metrics", "/healthz", "/v2/health/live", "/v2/health/ready", "/docs", "/openapi.json")
 
 
 class RequestContextMiddleware:
-    """Assigns (or accepts a safe client-supplied) `X-Request-ID` and times the request."""
+    """Assigns (or accepts a safe client-supplied) `X-Request-ID`, continues a W3C trace,
+    times the request, and records it in metrics and (when slow or failed) in the log."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServeMetrics | None = None, tracing: Tracing | None = None,
+                 slow_request_s: float = 0.3) -> None:
         self.app = app
+        self.metrics = metrics
+        self.tracing = tracing if tracing is not None and tracing.enabled else None
+        self.slow_request_s = slow_request_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        request_id = ""
+        request_id = traceparent = tracestate = None
         for key, value in scope["headers"]:
             if key == b"x-request-id":
                 candidate = value.decode("latin-1")
-                if _SAFE_ID.match(candidate):
-                    request_id = candidate
-                break
+                request_id = candidate if _SAFE_ID.match(candidate) else None
+            elif key == b"traceparent":
+                traceparent = value.decode("latin-1")
+            elif key == b"tracestate":
+                tracestate = value.decode("latin-1")
         request_id = request_id or uuid.uuid4().hex
-        token = request_id_var.set(request_id)
-        model_token = model_var.set("")
+        tokens = (request_id_var.set(request_id), model_var.set(""), stages_var.set({}))
+        span = otel_token = None
+        if self.tracing is not None:
+            span = self.tracing.tracer.start_span(
+                "http", context=extract_context(traceparent, tracestate), kind=SpanKind.SERVER,
+                attributes={"http.request.method": scope.get("method", ""), "url.path": scope.get("path", ""),
+                            "servewell.request_id": request_id},
+            )
+            otel_token = otel_context.attach(trace.set_span_in_context(span))
+        status = 500
         response_started = False
 
         async def send_with_headers(message: Message) -> None:
-            nonlocal response_started
+            nonlocal response_started, status
             if message["type"] == "http.response.start":
                 response_started = True
+                status = message["status"]
                 headers = list(message.get("headers", []))
                 headers.append((b"x-request-id", request_id.encode()))
                 headers.append((b"x-process-time", f"{time.perf_counter() - started:.6f}".encode()))
@@ -61,5 +83,31 @@ class RequestContextMiddleware:
                 response = error_response(500, "internal", "internal server error; the request id is in this body")
                 await response(scope, receive, send_with_headers)
         finally:
-            request_id_var.reset(token)
-            model_var.reset(model_token)
+            self._finish(scope, status, time.perf_counter() - started, span)
+            if otel_token is not None:
+                otel_context.detach(otel_token)
+            request_id_var.reset(tokens[0])
+            model_var.reset(tokens[1])
+            stages_var.reset(tokens[2])
+
+    def _finish(self, scope: Scope, status: int, elapsed: float, span) -> None:  # noqa: ANN001
+        route = scope.get("route")
+        template = getattr(route, "path", None) or "unmatched"
+        model = model_var.get()
+        if span is not None:
+            span.set_attribute("http.route", template)
+            span.set_attribute("http.response.status_code", status)
+            if model:
+                span.set_attribute("servewell.model", model)
+            if status >= 500:
+                span.set_status(trace.StatusCode.ERROR)
+            span.end()
+        if template in _UNTIMED:
+            return
+        if self.metrics is not None:
+            self.metrics.observe_request(model, template, status, elapsed)
+        if elapsed > self.slow_request_s:
+            stages = {k: round(v * 1000, 3) for k, v in (stages_var.get() or {}).items()}
+            log.warning("slow request: %.1f ms on %s (status %d)", elapsed * 1000, template, status,
+                        extra={"route": template, "status": status, "total_ms": round(elapsed * 1000, 3),
+                               "stages_ms": stages})

@@ -77,18 +77,22 @@ async def predict(request: Request, api: ApiContext = Depends(api_context)) -> R
     config = api.engine.config_of(name)
     if config.image_input is None:
         raise InvalidInput(f"model '{name}' takes no images; call /v2/models/{name}/infer with tensors")
-    image = decode_base64(req.image_base64, "image_base64")
     decode_started = time.perf_counter()
-    batch = await api.decode_images(config, [image])
+    with api.tracing.tracer.start_as_current_span("preprocess", attributes={"servewell.model": name}):
+        image = decode_base64(req.image_base64, "image_base64")
+        batch = await api.decode_images(config, [image])
     preprocess_s = time.perf_counter() - decode_started
     inputs = {config.image_input: batch.astype(config.input_spec(config.image_input).numpy_dtype, copy=False)}
     result = await unless_disconnected(request, api.engine.infer(
         name, None, inputs, lane=lane_from(request, req.urgency),
         timeout_ms=timeout_from_header(request), request_id=request_id_var.get(),
     ))
-    doc = {"result": interpret(config, result.outputs), "request_id": request_id_var.get()}
-    timing = server_timing(result.queue_s, preprocess_s, result.compute_s, time.perf_counter() - started)
-    return _json(doc, headers={"Server-Timing": timing})
+    post_started = time.perf_counter()
+    body_out = orjson.dumps({"result": interpret(config, result.outputs), "request_id": request_id_var.get()})
+    postprocess_s = time.perf_counter() - post_started
+    api.record_stages(name, result, preprocess_s, postprocess_s)
+    timing = server_timing(result.queue_s, preprocess_s, result.compute_s, postprocess_s, time.perf_counter() - started)
+    return Response(body_out, 200, {"Server-Timing": timing}, "application/json")
 
 
 def interpret(config: ModelConfig, outputs: dict[str, np.ndarray]) -> dict[str, Any]:

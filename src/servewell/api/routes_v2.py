@@ -158,14 +158,14 @@ async def infer(name: str, request: Request, version: str | None = None, api: Ap
     api.engine.model(name, version)  # 404 before reading a large body for an unknown model
     check_content_type(request, ("application/json", "application/octet-stream"))
     body = await read_body(request, api.settings.max_body_bytes)
-    body = _decompress(body, request.headers.get("content-encoding"), api.settings.max_body_bytes)
-    header_length = _header_length(request)
-    parsed = parse_infer_request(body, header_length)
-    config = api.engine.config_of(name, version)
     preprocess_started = time.perf_counter()
-    inputs = {}
-    for tensor in parsed.inputs:
-        inputs[tensor.name] = await _model_input(api, config, tensor)
+    with api.tracing.tracer.start_as_current_span("preprocess", attributes={"servewell.model": name}):
+        body = _decompress(body, request.headers.get("content-encoding"), api.settings.max_body_bytes)
+        parsed = parse_infer_request(body, _header_length(request))
+        config = api.engine.config_of(name, version)
+        inputs = {}
+        for tensor in parsed.inputs:
+            inputs[tensor.name] = await _model_input(api, config, tensor)
     preprocess_s = time.perf_counter() - preprocess_started
     lane, timeout_ms = _scheduling(parsed.parameters, config.batching.lanes)
     if request.headers.get("x-urgency", "").strip().lower() == "high":
@@ -175,6 +175,7 @@ async def infer(name: str, request: Request, version: str | None = None, api: Ap
         name, version, inputs, lane=lane,
         timeout_ms=header_timeout if header_timeout is not None else timeout_ms, request_id=request_id_var.get(),
     ))
+    post_started = time.perf_counter()
     outputs = result.outputs
     if parsed.requested_outputs is not None:
         unknown = [n for n in parsed.requested_outputs if n not in outputs]
@@ -183,7 +184,10 @@ async def infer(name: str, request: Request, version: str | None = None, api: Ap
         outputs = {n: outputs[n] for n in parsed.requested_outputs}
     binary = set(outputs) if parsed.all_binary else parsed.binary_outputs
     body_out, json_length = encode_infer_response(name, config.version, parsed.id, outputs, binary)
-    headers = {"Server-Timing": server_timing(result.queue_s, preprocess_s, result.compute_s, time.perf_counter() - started)}
+    postprocess_s = time.perf_counter() - post_started
+    api.record_stages(name, result, preprocess_s, postprocess_s)
+    total_s = time.perf_counter() - started
+    headers = {"Server-Timing": server_timing(result.queue_s, preprocess_s, result.compute_s, postprocess_s, total_s)}
     if json_length is None:
         return Response(body_out, 200, headers, "application/json")
     headers["Inference-Header-Content-Length"] = str(json_length)

@@ -43,6 +43,20 @@ class ServerConfig(BaseModel):
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
     log_format: Literal["json", "console"] = Field("json", description="JSON lines, or human-readable console lines.")
+    slow_request_ms: float = Field(300.0, gt=0, description="Requests slower than this log a warning with their stage breakdown.")
+    latency_buckets_s: list[float] = Field(
+        default_factory=lambda: [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
+        min_length=1, description="Bucket bounds (seconds) of the latency histograms.",
+    )
+    otlp_endpoint: str | None = Field(
+        None, description="OTLP collector for traces (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT); unset: tracing off.",
+    )
+    otlp_protocol: Literal["http/protobuf", "grpc"] | None = Field(
+        None, description="OTLP transport (default: OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf).",
+    )
+    trace_sample_ratio: float | None = Field(
+        None, ge=0, le=1, description="Share of traces recorded (default: OTEL_TRACES_SAMPLER_ARG, else 1.0).",
+    )
     decode_threads: int = Field(2, ge=1, le=64, description="Threads that decode and resize images off the event loop.")
 
 
@@ -55,7 +69,9 @@ def _from_env(environ: dict[str, str]) -> dict[str, Any]:
     for name in ServerConfig.model_fields:
         key = ENV_PREFIX + name.upper()
         if key in environ:
-            values[name] = environ[key]
+            raw = environ[key]
+            # List settings come as comma-separated values in the environment.
+            values[name] = raw.split(",") if name == "latency_buckets_s" else raw
     return values
 
 

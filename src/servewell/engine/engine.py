@@ -19,6 +19,8 @@ from servewell.engine.memory_budget import MemoryBudget, machine_memory_budget
 from servewell.engine.repository import read_model_config, scan_repository
 from servewell.engine.scheduler import RequestResult, SchedulerStats
 from servewell.engine.validation import check_inputs
+from servewell.observability.metrics import ModelSample, ServeMetrics, WorkerSample
+from servewell.observability.tracing import Tracing
 from servewell.errors import LoadFailed, ModelNotReady, NotFound, ShuttingDown
 
 
@@ -49,8 +51,12 @@ class InferenceEngine:
         load_timeout_s: float,
         on_progress: LoadProgressFn | None = None,
         memory_budget_bytes: int | None = None,
+        metrics: ServeMetrics | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.repository = repository
+        self.metrics = metrics
+        self.tracing = tracing
         self.budget = MemoryBudget(memory_budget_bytes or machine_memory_budget())
         self._load_timeout_s = load_timeout_s
         self._on_progress = on_progress
@@ -65,7 +71,10 @@ class InferenceEngine:
         await asyncio.gather(*(entry.load() for entry in self._entries.values()))
 
     def _new_entry(self, name: str, directory: Path, config: ModelConfig | None, error: str | None) -> ModelEntry:
-        return ModelEntry(name, directory, config, error, self._load_timeout_s, self.budget, self._on_progress)
+        return ModelEntry(
+            name, directory, config, error, self._load_timeout_s, self.budget, self._on_progress, self.metrics,
+            self.tracing,
+        )
 
     async def load_model(self, name: str) -> ModelView:
         """(Re)load a model from its repository directory with zero failed requests: the new
@@ -184,6 +193,20 @@ class InferenceEngine:
         if version not in (None, "", entry.version):
             raise NotFound(f"model '{name}' has no version '{version}'; it serves version '{entry.version}'")
         return entry
+
+    def samples(self) -> list[ModelSample]:
+        """State of every model for the metrics scrape."""
+        out = []
+        for entry in list(self._entries.values()):
+            scheduler = entry.scheduler
+            out.append(ModelSample(
+                entry.name, entry.state,
+                scheduler.lane_depths() if scheduler else {},
+                (scheduler.queue_depth + scheduler.running_rows) if scheduler else 0,
+                scheduler.max_batch_size if scheduler else 0,
+                tuple(WorkerSample(entry.name, i.instance, i.alive, i.pid) for i in entry.instances()),
+            ))
+        return out
 
     @staticmethod
     def _view(entry: ModelEntry) -> ModelView:

@@ -20,6 +20,8 @@ from servewell.config.model import ModelConfig
 from servewell.engine.memory_budget import MemoryBudget, estimate_model_memory
 from servewell.engine.scheduler import ModelScheduler
 from servewell.errors import WorkerLost
+from servewell.observability.metrics import ServeMetrics
+from servewell.observability.tracing import Tracing
 from servewell.workers.handle import WorkerHandle, WorkerLoadError, process_rss_bytes
 
 log = logging.getLogger("servewell.engine")
@@ -60,6 +62,8 @@ class ModelEntry:
         load_timeout_s: float,
         budget: MemoryBudget,
         on_progress: LoadProgressFn | None = None,
+        metrics: ServeMetrics | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.name = name
         self.directory = directory
@@ -69,7 +73,10 @@ class ModelEntry:
         self.load_s: float | None = None
         self.restarts = 0
         self.recycles = 0
-        self.scheduler = ModelScheduler(config) if config is not None else None
+        tracer = tracing.tracer if tracing is not None and tracing.enabled else None
+        self.scheduler = ModelScheduler(config, metrics, tracer) if config is not None else None
+        self._tracing_settings = tracing.settings if tracing is not None and tracing.enabled else None
+        self._metrics = metrics
         self._workers: list[WorkerHandle | None] = []
         self._load_timeout_s = load_timeout_s
         self._budget = budget
@@ -101,6 +108,7 @@ class ModelEntry:
         try:
             self._budget.reserve(self._budget_key, estimate_model_memory(self.config, self.directory))
         except (MemoryError, OSError, ValueError) as exc:
+            self._count_load(False)
             self.state, self.reason = "failed", f"refused before loading: {exc}"
             log.error("model %s not loaded: %s", self.name, self.reason, extra={"model": self.name})
             return
@@ -110,6 +118,7 @@ class ModelEntry:
             *(self._start_instance(i) for i in range(self.config.instances)), return_exceptions=True
         )
         failures = [r for r in results if isinstance(r, BaseException)]
+        self._count_load(not failures)
         if failures:
             self.state, self.reason = "failed", str(failures[0])
             await self._stop_workers()
@@ -121,12 +130,20 @@ class ModelEntry:
         self._monitor = asyncio.get_running_loop().create_task(self._watch_memory())
         log.info("model %s ready in %.2f s", self.name, self.load_s, extra={"model": self.name})
 
+    def _count_load(self, ok: bool) -> None:
+        if self._metrics is not None:
+            self._metrics.model_loads.labels(self.name, "success" if ok else "failure").inc()
+
+    def _count_restart(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.worker_restarts.labels(self.name, reason).inc()
+
     async def _start_instance(self, index: int) -> None:
         assert self.config is not None and self.scheduler is not None
         progress = None
         if self._on_progress is not None:
             progress = lambda stage, elapsed: self._on_progress(self.name, index, stage, elapsed)  # noqa: E731
-        worker = WorkerHandle(self.config, self.directory, progress)
+        worker = WorkerHandle(self.config, self.directory, progress, self._tracing_settings)
         self._workers[index] = worker
         try:
             info = await worker.start(self._load_timeout_s)
@@ -148,6 +165,7 @@ class ModelEntry:
         if self._stopping or worker.retiring:
             return
         self.restarts += 1
+        self._count_restart("crash")
         log.warning("model %s instance %d: worker %s died (%s); restarting", self.name, index, worker.pid,
                     worker.exit_reason, extra={"model": self.name})
         if not any(w is not None and w.alive for w in self._workers):
@@ -197,6 +215,7 @@ class ModelEntry:
                     worker.pid, extra={"model": self.name})
         worker.retiring = True
         self.recycles += 1
+        self._count_restart("memory")
         self.scheduler.remove_worker(worker)
         asyncio.get_running_loop().create_task(self._replace(index, worker))
 

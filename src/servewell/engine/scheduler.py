@@ -9,10 +9,15 @@ The rules themselves live in `BatchQueue` (ordering, lanes, bounds) and `batch_p
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Tracer
 
 from servewell.config.model import BatchingConfig, ModelConfig
 from servewell.engine.batch_policy import (
@@ -25,6 +30,24 @@ from servewell.engine.batch_policy import (
 )
 from servewell.engine.batch_queue import BatchQueue, QueuedItem
 from servewell.errors import DeadlineExceeded, InvalidInput, ModelError, Overloaded, ServeError, ShuttingDown
+from servewell.observability.metrics import ServeMetrics
+from servewell.observability.tracing import Link, traceparent_of
+
+
+class _BoundMetrics:
+    """Metric children bound to one model's labels once, so the hot path only observes."""
+
+    def __init__(self, metrics: ServeMetrics, model: str, lanes: list[str]) -> None:
+        self.compute = metrics.compute.labels(model)
+        self.transport = metrics.transport.labels(model)
+        self.batch_size = metrics.batch_size.labels(model)
+        self.steps = metrics.trace_steps
+        self.queue_wait = [metrics.queue_wait.labels(model, lane) for lane in lanes]
+        self.outcome = [
+            {o: metrics.requests.labels(model, lane, o) for o in ("success", "rejected", "deadline_exceeded",
+                                                                   "cancelled", "error")}
+            for lane in lanes
+        ]
 
 
 @dataclass(slots=True)
@@ -46,6 +69,8 @@ class PendingRequest:
     future: asyncio.Future[RequestResult]
     enqueued_at: float
     item: QueuedItem | None = field(default=None, repr=False)
+    trace_context: Context | None = None  # the request's span, when tracing
+    enqueued_ns: int = 0
 
 
 @dataclass(slots=True)
@@ -62,8 +87,10 @@ class SchedulerStats:
 class ModelScheduler:
     """Queues requests for one model and runs them in batches on its workers."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, metrics: ServeMetrics | None = None, tracer: Tracer | None = None) -> None:
         self.config = config
+        self._tracer = tracer
+        self._metrics = _BoundMetrics(metrics, config.name, config.batching.lanes) if metrics else None
         self.batching: BatchingConfig = config.batching
         self.max_batch_size = max(1, config.max_batch_size)
         self.lanes: tuple[str, ...] = tuple(config.batching.lanes)
@@ -75,6 +102,7 @@ class ModelScheduler:
         self._reserved_free = False
         self._workers = 0
         self._running = 0
+        self._running_requests = 0
         self._timer: asyncio.TimerHandle | None = None
         self._accepting = True
         self._drained: asyncio.Event | None = None
@@ -161,6 +189,11 @@ class ModelScheduler:
         return {name: self._queue.depth(i) for i, name in enumerate(self.lanes)}
 
     @property
+    def running_rows(self) -> int:
+        """Requests inside batches on workers right now."""
+        return self._running_requests
+
+    @property
     def running_batches(self) -> int:
         """Batches on workers right now."""
         return self._running
@@ -179,20 +212,25 @@ class ModelScheduler:
         Raises `Overloaded` at once when the lane is full, `ShuttingDown` while draining.
         Cancelling the future (the client went away) drops the request before compute.
         """
+        lane_index = self.lane_index(lane)
         if not self._accepting:
+            self._count(lane_index, "rejected")
             raise ShuttingDown("the server is shutting down and accepts no new requests")
         if rows > self.max_batch_size and self.config.max_batch_size > 0:
             raise InvalidInput(f"a batch of {rows} exceeds the current max_batch_size {self.max_batch_size}")
         loop = asyncio.get_running_loop()
         now = loop.time()
-        lane_index = self.lane_index(lane)
         timeout_s = (timeout_ms if timeout_ms is not None else self.batching.default_timeout_ms) / 1000.0
         future: asyncio.Future[RequestResult] = loop.create_future()
         pending = PendingRequest(inputs, request_id, future, now)
+        if self._tracer is not None:
+            pending.trace_context = otel_context.get_current()
+            pending.enqueued_ns = time.time_ns()
         shape_key = tuple((name, a.shape[1:], a.dtype.str) for name, a in inputs.items())
         item = QueuedItem(pending, lane_index, rows, shape_key, now + timeout_s, now)
         if not self._queue.push(item):
             self.stats.rejected += 1
+            self._count(lane_index, "rejected")
             raise Overloaded(
                 f"model '{self.config.name}' has {self._queue.depth(lane_index)} requests queued in lane "
                 f"'{self.lanes[lane_index]}', its limit",
@@ -204,9 +242,14 @@ class ModelScheduler:
         self._pump()
         return future
 
+    def _count(self, lane: int, outcome: str, n: int = 1) -> None:
+        if self._metrics is not None:
+            self._metrics.outcome[lane][outcome].inc(n)
+
     def _on_cancel(self, item: QueuedItem) -> None:
         if item.queued:
             self.stats.cancelled += 1
+            self._count(item.lane, "cancelled")
         self._queue.cancel(item)
         self._check_drained()
 
@@ -217,6 +260,7 @@ class ModelScheduler:
         now = loop.time()
         for item in self._queue.expire(now):
             self.stats.expired += 1
+            self._count(item.lane, "deadline_exceeded")
             _fail(item.payload, DeadlineExceeded(
                 f"the request waited {1000 * (now - item.enqueued_at):.0f} ms in the queue and passed its deadline "
                 "before the model could run it"
@@ -243,6 +287,7 @@ class ModelScheduler:
                 self._return_worker(worker)
                 continue
             self._running += 1
+            self._running_requests += len(batch)
             loop.create_task(self._execute(worker, batch))
         deadline = self._queue.next_deadline()
         if deadline is not None and (wake_at is None or deadline < wake_at):
@@ -285,29 +330,74 @@ class ModelScheduler:
         started = loop.time()
         names = [spec.name for spec in self.config.inputs]
         rows = sum(r.item.rows for r in batch)
+        span = self._start_batch_span(batch, rows) if self._tracer is not None else None
         try:
-            outcome = await worker.run({name: [r.inputs[name] for r in batch] for name in names})
+            outcome = await worker.run(
+                {name: [r.inputs[name] for r in batch] for name in names},
+                traceparent_of(span.get_span_context()) if span is not None else None,
+            )
             results = self._split(outcome.outputs, batch)
         except ServeError as exc:
             for request in batch:
+                self._count(request.item.lane, "error")
                 _fail(request, exc)
         except Exception as exc:  # a bug in our splitting or transport must still resolve every future
             for request in batch:
+                self._count(request.item.lane, "error")
                 _fail(request, ModelError(f"batch failed: {exc}"))
         else:
-            self._latency.observe(rows, loop.time() - started)
+            elapsed = loop.time() - started
+            self._latency.observe(rows, elapsed)
             self.stats.batches += 1
             self.stats.rows += rows
+            m = self._metrics
+            if m is not None:
+                m.compute.observe(outcome.compute_s)
+                m.transport.observe(max(0.0, elapsed - outcome.compute_s))
+                m.batch_size.observe(rows)
+                for step, seconds in outcome.steps:
+                    m.steps.labels(step).observe(seconds)
             for request, outputs in zip(batch, results):
-                if not request.future.done():
-                    request.future.set_result(
-                        RequestResult(outputs, started - request.enqueued_at, outcome.compute_s, rows)
-                    )
+                lane = request.item.lane
+                if request.future.done():  # the client went away while the batch ran
+                    self._count(lane, "cancelled")
+                    continue
+                queue_s = started - request.enqueued_at
+                if m is not None:
+                    m.queue_wait[lane].observe(queue_s)
+                    m.outcome[lane]["success"].inc()
+                request.future.set_result(RequestResult(outputs, queue_s, outcome.compute_s, rows))
         finally:
+            if span is not None:
+                failed = any(r.future.done() and not r.future.cancelled() and r.future.exception() for r in batch)
+                span.set_attribute("servewell.outcome", "error" if failed else "success")
+                span.end()
             self._running -= 1
+            self._running_requests -= len(batch)
             if worker.alive:
                 self._return_worker(worker)
             self._pump()
+
+    def _start_batch_span(self, batch: list[PendingRequest], rows: int):  # noqa: ANN202 - Span
+        """One `batch` span linking every request span, and each request's `queue` span ended now."""
+        now_ns = time.time_ns()
+        links = []
+        for request in batch:
+            if request.trace_context is None:
+                continue
+            parent = trace.get_current_span(request.trace_context).get_span_context()
+            if parent.is_valid:
+                links.append(Link(parent))
+            queue = self._tracer.start_span(
+                "queue", context=request.trace_context, start_time=request.enqueued_ns,
+                attributes={"servewell.model": self.config.name, "servewell.lane": self.lanes[request.item.lane]},
+            )
+            queue.end(end_time=now_ns)
+        return self._tracer.start_span(
+            "batch", context=Context(), links=links, start_time=now_ns,
+            attributes={"servewell.model": self.config.name, "servewell.model_version": self.config.version,
+                        "servewell.batch_size": rows, "servewell.requests": len(batch)},
+        )
 
     def _split(self, outputs: dict[str, np.ndarray], batch: list[PendingRequest]) -> list[dict[str, np.ndarray]]:
         if self.config.max_batch_size == 0:

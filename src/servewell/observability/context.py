@@ -8,3 +8,6 @@ from contextvars import ContextVar
 request_id_var: ContextVar[str] = ContextVar("servewell_request_id", default="")
 #: Model the current request is for ("" when unknown).
 model_var: ContextVar[str] = ContextVar("servewell_model", default="")
+
+#: Stage durations (seconds) of the current request, filled by the route, read by the middleware.
+stages_var: ContextVar[dict[str, float] | None] = ContextVar("servewell_stages", default=None)

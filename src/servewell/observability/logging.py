@@ -10,6 +10,7 @@ import logging
 import sys
 
 import orjson
+from opentelemetry import trace
 
 from servewell.observability.context import model_var, request_id_var
 
@@ -32,6 +33,10 @@ class JsonLineFormatter(logging.Formatter):
         model = getattr(record, "model", None) or model_var.get()
         if model:
             event["model"] = model
+        span_context = trace.get_current_span().get_span_context()
+        if span_context.is_valid:
+            event["trace_id"] = f"{span_context.trace_id:032x}"
+            event["span_id"] = f"{span_context.span_id:016x}"
         for key, value in vars(record).items():
             if key not in _STANDARD and key not in event and not key.startswith("_"):
                 event[key] = value
@@ -60,6 +65,8 @@ def configure_logging(level: str = "info", fmt: str = "json") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # The OTLP exporter logs every failed export; a down collector must not flood the log.
+    logging.getLogger("opentelemetry").setLevel(logging.ERROR)
     for name in ("uvicorn", "uvicorn.error"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True

@@ -14,3 +14,28 @@ def rss_bytes(pid: int | str = "self") -> int:
             return int(f.read().split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
         return 0
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_facts(pid: int) -> dict[str, float]:
+    """RSS, private (anonymous) memory, CPU seconds and threads of a process; {} if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().rsplit(b")", 1)[1].split()
+        private = 0
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Anonymous:"):
+                    private = int(line.split()[1]) * 1024
+                    break
+    except (OSError, IndexError, ValueError):
+        return {}
+    # Fields after the command name: state is [0], utime [11], stime [12], num_threads [17], rss [21].
+    return {
+        "rss_bytes": float(int(stat[21]) * _PAGE),
+        "private_bytes": float(private),
+        "cpu_seconds": (int(stat[11]) + int(stat[12])) / _TICKS,
+        "threads": float(int(stat[17])),
+    }

@@ -33,6 +33,7 @@ from servewell.workers.messages import (
     WorkerReply,
 )
 from servewell.observability.process import rss_bytes as process_rss_bytes
+from servewell.observability.tracing import TracingSettings
 from servewell.workers.process_main import worker_main
 from servewell.workers.shm import SegmentReader, SharedArena
 
@@ -67,13 +68,21 @@ class BatchOutcome:
 
     outputs: dict[str, np.ndarray]
     compute_s: float
+    steps: tuple[tuple[str, float], ...] = ()
 
 
 class WorkerHandle:
     """One model instance in its own process."""
 
-    def __init__(self, config: ModelConfig, model_dir: Path, on_progress: ProgressCallback | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        model_dir: Path,
+        on_progress: ProgressCallback | None = None,
+        tracing: TracingSettings | None = None,
+    ) -> None:
         self.config = config
+        self._tracing = tracing
         self.model_dir = model_dir
         self._on_progress = on_progress
         self._ids = itertools.count(1)
@@ -107,7 +116,7 @@ class WorkerHandle:
         parent, child = ctx.Pipe(duplex=True)
         self._process = ctx.Process(
             target=worker_main,
-            args=(child, self.config, str(self.model_dir)),
+            args=(child, self.config, str(self.model_dir), self._tracing),
             name=f"servewell-worker-{self.config.name}",
             daemon=True,
         )
@@ -149,7 +158,7 @@ class WorkerHandle:
                 else:
                     os.environ["LD_PRELOAD"] = previous
 
-    async def run(self, parts: dict[str, list[np.ndarray]]) -> BatchOutcome:
+    async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None) -> BatchOutcome:
         """Run one batch made of the row blocks in `parts`, concatenated along axis 0."""
         if not self.alive or self._conn is None:
             raise WorkerLost("the worker process is not running")
@@ -171,7 +180,7 @@ class WorkerHandle:
         future = self._loop.create_future()
         self._pending[batch_id] = future
         try:
-            self._conn.send(RunBatch(batch_id, self._arena.name, refs))
+            self._conn.send(RunBatch(batch_id, self._arena.name, refs, traceparent))
         except (OSError, ValueError):
             self._pending.pop(batch_id, None)
             raise WorkerLost("the worker process is not running") from None
@@ -206,7 +215,7 @@ class WorkerHandle:
             self.rows_computed = message.rows_computed
             if future is not None and not future.done():
                 outputs = self._reader.arrays(message.segment, message.outputs, copy=True)
-                future.set_result(BatchOutcome(outputs, message.compute_s))
+                future.set_result(BatchOutcome(outputs, message.compute_s, message.steps))
             if self.on_batch_done is not None:
                 self.on_batch_done(self)
         elif isinstance(message, BatchFailed):

@@ -30,7 +30,7 @@ class RunBatch:
     batch_id: int
     segment: str
     inputs: tuple[TensorRef, ...]
-    request_ids: tuple[str, ...] = ()
+    traceparent: str | None = None  # the batch span; the worker's compute span is its child
 
 
 @dataclass(slots=True, frozen=True)
@@ -80,6 +80,7 @@ class BatchDone:
     compute_s: float
     rss_bytes: int
     rows_computed: int = 0  # rows this worker has run since it started, this batch included
+    steps: tuple[tuple[str, float], ...] = ()  # trace_step() durations measured during the batch
 
 
 @dataclass(slots=True, frozen=True)

@@ -26,10 +26,12 @@ from servewell.workers.messages import (
     WorkerReady,
 )
 from servewell.observability.process import rss_bytes
+from servewell.observability.steps import set_step_sink
+from servewell.observability.tracing import Tracing, TracingSettings, context_from_traceparent
 from servewell.workers.shm import SegmentReader, SharedArena
 
 
-def worker_main(conn: Connection, config: ModelConfig, model_dir: str) -> None:
+def worker_main(conn: Connection, config: ModelConfig, model_dir: str, tracing: TracingSettings | None = None) -> None:
     """Run until the frontend says `Shutdown` or goes away."""
     # Ctrl-C in a terminal reaches the whole process group; the frontend decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -69,13 +71,15 @@ def worker_main(conn: Connection, config: ModelConfig, model_dir: str) -> None:
         return
 
     conn.send(WorkerReady(os.getpid(), load_s, warmup_s, rss_bytes(), tuple(stages)))
-    _serve(conn, runtime)
+    _serve(conn, runtime, config.name, Tracing(tracing) if tracing is not None else None)
 
 
-def _serve(conn: Connection, runtime) -> None:  # noqa: ANN001 - a ModelRuntime
+def _serve(conn: Connection, runtime, model: str, tracing: Tracing | None) -> None:  # noqa: ANN001 - a ModelRuntime
     reader = SegmentReader()
     arena = SharedArena()
     rows_computed = 0
+    steps: list[tuple[str, float]] = []
+    set_step_sink(lambda name, seconds: steps.append((name, seconds)))
     try:
         while True:
             try:
@@ -84,16 +88,30 @@ def _serve(conn: Connection, runtime) -> None:  # noqa: ANN001 - a ModelRuntime
                 return  # the frontend is gone: nobody to serve
             if isinstance(message, Shutdown):
                 return
-            if isinstance(message, RunBatch):
-                rows_computed += message.inputs[0].shape[0] if message.inputs and message.inputs[0].shape else 1
-                conn.send(_run(message, runtime, reader, arena, rows_computed))
+            if not isinstance(message, RunBatch):
+                continue
+            rows = message.inputs[0].shape[0] if message.inputs and message.inputs[0].shape else 1
+            rows_computed += rows
+            steps.clear()
+            if tracing is not None and tracing.enabled and message.traceparent:
+                with tracing.tracer.start_as_current_span(
+                    "compute", context=context_from_traceparent(message.traceparent),
+                    attributes={"servewell.model": model, "servewell.batch_size": rows},
+                ):
+                    reply = _run(message, runtime, reader, arena, rows_computed, steps)
+            else:
+                reply = _run(message, runtime, reader, arena, rows_computed, steps)
+            conn.send(reply)
     finally:
         reader.close()
         arena.close()
         runtime.close()
+        if tracing is not None:
+            tracing.shutdown()
 
 
-def _run(message: RunBatch, runtime, reader: SegmentReader, arena: SharedArena, rows_computed: int):  # noqa: ANN001
+def _run(message: RunBatch, runtime, reader: SegmentReader, arena: SharedArena, rows_computed: int,  # noqa: ANN001
+         steps: list[tuple[str, float]]):
     inputs = reader.arrays(message.segment, message.inputs, copy=False)
     started = time.perf_counter()
     try:
@@ -104,7 +122,7 @@ def _run(message: RunBatch, runtime, reader: SegmentReader, arena: SharedArena, 
         return BatchFailed(message.batch_id, _describe(exc))
     finally:
         del inputs
-    return BatchDone(message.batch_id, arena.name, refs, compute_s, rss_bytes(), rows_computed)
+    return BatchDone(message.batch_id, arena.name, refs, compute_s, rss_bytes(), rows_computed, tuple(steps))
 
 
 def _describe(exc: BaseException) -> str:

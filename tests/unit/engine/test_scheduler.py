@@ -32,7 +32,7 @@ class FakeWorker:
         self.release.set()
         self.fail_with = fail_with
 
-    async def run(self, parts):
+    async def run(self, parts, traceparent=None):
         x = np.concatenate(parts["x"])
         self.batches.append(x[:, 0].tolist())
         await self.release.wait()

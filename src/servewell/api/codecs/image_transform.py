@@ -158,11 +158,16 @@ def _ink_bbox(image: Image.Image, width: int, height: int) -> Image.Image:
     x0 = round((left + right - crop_w) / 2)
     y0 = round((top + bottom - crop_h) / 2)
     # Pixels outside the picture come back as 0 from crop(): below the paper, so "no ink".
-    pixels = np.asarray(image.crop((x0, y0, x0 + crop_w, y0 + crop_h)), dtype=np.float32)
+    cropped = image.crop((x0, y0, x0 + crop_w, y0 + crop_h))
+    # A huge crop (a large PNG) is box-reduced first, so the float work below stays small.
+    step = max(1, min(crop_w // (16 * width), crop_h // (16 * height)))
+    if step > 1:
+        cropped = cropped.reduce(step)
+    pixels = np.asarray(cropped, dtype=np.float32)
     p0, px, py = ink.paper
-    paper = p0 + px * np.arange(x0, x0 + crop_w, dtype=np.float32)[None, :] + py * np.arange(
-        y0, y0 + crop_h, dtype=np.float32
-    )[:, None]
+    xs = x0 + (np.arange(cropped.width, dtype=np.float32) + 0.5) * step - 0.5
+    ys = y0 + (np.arange(cropped.height, dtype=np.float32) + 0.5) * step - 0.5
+    paper = p0 + px * xs[None, :] + py * ys[:, None]
     if pixels.ndim == 3:
         paper = paper[:, :, None]
     levels = np.clip((pixels - paper) * (255.0 / ink.contrast) + 0.5, 0, 255).astype(np.uint8)

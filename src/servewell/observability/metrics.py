@@ -1,0 +1,164 @@
+"""Prometheus metrics of servewell: one registry per server, names documented in the README.
+
+Histograms and counters are updated on the hot path (per request or per batch, a couple of
+microseconds each); gauges that describe state (queue depth, model state, worker processes,
+GPUs) are read at scrape time by `StateCollector`, so serving never maintains them.
+Labels are low-cardinality: model, lane, route, status class, outcome, instance, gpu.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+OUTCOMES = ("success", "rejected", "deadline_exceeded", "cancelled", "error")
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerSample:
+    """One worker process at scrape time."""
+
+    model: str
+    instance: int
+    up: bool
+    pid: int | None
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSample:
+    """One model's state at scrape time."""
+
+    name: str
+    state: str
+    lane_depths: dict[str, int]
+    inflight: int
+    effective_max_batch_size: int
+    workers: tuple[WorkerSample, ...] = field(default_factory=tuple)
+
+
+MODEL_STATES = ("loading", "ready", "restarting", "failed", "invalid", "unloaded")
+
+
+class ServeMetrics:
+    """All metric families of one server, in their own registry."""
+
+    def __init__(self, latency_buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.request_latency = Histogram(
+            "servewell_request_duration_seconds", "Time from request arrival to response, by route and status class.",
+            ["model", "route", "status_class"], buckets=latency_buckets, registry=r)
+        self.queue_wait = Histogram(
+            "servewell_queue_wait_seconds", "Time a request waited in its lane before its batch started.",
+            ["model", "lane"], buckets=latency_buckets, registry=r)
+        self.preprocess = Histogram(
+            "servewell_preprocess_seconds", "Decoding and preprocessing per request (JSON tensors, images).",
+            ["model"], buckets=latency_buckets, registry=r)
+        self.compute = Histogram(
+            "servewell_batch_compute_seconds", "Model compute per batch, measured inside the worker.",
+            ["model"], buckets=latency_buckets, registry=r)
+        self.transport = Histogram(
+            "servewell_batch_transport_seconds", "Per-batch cost of the process hop (round trip minus compute).",
+            ["model"], buckets=latency_buckets, registry=r)
+        self.postprocess = Histogram(
+            "servewell_postprocess_seconds", "Response encoding per request.",
+            ["model"], buckets=latency_buckets, registry=r)
+        self.batch_size = Histogram(
+            "servewell_batch_size", "Rows per executed batch.", ["model"], buckets=BATCH_BUCKETS, registry=r)
+        self.requests = Counter(
+            "servewell_requests", "Inference requests by outcome and lane.", ["model", "lane", "outcome"], registry=r)
+        self.model_loads = Counter(
+            "servewell_model_loads", "Model load attempts by result.", ["model", "result"], registry=r)
+        self.worker_restarts = Counter(
+            "servewell_worker_restarts", "Worker processes replaced, by reason (crash, memory).",
+            ["model", "reason"], registry=r)
+        self.trace_steps = Histogram(
+            "servewell_trace_step_seconds", "Durations of trace_step() blocks in model code.",
+            ["step"], buckets=latency_buckets, registry=r)
+
+    def observe_request(self, model: str, route: str, status: int, seconds: float) -> None:
+        """Record one finished HTTP request (any status)."""
+        self.request_latency.labels(model or "-", route, f"{status // 100}xx").observe(seconds)
+
+    def count(self, model: str, lane: str, outcome: str) -> None:
+        """Count one inference request by outcome."""
+        self.requests.labels(model, lane, outcome).inc()
+
+
+ProcessReader = Callable[[int], dict[str, float]]
+
+
+class StateCollector(Collector):
+    """Gauges read at scrape time: queues, states, workers (from /proc), GPUs (NVML)."""
+
+    def __init__(
+        self,
+        models: Callable[[], Iterable[ModelSample]],
+        read_process: ProcessReader,
+        gpus: Callable[[], list[dict[str, float]]] | None = None,
+        budget: Callable[[], tuple[int, int]] | None = None,
+    ) -> None:
+        self._models = models
+        self._read_process = read_process
+        self._gpus = gpus
+        self._budget = budget
+
+    def collect(self) -> Iterable[Metric]:
+        depth = GaugeMetricFamily("servewell_queue_depth", "Requests waiting, per lane.", labels=["model", "lane"])
+        inflight = GaugeMetricFamily("servewell_inflight_requests", "Requests admitted and not yet answered.",
+                                     labels=["model"])
+        state = GaugeMetricFamily("servewell_model_state", "1 for the model's current state.", labels=["model", "state"])
+        up = GaugeMetricFamily("servewell_worker_up", "1 when the worker process is alive.", labels=["model", "instance"])
+        max_batch = GaugeMetricFamily("servewell_effective_max_batch_size", "Largest batch the scheduler forms now.",
+                                      labels=["model"])
+        rss = GaugeMetricFamily("servewell_worker_resident_memory_bytes", "Worker RSS.", labels=["model", "instance"])
+        private = GaugeMetricFamily("servewell_worker_private_memory_bytes", "Worker private (anonymous) memory.",
+                                    labels=["model", "instance"])
+        cpu = GaugeMetricFamily("servewell_worker_cpu_seconds", "Worker CPU time (user + system) since it started.",
+                                labels=["model", "instance"])
+        threads = GaugeMetricFamily("servewell_worker_threads", "Worker OS threads.", labels=["model", "instance"])
+        for model in self._models():
+            for lane, count in model.lane_depths.items():
+                depth.add_metric([model.name, lane], count)
+            inflight.add_metric([model.name], model.inflight)
+            for name in MODEL_STATES:
+                state.add_metric([model.name, name], 1.0 if model.state == name else 0.0)
+            if model.effective_max_batch_size:
+                max_batch.add_metric([model.name], model.effective_max_batch_size)
+            for worker in model.workers:
+                labels = [model.name, str(worker.instance)]
+                up.add_metric(labels, 1.0 if worker.up else 0.0)
+                facts = self._read_process(worker.pid) if worker.up and worker.pid else {}
+                if facts:
+                    rss.add_metric(labels, facts["rss_bytes"])
+                    private.add_metric(labels, facts["private_bytes"])
+                    cpu.add_metric(labels, facts["cpu_seconds"])
+                    threads.add_metric(labels, facts["threads"])
+        yield from (depth, inflight, state, up, max_batch, rss, private, cpu, threads)
+        if self._budget is not None:
+            total, reserved = self._budget()
+            budget = GaugeMetricFamily("servewell_memory_budget_bytes", "Host memory budget for models.", labels=["kind"])
+            budget.add_metric(["total"], total)
+            budget.add_metric(["reserved"], reserved)
+            yield budget
+        gpus = self._gpus() if self._gpus is not None else []
+        if gpus:  # absent on machines without a GPU: no fake zeros
+            families = {
+                "utilization_ratio": GaugeMetricFamily("servewell_gpu_utilization_ratio", "GPU busy share.", labels=["gpu"]),
+                "memory_used_bytes": GaugeMetricFamily("servewell_gpu_memory_used_bytes", "GPU memory used.", labels=["gpu"]),
+                "memory_total_bytes": GaugeMetricFamily("servewell_gpu_memory_total_bytes", "GPU memory.", labels=["gpu"]),
+                "power_watts": GaugeMetricFamily("servewell_gpu_power_watts", "GPU power draw.", labels=["gpu"]),
+                "temperature_celsius": GaugeMetricFamily("servewell_gpu_temperature_celsius", "GPU temperature.",
+                                                         labels=["gpu"]),
+            }
+            for gpu in gpus:
+                for key, family in families.items():
+                    if key in gpu:
+                        family.add_metric([str(int(gpu["index"]))], gpu[key])
+            yield from families.values()

@@ -1,0 +1,40 @@
+"""`trace_step("name")`: a span and a histogram sample around a block of model-author code.
+
+    from servewell import trace_step
+
+    with trace_step("tokenize"):
+        ...
+
+Inside a worker, durations travel back with the batch and land in the frontend's
+`servewell_trace_step_seconds{step}` histogram; in the frontend they are observed directly.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from opentelemetry import trace
+
+StepSink = Callable[[str, float], None]
+
+_sink: StepSink | None = None
+
+
+def set_step_sink(sink: StepSink | None) -> None:
+    """Where this process sends step durations (set once at process start)."""
+    global _sink
+    _sink = sink
+
+
+@contextmanager
+def trace_step(name: str) -> Iterator[None]:
+    """Time the block as a span named `name` (child of the current span) and a histogram sample."""
+    started = time.perf_counter()
+    with trace.get_tracer("servewell.steps").start_as_current_span(name):
+        try:
+            yield
+        finally:
+            if _sink is not None:
+                _sink(name, time.perf_counter() - started)

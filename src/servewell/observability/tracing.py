@@ -1,0 +1,138 @@
+"""OpenTelemetry tracing: setup from settings or the standard OTEL_* variables, and helpers.
+
+Spans: `http` (per request, from an incoming W3C `traceparent` when given), `preprocess` and
+`queue` (children of `http`), one `batch` span per executed batch that links to every
+request span in it, and `compute` inside the worker, a child of `batch` (its context crosses
+the process boundary as a `traceparent` string in the batch message).
+
+Export runs in the SDK's background thread with a bounded queue: an unreachable collector
+drops spans, it never blocks or fails serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, TraceFlags, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+log = logging.getLogger("servewell.tracing")
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+@dataclass(slots=True, frozen=True)
+class TracingSettings:
+    """Where spans go and how many are kept; picklable, so workers get the same settings."""
+
+    endpoint: str | None
+    protocol: str  # "http/protobuf" or "grpc"
+    sample_ratio: float
+    service_name: str = "servewell"
+
+    @property
+    def enabled(self) -> bool:
+        """Tracing is on when a collector endpoint is configured and anything is sampled."""
+        return bool(self.endpoint) and self.sample_ratio > 0
+
+
+def settings_from(endpoint: str | None, protocol: str | None, sample_ratio: float | None) -> TracingSettings:
+    """Merge explicit settings with the standard OTEL_* environment variables (explicit wins)."""
+    env = os.environ
+    endpoint = endpoint or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    protocol = protocol or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") \
+        or "http/protobuf"
+    if sample_ratio is None:
+        raw = env.get("OTEL_TRACES_SAMPLER_ARG")
+        sample_ratio = float(raw) if raw else 1.0
+    return TracingSettings(endpoint, protocol, sample_ratio, env.get("OTEL_SERVICE_NAME", "servewell"))
+
+
+class Tracing:
+    """The tracer of this process (a no-op tracer when tracing is off)."""
+
+    def __init__(self, settings: TracingSettings) -> None:
+        self.settings = settings
+        self._provider = None
+        self.tracer: Tracer = trace.NoOpTracer()
+        if settings.enabled:
+            self._provider = _provider(settings)
+            self.tracer = self._provider.get_tracer("servewell")
+            # Global too, so model code (trace_step, or OpenTelemetry directly) joins the same traces.
+            trace.set_tracer_provider(self._provider)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether spans are recorded."""
+        return self._provider is not None
+
+    def shutdown(self) -> None:
+        """Flush what is queued (bounded by the exporter timeout) and stop exporting."""
+        if self._provider is not None:
+            self._provider.shutdown()
+
+
+def _provider(settings: TracingSettings):  # noqa: ANN202 - TracerProvider
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    if settings.protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter(endpoint=settings.endpoint, insecure=True, timeout=2)
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        endpoint = settings.endpoint.rstrip("/")
+        if not endpoint.endswith("/v1/traces"):
+            endpoint += "/v1/traces"
+        exporter = OTLPSpanExporter(endpoint=endpoint, timeout=2)
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": settings.service_name}),
+        sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)),
+    )
+    # A bounded queue: when the collector is slow or gone, spans are dropped, requests are not.
+    provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=4096, schedule_delay_millis=500,
+                                                   max_export_batch_size=512, export_timeout_millis=2000))
+    return provider
+
+
+def extract_context(traceparent: str | None, tracestate: str | None) -> Context | None:
+    """Context of an incoming W3C trace, or None."""
+    if not traceparent:
+        return None
+    carrier = {"traceparent": traceparent}
+    if tracestate:
+        carrier["tracestate"] = tracestate
+    return _PROPAGATOR.extract(carrier)
+
+
+def traceparent_of(span_context: SpanContext) -> str | None:
+    """W3C traceparent string of a span context (None when invalid)."""
+    if not span_context.is_valid:
+        return None
+    return f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{int(span_context.trace_flags):02x}"
+
+
+def context_from_traceparent(traceparent: str | None) -> Context | None:
+    """A parent context for a span continued in another process."""
+    if not traceparent:
+        return None
+    parts = traceparent.split("-")
+    if len(parts) != 4:
+        return None
+    span_context = SpanContext(int(parts[1], 16), int(parts[2], 16), is_remote=True,
+                               trace_flags=TraceFlags(int(parts[3], 16)))
+    return trace.set_span_in_context(NonRecordingSpan(span_context))
+
+
+__all__ = [
+    "Link", "SpanKind", "Tracing", "TracingSettings", "context_from_traceparent", "extract_context",
+    "settings_from", "traceparent_of",
+]
