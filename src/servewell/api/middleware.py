@@ -16,7 +16,7 @@ from opentelemetry import trace
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servewell.api.errors import error_response
-from servewell.observability.context import model_var, request_id_var, stages_var
+from servewell.observability.context import model_var, request_id_var, request_trace_var, stages_var
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.tracing import SpanKind, Tracing, extract_context
 
@@ -60,7 +60,9 @@ class RequestContextMiddleware:
                 attributes={"http.request.method": scope.get("method", ""), "url.path": scope.get("path", ""),
                             "servewell.request_id": request_id},
             )
-            otel_token = otel_context.attach(trace.set_span_in_context(span))
+            span_context = trace.set_span_in_context(span)
+            otel_token = otel_context.attach(span_context)
+            trace_token = request_trace_var.set(span_context)
         status = 500
         response_started = False
 
@@ -85,6 +87,7 @@ class RequestContextMiddleware:
         finally:
             self._finish(scope, status, time.perf_counter() - started, span)
             if otel_token is not None:
+                request_trace_var.reset(trace_token)
                 otel_context.detach(otel_token)
             request_id_var.reset(tokens[0])
             model_var.reset(tokens[1])

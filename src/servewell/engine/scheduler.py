@@ -30,6 +30,7 @@ from servewell.engine.batch_policy import (
 )
 from servewell.engine.batch_queue import BatchQueue, QueuedItem
 from servewell.errors import DeadlineExceeded, InvalidInput, ModelError, Overloaded, ServeError, ShuttingDown
+from servewell.observability.context import request_trace_var
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.tracing import Link, traceparent_of
 
@@ -224,7 +225,7 @@ class ModelScheduler:
         future: asyncio.Future[RequestResult] = loop.create_future()
         pending = PendingRequest(inputs, request_id, future, now)
         if self._tracer is not None:
-            pending.trace_context = otel_context.get_current()
+            pending.trace_context = request_trace_var.get() or otel_context.get_current()
             pending.enqueued_ns = time.time_ns()
         shape_key = tuple((name, a.shape[1:], a.dtype.str) for name, a in inputs.items())
         item = QueuedItem(pending, lane_index, rows, shape_key, now + timeout_s, now)

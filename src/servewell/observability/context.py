@@ -11,3 +11,6 @@ model_var: ContextVar[str] = ContextVar("servewell_model", default="")
 
 #: Stage durations (seconds) of the current request, filled by the route, read by the middleware.
 stages_var: ContextVar[dict[str, float] | None] = ContextVar("servewell_stages", default=None)
+#: OpenTelemetry context holding the request's `http` span (None when tracing is off); the
+#: scheduler parents `queue` spans on it and links the `batch` span to it.
+request_trace_var: ContextVar[object | None] = ContextVar("servewell_request_trace", default=None)

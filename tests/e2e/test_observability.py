@@ -1,0 +1,243 @@
+"""Headers, JSON logs, metric values after known traffic, and trace spans with their links,
+received by an in-test OTLP/HTTP collector and decoded with the official protobuf messages."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import socket
+import textwrap
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+import torch
+import yaml
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import save_file
+
+from test_batching import body
+
+STEPPED = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    from servewell import trace_step
+
+
+    class Stepped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            with trace_step("custom_post"):
+                return x * self.scale
+
+
+    def build():
+        return Stepped()
+''')
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+class Collector:
+    """A minimal OTLP/HTTP trace receiver."""
+
+    def __init__(self) -> None:
+        self.spans: list = []
+        collector = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                raw = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    raw = gzip.decompress(raw)
+                request = ExportTraceServiceRequest.FromString(raw)
+                for resource_spans in request.resource_spans:
+                    for scope_spans in resource_spans.scope_spans:
+                        collector.spans.extend(scope_spans.spans)
+                reply = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args):  # keep the test output quiet
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def named(self, name: str) -> list:
+        return [s for s in self.spans if s.name == name]
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def stepped_model(root) -> None:
+    directory = root / "stepped"
+    directory.mkdir()
+    (directory / "stepped_factory.py").write_text(STEPPED)
+    save_file({"scale": torch.ones(1)}, str(directory / "model.safetensors"))
+    (directory / "model.yaml").write_text(yaml.safe_dump({
+        "runtime": "pytorch", "artifact": "model.safetensors", "factory": "stepped_factory:build", "max_batch_size": 8,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
+    }))
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory, start_server):
+    root = tmp_path_factory.mktemp("traced")
+    stepped_model(root)
+    collector = Collector()
+    server = start_server(["--model-repository", str(root), "--slow-request-ms", "0.001"],
+                          env={"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url, "OTEL_TRACES_SAMPLER_ARG": "1.0"})
+    server.wait_ready()
+    yield server, collector
+    collector.close()
+
+
+def infer(url: str, value: float, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(url + "/v2/models/stepped/infer", json=body(value), headers=headers or {}, timeout=30)
+
+
+def test_server_timing_and_process_time_headers(traced):
+    server, _ = traced
+    r = infer(server.url, 1.0)
+    timing = dict(part.strip().split(";dur=") for part in r.headers["server-timing"].split(","))
+    assert set(timing) == {"preprocess", "queue", "compute", "postprocess", "total"}
+    assert all(float(v) >= 0 for v in timing.values())
+    assert float(timing["total"]) >= float(timing["compute"])
+    assert float(r.headers["x-process-time"]) > 0
+
+
+def test_spans_http_queue_preprocess_batch_with_links_and_compute_in_the_worker(traced):
+    server, collector = traced
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+            return await asyncio.gather(
+                c.post("/v2/models/stepped/infer", json=body(7.0), headers={"traceparent": TRACEPARENT,
+                                                                              "X-Request-ID": "traced-req"}),
+                *(c.post("/v2/models/stepped/infer", json=body(float(i))) for i in range(5)),
+            )
+
+    assert all(r.status_code == 200 for r in asyncio.run(burst()))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        mine = [s for s in collector.named("http") if s.trace_id.hex() == TRACEPARENT[3:35]]
+        if mine and collector.named("compute") and collector.named("custom_post"):
+            break
+        time.sleep(0.2)
+    http = mine[0]
+    assert http.parent_span_id.hex() == TRACEPARENT[36:52]  # continued the caller's trace
+    attributes = {a.key: a.value.string_value or a.value.int_value for a in http.attributes}
+    assert attributes["http.route"] == "/v2/models/{name}/infer" and attributes["servewell.model"] == "stepped"
+    by_id = {s.span_id: s for s in collector.spans}
+
+    def descends_from_http(span) -> bool:
+        while span.parent_span_id:
+            if span.parent_span_id == http.span_id:
+                return True
+            span = by_id.get(span.parent_span_id)
+            if span is None:
+                return False
+        return False
+
+    inside = {s.name for s in collector.spans if descends_from_http(s)}
+    assert {"queue", "preprocess"} <= inside
+    batch = next(s for s in collector.named("batch") if any(link.span_id == http.span_id for link in s.links))
+    assert any(a.key == "servewell.batch_size" for a in batch.attributes)
+    compute = [s for s in collector.named("compute") if s.parent_span_id == batch.span_id]
+    assert compute and compute[0].trace_id == batch.trace_id  # the context crossed into the worker
+    steps = [s for s in collector.named("custom_post") if s.parent_span_id == compute[0].span_id]
+    assert steps, "trace_step inside model code is a child of compute"
+
+
+def test_json_logs_carry_ids_and_never_payloads(traced):
+    server, _ = traced
+    infer(server.url, 3.0, headers={"X-Request-ID": "log-me-1", "traceparent": TRACEPARENT})
+    bad = httpx.post(server.url + "/v2/models/stepped/infer", headers={"X-Request-ID": "bad-one-1"},
+                     json={"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [0.5, 987654.25]}]})
+    assert bad.status_code == 422
+    time.sleep(0.3)
+    events = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+    assert all({"ts", "level", "logger", "message"} <= set(e) for e in events)
+    slow = [e for e in events if e.get("request_id") == "log-me-1" and e["message"].startswith("slow request")]
+    assert slow and set(slow[0]["stages_ms"]) == {"preprocess", "queue", "compute", "postprocess"}
+    assert slow[0]["trace_id"] == TRACEPARENT[3:35] and len(slow[0]["span_id"]) == 16
+    failed = [e for e in events if e.get("request_id") == "bad-one-1" and e.get("code") == "invalid_input"]
+    assert len(failed) == 1 and failed[0]["status"] == 422 and failed[0].get("model") == "stepped"
+    assert "987654" not in server.log()
+
+
+def metric_samples(url: str) -> dict:
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metric_families_and_values_after_known_traffic(traced):
+    server, _ = traced
+    before = metric_samples(server.url)
+    for i in range(5):
+        assert infer(server.url, float(i)).status_code == 200
+    httpx.post(server.url + "/v2/models/stepped/infer", json={"inputs": [{"name": "nope", "shape": [1, 1],
+                                                                            "datatype": "FP32", "data": [1]}]})
+    after = metric_samples(server.url)
+    ok = dict(model="stepped", lane="normal", outcome="success")
+    assert value(after, "servewell_requests_total", **ok) - value(before, "servewell_requests_total", **ok) == 5
+    route = dict(model="stepped", route="/v2/models/{name}/infer")
+    count = "servewell_request_duration_seconds_count"
+    assert value(after, count, **route, status_class="2xx") - value(before, count, **route, status_class="2xx") == 5
+    assert value(after, count, **route, status_class="4xx") - value(before, count, **route, status_class="4xx") == 1
+    for family in ("servewell_queue_wait_seconds_count", "servewell_batch_compute_seconds_count",
+                   "servewell_batch_size_count", "servewell_preprocess_seconds_count",
+                   "servewell_postprocess_seconds_count", "servewell_batch_transport_seconds_count"):
+        assert any(k[0] == family and v > 0 for k, v in after.items()), family
+    assert value(after, "servewell_trace_step_seconds_count", step="custom_post") >= 5
+    assert value(after, "servewell_model_state", model="stepped", state="ready") == 1
+    assert value(after, "servewell_worker_up", model="stepped", instance="0") == 1
+    assert value(after, "servewell_worker_resident_memory_bytes", model="stepped", instance="0") > 50e6
+    assert value(after, "servewell_worker_private_memory_bytes", model="stepped", instance="0") > 10e6
+    assert value(after, "servewell_worker_threads", model="stepped", instance="0") >= 1
+    assert value(after, "servewell_model_loads_total", model="stepped", result="success") == 1
+    assert not any(k[0].startswith("servewell_gpu_") for k in after)  # no GPU here: absent, not zero
+    assert not any("request_id" in dict(k[1]) for k in after)  # no high-cardinality labels
+
+
+def test_unreachable_collector_changes_nothing_for_clients(tmp_path, start_server):
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(1)  # accepts nothing: exports hang until their timeout
+    stepped_model(tmp_path)
+    server = start_server(["--model-repository", str(tmp_path)],
+                          env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{blackhole.getsockname()[1]}"})
+    server.wait_ready()
+
+    async def load():
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+            return await asyncio.gather(*(c.post("/v2/models/stepped/infer", json=body(float(i))) for i in range(200)))
+
+    answers = asyncio.run(load())
+    assert [r.status_code for r in answers] == [200] * 200
+    blackhole.close()
