@@ -58,15 +58,16 @@ def build_app(settings: ServerConfig) -> FastAPI:
     """The app for `settings`; models load in the background once it starts, so liveness
     answers at once and readiness tells the truth while they load."""
     repository = settings.model_repository or ensure_builtin_repository(settings.cache_dir)
-    metrics = ServeMetrics(settings.latency_buckets_s)
+    metrics = ServeMetrics(settings.latency_buckets_s) if settings.metrics_enabled else None
     tracing = Tracing(settings_from(settings.otlp_endpoint, settings.otlp_protocol, settings.trace_sample_ratio))
-    set_step_sink(lambda name, seconds: metrics.trace_steps.labels(name).observe(seconds))
     engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes,
                              metrics, tracing)
-    gpus = GpuProbe()
-    metrics.registry.register(StateCollector(
-        engine.samples, process_facts, gpus.read, lambda: (engine.budget.total_bytes, engine.budget.used_bytes),
-    ))
+    if metrics is not None:
+        set_step_sink(lambda name, seconds: metrics.trace_steps.labels(name).observe(seconds))
+        gpus = GpuProbe()
+        metrics.registry.register(StateCollector(
+            engine.samples, process_facts, gpus.read, lambda: (engine.budget.total_bytes, engine.budget.used_bytes),
+        ))
     pool = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
     loading: list[asyncio.Task] = []
 
@@ -83,10 +84,11 @@ def build_app(settings: ServerConfig) -> FastAPI:
 
     app = create_app(ApiContext(engine, settings, pool, metrics, tracing), startup, shutdown)
 
-    @app.get("/metrics", summary="Prometheus metrics", tags=["observability"])
-    async def prometheus_metrics() -> Response:
-        """Every metric family in the Prometheus text format (names in the README)."""
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    if metrics is not None:
+        @app.get("/metrics", summary="Prometheus metrics", tags=["observability"])
+        async def prometheus_metrics() -> Response:
+            """Every metric family in the Prometheus text format (names in the README)."""
+            return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

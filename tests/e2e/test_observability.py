@@ -241,3 +241,23 @@ def test_unreachable_collector_changes_nothing_for_clients(tmp_path, start_serve
     answers = asyncio.run(load())
     assert [r.status_code for r in answers] == [200] * 200
     blackhole.close()
+
+
+def test_profile_endpoint_returns_a_chrome_trace_of_the_worker(traced):
+    server, _ = traced
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            capture = asyncio.create_task(c.post("/admin/models/stepped/profile", params={"seconds": 1.0}))
+            await asyncio.sleep(0.2)
+            for i in range(5):
+                assert (await c.post("/v2/models/stepped/infer", json=body(float(i)))).status_code == 200
+            return await capture
+
+    r = asyncio.run(main())
+    assert r.status_code == 200, r.text
+    assert "attachment" in r.headers["content-disposition"]
+    events = r.json()["traceEvents"]
+    assert any("aten::mul" in str(e.get("name", "")) for e in events)  # the model's own op
+    bad = httpx.post(server.url + "/admin/models/stepped/profile", params={"seconds": 0})
+    assert bad.status_code == 422

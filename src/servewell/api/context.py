@@ -31,13 +31,14 @@ class ApiContext:
     engine: InferenceEngine
     settings: ServerConfig
     decode_pool: ThreadPoolExecutor
-    metrics: ServeMetrics
+    metrics: ServeMetrics | None
     tracing: Tracing
 
     def record_stages(self, model: str, result: RequestResult, preprocess_s: float, postprocess_s: float) -> None:
         """Per-request stage durations: into the histograms, and for the middleware's slow-request log."""
-        self.metrics.preprocess.labels(model).observe(preprocess_s)
-        self.metrics.postprocess.labels(model).observe(postprocess_s)
+        if self.metrics is not None:
+            self.metrics.preprocess.labels(model).observe(preprocess_s)
+            self.metrics.postprocess.labels(model).observe(postprocess_s)
         stages = stages_var.get()
         if stages is not None:
             stages.update(preprocess=preprocess_s, queue=result.queue_s, compute=result.compute_s,

@@ -59,6 +59,17 @@ async def patch_batching(name: str, request: Request, api: ApiContext = Depends(
     return Response(orjson.dumps(api.engine.update_batching(name, changes)), media_type="application/json")
 
 
+@router.post("/models/{name}/profile", summary="Profile a model worker (Chrome/Perfetto trace)")
+async def profile(name: str, seconds: float = 5.0, instance: int = 0, api: ApiContext = Depends(require_admin)) -> Response:
+    """Capture `seconds` (at most 60) of one instance's batches with torch.profiler or onnxruntime
+    profiling; returns a trace file that chrome://tracing and ui.perfetto.dev open."""
+    if not 0 < seconds <= 60:
+        raise InvalidInput("seconds must be in (0, 60]")
+    trace = await api.engine.profile(name, instance, seconds)
+    return Response(trace, media_type="application/json",
+                    headers={"Content-Disposition": f'attachment; filename="{name}-{instance}-profile.json"'})
+
+
 def _state(view) -> dict[str, Any]:  # noqa: ANN001 - ModelView
     return {"name": view.name, "version": view.version, "state": view.state, "reason": view.reason}
 

@@ -43,6 +43,7 @@ class ServerConfig(BaseModel):
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
     log_format: Literal["json", "console"] = Field("json", description="JSON lines, or human-readable console lines.")
+    metrics_enabled: bool = Field(True, description="Serve Prometheus metrics at /metrics and record them.")
     slow_request_ms: float = Field(300.0, gt=0, description="Requests slower than this log a warning with their stage breakdown.")
     latency_buckets_s: list[float] = Field(
         default_factory=lambda: [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],

@@ -7,6 +7,7 @@ Routes never see schedulers or workers; they call `InferenceEngine.infer` and re
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from dataclasses import dataclass, replace
 from typing import Any
 from pathlib import Path
@@ -97,6 +98,15 @@ class InferenceEngine:
             if old is not None:
                 await old.stop()  # drains what the old version had accepted
             return self._view(fresh)
+
+    async def profile(self, name: str, instance: int, seconds: float) -> bytes:
+        """A Chrome/Perfetto trace of one instance's batches over `seconds`."""
+        entry = self._entry(name, None)
+        if entry.state != "ready":
+            raise ModelNotReady(f"model '{name}' is {entry.state}", retry_after_s=2.0)
+        with tempfile.TemporaryDirectory(prefix="servewell-profile-") as directory:
+            path = await entry.profile(instance, seconds, directory)
+            return Path(path).read_bytes()
 
     async def unload_model(self, name: str) -> ModelView:
         """Stop serving a model: queued and running requests finish, then its workers stop."""

@@ -19,7 +19,7 @@ from typing import Callable, Literal
 from servewell.config.model import ModelConfig
 from servewell.engine.memory_budget import MemoryBudget, estimate_model_memory
 from servewell.engine.scheduler import ModelScheduler
-from servewell.errors import WorkerLost
+from servewell.errors import InvalidInput, WorkerLost
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.tracing import Tracing
 from servewell.workers.handle import WorkerHandle, WorkerLoadError, process_rss_bytes
@@ -157,6 +157,12 @@ class ModelEntry:
         worker.on_lost = lambda w, i=index: self._on_worker_lost(i, w)
         worker.on_batch_done = self._after_batch
         self.scheduler.add_worker(worker)
+
+    async def profile(self, instance: int, seconds: float, directory: str) -> str:
+        """Profile one instance's batches for `seconds`; the trace file's path."""
+        if not 0 <= instance < len(self._workers) or self._workers[instance] is None:
+            raise InvalidInput(f"model '{self.name}' has instances 0..{len(self._workers) - 1}")
+        return await self._workers[instance].profile(seconds, directory)
 
     # --- supervision ---------------------------------------------------------------------
 

@@ -27,8 +27,11 @@ from servewell.workers.messages import (
     BatchFailed,
     LoadFailed,
     LoadProgress,
+    ProfileDone,
     RunBatch,
     Shutdown,
+    StartProfile,
+    StopProfile,
     WorkerReady,
     WorkerReply,
 )
@@ -91,6 +94,7 @@ class WorkerHandle:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[WorkerReady] | None = None
         self._pending: dict[int, asyncio.Future[BatchOutcome]] = {}
+        self._profile_reply: asyncio.Future[ProfileDone] | None = None
         self._arena: SharedArena | None = None
         self._reader = SegmentReader()
         self.alive = False
@@ -186,6 +190,20 @@ class WorkerHandle:
             raise WorkerLost("the worker process is not running") from None
         return await future
 
+    async def profile(self, seconds: float, directory: str) -> str:
+        """Profile this worker's batches for `seconds`; the path of the Chrome trace file."""
+        for message in (StartProfile(directory), StopProfile()):
+            if message.__class__ is StopProfile:
+                await asyncio.sleep(seconds)
+            if not self.alive or self._conn is None:
+                raise WorkerLost("the worker process is not running")
+            self._profile_reply = self._loop.create_future()
+            self._conn.send(message)
+            reply = await asyncio.wait_for(self._profile_reply, timeout=60)
+            if reply.error:
+                raise ModelError(f"profiling failed: {reply.error}")
+        return reply.path
+
     def _read_replies(self) -> None:
         conn = self._conn
         while True:
@@ -218,6 +236,9 @@ class WorkerHandle:
                 future.set_result(BatchOutcome(outputs, message.compute_s, message.steps))
             if self.on_batch_done is not None:
                 self.on_batch_done(self)
+        elif isinstance(message, ProfileDone):
+            if self._profile_reply is not None and not self._profile_reply.done():
+                self._profile_reply.set_result(message)
         elif isinstance(message, BatchFailed):
             future = self._pending.pop(message.batch_id, None)
             if future is not None and not future.done():
@@ -234,6 +255,8 @@ class WorkerHandle:
         self.exit_reason = f"exit code {code}" + (" (killed by a signal)" if code is not None and code < 0 else "")
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(WorkerLoadError(f"{reason} while loading"))
+        if self._profile_reply is not None and not self._profile_reply.done():
+            self._profile_reply.set_exception(WorkerLost(reason))
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(WorkerLost(f"{reason}; the request was not completed and is safe to retry"))

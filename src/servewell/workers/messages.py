@@ -38,6 +38,18 @@ class Shutdown:
     """Finish the batch in hand, release resources and exit."""
 
 
+@dataclass(slots=True, frozen=True)
+class StartProfile:
+    """Profile every batch from now on, writing the trace under `directory`."""
+
+    directory: str
+
+
+@dataclass(slots=True, frozen=True)
+class StopProfile:
+    """Stop profiling and report the trace file."""
+
+
 # worker -> frontend
 
 
@@ -91,4 +103,12 @@ class BatchFailed:
     message: str
 
 
-WorkerReply = LoadProgress | WorkerReady | LoadFailed | BatchDone | BatchFailed
+@dataclass(slots=True, frozen=True)
+class ProfileDone:
+    """A Chrome/Perfetto trace file of the profiled batches, or why there is none."""
+
+    path: str | None
+    error: str | None = None
+
+
+WorkerReply = ProfileDone | LoadProgress | WorkerReady | LoadFailed | BatchDone | BatchFailed

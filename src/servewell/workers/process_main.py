@@ -21,13 +21,17 @@ from servewell.workers.messages import (
     BatchFailed,
     LoadFailed,
     LoadProgress,
+    ProfileDone,
     RunBatch,
     Shutdown,
+    StartProfile,
+    StopProfile,
     WorkerReady,
 )
 from servewell.observability.process import rss_bytes
 from servewell.observability.steps import set_step_sink
 from servewell.observability.tracing import Tracing, TracingSettings, context_from_traceparent
+from servewell.workers.profiling import WorkerProfiler
 from servewell.workers.shm import SegmentReader, SharedArena
 
 
@@ -80,6 +84,7 @@ def _serve(conn: Connection, runtime, model: str, tracing: Tracing | None) -> No
     rows_computed = 0
     steps: list[tuple[str, float]] = []
     set_step_sink(lambda name, seconds: steps.append((name, seconds)))
+    profiler = WorkerProfiler()
     try:
         while True:
             try:
@@ -88,6 +93,9 @@ def _serve(conn: Connection, runtime, model: str, tracing: Tracing | None) -> No
                 return  # the frontend is gone: nobody to serve
             if isinstance(message, Shutdown):
                 return
+            if isinstance(message, (StartProfile, StopProfile)):
+                conn.send(_profile(message, profiler, runtime))
+                continue
             if not isinstance(message, RunBatch):
                 continue
             rows = message.inputs[0].shape[0] if message.inputs and message.inputs[0].shape else 1
@@ -108,6 +116,17 @@ def _serve(conn: Connection, runtime, model: str, tracing: Tracing | None) -> No
         runtime.close()
         if tracing is not None:
             tracing.shutdown()
+
+
+def _profile(message: StartProfile | StopProfile, profiler: WorkerProfiler, runtime) -> ProfileDone:  # noqa: ANN001
+    """Start or stop profiling; always replies, so the frontend never waits forever."""
+    try:
+        if isinstance(message, StartProfile):
+            profiler.start(runtime, message.directory)
+            return ProfileDone(None)
+        return ProfileDone(profiler.stop())
+    except Exception as exc:  # a profiler that fails must not take the worker down
+        return ProfileDone(None, _describe(exc))
 
 
 def _run(message: RunBatch, runtime, reader: SegmentReader, arena: SharedArena, rows_computed: int,  # noqa: ANN001
