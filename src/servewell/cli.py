@@ -9,7 +9,8 @@ from pathlib import Path
 
 from servewell.config.server import ConfigFileError, ServerConfig, load_server_config
 
-#: Fields of ServerConfig shown as flags of `serve` (all of them), with their flag types.
+#: Nested settings that only a --config file sets.
+_FILE_ONLY = ("alerting",)
 _FLAG_TYPES = {int: int, float: float, str: str, Path: Path}
 
 
@@ -33,6 +34,8 @@ def _flag_type(annotation: object):  # noqa: ANN202 - a callable argparse uses a
 def _add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
     for name, field in ServerConfig.model_fields.items():
         if only is not None and name not in only:
+            continue
+        if name in _FILE_ONLY:
             continue
         flag = "--" + name.replace("_", "-")
         choices = None

@@ -18,9 +18,11 @@ from servewell.api.app import create_app
 from servewell.api.context import ApiContext
 from servewell.config.server import ServerConfig
 from servewell.engine.engine import InferenceEngine
+from servewell.observability.alerting import run_alerting
 from servewell.observability.gpu import GpuProbe
 from servewell.observability.metrics import ServeMetrics, StateCollector
 from servewell.observability.process import process_facts
+from servewell.observability.signals import SignalTracker
 from servewell.observability.steps import set_step_sink
 from servewell.observability.tracing import Tracing, settings_from
 
@@ -69,13 +71,19 @@ def build_app(settings: ServerConfig) -> FastAPI:
             engine.samples, process_facts, gpus.read, lambda: (engine.budget.total_bytes, engine.budget.used_bytes),
         ))
     pool = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
-    loading: list[asyncio.Task] = []
+    background: list[asyncio.Task] = []
+    stop_alerting = asyncio.Event()
 
     async def startup() -> None:
-        loading.append(asyncio.get_running_loop().create_task(engine.start()))
+        loop = asyncio.get_running_loop()
+        background.append(loop.create_task(engine.start()))
+        if metrics is not None and settings.alerting.webhook_url is not None:
+            tracker = SignalTracker(metrics, engine.model_facts)
+            background.append(loop.create_task(run_alerting(settings.alerting, tracker.snapshots, stop_alerting)))
 
     async def shutdown() -> None:
-        for task in loading:
+        stop_alerting.set()
+        for task in background:
             if not task.done():
                 task.cancel()
         await engine.stop()

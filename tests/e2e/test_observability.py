@@ -216,10 +216,10 @@ def test_metric_families_and_values_after_known_traffic(traced):
         assert any(k[0] == family and v > 0 for k, v in after.items()), family
     assert value(after, "servewell_trace_step_seconds_count", step="custom_post") >= 5
     assert value(after, "servewell_model_state", model="stepped", state="ready") == 1
-    assert value(after, "servewell_worker_up", model="stepped", instance="0") == 1
-    assert value(after, "servewell_worker_resident_memory_bytes", model="stepped", instance="0") > 50e6
-    assert value(after, "servewell_worker_private_memory_bytes", model="stepped", instance="0") > 10e6
-    assert value(after, "servewell_worker_threads", model="stepped", instance="0") >= 1
+    assert value(after, "servewell_worker_up", model="stepped", worker="0") == 1
+    assert value(after, "servewell_worker_resident_memory_bytes", model="stepped", worker="0") > 50e6
+    assert value(after, "servewell_worker_private_memory_bytes", model="stepped", worker="0") > 10e6
+    assert value(after, "servewell_worker_threads", model="stepped", worker="0") >= 1
     assert value(after, "servewell_model_loads_total", model="stepped", result="success") == 1
     assert not any(k[0].startswith("servewell_gpu_") for k in after)  # no GPU here: absent, not zero
     assert not any("request_id" in dict(k[1]) for k in after)  # no high-cardinality labels

@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from servewell.config.alerting import AlertingConfig
+
 ENV_PREFIX = "SERVEWELL_"
 
 
@@ -57,6 +59,9 @@ class ServerConfig(BaseModel):
     )
     trace_sample_ratio: float | None = Field(
         None, ge=0, le=1, description="Share of traces recorded (default: OTEL_TRACES_SAMPLER_ARG, else 1.0).",
+    )
+    alerting: AlertingConfig = Field(
+        default_factory=AlertingConfig, description="Optional alert webhook (config file only: nested settings)."
     )
     decode_threads: int = Field(2, ge=1, le=64, description="Threads that decode and resize images off the event loop.")
 

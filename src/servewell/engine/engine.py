@@ -21,6 +21,7 @@ from servewell.engine.repository import read_model_config, scan_repository
 from servewell.engine.scheduler import RequestResult, SchedulerStats
 from servewell.engine.validation import check_inputs
 from servewell.observability.metrics import ModelSample, ServeMetrics, WorkerSample
+from servewell.observability.signals import ModelFacts
 from servewell.observability.tracing import Tracing
 from servewell.errors import LoadFailed, ModelNotReady, NotFound, ShuttingDown
 
@@ -217,6 +218,20 @@ class InferenceEngine:
                 tuple(WorkerSample(entry.name, i.instance, i.alive, i.pid) for i in entry.instances()),
             ))
         return out
+
+    def model_facts(self) -> list[ModelFacts]:
+        """Per-model facts the alert webhook evaluates (queue fill, restarts, memory headroom)."""
+        facts = []
+        for entry in list(self._entries.values()):
+            if entry.config is None or entry.scheduler is None:
+                continue
+            depths = entry.scheduler.lane_depths().values()
+            fill = max(depths, default=0) / entry.scheduler.batching.max_queue_size
+            limit = entry.config.memory_limit_bytes
+            rss = max((i.rss_bytes for i in entry.instances()), default=0)
+            headroom = 1.0 - rss / limit if limit else None
+            facts.append(ModelFacts(entry.name, fill, entry.restarts + entry.recycles, headroom))
+        return facts
 
     @staticmethod
     def _view(entry: ModelEntry) -> ModelView:

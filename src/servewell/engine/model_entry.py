@@ -77,6 +77,11 @@ class ModelEntry:
         self.scheduler = ModelScheduler(config, metrics, tracer) if config is not None else None
         self._tracing_settings = tracing.settings if tracing is not None and tracing.enabled else None
         self._metrics = metrics
+        if metrics is not None:  # series exist from the start, so increase() sees the first event
+            for reason in ("crash", "memory"):
+                metrics.worker_restarts.labels(name, reason)
+            for result in ("success", "failure"):
+                metrics.model_loads.labels(name, result)
         self._workers: list[WorkerHandle | None] = []
         self._load_timeout_s = load_timeout_s
         self._budget = budget

@@ -114,15 +114,15 @@ class StateCollector(Collector):
         inflight = GaugeMetricFamily("servewell_inflight_requests", "Requests admitted and not yet answered.",
                                      labels=["model"])
         state = GaugeMetricFamily("servewell_model_state", "1 for the model's current state.", labels=["model", "state"])
-        up = GaugeMetricFamily("servewell_worker_up", "1 when the worker process is alive.", labels=["model", "instance"])
+        up = GaugeMetricFamily("servewell_worker_up", "1 when the worker process is alive.", labels=["model", "worker"])
         max_batch = GaugeMetricFamily("servewell_effective_max_batch_size", "Largest batch the scheduler forms now.",
                                       labels=["model"])
-        rss = GaugeMetricFamily("servewell_worker_resident_memory_bytes", "Worker RSS.", labels=["model", "instance"])
+        rss = GaugeMetricFamily("servewell_worker_resident_memory_bytes", "Worker RSS.", labels=["model", "worker"])
         private = GaugeMetricFamily("servewell_worker_private_memory_bytes", "Worker private (anonymous) memory.",
-                                    labels=["model", "instance"])
+                                    labels=["model", "worker"])
         cpu = GaugeMetricFamily("servewell_worker_cpu_seconds", "Worker CPU time (user + system) since it started.",
-                                labels=["model", "instance"])
-        threads = GaugeMetricFamily("servewell_worker_threads", "Worker OS threads.", labels=["model", "instance"])
+                                labels=["model", "worker"])
+        threads = GaugeMetricFamily("servewell_worker_threads", "Worker OS threads.", labels=["model", "worker"])
         for model in self._models():
             for lane, count in model.lane_depths.items():
                 depth.add_metric([model.name, lane], count)

@@ -1,0 +1,280 @@
+"""Optional alert webhook: golden-signal snapshots in, chat or HTTP notifications out.
+
+Prometheus with deploy/prometheus/alerts.yml is the main alerting path; this one lets a single server
+without Prometheus tell a person that it is in trouble. It has three parts:
+
+- `AlertEvaluator` is pure and synchronous: `SignalSnapshot`s and a clock reading in, the alerts due
+  out (thresholds from `AlertThresholds`, at most one notification per alert and model per
+  `min_interval_s`), so it is tested without sockets or sleeps.
+- `AlertNotifier` renders alerts for a generic JSON receiver, Slack or WeCom and POSTs them with
+  `httpx.AsyncClient`; a failed POST is logged at warning and never raised.
+- `run_alerting` ties both together in a background task of the server.
+
+The webhook URL is a secret (chat webhooks embed their key): it is held as `SecretStr` and only its
+host is ever logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import operator
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterable, Literal, Sequence
+from urllib.parse import urlsplit
+
+import httpx
+
+from servewell.config.alerting import AlertFormat, AlertingConfig, AlertThresholds
+
+log = logging.getLogger("servewell.alerting")
+
+Severity = Literal["warning", "critical"]
+
+#: WeCom refuses markdown content over 4096 bytes.
+WECOM_MAX_BYTES = 4096
+
+
+@dataclass(slots=True, frozen=True)
+class SignalSnapshot:
+    """Golden signals of one model over the producer's recent window; None where not known
+    (no traffic yet, no memory limit set), which never fires."""
+
+    model: str
+    p99_latency_s: float | None = None
+    error_ratio: float | None = None
+    rejected_ratio: float | None = None
+    queue_fill_ratio: float | None = None
+    worker_restarts: int = 0
+    memory_headroom_ratio: float | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Alert:
+    """One alert due for notification."""
+
+    name: str
+    model: str
+    severity: Severity
+    value: float
+    threshold: float
+    summary: str
+    action: str
+
+
+@dataclass(slots=True, frozen=True)
+class AlertRule:
+    """How one signal of a snapshot turns into an alert."""
+
+    name: str
+    severity: Severity
+    read: Callable[[SignalSnapshot], float | None]
+    limit: Callable[[AlertThresholds], float]
+    breached: Callable[[float, float], bool]  # (value, limit) -> fires
+    show: Callable[[float], str]
+    summary: str  # format fields: model, value, threshold
+    action: str  # format field: model
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms"
+
+
+def _pct(ratio: float) -> str:
+    return f"{ratio * 100:.1f}%"
+
+
+RULES: tuple[AlertRule, ...] = (
+    AlertRule(
+        "latency_p99", "warning", lambda s: s.p99_latency_s, lambda t: t.p99_latency_s, operator.gt, _ms,
+        "{model}: p99 latency {value} over {threshold}",
+        "Find the stage that grew (dashboard 'Latency by stage (p95)'): queue wait -> raise `instances` in "
+        "model.yaml and POST /v2/repository/models/{model}/load, or lower `batching.max_wait_ms`; compute -> "
+        "lower `max_batch_size` (PATCH /admin/models/{model}/batching) or use a GPU / fp16; preprocess -> "
+        "raise `decode_threads`.",
+    ),
+    AlertRule(
+        "error_ratio", "critical", lambda s: s.error_ratio, lambda t: t.error_ratio, operator.gt, _pct,
+        "{model}: {value} of requests fail with 5xx (threshold {threshold})",
+        "GET /healthz (models.{model}.state, reason, instances[].alive) and the server log lines with "
+        "model={model}; if a new version was just loaded, restore the previous directory and POST "
+        "/v2/repository/models/{model}/load.",
+    ),
+    AlertRule(
+        "rejected_ratio", "warning", lambda s: s.rejected_ratio, lambda t: t.rejected_ratio, operator.gt, _pct,
+        "{model}: {value} of requests refused, queue full (threshold {threshold})",
+        "Add throughput: raise `instances` in model.yaml (then POST /v2/repository/models/{model}/load) or "
+        "`max_batch_size` (PATCH /admin/models/{model}/batching); raise `batching.max_queue_size` only if the "
+        "latency SLO allows longer waits.",
+    ),
+    AlertRule(
+        "queue_saturation", "warning", lambda s: s.queue_fill_ratio, lambda t: t.queue_fill_ratio, operator.gt, _pct,
+        "{model}: queue {value} full (threshold {threshold})",
+        "GET /admin/models/{model}/batching for the live `max_queue_size`; add `instances` or raise "
+        "`max_batch_size` before requests are refused with 503.",
+    ),
+    AlertRule(
+        "worker_restarts", "warning", lambda s: float(s.worker_restarts), lambda t: float(t.worker_restarts),
+        operator.ge, lambda v: f"{v:.0f}",
+        "{model}: {value} worker restart(s)",
+        "GET /healthz (models.{model}.restarts, recycles, instances[]) and the log line 'worker ... died'; "
+        "restarts for memory mean the worker passed `memory_limit_bytes`: look for a leak or raise the limit.",
+    ),
+    AlertRule(
+        "memory_headroom", "critical", lambda s: s.memory_headroom_ratio, lambda t: t.memory_headroom_ratio,
+        operator.lt, _pct,
+        "{model}: only {value} memory headroom left (threshold {threshold})",
+        "GET /healthz (rss_bytes, memory_budget); set or raise `memory_limit_bytes` in model.yaml, lower "
+        "`instances` or `max_batch_size`, or unload unused models (POST /v2/repository/models/NAME/unload).",
+    ),
+)
+
+
+def firing_alerts(snapshot: SignalSnapshot, thresholds: AlertThresholds) -> list[Alert]:
+    """Every alert whose condition holds in `snapshot`, without rate limiting."""
+    alerts = []
+    for rule in RULES:
+        value = rule.read(snapshot)
+        if value is None:
+            continue
+        limit = rule.limit(thresholds)
+        if rule.breached(value, limit):
+            alerts.append(Alert(
+                name=rule.name, model=snapshot.model, severity=rule.severity, value=value, threshold=limit,
+                summary=rule.summary.format(model=snapshot.model, value=rule.show(value), threshold=rule.show(limit)),
+                action=rule.action.format(model=snapshot.model),
+            ))
+    return alerts
+
+
+class AlertEvaluator:
+    """Decides which alerts to notify now: those firing, at most once per alert and model per
+    `min_interval_s` (a condition that persists is repeated at that interval as a reminder)."""
+
+    def __init__(self, thresholds: AlertThresholds, min_interval_s: float) -> None:
+        self.thresholds = thresholds
+        self.min_interval_s = min_interval_s
+        self._last_sent_at: dict[tuple[str, str], float] = {}
+
+    def evaluate(self, snapshots: Iterable[SignalSnapshot], now: float) -> list[Alert]:
+        """Alerts due at monotonic time `now`; they count as sent whether or not delivery succeeds,
+        so a broken webhook is not hammered."""
+        due = []
+        for snapshot in snapshots:
+            for alert in firing_alerts(snapshot, self.thresholds):
+                key = (alert.name, alert.model)
+                last = self._last_sent_at.get(key)
+                if last is not None and now - last < self.min_interval_s:
+                    continue
+                self._last_sent_at[key] = now
+                due.append(alert)
+        return due
+
+
+def render_payload(alerts: Sequence[Alert], fmt: AlertFormat, source: str) -> dict[str, Any]:
+    """The JSON body of one notification carrying `alerts`, in the receiver's format."""
+    if fmt == "generic":
+        return {"source": source, "alerts": [asdict(a) for a in alerts]}
+    if fmt == "slack":
+        lines = [f"*{source}: {len(alerts)} alert(s)*"]
+        for a in alerts:
+            lines.append(f"[{a.severity.upper()}] {a.summary}\n> Action: {a.action}")
+        return {"text": "\n".join(lines)}
+    lines = [f"**{source}: {len(alerts)} alert(s)**"]
+    for a in alerts:
+        color = "warning" if a.severity == "critical" else "comment"  # WeCom's only colours: info, comment, warning
+        lines.append(f'> <font color="{color}">{a.severity}</font> {a.summary}\n> Action: {a.action}')
+    content = "\n".join(lines)
+    encoded = content.encode()
+    if len(encoded) > WECOM_MAX_BYTES:
+        content = encoded[: WECOM_MAX_BYTES - 3].decode(errors="ignore") + "..."
+    return {"msgtype": "markdown", "markdown": {"content": content}}
+
+
+class AlertNotifier:
+    """POSTs rendered alerts to the configured webhook; never raises on delivery problems."""
+
+    def __init__(self, config: AlertingConfig, client: httpx.AsyncClient) -> None:
+        if config.webhook_url is None:
+            raise ValueError("AlertNotifier needs a webhook_url")
+        self._url = config.webhook_url.get_secret_value()
+        self._host = urlsplit(self._url).hostname
+        self._format: AlertFormat = config.format
+        self._source = config.source
+        self._timeout_s = config.timeout_s
+        self._client = client
+
+    async def send(self, alerts: Sequence[Alert]) -> bool:
+        """POST one notification with `alerts`; True when the receiver accepted it."""
+        if not alerts:
+            return True
+        body = render_payload(alerts, self._format, self._source)
+        try:
+            response = await self._client.post(self._url, json=body, timeout=self._timeout_s)
+        except httpx.HTTPError as exc:
+            log.warning("alert webhook at %s failed: %s: %s", self._host, type(exc).__name__, exc)
+            return False
+        if response.status_code >= 300:
+            log.warning("alert webhook at %s answered %d", self._host, response.status_code)
+            return False
+        refusal = _wecom_error(response) if self._format == "wecom" else None
+        if refusal is not None:
+            log.warning("alert webhook at %s refused the message: %s", self._host, refusal)
+            return False
+        return True
+
+
+def _wecom_error(response: httpx.Response) -> str | None:
+    # WeCom answers 200 with {"errcode": N, "errmsg": ...}; N != 0 means the message was refused.
+    try:
+        doc = response.json()
+    except ValueError:
+        return None
+    if isinstance(doc, dict) and doc.get("errcode", 0) != 0:
+        return f"errcode {doc.get('errcode')}: {doc.get('errmsg', '')}"
+    return None
+
+
+SnapshotFn = Callable[[], Sequence[SignalSnapshot]]
+
+
+async def run_alerting(
+    config: AlertingConfig,
+    snapshot_fn: SnapshotFn,
+    stop_event: asyncio.Event,
+    *,
+    client: httpx.AsyncClient | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Every `evaluation_interval_s` until `stop_event` is set: take snapshots, notify the alerts due.
+
+    `snapshot_fn` runs on the event loop, so it must be cheap and must not block (read counters, no
+    I/O); an exception from it is logged and that round skipped. The first evaluation comes one
+    interval after the start. Returns at once when no webhook is configured. A `client` passed in is
+    used and left open; otherwise one is made and closed here.
+    """
+    if config.webhook_url is None:
+        return
+    evaluator = AlertEvaluator(config.thresholds, config.min_interval_s)
+    own_client = client is None
+    http = client if client is not None else httpx.AsyncClient(timeout=config.timeout_s)
+    notifier = AlertNotifier(config, http)
+    try:
+        while True:
+            try:
+                await asyncio.wait_for(stop_event.wait(), config.evaluation_interval_s)
+                return
+            except TimeoutError:
+                pass
+            try:
+                snapshots = snapshot_fn()
+            except Exception:  # noqa: BLE001 - a broken producer must not end alerting
+                log.warning("alert signals could not be read; skipping this evaluation", exc_info=True)
+                continue
+            due = evaluator.evaluate(snapshots, clock())
+            if due:
+                await notifier.send(due)
+    finally:
+        if own_client:
+            await http.aclose()

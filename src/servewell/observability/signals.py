@@ -1,0 +1,97 @@
+"""Golden signals per model over the last evaluation window, for the alert webhook.
+
+Reads the metrics registry's cumulative counters and keeps the previous reading, so each
+snapshot covers exactly the time since the last one; no I/O, cheap enough for the event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from servewell.observability.alerting import SignalSnapshot
+from servewell.observability.metrics import ServeMetrics
+
+
+@dataclass(slots=True, frozen=True)
+class ModelFacts:
+    """What the engine tells about one model at evaluation time."""
+
+    name: str
+    queue_fill_ratio: float | None
+    restarts: int
+    memory_headroom_ratio: float | None
+
+
+class SignalTracker:
+    """Turns cumulative metrics into per-window golden signals."""
+
+    def __init__(self, metrics: ServeMetrics, facts: Callable[[], Iterable[ModelFacts]]) -> None:
+        self._metrics = metrics
+        self._facts = facts
+        self._previous: dict[tuple, float] = {}
+
+    def snapshots(self) -> list[SignalSnapshot]:
+        """One snapshot per model, covering the time since the previous call."""
+        current = self._read()
+        delta = {k: v - self._previous.get(k, 0.0) for k, v in current.items()}
+        self._previous = current
+        out = []
+        for model in self._facts():
+            restarts_key = ("restarts", model.name)
+            restarts = model.restarts - int(self._previous.get(restarts_key, model.restarts))
+            self._previous[restarts_key] = float(model.restarts)
+            out.append(SignalSnapshot(
+                model=model.name,
+                p99_latency_s=_quantile(delta, model.name, 0.99),
+                error_ratio=_ratio(delta.get(("count", model.name, "5xx"), 0.0), _total(delta, model.name)),
+                rejected_ratio=_ratio(delta.get(("outcome", model.name, "rejected"), 0.0),
+                                      sum(v for k, v in delta.items() if k[0] == "outcome" and k[1] == model.name)),
+                queue_fill_ratio=model.queue_fill_ratio,
+                worker_restarts=max(0, restarts),
+                memory_headroom_ratio=model.memory_headroom_ratio,
+            ))
+        return out
+
+    def _read(self) -> dict[tuple, float]:
+        values: dict[tuple, float] = {k: v for k, v in self._previous.items() if k[0] == "restarts"}
+        for family in self._metrics.request_latency.collect():
+            for sample in family.samples:
+                model = sample.labels.get("model", "")
+                if sample.name.endswith("_bucket"):
+                    key = ("bucket", model, float(sample.labels["le"]))
+                    values[key] = values.get(key, 0.0) + sample.value
+                elif sample.name.endswith("_count"):
+                    key = ("count", model, sample.labels["status_class"])
+                    values[key] = values.get(key, 0.0) + sample.value
+        for family in self._metrics.requests.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = ("outcome", sample.labels["model"], sample.labels["outcome"])
+                    values[key] = values.get(key, 0.0) + sample.value
+        return values
+
+
+def _total(delta: dict[tuple, float], model: str) -> float:
+    return sum(v for k, v in delta.items() if k[0] == "count" and k[1] == model)
+
+
+def _ratio(part: float, whole: float) -> float | None:
+    return part / whole if whole > 0 else None
+
+
+def _quantile(delta: dict[tuple, float], model: str, q: float) -> float | None:
+    buckets = sorted((k[2], v) for k, v in delta.items() if k[0] == "bucket" and k[1] == model)
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    target = q * buckets[-1][1]
+    previous_bound, previous_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= target:
+            if bound == float("inf"):
+                return previous_bound  # beyond the last finite bucket: its bound is the best we know
+            # Linear interpolation inside the bucket, as Prometheus's histogram_quantile does.
+            share = (target - previous_count) / (count - previous_count) if count > previous_count else 1.0
+            return previous_bound + (bound - previous_bound) * share
+        previous_bound, previous_count = bound, count
+    return None

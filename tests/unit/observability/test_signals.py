@@ -1,0 +1,28 @@
+from servewell.observability.metrics import ServeMetrics
+from servewell.observability.signals import ModelFacts, SignalTracker
+
+
+def test_snapshots_cover_only_the_window_since_the_previous_one():
+    metrics = ServeMetrics()
+    facts = [ModelFacts("m", queue_fill_ratio=0.5, restarts=0, memory_headroom_ratio=None)]
+    tracker = SignalTracker(metrics, lambda: facts)
+    for _ in range(98):
+        metrics.observe_request("m", "/predict", 200, 0.004)
+    metrics.observe_request("m", "/predict", 503, 0.004)
+    metrics.observe_request("m", "/predict", 200, 2.0)
+    for _ in range(95):
+        metrics.count("m", "normal", "success")
+    for _ in range(5):
+        metrics.count("m", "normal", "rejected")
+    (first,) = tracker.snapshots()
+    assert first.error_ratio == 0.01 and first.rejected_ratio == 0.05
+    assert 0.0025 < first.p99_latency_s <= 2.5
+    assert first.queue_fill_ratio == 0.5 and first.worker_restarts == 0
+
+    metrics.observe_request("m", "/predict", 200, 0.003)
+    facts[0] = ModelFacts("m", 0.0, restarts=2, memory_headroom_ratio=0.3)
+    (second,) = tracker.snapshots()
+    assert second.error_ratio == 0.0 and second.p99_latency_s <= 0.005  # the slow request was last window's
+    assert second.worker_restarts == 2 and second.memory_headroom_ratio == 0.3
+    (third,) = tracker.snapshots()
+    assert third.p99_latency_s is None and third.worker_restarts == 0
