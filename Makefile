@@ -12,7 +12,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test]'
+	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -22,6 +22,9 @@ serve: install
 
 test: install
 	$(VENV)/bin/pytest -q
+
+bench: install
+	$(PY) -m bench.run
 
 clean:
 	rm -rf $(VENV) .pytest_cache

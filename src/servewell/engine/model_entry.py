@@ -148,7 +148,7 @@ class ModelEntry:
         progress = None
         if self._on_progress is not None:
             progress = lambda stage, elapsed: self._on_progress(self.name, index, stage, elapsed)  # noqa: E731
-        worker = WorkerHandle(self.config, self.directory, progress, self._tracing_settings)
+        worker = WorkerHandle(self.config, self.directory, progress, self._tracing_settings, index)
         self._workers[index] = worker
         try:
             info = await worker.start(self._load_timeout_s)

@@ -83,9 +83,11 @@ class WorkerHandle:
         model_dir: Path,
         on_progress: ProgressCallback | None = None,
         tracing: TracingSettings | None = None,
+        instance: int = 0,
     ) -> None:
         self.config = config
         self._tracing = tracing
+        self.instance = instance
         self.model_dir = model_dir
         self._on_progress = on_progress
         self._ids = itertools.count(1)
@@ -120,7 +122,7 @@ class WorkerHandle:
         parent, child = ctx.Pipe(duplex=True)
         self._process = ctx.Process(
             target=worker_main,
-            args=(child, self.config, str(self.model_dir), self._tracing),
+            args=(child, self.config, str(self.model_dir), self._tracing, self.instance),
             name=f"servewell-worker-{self.config.name}",
             daemon=True,
         )

@@ -35,7 +35,9 @@ from servewell.workers.profiling import WorkerProfiler
 from servewell.workers.shm import SegmentReader, SharedArena
 
 
-def worker_main(conn: Connection, config: ModelConfig, model_dir: str, tracing: TracingSettings | None = None) -> None:
+def worker_main(
+    conn: Connection, config: ModelConfig, model_dir: str, tracing: TracingSettings | None = None, instance: int = 0
+) -> None:
     """Run until the frontend says `Shutdown` or goes away."""
     # Ctrl-C in a terminal reaches the whole process group; the frontend decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -59,6 +61,7 @@ def worker_main(conn: Connection, config: ModelConfig, model_dir: str, tracing: 
         conn.send(LoadProgress(stage, elapsed))
 
     try:
+        config = assign_device(config, instance)
         from servewell.runtimes import load_runtime
         from servewell.runtimes.warmup import warm_up
 
@@ -76,6 +79,19 @@ def worker_main(conn: Connection, config: ModelConfig, model_dir: str, tracing: 
 
     conn.send(WorkerReady(os.getpid(), load_s, warmup_s, rss_bytes(), tuple(stages)))
     _serve(conn, runtime, config.name, Tracing(tracing) if tracing is not None else None)
+
+
+def assign_device(config: ModelConfig, instance: int) -> ModelConfig:
+    """`device: cuda` spreads instances over the visible GPUs (instance i on cuda:i mod count);
+    an explicit cuda:N is kept. Unverified on a GPU machine in this project's CI."""
+    if config.device != "cuda":
+        return config
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        return config  # the runtime reports the missing GPU with its own clear error
+    return config.model_copy(update={"device": f"cuda:{instance % count}"})
 
 
 def _serve(conn: Connection, runtime, model: str, tracing: Tracing | None) -> None:  # noqa: ANN001 - a ModelRuntime
