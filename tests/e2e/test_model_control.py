@@ -101,10 +101,10 @@ def test_model_over_the_memory_budget_is_refused_while_another_serves(tmp_path, 
 def test_a_hanging_load_is_killed_at_the_timeout(tmp_path, start_server):
     onnx_model(tmp_path, "small")
     factory_model(tmp_path, "hangs", HANGING)
-    server = start_server(["--model-repository", str(tmp_path), "--load-timeout-s", "8"])
+    server = start_server(["--model-repository", str(tmp_path), "--load-timeout-s", "15"])
     server.wait_live()
     models = wait_settled(server.url, ["small", "hangs"])
-    assert models["hangs"]["state"] == "failed" and "within 8 s" in models["hangs"]["reason"]
+    assert models["hangs"]["state"] == "failed" and "within 15 s" in models["hangs"]["reason"]
     assert models["hangs"]["instances"][0]["alive"] is False
     assert httpx.post(server.url + "/v2/models/small/infer", json=body(1.0)).status_code == 200
 

@@ -82,3 +82,56 @@ def test_sigterm_under_load_finishes_every_accepted_request(server):
     # uvicorn re-raises the signal after its graceful shutdown, so the exit status is -SIGTERM.
     assert server.proc.wait(30) in (0, -signal.SIGTERM)
     assert "Finished server process" in server.log()
+
+
+FAULTY = '''
+import torch
+from torch import nn
+
+
+class Faulty(nn.Module):
+    """Fault injection for the GPU paths on a CPU: out of memory above 2 rows, a device-side
+    assert on the value 13."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        if bool((x == 13).any()):
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        if x.shape[0] > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return x * self.scale
+
+
+def build():
+    return Faulty()
+'''
+
+
+def test_device_faults_split_batches_and_restart_the_worker(tmp_path, start_server):
+    from test_model_control import factory_model
+
+    factory_model(tmp_path, "faulty", FAULTY, max_batch_size=8, warmup=False)
+    server = start_server(["--model-repository", str(tmp_path)])
+    server.wait_ready()
+    rows = {"inputs": [{"name": "x", "shape": [6, 1], "datatype": "FP32", "data": [1, 2, 3, 4, 5, 6]}]}
+    r = httpx.post(server.url + "/v2/models/faulty/infer", json=rows)
+    assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [1, 2, 3, 4, 5, 6]  # split in pieces of 2
+    assert httpx.get(server.url + "/admin/models/faulty/batching").json()["max_batch_size"] == 2
+    before = worker_pids_of(server.url, "faulty")
+    r = httpx.post(server.url + "/v2/models/faulty/infer", json=body(13.0))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "worker_lost"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        model = httpx.get(server.url + "/healthz").json()["models"]["faulty"]
+        if model["state"] == "ready" and model["restarts"] == 1 and worker_pids_of(server.url, "faulty") != before:
+            break
+        time.sleep(0.2)
+    assert model["restarts"] == 1 and model["state"] == "ready", model
+    assert httpx.post(server.url + "/v2/models/faulty/infer", json=body(1.0)).status_code == 200
+
+
+def worker_pids_of(url: str, model: str) -> list[int]:
+    return [i["pid"] for i in httpx.get(url + "/healthz").json()["models"][model]["instances"]]

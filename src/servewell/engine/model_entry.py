@@ -205,6 +205,11 @@ class ModelEntry:
             self.scheduler.fail_all(WorkerLost(f"model '{self.name}' failed: {self.reason}"))
 
     def _after_batch(self, worker: WorkerHandle) -> None:
+        limited = worker.oom_limited_batch_size
+        if limited and limited < self.scheduler.max_batch_size:
+            log.warning("model %s: out of device memory above %d rows; lowering max_batch_size from %d",
+                        self.name, limited, self.scheduler.max_batch_size, extra={"model": self.name})
+            self.scheduler.max_batch_size = limited
         self._check_memory(worker)
 
     async def _watch_memory(self) -> None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from servewell.config.model import ModelConfig
-from servewell.runtimes.base import ModelLoadError, ModelRuntime, ProgressFn, RuntimeLoader
+from servewell.runtimes.base import DeviceUnusableError, ModelLoadError, ModelRuntime, ProgressFn, RuntimeLoader
 
-__all__ = ["ModelLoadError", "ModelRuntime", "ProgressFn", "load_runtime"]
+__all__ = ["DeviceUnusableError", "ModelLoadError", "ModelRuntime", "ProgressFn", "load_runtime"]
 
 #: Python package each runtime needs, named in the error when it is missing.
 _RUNTIME_PACKAGE = {"onnx": "onnxruntime", "torchscript": "torch", "pytorch": "torch"}
@@ -29,6 +29,10 @@ def load_runtime(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> 
     if not artifact.is_file():
         raise ModelLoadError(
             f"artifact {config.artifact!r} named in model.yaml is not a file in {model_dir}"
+        )
+    if config.lazy_submodules and config.runtime != "pytorch":
+        raise ModelLoadError(
+            f"lazy_submodules works with runtime pytorch only; runtime {config.runtime} loads the whole model"
         )
     return _loader(config.runtime)(config, model_dir, progress)
 

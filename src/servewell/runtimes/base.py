@@ -1,13 +1,18 @@
-"""The interface every model backend implements. Runs inside a worker process only."""
+"""The interface every model backend implements. Runs inside a worker process only.
+
+`ModelRuntime` is all a backend must offer. The protocols after it are optional abilities that
+warm-up and the worker use when a runtime has them (the torch runtimes have all of them).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 
 from servewell.config.model import ModelConfig
+from servewell.runtimes.precision import PrecisionCheck
 
 #: Called by a runtime while it loads, with a short stage name ("read graph", "load weights", ...).
 ProgressFn = Callable[[str], None]
@@ -15,6 +20,14 @@ ProgressFn = Callable[[str], None]
 
 class ModelLoadError(Exception):
     """The model cannot be loaded; the message says why in words a user can act on."""
+
+
+class DeviceUnusableError(RuntimeError):
+    """The accelerator failed in a way that leaves this process unable to use it again.
+
+    A device-side assert or any "CUDA error" poisons the CUDA context of the process; nothing
+    short of a new process recovers it, so the worker should exit and be restarted.
+    """
 
 
 class ModelRuntime(Protocol):
@@ -27,6 +40,56 @@ class ModelRuntime(Protocol):
 
     def close(self) -> None:
         """Release the model's resources."""
+        ...
+
+
+class PeakMemoryProbe(Protocol):
+    """Measures the peak memory used between `reset` and `peak_bytes`."""
+
+    def reset(self) -> None:
+        """Start a new measurement at the current usage."""
+        ...
+
+    def peak_bytes(self) -> int:
+        """Highest usage, in bytes, since the last `reset`."""
+        ...
+
+
+@runtime_checkable
+class MemoryProbing(Protocol):
+    """A runtime that knows where its memory lives (device memory for a CUDA runtime)."""
+
+    def peak_memory_probe(self) -> PeakMemoryProbe:
+        """A probe of the memory this runtime's batches use."""
+        ...
+
+
+@runtime_checkable
+class DtypeReporting(Protocol):
+    """A runtime that can say in which dtype it computes."""
+
+    @property
+    def serving_dtype(self) -> str:
+        """fp32, fp16, bf16, ... as model.yaml spells dtypes."""
+        ...
+
+
+@runtime_checkable
+class PrecisionChecking(DtypeReporting, Protocol):
+    """A runtime that may serve in reduced precision and can compare itself with fp32."""
+
+    def check_against_fp32(self, inputs: dict[str, np.ndarray], tolerance: float) -> PrecisionCheck:
+        """Compare outputs on `inputs` with an fp32 reference; switch to fp32 above `tolerance`."""
+        ...
+
+
+@runtime_checkable
+class OomSplitting(Protocol):
+    """A runtime that splits a batch that runs out of device memory into smaller ones."""
+
+    @property
+    def oom_limited_batch_size(self) -> int | None:
+        """Largest batch that ran in one piece after an out-of-memory split; None if none was split."""
         ...
 
 

@@ -21,6 +21,8 @@ _ORT_TO_NUMPY: dict[str, np.dtype] = {
     ]
 }
 
+_NUMPY_DTYPE_NAMES = {np.dtype("float32"): "fp32", np.dtype("float16"): "fp16", np.dtype("float64"): "fp64"}
+
 
 class OnnxRuntime:
     """An onnxruntime session behind the `ModelRuntime` interface."""
@@ -32,6 +34,17 @@ class OnnxRuntime:
         self._input_dtypes = {i.name: _ORT_TO_NUMPY.get(i.type) for i in session.get_inputs()}
         self._output_names = [spec.name for spec in config.outputs]
         self._output_dtypes = [np.dtype(spec.numpy_dtype) for spec in config.outputs]
+        floating = [d for d in self._input_dtypes.values() if d is not None and d.kind == "f"]
+        self._serving_dtype = _NUMPY_DTYPE_NAMES.get(floating[0], str(floating[0])) if floating else "graph"
+
+    @property
+    def serving_dtype(self) -> str:
+        """The dtype of the graph's floating inputs (fp32, fp16); "graph" when it takes none.
+
+        ONNX models compute in the dtypes they were exported with; model.yaml's `dtype` does
+        not change them.
+        """
+        return self._serving_dtype
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one batch; outputs are cast to the dtypes model.yaml declares."""
@@ -65,6 +78,8 @@ def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> OnnxRunt
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     providers = _providers(config.device, progress)
+    if config.gpu_memory_fraction is not None and config.device.startswith("cuda"):
+        progress("gpu_memory_fraction is not applied by the onnx runtime (torch runtimes only)")
     progress("read and optimize graph")
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers)

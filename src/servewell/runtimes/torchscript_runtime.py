@@ -2,25 +2,34 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
 from servewell.config.model import ModelConfig
 from servewell.runtimes.base import ModelLoadError, ProgressFn
-from servewell.runtimes.torch_execution import (
-    TorchModuleRuntime,
-    dtype_name,
-    resolve_device,
-    resolve_serving_dtype,
-)
+from servewell.runtimes.torch_execution import TorchModuleRuntime, dtype_name, prepare_torch
 
 
 def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> TorchModuleRuntime:
-    """Load `model_dir / config.artifact` in the serving dtype, then freeze and optimize it if asked."""
-    device = resolve_device(config.device)
-    dtype = resolve_serving_dtype(config.dtype, device)
-    torch.set_num_threads(config.threads)
+    """Load `model_dir / config.artifact` in the serving dtype, then freeze and optimize it if asked.
+
+    With `dtype: auto` resolved to a reduced dtype, the runtime can load the archive again in
+    fp32, for warm-up's precision check.
+    """
+    device, dtype = prepare_torch(config)
+    module = load_scripted(config, model_dir, device, dtype, progress)
+    reference = None
+    if config.dtype == "auto" and dtype != torch.float32:
+        reference = functools.partial(load_scripted, config, model_dir, device, torch.float32, lambda stage: None)
+    return TorchModuleRuntime(module, config, device, dtype, fp32_reference=reference)
+
+
+def load_scripted(
+    config: ModelConfig, model_dir: Path, device: torch.device, dtype: torch.dtype, progress: ProgressFn
+) -> torch.jit.ScriptModule:
+    """The archive's module in `dtype` on `device`, frozen and optimized as model.yaml asks."""
     progress("read TorchScript archive")
     try:
         # Load to the CPU so a dtype conversion happens before the device copy, not after.
@@ -45,4 +54,4 @@ def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> TorchMod
             module = torch.jit.optimize_for_inference(module)
     except Exception as exc:
         raise ModelLoadError(f"TorchScript freeze/optimize failed on {config.artifact}: {exc}") from exc
-    return TorchModuleRuntime(module, config, device, dtype)
+    return module

@@ -1,13 +1,56 @@
-"""Dummy inputs and the warm-up run that proves a loaded model answers in the declared shapes."""
+"""Warm-up: prove a loaded model answers in the declared shapes, and learn what it can afford.
+
+`warm_up` runs dummy batches of 1, 2, 4, ... up to `max_batch_size` items, measures the peak
+memory of each, and stops growing where `memory_limit_bytes` would be exceeded. With
+`dtype: auto` on a runtime that chose bf16 or fp16, it first compares the outputs with an fp32
+reference and falls back to fp32 when they differ by more than `dtype_tolerance`.
+
+Warm-up runs the whole model, so it also loads `lazy_submodules`; a model whose lazy parts
+should wait for the first real request needs `warmup: false`.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from servewell.config.model import ModelConfig, TensorSpec
-from servewell.runtimes.base import ModelLoadError, ModelRuntime
+from servewell.runtimes.base import (
+    DtypeReporting,
+    MemoryProbing,
+    ModelLoadError,
+    ModelRuntime,
+    OomSplitting,
+    PeakMemoryProbe,
+    PrecisionChecking,
+    ProgressFn,
+)
+from servewell.runtimes.memory_probe import ProcessPeakMemory
+from servewell.runtimes.precision import PrecisionCheck
+
+_MIB = 1 << 20
+#: Seed of the values the precision check feeds: fixed, so a model loads the same way each time.
+_PROBE_SEED = 0
+
+
+@dataclass(slots=True, frozen=True)
+class WarmupReport:
+    """What warm-up measured and decided."""
+
+    seconds: float
+    """Wall time of the whole warm-up."""
+    effective_max_batch_size: int
+    """Largest batch size that stayed within `memory_limit_bytes` (and did not run out of device
+    memory); `max_batch_size` when nothing limited it, 0 for a model without a batch dimension."""
+    peak_bytes_by_batch: tuple[tuple[int, int], ...]
+    """(batch size, peak bytes) for each batch run, the one over the limit included: resident
+    memory of the process on the CPU, allocated device memory on CUDA."""
+    serving_dtype: str
+    """The dtype the model serves in after warm-up ("" when the runtime does not say)."""
+    precision_check: PrecisionCheck | None = None
+    """The comparison with fp32 when `dtype: auto` chose a reduced dtype; None otherwise."""
 
 
 def dummy_batch(config: ModelConfig, batch_size: int) -> dict[str, np.ndarray]:
@@ -28,24 +71,100 @@ def dummy_batch(config: ModelConfig, batch_size: int) -> dict[str, np.ndarray]:
     return batch
 
 
-def warm_up(runtime: ModelRuntime, config: ModelConfig) -> float:
-    """Run dummy batches of 1 and of `max_batch_size` items; return the seconds it took.
+def precision_probe_batch(config: ModelConfig) -> dict[str, np.ndarray]:
+    """A batch of one for the fp32 comparison: seeded standard-normal values in floating inputs.
 
-    Raises `ModelLoadError` when the model fails on them or when an output is missing or
-    does not have the declared dtype and shape (the batch size, then every fixed dimension).
+    Zeros would multiply every weight away and hide the rounding of the weights; other inputs
+    keep the zeros of `dummy_batch`, which are valid ids.
     """
+    rng = np.random.default_rng(_PROBE_SEED)
+    batch = dummy_batch(config, 1)
+    for name, array in batch.items():
+        if np.issubdtype(array.dtype, np.floating):
+            batch[name] = rng.standard_normal(array.shape).astype(array.dtype)
+    return batch
+
+
+def warm_up_batch_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, ... below `max_batch_size`, then `max_batch_size` itself; [1] for 0 (no batch dimension)."""
+    sizes = []
+    size = 1
+    while size < max_batch_size:
+        sizes.append(size)
+        size *= 2
+    sizes.append(max(max_batch_size, 1))
+    return sizes
+
+
+def warm_up(runtime: ModelRuntime, config: ModelConfig, progress: ProgressFn | None = None) -> WarmupReport:
+    """Check the precision (dtype auto), then run dummy batches of growing size; report what was found.
+
+    Raises `ModelLoadError` when the model fails on a batch, when an output is missing or does
+    not have the declared dtype and shape (the batch size, then every fixed dimension), or when
+    even a batch of 1 needs more than `memory_limit_bytes`.
+    """
+    say = progress or _ignore
     started = time.perf_counter()
-    sizes = [1]
-    if config.max_batch_size > 1:
-        sizes.append(config.max_batch_size)
-    for batch_size in sizes:
+    check = None
+    if config.dtype == "auto" and isinstance(runtime, PrecisionChecking) and runtime.serving_dtype != "fp32":
+        check = _check_precision(runtime, config, say)
+    probe: PeakMemoryProbe = runtime.peak_memory_probe() if isinstance(runtime, MemoryProbing) else ProcessPeakMemory()
+    batched = config.max_batch_size > 0
+    limit = config.memory_limit_bytes
+    peaks: list[tuple[int, int]] = []
+    effective = 0
+    for batch_size in warm_up_batch_sizes(config.max_batch_size):
+        probe.reset()
         try:
             outputs = runtime.run(dummy_batch(config, batch_size))
         except Exception as exc:  # any failure here means the model cannot serve; say so at load
             raise ModelLoadError(f"warm-up batch of {batch_size} failed: {exc}") from exc
+        peak = probe.peak_bytes()
+        peaks.append((batch_size, peak))
         for spec in config.outputs:
-            _check_output(spec, outputs, config.max_batch_size > 0, batch_size)
-    return time.perf_counter() - started
+            _check_output(spec, outputs, batched, batch_size)
+        if limit is not None and peak > limit:
+            if batch_size == 1:
+                raise ModelLoadError(
+                    f"the model does not fit its memory_limit_bytes at batch 1: it peaked at {peak} bytes "
+                    f"({peak / _MIB:.0f} MiB), the limit is {limit} bytes ({limit / _MIB:.0f} MiB)"
+                )
+            say(f"batch {batch_size} peaked at {peak / _MIB:.0f} MiB, over memory_limit_bytes "
+                f"({limit / _MIB:.0f} MiB): max batch size {effective}")
+            break
+        effective = batch_size
+    if isinstance(runtime, OomSplitting) and runtime.oom_limited_batch_size is not None:
+        effective = min(effective, runtime.oom_limited_batch_size)
+        say(f"ran out of device memory above batch {runtime.oom_limited_batch_size}")
+    return WarmupReport(
+        seconds=time.perf_counter() - started,
+        effective_max_batch_size=effective if batched else 0,
+        peak_bytes_by_batch=tuple(peaks),
+        serving_dtype=runtime.serving_dtype if isinstance(runtime, DtypeReporting) else "",
+        precision_check=check,
+    )
+
+
+def _check_precision(runtime: PrecisionChecking, config: ModelConfig, say: ProgressFn) -> PrecisionCheck:
+    say(f"compare {runtime.serving_dtype} outputs with fp32")
+    try:
+        check = runtime.check_against_fp32(precision_probe_batch(config), config.dtype_tolerance)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"warm-up: comparing {runtime.serving_dtype} with fp32 failed: {exc}") from exc
+    if check.skipped_reason:
+        say(f"kept {check.serving_dtype} unchecked: {check.skipped_reason}")
+    elif check.fell_back_to_fp32:
+        say(f"{check.checked_dtype} differs from fp32 by {check.max_relative_difference:.3g} "
+            f"(dtype_tolerance {config.dtype_tolerance:g}): serving in fp32")
+    else:
+        say(f"{check.checked_dtype} within {check.max_relative_difference:.3g} of fp32: serving in {check.checked_dtype}")
+    return check
+
+
+def _ignore(stage: str) -> None:
+    """Progress sink when the caller passes none."""
 
 
 def _check_output(spec: TensorSpec, outputs: dict[str, np.ndarray], batched: bool, batch_size: int) -> None:

@@ -104,6 +104,7 @@ class WorkerHandle:
         self.rss_bytes = 0
         self.rows_computed = 0
         self.retiring = False
+        self.oom_limited_batch_size: int | None = None
         self.ready_at: float | None = None
         self.exit_reason = ""
         self.on_lost: Callable[[WorkerHandle], None] | None = None
@@ -233,6 +234,7 @@ class WorkerHandle:
             future = self._pending.pop(message.batch_id, None)
             self.rss_bytes = message.rss_bytes
             self.rows_computed = message.rows_computed
+            self.oom_limited_batch_size = message.oom_limited_batch_size
             if future is not None and not future.done():
                 outputs = self._reader.arrays(message.segment, message.outputs, copy=True)
                 future.set_result(BatchOutcome(outputs, message.compute_s, message.steps))
@@ -244,7 +246,10 @@ class WorkerHandle:
         elif isinstance(message, BatchFailed):
             future = self._pending.pop(message.batch_id, None)
             if future is not None and not future.done():
-                future.set_exception(ModelError(f"model failed on the batch: {message.message}"))
+                if message.fatal:
+                    future.set_exception(WorkerLost(f"the device failed and the worker restarts: {message.message}"))
+                else:
+                    future.set_exception(ModelError(f"model failed on the batch: {message.message}"))
 
     def _lost(self) -> None:
         was_alive = self.alive

@@ -93,6 +93,7 @@ class BatchDone:
     rss_bytes: int
     rows_computed: int = 0  # rows this worker has run since it started, this batch included
     steps: tuple[tuple[str, float], ...] = ()  # trace_step() durations measured during the batch
+    oom_limited_batch_size: int | None = None  # largest batch that fit device memory after an OOM split
 
 
 @dataclass(slots=True, frozen=True)
@@ -101,6 +102,7 @@ class BatchFailed:
 
     batch_id: int
     message: str
+    fatal: bool = False  # the worker exits after this (device unusable) and is restarted
 
 
 @dataclass(slots=True, frozen=True)

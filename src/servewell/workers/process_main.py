@@ -63,21 +63,28 @@ def worker_main(
     try:
         config = assign_device(config, instance)
         from servewell.runtimes import load_runtime
+        from servewell.runtimes.base import DtypeReporting
         from servewell.runtimes.warmup import warm_up
 
         progress("import runtime")
         runtime = load_runtime(config, Path(model_dir), progress)
         load_s = time.perf_counter() - started
-        warmup_s = 0.0
+        report = None
         if config.warmup:
             progress("warm-up")
-            warmup_s = warm_up(runtime, config)
+            report = warm_up(runtime, config, progress)
     except Exception as exc:  # any load failure is reported, never raised into the void
         conn.send(LoadFailed(_describe(exc)))
         conn.close()
         return
 
-    conn.send(WorkerReady(os.getpid(), load_s, warmup_s, rss_bytes(), tuple(stages)))
+    dtype = report.serving_dtype if report else (runtime.serving_dtype if isinstance(runtime, DtypeReporting) else "")
+    conn.send(WorkerReady(
+        os.getpid(), load_s, report.seconds if report else 0.0, rss_bytes(), tuple(stages),
+        effective_max_batch_size=report.effective_max_batch_size if report else 0,
+        peak_bytes_by_batch=report.peak_bytes_by_batch if report else (),
+        serving_dtype=dtype,
+    ))
     _serve(conn, runtime, config.name, Tracing(tracing) if tracing is not None else None)
 
 
@@ -126,6 +133,8 @@ def _serve(conn: Connection, runtime, model: str, tracing: Tracing | None) -> No
             else:
                 reply = _run(message, runtime, reader, arena, rows_computed, steps)
             conn.send(reply)
+            if isinstance(reply, BatchFailed) and reply.fatal:
+                return  # the device is unusable in this process: exit, supervision starts a fresh one
     finally:
         reader.close()
         arena.close()
@@ -154,10 +163,12 @@ def _run(message: RunBatch, runtime, reader: SegmentReader, arena: SharedArena, 
         compute_s = time.perf_counter() - started
         refs = arena.write({k: np.ascontiguousarray(v) for k, v in outputs.items()})
     except Exception as exc:
-        return BatchFailed(message.batch_id, _describe(exc))
+        fatal = type(exc).__name__ == "DeviceUnusableError"
+        return BatchFailed(message.batch_id, _describe(exc), fatal=fatal)
     finally:
         del inputs
-    return BatchDone(message.batch_id, arena.name, refs, compute_s, rss_bytes(), rows_computed, tuple(steps))
+    return BatchDone(message.batch_id, arena.name, refs, compute_s, rss_bytes(), rows_computed, tuple(steps),
+                     getattr(runtime, "oom_limited_batch_size", None))
 
 
 def _describe(exc: BaseException) -> str:

@@ -83,7 +83,9 @@ def test_outputs_match_torch_by_name_and_in_declared_dtypes(exported: tuple[Path
     np.testing.assert_allclose(outputs["total"], expected_total, rtol=1e-5, atol=1e-6)
     assert outputs["total"].dtype == np.float64
     assert stages
-    assert warm_up(runtime, make_config()) >= 0.0
+    report = warm_up(runtime, make_config())
+    assert report.seconds >= 0.0
+    assert report.serving_dtype == "fp32"
     runtime.close()
 
 

@@ -36,3 +36,11 @@ def test_artifact_that_is_a_directory_is_refused(tmp_path: Path) -> None:
     (tmp_path / "model.onnx").mkdir()
     with pytest.raises(ModelLoadError, match="is not a file"):
         load_runtime(make_config(), tmp_path, lambda stage: None)
+
+
+@pytest.mark.parametrize("runtime", ["onnx", "torchscript"])
+def test_lazy_submodules_need_the_pytorch_runtime(tmp_path: Path, runtime: str) -> None:
+    (tmp_path / "model.onnx").write_bytes(b"")
+    config = make_config(runtime).model_copy(update={"lazy_submodules": ["head"]})
+    with pytest.raises(ModelLoadError, match="lazy_submodules works with runtime pytorch only"):
+        load_runtime(config, tmp_path, lambda stage: None)

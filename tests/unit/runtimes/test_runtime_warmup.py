@@ -1,8 +1,9 @@
-"""Dummy batches and the warm-up check, against small fake runtimes."""
+"""Dummy batches, the warm-up check and its memory sweep, against small fake runtimes."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,8 @@ import pytest
 
 from servewell.config.model import ModelConfig
 from servewell.runtimes import ModelLoadError
-from servewell.runtimes.warmup import dummy_batch, warm_up
+from servewell.runtimes.memory_probe import ProcessPeakMemory
+from servewell.runtimes.warmup import dummy_batch, precision_probe_batch, warm_up, warm_up_batch_sizes
 
 Outputs = dict[str, np.ndarray]
 
@@ -30,8 +32,35 @@ class FakeRuntime:
         pass
 
 
+class ScriptedPeaks:
+    """A peak-memory probe that reports `bytes_per_item` times the last batch the runtime saw."""
+
+    def __init__(self, runtime: FakeRuntime, base: int, bytes_per_item: int) -> None:
+        self.runtime, self.base, self.bytes_per_item = runtime, base, bytes_per_item
+
+    def reset(self) -> None:
+        pass
+
+    def peak_bytes(self) -> int:
+        return self.base + self.bytes_per_item * self.runtime.batch_sizes[-1]
+
+
+class ProbedRuntime(FakeRuntime):
+    """A fake runtime that brings its own memory probe, as the torch runtimes do."""
+
+    def __init__(self, answer: Callable[[Outputs], Outputs], base: int, bytes_per_item: int) -> None:
+        super().__init__(answer)
+        self.probe = ScriptedPeaks(self, base, bytes_per_item)
+
+    def peak_memory_probe(self) -> ScriptedPeaks:
+        return self.probe
+
+
 def make_config(
-    max_batch_size: int = 4, output_shape: list[int] | None = None, inputs: list[dict[str, Any]] | None = None
+    max_batch_size: int = 4,
+    output_shape: list[int] | None = None,
+    inputs: list[dict[str, Any]] | None = None,
+    **overrides: Any,
 ) -> ModelConfig:
     return ModelConfig(
         name="fake",
@@ -44,6 +73,7 @@ def make_config(
         ],
         outputs=[{"name": "y", "datatype": "FP32", "shape": output_shape or [-1, 5]}],
         max_batch_size=max_batch_size,
+        **overrides,
     )
 
 
@@ -70,16 +100,85 @@ def test_dummy_batch_bytes_input() -> None:
     assert batch["s"].dtype == object and batch["s"].shape == (2, 1)
 
 
-def test_warm_up_runs_one_and_max_batch_and_returns_seconds() -> None:
+def test_precision_probe_batch_fills_floating_inputs_only_and_is_the_same_each_time() -> None:
+    batch = precision_probe_batch(make_config())
+    assert batch["x"].shape == (1, 1, 3) and batch["x"].any()
+    assert not batch["ids"].any()
+    np.testing.assert_array_equal(batch["x"], precision_probe_batch(make_config())["x"])
+
+
+@pytest.mark.parametrize(
+    ("max_batch_size", "sizes"), [(0, [1]), (1, [1]), (2, [1, 2]), (4, [1, 2, 4]), (6, [1, 2, 4, 6]), (16, [1, 2, 4, 8, 16])]
+)
+def test_warm_up_batch_sizes_double_up_to_the_max(max_batch_size: int, sizes: list[int]) -> None:
+    assert warm_up_batch_sizes(max_batch_size) == sizes
+
+
+def test_warm_up_runs_doubling_batches_and_reports_peaks() -> None:
     runtime = FakeRuntime(answer_y((7, 5)))
-    seconds = warm_up(runtime, make_config(max_batch_size=4))
-    assert runtime.batch_sizes == [1, 4]
-    assert seconds >= 0.0
+    report = warm_up(runtime, make_config(max_batch_size=6))
+    assert runtime.batch_sizes == [1, 2, 4, 6]
+    assert report.seconds >= 0.0
+    assert report.effective_max_batch_size == 6
+    assert [size for size, _ in report.peak_bytes_by_batch] == [1, 2, 4, 6]
+    assert all(peak > 0 for _, peak in report.peak_bytes_by_batch)
+    assert report.serving_dtype == "" and report.precision_check is None
+
+
+def test_memory_limit_lowers_the_effective_max_batch_size_and_stops_the_sweep() -> None:
+    runtime = ProbedRuntime(answer_y((1, 5)), base=1000, bytes_per_item=100)
+    stages: list[str] = []
+    report = warm_up(runtime, make_config(max_batch_size=16, memory_limit_bytes=1300), stages.append)
+    assert runtime.batch_sizes == [1, 2, 4]
+    assert report.effective_max_batch_size == 2
+    assert report.peak_bytes_by_batch == ((1, 1100), (2, 1200), (4, 1400))
+    assert any("over memory_limit_bytes" in stage for stage in stages)
+
+
+def test_a_model_over_its_memory_limit_at_batch_one_fails_to_load_with_the_numbers() -> None:
+    runtime = ProbedRuntime(answer_y((1, 5)), base=5 << 20, bytes_per_item=1 << 20)
+    with pytest.raises(ModelLoadError, match=r"memory_limit_bytes at batch 1.*6291456 bytes.*4194304 bytes"):
+        warm_up(runtime, make_config(memory_limit_bytes=4 << 20))
+
+
+def test_memory_limit_without_batch_dimension_keeps_zero() -> None:
+    runtime = ProbedRuntime(lambda inputs: {"y": np.zeros((2, 5), dtype=np.float32)}, base=10, bytes_per_item=1)
+    report = warm_up(runtime, make_config(max_batch_size=0, memory_limit_bytes=100))
+    assert report.effective_max_batch_size == 0
+    assert report.peak_bytes_by_batch == ((1, 11),)
+
+
+def test_real_resident_memory_of_a_model_whose_temporaries_grow_with_the_batch() -> None:
+    """The process probe sees a temporary of 32 MiB per item and stops at the limit."""
+    per_item = 32 << 20
+
+    def allocate(inputs: Outputs) -> Outputs:
+        rows = len(inputs["x"])
+        temporary = np.ones(rows * per_item // 8)  # touched, so resident
+        return {"y": np.full((rows, 1, 5), temporary[-1], dtype=np.float32)}
+
+    probe = ProcessPeakMemory()
+    probe.reset()
+    resident = probe.peak_bytes()
+    config = make_config(max_batch_size=8, memory_limit_bytes=resident + 3 * per_item)
+    report = warm_up(FakeRuntime(allocate), config)
+    assert report.effective_max_batch_size == 2
+    peaks = dict(report.peak_bytes_by_batch)
+    assert peaks[4] - peaks[1] >= 2 * per_item  # at least most of the 3 extra items' temporaries
+
+
+def test_process_probe_falls_back_when_the_high_water_mark_cannot_be_reset(tmp_path: Path) -> None:
+    (tmp_path / "clear_refs").mkdir()  # opening it for writing fails, as in a locked-down sandbox
+    (tmp_path / "status").write_text("VmHWM:\t 9000 kB\nVmRSS:\t 1000 kB\n")
+    probe = ProcessPeakMemory(tmp_path)
+    probe.reset()
+    assert not probe.exact
+    assert probe.peak_bytes() >= 1000 * 1024
 
 
 def test_warm_up_with_max_batch_one_runs_once() -> None:
     runtime = FakeRuntime(answer_y((1, 5)))
-    warm_up(runtime, make_config(max_batch_size=1))
+    assert warm_up(runtime, make_config(max_batch_size=1)).effective_max_batch_size == 1
     assert runtime.batch_sizes == [1]
 
 
@@ -95,7 +194,7 @@ def test_warm_up_rejects_wrong_rank() -> None:
 
 def test_warm_up_rejects_output_that_is_not_per_item() -> None:
     runtime = FakeRuntime(lambda inputs: {"y": np.zeros((1, 1, 5), dtype=np.float32)})
-    with pytest.raises(ModelLoadError, match="a batch of 4"):
+    with pytest.raises(ModelLoadError, match="a batch of 2"):
         warm_up(runtime, make_config(max_batch_size=4))
 
 
