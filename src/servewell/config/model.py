@@ -161,15 +161,16 @@ class ModelConfig(_Strict):
     warmup: bool = Field(True, description="Run dummy batches up to max_batch_size before the model is reported ready.")
     dtype_tolerance: float = Field(
         0.05, gt=0, description="dtype auto: largest relative difference from fp32 outputs on the warm-up batch "
-        "that still allows bf16.",
+        "that still allows reduced precision (bf16/fp16); above it the model serves in fp32.",
     )
     lazy_submodules: list[str] = Field(
         default_factory=list, description="pytorch runtime: submodules (dotted names) whose weights load on first "
         "use instead of at start (at most once, even under concurrency).",
     )
     memory_limit_bytes: int | None = Field(
-        None, ge=1, description="Resident memory one instance may use; above it the worker is drained and "
-        "restarted, and warm-up lowers the effective max batch size to stay below it.",
+        None, ge=1, description="Memory one instance may use: host RSS, checked after every batch and each "
+        "second (above it the worker is drained and replaced); warm-up lowers the effective max batch size to "
+        "stay below it (device bytes on CUDA).",
     )
     gpu_memory_fraction: float | None = Field(
         None, gt=0, le=1, description="CUDA devices: hard cap on this instance's share of device memory "
