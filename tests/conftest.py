@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 _ROOT = Path(__file__).parent
+# Shared test code (tests/support) is importable from every test folder.
+sys.path.insert(0, str(_ROOT / "support"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
+        if "support" in Path(item.fspath).parts:
+            continue
         parts = Path(item.fspath).relative_to(_ROOT).parts
         if parts and parts[0] in ("unit", "integration", "e2e"):
             item.add_marker(parts[0])

@@ -2,38 +2,28 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from processes import ChildProcess, free_port
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
+class ServerProcess(ChildProcess):
     """One running servewell, its base URL and its captured log."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
+        super().__init__(
             [sys.executable, "-m", "servewell", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            log_path, env,
         )
 
     def wait_live(self, timeout_s: float = 120) -> None:
-        self._wait("/v2/health/live", timeout_s)
+        self.wait_http_ok(self.url + "/v2/health/live", timeout_s)
 
     def wait_ready(self, timeout_s: float = 180) -> None:
         """Wait until every model is ready; fail at once when one has failed to load."""
@@ -48,34 +38,6 @@ class ServerProcess:
                 raise RuntimeError(f"models failed to load: {broken}\n{self.log()[-3000:]}")
             time.sleep(0.2)
         raise TimeoutError(f"not ready after {timeout_s} s:\n{self.log()[-4000:]}")
-
-    def _wait(self, path: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + path, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{path} not 200 after {timeout_s} s:\n{self.log()[-4000:]}")
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="session")

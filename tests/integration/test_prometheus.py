@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -22,18 +20,14 @@ import pytest
 import torch
 import yaml
 
+from processes import ChildProcess as Process
+from processes import free_port
 from test_alert_rules import DASHBOARD, GAUGES, PROMETHEUS_DIR, SERIES, alerts
 
 MODEL = "tiny"
 BODY = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1.0]}]}
 BAD_BODY = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1.0, 2.0, 3.0]}]}
 SCRAPE_INTERVAL = "1s"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def onnx_model(root: Path, name: str) -> None:
@@ -47,42 +41,6 @@ def onnx_model(root: Path, name: str) -> None:
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
         "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
     }))
-
-
-class Process:
-    """A child process with its log in a file, stopped by pid."""
-
-    def __init__(self, args: list[str], log_path: Path) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def wait_http_ok(self, url: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.proc.args[0]} exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{url} not 200 after {timeout_s} s:\n{self.log()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
 
 
 def prometheus_config(servewell_port: int) -> dict:
