@@ -168,3 +168,22 @@ def test_models_command_lists_the_repository_and_why_models_are_invalid(reposito
     lines = {line.split()[0]: line for line in done.stdout.splitlines()[1:]}
     assert "INVALID" in lines["broken_yaml"] and "field 'max_batch_size'" in lines["broken_yaml"]
     assert "ok" in lines["tiny_pt"] and "runtime pytorch" in lines["tiny_pt"]
+
+
+def test_profile_of_an_onnx_worker_is_onnxruntime_s_own_trace(server):
+    import asyncio
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            capture = asyncio.create_task(c.post("/admin/models/tiny_onnx/profile", params={"seconds": 1}))
+            await asyncio.sleep(0.3)
+            for _ in range(3):
+                r = await c.post("/v2/models/tiny_onnx/infer", json={
+                    "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]})
+                assert r.status_code == 200
+            return await capture
+
+    r = asyncio.run(main())
+    assert r.status_code == 200, r.text
+    events = r.json()
+    assert isinstance(events, list) and any(e.get("cat") == "Node" for e in events)  # onnxruntime's format

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -27,8 +28,13 @@ _NUMPY_DTYPE_NAMES = {np.dtype("float32"): "fp32", np.dtype("float16"): "fp16", 
 class OnnxRuntime:
     """An onnxruntime session behind the `ModelRuntime` interface."""
 
-    def __init__(self, session: ort.InferenceSession, config: ModelConfig) -> None:
+    def __init__(self, session: ort.InferenceSession, config: ModelConfig,
+                 make_session: Callable[[ort.SessionOptions], ort.InferenceSession] | None = None,
+                 options: ort.SessionOptions | None = None) -> None:
         self._session: ort.InferenceSession | None = session
+        self._make_session = make_session
+        self._options = options
+        self._serving_session: ort.InferenceSession | None = None
         # Cast each input to what the graph takes, so a model.yaml that says FP32 for an
         # FP16 graph still runs; numpy dtype None means "leave as is".
         self._input_dtypes = {i.name: _ORT_TO_NUMPY.get(i.type) for i in session.get_inputs()}
@@ -62,9 +68,35 @@ class OnnxRuntime:
             for name, result, dtype in zip(self._output_names, results, self._output_dtypes)
         }
 
+    def start_profiling(self, directory: str) -> None:
+        """Serve from a second session with onnxruntime's profiler on until `stop_profiling`.
+
+        onnxruntime turns profiling on only when a session is created, so the profiled session
+        is a temporary copy of the model (its memory is freed when profiling stops).
+        """
+        if self._make_session is None or self._options is None:
+            raise RuntimeError("this runtime was built without a way to make a profiling session")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = self._options.intra_op_num_threads
+        options.inter_op_num_threads = self._options.inter_op_num_threads
+        options.execution_mode = self._options.execution_mode
+        options.graph_optimization_level = self._options.graph_optimization_level
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(directory) / "onnxruntime-profile")
+        self._serving_session, self._session = self._session, self._make_session(options)
+
+    def stop_profiling(self) -> str:
+        """End profiling; the path of the Chrome trace file onnxruntime wrote."""
+        if self._serving_session is None:
+            raise RuntimeError("no profile is being captured")
+        path = self._session.end_profiling()
+        self._session, self._serving_session = self._serving_session, None
+        return path
+
     def close(self) -> None:
         """Drop the session; onnxruntime frees its memory when the last reference goes."""
         self._session = None
+        self._serving_session = None
 
 
 def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> OnnxRuntime:
@@ -81,8 +113,11 @@ def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> OnnxRunt
     if config.gpu_memory_fraction is not None and config.device.startswith("cuda"):
         progress("gpu_memory_fraction is not applied by the onnx runtime (torch runtimes only)")
     progress("read and optimize graph")
+    def make_session(session_options: ort.SessionOptions) -> ort.InferenceSession:
+        return ort.InferenceSession(str(path), sess_options=session_options, providers=providers)
+
     try:
-        session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+        session = make_session(options)
     except Exception as exc:  # onnxruntime raises its own exception types for bad files
         raise ModelLoadError(f"onnxruntime cannot load {config.artifact}: {exc}") from exc
     progress("check graph against model.yaml")
@@ -90,7 +125,7 @@ def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> OnnxRunt
     graph_inputs = {i.name: i.shape for i in session.get_inputs()}
     for spec in config.inputs:
         _check_input_shape(spec, graph_inputs[spec.name], config.max_batch_size)
-    return OnnxRuntime(session, config)
+    return OnnxRuntime(session, config, make_session, options)
 
 
 def _providers(device: str, progress: ProgressFn) -> list[str | tuple[str, dict[str, str]]]:
