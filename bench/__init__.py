@@ -1,0 +1,1 @@
+"""servewell benchmarks: load generator, offline limits, naive baseline server, and the `make bench` driver."""

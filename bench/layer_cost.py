@@ -1,0 +1,166 @@
+"""Per-request cost of each observability layer, in microseconds, measured in-process.
+
+Each layer is timed as servewell uses it on one request (and, for per-batch work, one batch
+of 8 requests amortized): the request-context middleware around a trivial ASGI app (request
+id, timing headers), plus the metrics it records, plus the spans when tracing samples 100%
+(exported through the real BatchSpanProcessor to an exporter that discards), plus one JSON
+log line (written only for slow or failed requests). Median of repeated runs.
+
+    python -m bench.layer_cost            # prints a table, writes bench/results/layer_cost.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+from servewell.api.middleware import RequestContextMiddleware
+from servewell.observability.logging import JsonLineFormatter
+from servewell.observability.metrics import ServeMetrics
+from servewell.observability.tracing import Link, Tracing, TracingSettings
+
+RESULTS = Path(__file__).parent / "results"
+REQUESTS = 3000
+REPEATS = 7
+BATCH = 8
+
+
+class DiscardExporter(SpanExporter):
+    """Accepts spans and drops them: the cost measured is servewell's, not a network's."""
+
+    def export(self, spans):  # noqa: ANN001, ANN201
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
+def tracing_to_nowhere() -> Tracing:
+    tracing = Tracing(TracingSettings(None, "http/protobuf", 1.0))
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(DiscardExporter(), max_queue_size=8192))
+    tracing._provider = provider  # noqa: SLF001 - benchmark-only wiring of a discarding exporter
+    tracing.tracer = provider.get_tracer("servewell")
+    return tracing
+
+
+async def app(scope, receive, send) -> None:  # noqa: ANN001 - a bare ASGI app: the baseline
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+
+SCOPE = {"type": "http", "method": "POST", "path": "/v2/models/m/infer", "headers": [(b"content-type", b"application/json")]}
+
+
+async def _drive(handler, n: int) -> float:  # noqa: ANN001
+    async def receive():  # noqa: ANN202
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message) -> None:  # noqa: ANN001
+        pass
+
+    started = time.perf_counter()
+    for _ in range(n):
+        await handler(dict(SCOPE), receive, send)
+    return (time.perf_counter() - started) / n
+
+
+def per_request_us(handler, extra=None) -> float:  # noqa: ANN001
+    """Median µs per request of `handler` (+ `extra()` per request)."""
+    async def with_extra(scope, receive, send) -> None:  # noqa: ANN001
+        await handler(scope, receive, send)
+        if extra is not None:
+            extra()
+
+    samples = [asyncio.run(_drive(with_extra, REQUESTS)) for _ in range(REPEATS)]
+    return statistics.median(samples) * 1e6
+
+
+def metrics_work(metrics: ServeMetrics):  # noqa: ANN201
+    """What the route and the scheduler record per request, and per batch amortized."""
+    pre, post = metrics.preprocess.labels("m"), metrics.postprocess.labels("m")
+    wait, ok = metrics.queue_wait.labels("m", "normal"), metrics.requests.labels("m", "normal", "success")
+    compute, transport, size = metrics.compute.labels("m"), metrics.transport.labels("m"), metrics.batch_size.labels("m")
+    counter = [0]
+
+    def work() -> None:
+        pre.observe(0.0004)
+        post.observe(0.0001)
+        wait.observe(0.002)
+        ok.inc()
+        counter[0] += 1
+        if counter[0] % BATCH == 0:
+            compute.observe(0.01)
+            transport.observe(0.0003)
+            size.observe(BATCH)
+
+    return work
+
+
+def tracing_work(tracing: Tracing):  # noqa: ANN201
+    """The spans the route and scheduler make per request (preprocess, queue) and per batch."""
+    tracer = tracing.tracer
+    pending: list = []
+
+    def work() -> None:
+        with tracer.start_as_current_span("preprocess"):
+            pass
+        now = time.time_ns()
+        queue = tracer.start_span("queue", start_time=now)
+        queue.end(end_time=now + 1000)
+        pending.append(queue.get_span_context())
+        if len(pending) == BATCH:
+            batch = tracer.start_span("batch", links=[Link(c) for c in pending])
+            batch.end()
+            pending.clear()
+
+    return work
+
+
+def log_line_us() -> float:
+    formatter = JsonLineFormatter()
+    record = logging.LogRecord("servewell.api", logging.WARNING, __file__, 1, "slow request: %.1f ms", (412.0,), None)
+    record.stages_ms = {"preprocess": 1.2, "queue": 300.0, "compute": 100.0, "postprocess": 0.3}
+    samples = []
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        for _ in range(REQUESTS):
+            formatter.format(record)
+        samples.append((time.perf_counter() - started) / REQUESTS)
+    return statistics.median(samples) * 1e6
+
+
+def main() -> int:
+    metrics = ServeMetrics()
+    tracing = tracing_to_nowhere()
+    bare = per_request_us(app)
+    context_only = per_request_us(RequestContextMiddleware(app))
+    with_metrics = per_request_us(RequestContextMiddleware(app, metrics=metrics), metrics_work(metrics))
+    traced_mw = RequestContextMiddleware(app, metrics=metrics, tracing=tracing)
+    with_tracing = per_request_us(traced_mw, lambda m=metrics_work(metrics), t=tracing_work(tracing): (m(), t()))
+    tracing.shutdown()
+    rows = {
+        "request context (id, timing headers)": context_only - bare,
+        "metrics (request + stages + per-batch, amortized)": with_metrics - context_only,
+        "tracing at 100% sampling (http, preprocess, queue, batch spans)": with_tracing - with_metrics,
+        "one JSON log line (slow or failed requests only)": log_line_us(),
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "layer_cost.json").write_text(json.dumps({"us_per_request": rows, "bare_app_us": bare}, indent=2))
+    print(f"{'layer':<68} {'µs/request':>10}")
+    for name, value in rows.items():
+        print(f"{name:<68} {value:>10.1f}")
+    print(f"{'(bare ASGI app call, the baseline)':<68} {bare:>10.1f}")
+    print("budget from the original design: under 300 µs per layer")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

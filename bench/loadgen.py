@@ -1,0 +1,373 @@
+"""Load generator, run as its own process: closed loop (N clients) or open loop (Poisson arrivals).
+
+    python -m bench.loadgen --url http://127.0.0.1:8000 --path /predict --body-file img.json \\
+        --mode open --rate 20 --duration-s 10 --urgent-fraction 0.05 --model resnet50 --out r.json
+
+Open loop: arrivals follow a seeded Poisson process at `--rate`, whether or not earlier
+requests have finished, and latency counts from the *scheduled* arrival time, so neither
+server-side nor client-side queueing is hidden. Each arrival takes a free keep-alive
+connection from a pool capped at `--max-connections`; an arrival that finds none is counted
+as `client_saturated` (reported, never silently dropped).
+
+Closed loop: `--concurrency` clients each send their next request when the previous one
+has been answered; this measures saturation throughput.
+
+Every loop is bounded by `--duration-s` and `--max-requests`; requests still unanswered
+`--grace-s` after the end are cancelled and counted as `unfinished`. Requests that arrive
+during the first `--warmup-s` seconds are sent but not recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import orjson
+
+from bench.httpclient import HttpConnection, encode_request, fetch
+from bench.stats import summarize_ms
+
+URGENT, NORMAL = "urgent", "normal"
+SERVER_STAGES = ("preprocess", "queue", "compute", "total")
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """One load run, as the command line describes it."""
+
+    host: str
+    port: int
+    path: str
+    bodies: list[bytes]
+    mode: str
+    concurrency: int
+    rate: float
+    duration_s: float
+    warmup_s: float
+    urgent_fraction: float
+    timeout_ms: float | None
+    model: str | None
+    max_connections: int
+    max_requests: int
+    grace_s: float
+    seed: int
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One request: class, scheduled arrival and completion (loop time), status, error code."""
+
+    kind: str
+    arrival: float
+    done: float
+    status: int
+    code: str | None
+    timings: dict[str, float] | None  # Server-Timing entries (ms)
+
+
+@dataclass(slots=True)
+class Recorder:
+    """Every answered request, the measured window, and the counters of what never got an answer."""
+
+    window_start: float
+    window_end: float
+    outcomes: list[Outcome] = field(default_factory=list)
+    connections: list[HttpConnection] = field(default_factory=list)
+    sent: int = 0
+    client_saturated: int = 0
+    saturated_in_window: int = 0
+    arrivals_in_window: int = 0
+
+    def in_window(self, at: float) -> bool:
+        return self.window_start <= at < self.window_end
+
+
+class RequestMaker:
+    """Pre-encoded requests: every body variant, as a normal and as an urgent request."""
+
+    def __init__(self, spec: LoadSpec) -> None:
+        extra = {"X-Request-Timeout-Ms": f"{spec.timeout_ms:g}"} if spec.timeout_ms else {}
+        host = f"{spec.host}:{spec.port}"
+        self._normal = [encode_request("POST", host, spec.path, b, extra) for b in spec.bodies]
+        self._urgent = [encode_request("POST", host, spec.path, b, {**extra, "X-Urgency": "high"}) for b in spec.bodies]
+        self._fraction = spec.urgent_fraction
+        self._random = random.Random(spec.seed)
+        self._next = 0
+
+    def next(self) -> tuple[str, bytes]:
+        """The class and bytes of the next request (body variants in turn, urgency at random)."""
+        self._next += 1
+        if self._fraction > 0 and self._random.random() < self._fraction:
+            return URGENT, self._urgent[self._next % len(self._urgent)]
+        return NORMAL, self._normal[self._next % len(self._normal)]
+
+
+async def _send(connection: HttpConnection, kind: str, raw: bytes, arrival: float, recorder: Recorder) -> None:
+    loop = asyncio.get_running_loop()
+    try:
+        response = await connection.request(raw)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a reset or refused connection is a result to report, not a crash
+        recorder.outcomes.append(Outcome(kind, arrival, loop.time(), 0, f"client:{type(exc).__name__}", None))
+        return
+    code = _error_code(response.body) if response.status != 200 else None
+    recorder.outcomes.append(Outcome(kind, arrival, loop.time(), response.status, code, response.timings))
+
+
+def _error_code(body: bytes) -> str:
+    try:
+        return str(orjson.loads(body)["error"]["code"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return "unparsed"
+
+
+async def _closed_loop(spec: LoadSpec, maker: RequestMaker, recorder: Recorder, start: float) -> None:
+    loop = asyncio.get_running_loop()
+    end = start + spec.duration_s
+
+    async def client() -> None:
+        connection = HttpConnection(spec.host, spec.port)
+        recorder.connections.append(connection)
+        try:
+            while loop.time() < end and recorder.sent < spec.max_requests:
+                kind, raw = maker.next()
+                recorder.sent += 1
+                arrival = loop.time()
+                if recorder.in_window(arrival):
+                    recorder.arrivals_in_window += 1
+                await _send(connection, kind, raw, arrival, recorder)
+        finally:
+            connection.close()
+
+    tasks = [loop.create_task(client()) for _ in range(spec.concurrency)]
+    await _finish(tasks, end + spec.grace_s)
+
+
+async def _open_loop(spec: LoadSpec, maker: RequestMaker, recorder: Recorder, start: float) -> None:
+    loop = asyncio.get_running_loop()
+    rng = random.Random(spec.seed + 1)
+    idle: list[HttpConnection] = []
+    opened = 0
+    tasks: set[asyncio.Task] = set()
+
+    # Open a few connections before the clock starts, so the first arrivals do not pay for connecting.
+    warm = [HttpConnection(spec.host, spec.port) for _ in range(min(spec.max_connections, 16))]
+    recorder.connections.extend(warm)
+    await asyncio.gather(*(c.connect() for c in warm), return_exceptions=True)
+    idle.extend(warm)
+    opened = len(warm)
+
+    async def one(connection: HttpConnection, kind: str, raw: bytes, arrival: float) -> None:
+        try:
+            await _send(connection, kind, raw, arrival, recorder)
+        finally:
+            idle.append(connection)
+
+    offset = 0.0
+    start = loop.time() if start < loop.time() else start
+    while recorder.sent + recorder.client_saturated < spec.max_requests:
+        offset += rng.expovariate(spec.rate)
+        if offset >= spec.duration_s:
+            break
+        arrival = start + offset
+        delay = arrival - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        in_window = recorder.in_window(arrival)
+        if in_window:
+            recorder.arrivals_in_window += 1
+        kind, raw = maker.next()
+        if idle:
+            connection = idle.pop()
+        elif opened < spec.max_connections:
+            connection = HttpConnection(spec.host, spec.port)
+            recorder.connections.append(connection)
+            opened += 1
+        else:
+            recorder.client_saturated += 1
+            recorder.saturated_in_window += in_window
+            continue
+        recorder.sent += 1
+        task = loop.create_task(one(connection, kind, raw, arrival))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    await _finish(list(tasks), start + spec.duration_s + spec.grace_s)
+    for connection in idle:
+        connection.close()
+
+
+async def _finish(tasks: list[asyncio.Task], give_up_at: float) -> int:
+    """Wait for `tasks` until `give_up_at` (loop time), then cancel the rest; returns how many were cancelled."""
+    pending = [t for t in tasks if not t.done()]
+    if pending:
+        _, still = await asyncio.wait(pending, timeout=max(0.0, give_up_at - asyncio.get_running_loop().time()))
+        for task in still:
+            task.cancel()
+        if still:
+            await asyncio.wait(still, timeout=2.0)
+        return len(still)
+    return 0
+
+
+async def _health(spec: LoadSpec) -> dict | None:
+    try:
+        response = await fetch(spec.host, spec.port, "GET", "/healthz", timeout_s=10.0)
+        return orjson.loads(response.body)
+    except Exception:  # the report says the server did not answer; that is a result too
+        return None
+
+
+def _model_facts(health: dict | None, model: str | None) -> dict:
+    if health is None:
+        return {"answered": False}
+    facts: dict = {"answered": True, "frontend_rss_bytes": health.get("frontend_rss_bytes")}
+    entry = (health.get("models") or {}).get(model or "")
+    if entry:
+        facts.update(state=entry.get("state"), rss_bytes=entry.get("rss_bytes"), scheduler=entry.get("scheduler"))
+    return facts
+
+
+async def run_load(spec: LoadSpec) -> dict:
+    """Run the load and return the summary document."""
+    loop = asyncio.get_running_loop()
+    before = await _health(spec)
+    maker = RequestMaker(spec)
+    start = loop.time() + 0.05
+    recorder = Recorder(start + spec.warmup_s, start + spec.duration_s)
+    wall_started = time.time()
+    if spec.mode == "closed":
+        await _closed_loop(spec, maker, recorder, start)
+    else:
+        await _open_loop(spec, maker, recorder, start)
+    elapsed_s = loop.time() - start
+    after = await _health(spec)
+    doc = summarize(spec, recorder)
+    doc.update(started_at=wall_started, elapsed_s=round(elapsed_s, 3),
+               server_before=_model_facts(before, spec.model), server_after=_model_facts(after, spec.model))
+    doc["mean_batch_size"] = _mean_batch(doc["server_before"], doc["server_after"])
+    return doc
+
+
+def _mean_batch(before: dict, after: dict) -> float | None:
+    b, a = before.get("scheduler"), after.get("scheduler")
+    if not b or not a or a["batches"] <= b["batches"]:
+        return None
+    return round((a["rows"] - b["rows"]) / (a["batches"] - b["batches"]), 3)
+
+
+def summarize(spec: LoadSpec, recorder: Recorder) -> dict:
+    """Throughput, latency percentiles per class, status and error counts of the measured window."""
+    window_s = recorder.window_end - recorder.window_start
+    # Latencies and error counts belong to requests that *arrived* in the window; throughput
+    # counts answers *completed* in it, whenever their request arrived.
+    ok_done_in_window = sum(1 for o in recorder.outcomes if o.status == 200 and recorder.in_window(o.done))
+    outcomes = [o for o in recorder.outcomes if recorder.in_window(o.arrival)]
+    answered = len(outcomes)
+    classes = {}
+    for kind in (NORMAL, URGENT):
+        mine = [o for o in outcomes if o.kind == kind]
+        if not mine and kind == URGENT:
+            continue
+        ok = [o for o in mine if o.status == 200]
+        refused = [o for o in mine if o.code == "overloaded"]
+        classes[kind] = {
+            "answered": len(mine),
+            "ok": len(ok),
+            "latency_ms": summarize_ms((o.done - o.arrival) * 1000.0 for o in ok),
+            "refusal_latency_ms": summarize_ms((o.done - o.arrival) * 1000.0 for o in refused),
+        }
+        # What the server says each answered request spent where: compute is the batch's run
+        # time on the worker; client latency minus the server's total is HTTP + event-loop wait.
+        for stage in SERVER_STAGES:
+            classes[kind][f"{stage}_ms"] = summarize_ms(o.timings[stage] for o in ok if o.timings and stage in o.timings)
+        classes[kind]["outside_server_ms"] = summarize_ms(
+            (o.done - o.arrival) * 1000.0 - o.timings["total"] for o in ok if o.timings and "total" in o.timings
+        )
+        if spec.timeout_ms:
+            classes[kind]["ok_over_deadline"] = sum(1 for o in ok if (o.done - o.arrival) * 1000.0 > spec.timeout_ms)
+    statuses = Counter(str(o.status) for o in outcomes)
+    codes = Counter(o.code for o in outcomes if o.code is not None)
+    return {
+        "mode": spec.mode,
+        "path": spec.path,
+        "model": spec.model,
+        "concurrency": spec.concurrency if spec.mode == "closed" else None,
+        "rate": spec.rate if spec.mode == "open" else None,
+        "duration_s": spec.duration_s,
+        "warmup_s": spec.warmup_s,
+        "window_s": round(window_s, 3),
+        "urgent_fraction": spec.urgent_fraction,
+        "timeout_ms": spec.timeout_ms,
+        "sent": recorder.sent,
+        "arrivals_in_window": recorder.arrivals_in_window,
+        "offered_rps": round(recorder.arrivals_in_window / window_s, 3),
+        "answered_in_window": answered,
+        "unfinished": recorder.arrivals_in_window - recorder.saturated_in_window - answered,
+        "client_saturated": recorder.saturated_in_window,
+        "connections_opened": len(recorder.connections),
+        "keepalive_retries": sum(c.retries for c in recorder.connections),
+        "throughput_rps": round(ok_done_in_window / window_s, 3),
+        "status_counts": dict(sorted(statuses.items())),
+        "error_codes": dict(sorted(codes.items())),
+        "classes": classes,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[LoadSpec, Path | None]:
+    """The command line as a `LoadSpec`, and where to write the summary (None: stdout)."""
+    p = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000 (loopback only)")
+    p.add_argument("--path", default="/predict", help="request path")
+    p.add_argument("--body-file", action="append", required=True, type=Path, help="request body (repeatable; used in turn)")
+    p.add_argument("--mode", choices=("closed", "open"), required=True)
+    p.add_argument("--concurrency", type=int, default=8, help="closed loop: clients")
+    p.add_argument("--rate", type=float, default=10.0, help="open loop: mean arrivals per second")
+    p.add_argument("--duration-s", type=float, default=10.0, help="arrivals stop after this many seconds")
+    p.add_argument("--warmup-s", type=float, default=1.0, help="arrivals in the first seconds are not recorded")
+    p.add_argument("--urgent-fraction", type=float, default=0.0, help="share of requests sent with X-Urgency: high")
+    p.add_argument("--timeout-ms", type=float, default=None, help="deadline sent as X-Request-Timeout-Ms")
+    p.add_argument("--model", default=None, help="model whose /healthz counters give the mean batch size")
+    p.add_argument("--max-connections", type=int, default=256, help="open loop: connection pool cap")
+    p.add_argument("--max-requests", type=int, default=200_000, help="hard cap on requests sent")
+    p.add_argument("--grace-s", type=float, default=10.0, help="wait this long for answers after the end")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", type=Path, default=None, help="write the summary JSON here (default: stdout)")
+    args = p.parse_args(argv)
+    url = urlsplit(args.url)
+    if url.hostname not in ("127.0.0.1", "localhost", "::1"):
+        p.error("the benchmark sends traffic to loopback addresses only")
+    if args.mode == "closed" and args.concurrency < 1 or args.mode == "open" and args.rate <= 0:
+        p.error("closed loop needs --concurrency >= 1, open loop --rate > 0")
+    if not 0 <= args.warmup_s < args.duration_s:
+        p.error("--warmup-s must be shorter than --duration-s")
+    spec = LoadSpec(
+        url.hostname, url.port or 80, args.path, [f.read_bytes() for f in args.body_file], args.mode,
+        args.concurrency, args.rate, args.duration_s, args.warmup_s, args.urgent_fraction, args.timeout_ms,
+        args.model, args.max_connections, args.max_requests, args.grace_s, args.seed,
+    )
+    return spec, args.out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the load, write the summary."""
+    spec, out = parse_args(argv)
+    doc = asyncio.run(run_load(spec))
+    text = json.dumps(doc, indent=2)
+    if out is None:
+        print(text)
+    else:
+        out.write_text(text + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

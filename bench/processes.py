@@ -1,0 +1,159 @@
+"""Child processes of the benchmark: servers under test, load generators, offline timers.
+
+Every child is started here and stopped by its own pid (terminate, then kill), never by name.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def http_json(port: int, method: str, path: str, body: Any = None, timeout_s: float = 10.0) -> tuple[int, Any]:
+    """One JSON request to loopback; returns (status, decoded body or None)."""
+    connection = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
+    try:
+        payload = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        connection.request(method, path, body=payload, headers=headers)
+        response = connection.getresponse()
+        raw = response.read()
+        try:
+            return response.status, json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            return response.status, None
+    finally:
+        connection.close()
+
+
+class ServerProcess:
+    """A server under test, started as a child process with its output in a log file."""
+
+    def __init__(self, name: str, argv: list[str], port: int, log_path: Path) -> None:
+        self.name = name
+        self.argv = argv
+        self.port = port
+        self.log_path = log_path
+        self._process: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def pid(self) -> int | None:
+        """Process id, once started."""
+        return self._process.pid if self._process else None
+
+    @property
+    def url(self) -> str:
+        """Base URL."""
+        return f"http://{HOST}:{self.port}"
+
+    def start(self) -> None:
+        """Start the process (returns at once; see `wait_ready`)."""
+        self._log = open(self.log_path, "ab")
+        self._process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def alive(self) -> bool:
+        """Whether the process is still running."""
+        return self._process is not None and self._process.poll() is None
+
+    def wait_ready(self, timeout_s: float, path: str = "/healthz") -> float:
+        """Poll `path` until it answers 200; returns the seconds waited. Raises when it dies or times out."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited with code {self._process.returncode}; see {self.log_path}")
+            try:
+                status, _ = http_json(self.port, "GET", path, timeout_s=2.0)
+                if status == 200:
+                    return time.monotonic() - started
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"{self.name} was not ready within {timeout_s:g} s; see {self.log_path}")
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL; returns the exit code."""
+        if self._process is None:
+            return None
+        if self._process.poll() is None:
+            self._process.send_signal(signal.SIGTERM)
+            try:
+                self._process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(5.0)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return self._process.returncode
+
+
+def run_module(module: str, args: list[str], timeout_s: float, log_path: Path | None = None) -> None:
+    """Run `python -m module args` to completion (killed after `timeout_s`); raises on failure."""
+    log = open(log_path, "ab") if log_path else None
+    try:
+        process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log or None, stderr=subprocess.STDOUT if log else None)
+        try:
+            code = process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                process.wait(5.0)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5.0)
+            raise RuntimeError(f"python -m {module} ran past {timeout_s:g} s and was stopped") from None
+        if code != 0:
+            raise RuntimeError(f"python -m {module} {' '.join(args)} failed with exit code {code}"
+                               + (f"; see {log_path}" if log_path else ""))
+    finally:
+        if log is not None:
+            log.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads) so far; 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds of this process's finished children (the load generators)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def server_log_counts(path: Path) -> dict[str, int]:
+    """Lines per level in the server's JSON log (errors and warnings tell of trouble under load)."""
+    counts: dict[str, int] = {}
+    if not path.is_file():
+        return counts
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            level = json.loads(line).get("level", "?")
+        except (json.JSONDecodeError, AttributeError):
+            level = "unstructured"
+        counts[level] = counts.get(level, 0) + 1
+    return counts
