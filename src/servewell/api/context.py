@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Awaitable
 
 import numpy as np
 from fastapi import Request
@@ -58,7 +57,8 @@ class ApiContext:
 
 
 def api_context(request: Request) -> ApiContext:
-    """FastAPI dependency giving routes the shared context."""
+    """The shared context (a FastAPI dependency, and called directly on the hot routes, where
+    dependency solving would cost more than the lookup)."""
     return request.app.state.api
 
 
@@ -93,19 +93,20 @@ def server_timing(queue_s: float, preprocess_s: float, compute_s: float, postpro
     )
 
 
-async def unless_disconnected(request: Request, work: Awaitable[RequestResult]) -> RequestResult:
-    """Await `work`; if the client disconnects first, cancel it, so a queued request is dropped
-    before it costs compute. The body has been read, so the next ASGI message is the disconnect."""
-    task = asyncio.ensure_future(work)
+async def unless_disconnected(request: Request, future: asyncio.Future[RequestResult]) -> RequestResult:
+    """Await the request's future; if the client disconnects first, cancel it, so a queued request
+    is dropped before it costs compute. The body has been read, so the next ASGI message is the
+    disconnect. One watcher task per request; the future itself is awaited directly."""
     watcher = asyncio.ensure_future(_disconnect(request))
+    watcher.add_done_callback(lambda w: w.cancelled() or future.cancel())
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        return await future
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            raise ClientClosed("the client disconnected before the result was ready") from None
+        raise
     finally:
         watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    raise ClientClosed("the client disconnected before the result was ready")
 
 
 async def _disconnect(request: Request) -> None:

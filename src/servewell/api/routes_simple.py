@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import asdict
 from typing import Any, Literal
@@ -57,9 +58,11 @@ def _json(doc: Any, status: int = 200, headers: dict[str, str] | None = None) ->
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": PredictRequest.model_json_schema()}}}},
     summary="Classify one image",
 )
-async def predict(request: Request, api: ApiContext = Depends(api_context)) -> Response:
+async def predict(request: Request) -> Response:
     """Decode the image, run it through the model and return the label."""
+    api = api_context(request)
     started = time.perf_counter()
+    arrived_at = asyncio.get_running_loop().time()
     check_content_type(request, ("application/json",))
     body = await read_body(request, api.settings.max_body_bytes)
     try:
@@ -77,15 +80,17 @@ async def predict(request: Request, api: ApiContext = Depends(api_context)) -> R
     config = api.engine.config_of(name)
     if config.image_input is None:
         raise InvalidInput(f"model '{name}' takes no images; call /v2/models/{name}/infer with tensors")
+    lane = lane_from(request, req.urgency)
+    api.engine.admit(name, None, lane)  # refuse before the image is decoded
     decode_started = time.perf_counter()
     with api.tracing.tracer.start_as_current_span("preprocess", attributes={"servewell.model": name}):
         image = decode_base64(req.image_base64, "image_base64")
         batch = await api.decode_images(config, [image])
     preprocess_s = time.perf_counter() - decode_started
     inputs = {config.image_input: batch.astype(config.input_spec(config.image_input).numpy_dtype, copy=False)}
-    result = await unless_disconnected(request, api.engine.infer(
-        name, None, inputs, lane=lane_from(request, req.urgency),
-        timeout_ms=timeout_from_header(request), request_id=request_id_var.get(),
+    result = await unless_disconnected(request, api.engine.submit(
+        name, None, inputs, lane=lane, timeout_ms=timeout_from_header(request), request_id=request_id_var.get(),
+        arrived_at=arrived_at,
     ))
     post_started = time.perf_counter()
     body_out = orjson.dumps({"result": interpret(config, result.outputs), "request_id": request_id_var.get()})

@@ -3,7 +3,7 @@ that `tritonclient` uses: model config, repository index, binary tensor data."""
 
 from __future__ import annotations
 
-import gzip
+import asyncio
 import time
 import zlib
 from typing import Any
@@ -151,11 +151,14 @@ _INFER_BODY = {
 
 @router.post("/models/{name}/infer", summary="Inference", openapi_extra={"requestBody": _INFER_BODY})
 @router.post("/models/{name}/versions/{version}/infer", summary="Inference (version)", openapi_extra={"requestBody": _INFER_BODY})
-async def infer(name: str, request: Request, version: str | None = None, api: ApiContext = Depends(api_context)) -> Response:
+async def infer(name: str, request: Request, version: str | None = None) -> Response:
     """Run the model on JSON (or binary-extension) tensors."""
+    api = api_context(request)
     started = time.perf_counter()
+    arrived_at = asyncio.get_running_loop().time()
     model_var.set(name)
-    api.engine.model(name, version)  # 404 before reading a large body for an unknown model
+    header_lane = "high" if request.headers.get("x-urgency", "").strip().lower() == "high" else None
+    api.engine.admit(name, version, header_lane)  # 404/503 before reading and decoding the body
     check_content_type(request, ("application/json", "application/octet-stream"))
     body = await read_body(request, api.settings.max_body_bytes)
     preprocess_started = time.perf_counter()
@@ -168,12 +171,12 @@ async def infer(name: str, request: Request, version: str | None = None, api: Ap
             inputs[tensor.name] = await _model_input(api, config, tensor)
     preprocess_s = time.perf_counter() - preprocess_started
     lane, timeout_ms = _scheduling(parsed.parameters, config.batching.lanes)
-    if request.headers.get("x-urgency", "").strip().lower() == "high":
+    if header_lane is not None:
         lane = config.batching.lanes[0]
     header_timeout = timeout_from_header(request)
-    result = await unless_disconnected(request, api.engine.infer(
-        name, version, inputs, lane=lane,
-        timeout_ms=header_timeout if header_timeout is not None else timeout_ms, request_id=request_id_var.get(),
+    result = await unless_disconnected(request, api.engine.submit(
+        name, version, inputs, lane=lane, timeout_ms=header_timeout if header_timeout is not None else timeout_ms,
+        request_id=request_id_var.get(), arrived_at=arrived_at,
     ))
     post_started = time.perf_counter()
     outputs = result.outputs

@@ -176,6 +176,10 @@ class ModelConfig(_Strict):
         None, gt=0, le=1, description="CUDA devices: hard cap on this instance's share of device memory "
         "(torch.cuda.set_per_process_memory_fraction).",
     )
+    spin_wait: bool | None = Field(
+        None, description="onnx runtime: let idle intra-op threads spin between batches (lower latency, burns CPU); "
+        "default: only when instances x threads leave a core free.",
+    )
     cpu_affinity: list[int] | None = Field(None, description="CPU cores the instance's process may run on.")
     allocator: Literal["system", "jemalloc"] = Field(
         "system", description="Memory allocator of the worker process; jemalloc is used when libjemalloc is installed.",

@@ -152,6 +152,11 @@ class InferenceEngine:
 
     # --- inference -----------------------------------------------------------------------
 
+    def admit(self, name: str, version: str | None, lane: str | None) -> None:
+        """Cheap checks before a request is decoded: known model, ready, lane not full."""
+        entry = self._ready_entry(name, version)
+        entry.scheduler.admit(lane)
+
     async def infer(
         self,
         name: str,
@@ -161,8 +166,30 @@ class InferenceEngine:
         lane: str | None = None,
         timeout_ms: float | None = None,
         request_id: str = "",
+        arrived_at: float | None = None,
     ) -> RequestResult:
         """Validate, queue and run one request; raises a `ServeError` subclass on any failure."""
+        return await self.submit(name, version, inputs, lane=lane, timeout_ms=timeout_ms, request_id=request_id,
+                                 arrived_at=arrived_at)
+
+    def submit(
+        self,
+        name: str,
+        version: str | None,
+        inputs: dict[str, np.ndarray],
+        *,
+        lane: str | None = None,
+        timeout_ms: float | None = None,
+        request_id: str = "",
+        arrived_at: float | None = None,
+    ) -> asyncio.Future[RequestResult]:
+        """Validate and queue one request; the future resolves with its result or a `ServeError`.
+        Cancelling the future drops the request if it has not run yet."""
+        entry = self._ready_entry(name, version)
+        rows = check_inputs(entry.config, inputs)
+        return entry.scheduler.submit(inputs, rows, lane, timeout_ms, request_id, arrived_at)
+
+    def _ready_entry(self, name: str, version: str | None) -> ModelEntry:
         entry = self._entry(name, version)
         if not self._accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
@@ -170,9 +197,7 @@ class InferenceEngine:
             retry = None if entry.state in ("failed", "invalid", "unloaded") else 2.0
             detail = f": {entry.reason}" if entry.reason else ""
             raise ModelNotReady(f"model '{name}' is {entry.state}{detail}", retry_after_s=retry or 5.0)
-        rows = check_inputs(entry.config, inputs)
-        future = entry.scheduler.submit(inputs, rows, lane, timeout_ms, request_id)
-        return await future
+        return entry
 
     def batching(self, name: str) -> dict[str, Any]:
         """Live batching settings of a model."""

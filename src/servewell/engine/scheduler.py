@@ -205,13 +205,36 @@ class ModelScheduler:
             return self.lanes.index(lane)
         return self.lanes.index("normal") if "normal" in self.lanes else len(self.lanes) - 1
 
+    def admit(self, lane: str | None) -> None:
+        """Refuse at once (`Overloaded`, `ShuttingDown`) what `submit` would refuse, before the
+        caller spends anything on decoding the request."""
+        lane_index = self.lane_index(lane)
+        if not self._accepting:
+            raise ShuttingDown("the server is shutting down and accepts no new requests")
+        if self._queue.depth(lane_index) >= self._queue.max_queue_size:
+            self.stats.rejected += 1
+            self._count(lane_index, "rejected")
+            raise Overloaded(
+                f"model '{self.config.name}' has {self._queue.depth(lane_index)} requests queued in lane "
+                f"'{self.lanes[lane_index]}', its limit",
+                retry_after_s=self._predicted_drain_s(),
+            )
+
     def submit(
-        self, inputs: dict[str, np.ndarray], rows: int, lane: str | None, timeout_ms: float | None, request_id: str
+        self,
+        inputs: dict[str, np.ndarray],
+        rows: int,
+        lane: str | None,
+        timeout_ms: float | None,
+        request_id: str,
+        arrived_at: float | None = None,
     ) -> asyncio.Future[RequestResult]:
         """Queue a request; its future resolves with the result or a `ServeError`.
 
-        Raises `Overloaded` at once when the lane is full, `ShuttingDown` while draining.
-        Cancelling the future (the client went away) drops the request before compute.
+        The deadline counts from `arrived_at` (loop time when the request reached the server;
+        default now), so decoding time is part of it. Raises `Overloaded` at once when the lane is
+        full, `ShuttingDown` while draining, `DeadlineExceeded` when the deadline has already
+        passed. Cancelling the future (the client went away) drops the request before compute.
         """
         lane_index = self.lane_index(lane)
         if not self._accepting:
@@ -222,13 +245,18 @@ class ModelScheduler:
         loop = asyncio.get_running_loop()
         now = loop.time()
         timeout_s = (timeout_ms if timeout_ms is not None else self.batching.default_timeout_ms) / 1000.0
+        deadline_at = (arrived_at if arrived_at is not None else now) + timeout_s
+        if deadline_at <= now:
+            self.stats.expired += 1
+            self._count(lane_index, "deadline_exceeded")
+            raise DeadlineExceeded(f"the request's deadline of {timeout_s * 1000:.0f} ms passed before it was queued")
         future: asyncio.Future[RequestResult] = loop.create_future()
         pending = PendingRequest(inputs, request_id, future, now)
         if self._tracer is not None:
             pending.trace_context = request_trace_var.get() or otel_context.get_current()
             pending.enqueued_ns = time.time_ns()
         shape_key = tuple((name, a.shape[1:], a.dtype.str) for name, a in inputs.items())
-        item = QueuedItem(pending, lane_index, rows, shape_key, now + timeout_s, now)
+        item = QueuedItem(pending, lane_index, rows, shape_key, deadline_at, now)
         if not self._queue.push(item):
             self.stats.rejected += 1
             self._count(lane_index, "rejected")
@@ -283,7 +311,7 @@ class ModelScheduler:
                 wake_at = wait_until
                 self._return_worker(worker)
                 break
-            batch = [i.payload for i in self._queue.take_batch(self.max_batch_size, lane) if not i.payload.future.done()]
+            batch = self._viable(self._queue.take_batch(self.max_batch_size, lane), now)
             if not batch:
                 self._return_worker(worker)
                 continue
@@ -299,6 +327,25 @@ class ModelScheduler:
         if wake_at is not None:
             self._timer = loop.call_at(wake_at, self._pump)
         self._check_drained()
+
+    def _viable(self, items: list[QueuedItem], now: float) -> list[PendingRequest]:
+        """Drop from a batch what nobody waits for any more, and what could only finish after its
+        deadline (by the learned batch latency): an answer nobody can use costs compute others need."""
+        finish_at = now + self._latency.predict(sum(i.rows for i in items)) if self._latency.observed else now
+        batch = []
+        for item in items:
+            if item.payload.future.done():
+                continue
+            if item.deadline_at < finish_at:
+                self.stats.expired += 1
+                self._count(item.lane, "deadline_exceeded")
+                _fail(item.payload, DeadlineExceeded(
+                    f"the request would finish after its deadline (it waited {1000 * (now - item.enqueued_at):.0f} ms, "
+                    f"the batch takes about {1000 * (finish_at - now):.0f} ms); it was not run"
+                ))
+                continue
+            batch.append(item.payload)
+        return batch
 
     def _pick_worker(self, lane: int):  # noqa: ANN202
         """A free worker for a batch of `lane`: the reserved one serves only the first lane."""

@@ -1,7 +1,8 @@
 """Frontend side of one worker process: spawn it, follow its load, hand it batches.
 
-A reader thread blocks on the pipe and hands every reply to the event loop, so the loop
-never polls and learns of a worker's death (pipe EOF) the moment it happens.
+The event loop watches the pipe's file descriptor (`add_reader`): it reads replies when
+they arrive, never polls, and learns of a worker's death (pipe EOF) the moment it happens.
+No reader thread, so no GIL hand-offs between a thread and the loop on every batch.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class WorkerHandle:
         child.close()
         self._conn = parent
         self.alive = True
-        threading.Thread(target=self._read_replies, name=f"reader-{self.config.name}", daemon=True).start()
+        self._loop.add_reader(parent.fileno(), self._on_readable)
         try:
             info = await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
         except asyncio.TimeoutError:
@@ -207,17 +208,20 @@ class WorkerHandle:
                 raise ModelError(f"profiling failed: {reply.error}")
         return reply.path
 
-    def _read_replies(self) -> None:
+    def _on_readable(self) -> None:
         conn = self._conn
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                self._loop.call_soon_threadsafe(self._lost)
-                return
-            self._loop.call_soon_threadsafe(self._dispatch, message)
-            if isinstance(message, LoadFailed):
-                return
+        try:
+            # Messages are small and written whole, so a readable pipe holds a whole message.
+            while conn is not None and conn.poll():
+                self._dispatch(conn.recv())
+        except (EOFError, OSError):
+            self._stop_reading()
+            self._lost()
+
+    def _stop_reading(self) -> None:
+        if self._conn is not None and self._loop is not None and not self._conn.closed:
+            self._loop.remove_reader(self._conn.fileno())
+            self._conn.close()
 
     def _dispatch(self, message: WorkerReply) -> None:
         if isinstance(message, LoadProgress):
@@ -290,6 +294,7 @@ class WorkerHandle:
                 self._process.kill()
                 await asyncio.get_running_loop().run_in_executor(None, self._process.join, 2.0)
         self.alive = False
+        self._stop_reading()
         self._reader.close()
         if self._arena is not None:
             self._arena.close()

@@ -1,13 +1,15 @@
 """Shared-memory segments that carry batch tensors between processes without pickling.
 
-One side owns (creates and unlinks) a segment; the other attaches by name. Python 3.11's
-resource tracker would unlink an attached segment when the attaching process exits, so
-attachments are unregistered from it: only the owner ever unlinks.
+One side owns (creates and unlinks) a segment; the other attaches by name. Workers are
+spawned by the frontend and share its resource tracker, which keeps one entry per name:
+attaching re-registers the same name (no effect) and the owner's unlink removes it, so
+nobody unregisters by hand. A segment whose owner was killed is removed by the tracker
+when the server exits.
 """
 
 from __future__ import annotations
 
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 
@@ -100,7 +102,6 @@ class SegmentReader:
             # A new name means the owner grew its arena: drop the stale attachment.
             self.close()
             shm = shared_memory.SharedMemory(name=segment, create=False)
-            resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - see module doc
             self._attached[segment] = shm
         return shm
 

@@ -25,8 +25,9 @@ def config(instances: int = 1, **batching) -> ModelConfig:
 class FakeWorker:
     """Doubles its input; a batch finishes when the test releases it."""
 
-    def __init__(self, fail_with=None):
+    def __init__(self, fail_with=None, delay_s=0.0):
         self.alive = True
+        self.delay_s = delay_s
         self.batches: list[list[float]] = []
         self.release = asyncio.Event()
         self.release.set()
@@ -36,6 +37,8 @@ class FakeWorker:
         x = np.concatenate(parts["x"])
         self.batches.append(x[:, 0].tolist())
         await self.release.wait()
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         if self.fail_with is not None:
             self.alive = not isinstance(self.fail_with, WorkerLost)
             raise self.fail_with
@@ -231,4 +234,41 @@ def test_adaptive_policy_starts_at_once_at_low_load():
             await submit(s, v)
             await asyncio.sleep(0.05)  # sparse arrivals
             assert loop.time() - t0 < 0.3
+    asyncio.run(main())
+
+
+def test_admission_refuses_a_full_lane_before_any_decoding():
+    async def main():
+        s = ModelScheduler(config(max_queue_size=1))
+        submit(s, 1)  # no worker: stays queued
+        with pytest.raises(Overloaded):
+            s.admit("normal")
+        s.admit("high")  # another lane, its own bound
+    asyncio.run(main())
+
+
+def test_deadline_counts_from_arrival_not_from_queueing():
+    async def main():
+        s = ModelScheduler(config())
+        loop = asyncio.get_running_loop()
+        with pytest.raises(DeadlineExceeded):
+            s.submit(row(1), 1, NORMAL, 50, "late", arrived_at=loop.time() - 0.1)  # decoding took 100 ms
+    asyncio.run(main())
+
+
+def test_a_request_that_would_finish_after_its_deadline_is_not_run():
+    async def main():
+        s = ModelScheduler(config())
+        worker = FakeWorker(delay_s=0.2)
+        s.add_worker(worker)
+        await submit(s, -1)  # the scheduler learns that a batch takes about 200 ms
+        worker.batches.clear()
+        worker.release.clear()
+        busy = submit(s, 0, timeout_ms=5000)
+        doomed = submit(s, 1, timeout_ms=100)  # queued behind it; 100 ms cannot fit a 200 ms batch
+        with pytest.raises(DeadlineExceeded):
+            await asyncio.wait_for(doomed, timeout=2)
+        worker.release.set()
+        await busy
+        assert worker.batches == [[0]]
     asyncio.run(main())
