@@ -48,7 +48,7 @@ def saturation_vs_offline(r: Results) -> TargetRow:
         pre = offline.get("preprocess_ms_per_image")
         runs = offline.get("limits_measured", [offline["limit_items_per_s"]])
         note = (f"offline best batch {offline['best_batch_size']} at {offline['limit_items_per_s']:.1f} img/s "
-                f"({offline['threads']} threads; timed before and after the saturation run: "
+                f"({offline['threads']} threads; served as {r['settings'].get('served')}; timed before and after the saturation run: "
                 f"{', '.join(f'{x:.1f}' for x in runs)} img/s, the better one is the limit); "
                 f"frontend decode+preprocess {pre} ms/img on one core")
         cpu = r["runs"][r["saturation"]["run"]].get("cpu_us_per_answer")

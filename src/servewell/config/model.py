@@ -180,6 +180,10 @@ class ModelConfig(_Strict):
         None, description="onnx runtime: let idle intra-op threads spin between batches (lower latency, burns CPU); "
         "default: only when instances x threads leave a core free.",
     )
+    nice: int = Field(
+        5, ge=0, le=19, description="CPU niceness added to the worker process, so the frontend (admission, "
+        "refusals, decoding, urgent routing) keeps the CPU it needs while models saturate the cores.",
+    )
     cpu_affinity: list[int] | None = Field(None, description="CPU cores the instance's process may run on.")
     allocator: Literal["system", "jemalloc"] = Field(
         "system", description="Memory allocator of the worker process; jemalloc is used when libjemalloc is installed.",

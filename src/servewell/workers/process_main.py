@@ -47,6 +47,8 @@ def worker_main(
 
     started = time.perf_counter()
     stages: list[tuple[str, float]] = []
+    if config.nice:
+        os.nice(config.nice)
     if config.cpu_affinity:
         try:
             os.sched_setaffinity(0, config.cpu_affinity)
