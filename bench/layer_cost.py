@@ -45,7 +45,7 @@ class DiscardExporter(SpanExporter):
 def tracing_to_nowhere() -> Tracing:
     tracing = Tracing(TracingSettings(None, "http/protobuf", 1.0))
     provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(DiscardExporter(), max_queue_size=8192))
+    provider.add_span_processor(BatchSpanProcessor(DiscardExporter(), max_queue_size=200_000))
     tracing._provider = provider  # noqa: SLF001 - benchmark-only wiring of a discarding exporter
     tracing.tracer = provider.get_tracer("servewell")
     return tracing

@@ -29,9 +29,9 @@ MODELS = [
     ServedModel("resnet50", "resnet50", {"threads": 2, "instances": 1, "max_batch_size": 8}),
 ]
 CONFIGS = {
-    "off": ["--metrics-enabled", "false"],
-    "default": [],
-    "full": ["--trace-sample-ratio", "1.0"],  # plus --otlp-endpoint, added at run time
+    "off": ["--metrics-enabled", "false"],  # and no OTLP endpoint: no tracing
+    "default": [],  # metrics on, tracing to the sink at its default sampling (0.05)
+    "full": ["--trace-sample-ratio", "1.0"],  # metrics on, every request traced
 }
 
 
@@ -75,35 +75,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.observability", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs, for trying the script")
     quick = parser.parse_args(argv).quick
-    mlp_s, resnet_s = (4.0, 6.0) if quick else (10.0, 16.0)
+    mlp_s, resnet_s = (4.0, 6.0) if quick else (10.0, 14.0)
     started = time.monotonic()
     (RESULTS / "logs").mkdir(parents=True, exist_ok=True)
     (RESULTS / "runs").mkdir(parents=True, exist_ok=True)
     run_module("bench.models", ["--work", str(WORK)], timeout_s=300, log_path=RESULTS / "logs" / "build.log")
     workspace = prepare(MODELS)
     sink = SpanSink()
-    results: dict[str, dict[str, float]] = {}
-    for config, flags in CONFIGS.items():
-        extra = ["--otlp-endpoint", sink.url] if config == "full" else []
+    samples: dict[str, dict[str, list[float]]] = {c: {"mlp_rps": [], "resnet50_img_s": []} for c in CONFIGS}
+    # Two rounds in opposite orders, so drift on a shared machine hits every configuration alike.
+    order = list(CONFIGS) + list(reversed(CONFIGS)) if not quick else list(CONFIGS)
+    for round_index, config in enumerate(order):
+        flags = CONFIGS[config]
+        extra = ["--otlp-endpoint", sink.url] if config != "off" else []
         port = free_port()
         server = ServerProcess(f"servewell-{config}", [
             sys.executable, "-m", "servewell", "serve", "--model-repository", str(workspace.repository),
             "--host", HOST, "--port", str(port), "--load-timeout-s", "180", *flags, *extra,
-        ], port, RESULTS / "logs" / f"servewell-observability-{config}.log")
+        ], port, RESULTS / "logs" / f"servewell-observability-{config}-{round_index}.log")
         server.start()
         try:
             server.wait_ready(240)
             http_json(port, "PATCH", "/admin/models/resnet50/batching", {"max_batch_size": 8})
-            results[config] = {
-                "mlp_rps": run_load(server.url, "/v2/models/mlp/infer", workspace.bodies["mlp"], mlp_s, 2, 32,
-                                    f"mlp_{config}"),
-                "resnet50_img_s": run_load(server.url, "/predict", workspace.bodies["resnet50"], resnet_s, 4, 16,
-                                           f"resnet50_{config}"),
-            }
+            mlp = run_load(server.url, "/v2/models/mlp/infer", workspace.bodies["mlp"], mlp_s, 2, 32,
+                           f"mlp_{config}_{round_index}")
+            resnet = run_load(server.url, "/predict", workspace.bodies["resnet50"], resnet_s, 4, 16,
+                              f"resnet50_{config}_{round_index}")
         finally:
             server.stop()
-        print(f"{config:>8}: MLP {results[config]['mlp_rps']:.1f} req/s, "
-              f"resnet50 {results[config]['resnet50_img_s']:.1f} img/s")
+        samples[config]["mlp_rps"].append(mlp)
+        samples[config]["resnet50_img_s"].append(resnet)
+        print(f"{config:>8}: MLP {mlp:.1f} req/s, resnet50 {resnet:.1f} img/s")
+    results = {c: {k: sum(v) / len(v) for k, v in runs.items()} for c, runs in samples.items()}
     off = results["off"]
     ratios = {
         "resnet50_full_vs_off": results["full"]["resnet50_img_s"] / off["resnet50_img_s"],
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(spans exported to the sink in {sink.requests} OTLP requests)")
     print()
     layer_cost.main()
-    doc = {"throughput": results, "ratios": ratios, "otlp_requests": sink.requests,
+    doc = {"throughput": results, "samples": samples, "ratios": ratios, "otlp_requests": sink.requests,
            "wall_s": round(time.monotonic() - started, 1), "quick": quick}
     (RESULTS / "observability.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wall time {doc['wall_s']} s; results: {RESULTS / 'observability.json'}")

@@ -65,7 +65,7 @@ def build_app(settings: ServerConfig) -> FastAPI:
     engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes,
                              metrics, tracing)
     if metrics is not None:
-        set_step_sink(lambda name, seconds: metrics.trace_steps.labels(name).observe(seconds))
+        set_step_sink(lambda name, seconds: metrics.trace_steps.labels(name).observe(seconds), tracing.tracer)
         gpus = GpuProbe()
         metrics.registry.register(StateCollector(
             engine.samples, process_facts, gpus.read, lambda: (engine.budget.total_bytes, engine.budget.used_bytes),

@@ -58,7 +58,8 @@ class ServerConfig(BaseModel):
         None, description="OTLP transport (default: OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf).",
     )
     trace_sample_ratio: float | None = Field(
-        None, ge=0, le=1, description="Share of traces recorded (default: OTEL_TRACES_SAMPLER_ARG, else 1.0).",
+        None, ge=0, le=1, description="Share of traces recorded (default: OTEL_TRACES_SAMPLER_ARG, else 0.05; a sampled incoming "
+        "traceparent is always followed).",
     )
     alerting: AlertingConfig = Field(
         default_factory=AlertingConfig, description="Optional alert webhook (config file only: nested settings)."

@@ -20,19 +20,23 @@ from opentelemetry import trace
 StepSink = Callable[[str, float], None]
 
 _sink: StepSink | None = None
+_tracer: trace.Tracer | None = None
 
 
-def set_step_sink(sink: StepSink | None) -> None:
-    """Where this process sends step durations (set once at process start)."""
-    global _sink
+def set_step_sink(sink: StepSink | None, tracer: trace.Tracer | None = None) -> None:
+    """Where this process sends step durations and spans (set once at process start; without a
+    tracer, the global OpenTelemetry one)."""
+    global _sink, _tracer
     _sink = sink
+    _tracer = tracer
 
 
 @contextmanager
 def trace_step(name: str) -> Iterator[None]:
     """Time the block as a span named `name` (child of the current span) and a histogram sample."""
     started = time.perf_counter()
-    with trace.get_tracer("servewell.steps").start_as_current_span(name):
+    tracer = _tracer if _tracer is not None else trace.get_tracer("servewell.steps")
+    with tracer.start_as_current_span(name):
         try:
             yield
         finally:

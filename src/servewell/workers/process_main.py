@@ -87,7 +87,7 @@ def worker_main(
         peak_bytes_by_batch=report.peak_bytes_by_batch if report else (),
         serving_dtype=dtype,
     ))
-    _serve(conn, runtime, config.name, Tracing(tracing) if tracing is not None else None)
+    _serve(conn, runtime, config.name, Tracing(tracing, make_global=True) if tracing is not None else None)
 
 
 def assign_device(config: ModelConfig, instance: int) -> ModelConfig:
@@ -108,7 +108,7 @@ def _serve(conn: Connection, runtime, model: str, tracing: Tracing | None) -> No
     arena = SharedArena()
     rows_computed = 0
     steps: list[tuple[str, float]] = []
-    set_step_sink(lambda name, seconds: steps.append((name, seconds)))
+    set_step_sink(lambda name, seconds: steps.append((name, seconds)), tracing.tracer if tracing else None)
     profiler = WorkerProfiler()
     try:
         while True:
