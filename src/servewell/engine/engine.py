@@ -1,6 +1,6 @@
 """The engine the API talks to: model lookup, admission and inference, behind one small class.
 
-Routes never see schedulers or workers; they call `InferenceEngine.infer` and read
+Routes never see schedulers or workers; they call `InferenceEngine.submit` and read
 `ModelView`s. The engine can therefore be faked in tests or moved behind another transport.
 """
 
@@ -156,21 +156,6 @@ class InferenceEngine:
         """Cheap checks before a request is decoded: known model, ready, lane not full."""
         entry = self._ready_entry(name, version)
         entry.scheduler.admit(lane)
-
-    async def infer(
-        self,
-        name: str,
-        version: str | None,
-        inputs: dict[str, np.ndarray],
-        *,
-        lane: str | None = None,
-        timeout_ms: float | None = None,
-        request_id: str = "",
-        arrived_at: float | None = None,
-    ) -> RequestResult:
-        """Validate, queue and run one request; raises a `ServeError` subclass on any failure."""
-        return await self.submit(name, version, inputs, lane=lane, timeout_ms=timeout_ms, request_id=request_id,
-                                 arrived_at=arrived_at)
 
     def submit(
         self,

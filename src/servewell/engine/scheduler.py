@@ -212,13 +212,17 @@ class ModelScheduler:
         if not self._accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
         if self._queue.depth(lane_index) >= self._queue.max_queue_size:
-            self.stats.rejected += 1
-            self._count(lane_index, "rejected")
-            raise Overloaded(
-                f"model '{self.config.name}' has {self._queue.depth(lane_index)} requests queued in lane "
-                f"'{self.lanes[lane_index]}', its limit",
-                retry_after_s=self._predicted_drain_s(),
-            )
+            raise self._refuse(lane_index)
+
+    def _refuse(self, lane_index: int) -> Overloaded:
+        """Count a refusal of a full lane and build its error, Retry-After from the predicted drain."""
+        self.stats.rejected += 1
+        self._count(lane_index, "rejected")
+        return Overloaded(
+            f"model '{self.config.name}' has {self._queue.depth(lane_index)} requests queued in lane "
+            f"'{self.lanes[lane_index]}', its limit",
+            retry_after_s=self._predicted_drain_s(),
+        )
 
     def submit(
         self,
@@ -258,13 +262,7 @@ class ModelScheduler:
         shape_key = tuple((name, a.shape[1:], a.dtype.str) for name, a in inputs.items())
         item = QueuedItem(pending, lane_index, rows, shape_key, deadline_at, now)
         if not self._queue.push(item):
-            self.stats.rejected += 1
-            self._count(lane_index, "rejected")
-            raise Overloaded(
-                f"model '{self.config.name}' has {self._queue.depth(lane_index)} requests queued in lane "
-                f"'{self.lanes[lane_index]}', its limit",
-                retry_after_s=self._predicted_drain_s(),
-            )
+            raise self._refuse(lane_index)
         self._arrivals.observe(now)
         pending.item = item
         future.add_done_callback(lambda f, it=item: f.cancelled() and self._on_cancel(it))
