@@ -194,7 +194,7 @@ def overload_targets(r: Results) -> list[TargetRow]:
     rows.append(TargetRow("5b", names[1], "-" if refusal is None else f"{refusal:.1f} ms (n={n_refused})",
                           "<= 10.0", None if refusal is None else refusal <= 10.0,
                           "from scheduled arrival to the 503 'overloaded' answer; refusals come after the body is "
-                          f"read and the image decoded (admitted requests: preprocess p50/p99 "
+                          f"read and parsed, before image decoding (admitted requests: preprocess p50/p99 "
                           f"{_p(run, 'normal', 'p50', 'preprocess_ms')}/{_p(run, 'normal', 'p99', 'preprocess_ms')} ms)"))
     over = run["classes"]["normal"].get("ok_over_deadline")
     ok = run["classes"]["normal"]["ok"]
