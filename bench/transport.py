@@ -47,7 +47,7 @@ def main() -> int:
     try:
         server.wait_ready(240)
         http_json(port, "GET", "/healthz")
-        served = run_load(server.url, "/predict", workspace.bodies["resnet50"], 15, 3, 16, "transport_resnet50")
+        served, _ = run_load(server.url, "/predict", workspace.bodies["resnet50"], 15, 3, 16, "transport_resnet50")
         totals = sums(server.url)
     finally:
         server.stop()
