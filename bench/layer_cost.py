@@ -18,13 +18,14 @@ import statistics
 import time
 from pathlib import Path
 
+from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from servewell.api.middleware import RequestContextMiddleware
 from servewell.observability.logging import JsonLineFormatter
 from servewell.observability.metrics import ServeMetrics
-from servewell.observability.tracing import Link, Tracing, TracingSettings
+from servewell.observability.tracing import DEFAULT_SAMPLE_RATIO, Link, Tracing, TracingSettings
 
 RESULTS = Path(__file__).parent / "results"
 REQUESTS = 3000
@@ -42,9 +43,11 @@ class DiscardExporter(SpanExporter):
         pass
 
 
-def tracing_to_nowhere() -> Tracing:
-    tracing = Tracing(TracingSettings(None, "http/protobuf", 1.0))
-    provider = TracerProvider()
+def tracing_to_nowhere(ratio: float = 1.0) -> Tracing:
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    tracing = Tracing(TracingSettings(None, "http/protobuf", ratio))
+    provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(ratio)))
     provider.add_span_processor(BatchSpanProcessor(DiscardExporter(), max_queue_size=200_000))
     tracing._provider = provider  # noqa: SLF001 - benchmark-only wiring of a discarding exporter
     tracing.tracer = provider.get_tracer("servewell")
@@ -54,6 +57,16 @@ def tracing_to_nowhere() -> Tracing:
 async def app(scope, receive, send) -> None:  # noqa: ANN001 - a bare ASGI app: the baseline
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": b"{}"})
+
+
+def app_doing(*works):  # noqa: ANN001, ANN201
+    """A bare app that does the per-request `works` inside the request, as routes and the scheduler do."""
+    async def handler(scope, receive, send) -> None:  # noqa: ANN001
+        for work in works:
+            work()
+        await app(scope, receive, send)
+
+    return handler
 
 
 SCOPE = {"type": "http", "method": "POST", "path": "/v2/models/m/infer", "headers": [(b"content-type", b"application/json")]}
@@ -72,14 +85,9 @@ async def _drive(handler, n: int) -> float:  # noqa: ANN001
     return (time.perf_counter() - started) / n
 
 
-def per_request_us(handler, extra=None) -> float:  # noqa: ANN001
-    """Median µs per request of `handler` (+ `extra()` per request)."""
-    async def with_extra(scope, receive, send) -> None:  # noqa: ANN001
-        await handler(scope, receive, send)
-        if extra is not None:
-            extra()
-
-    samples = [asyncio.run(_drive(with_extra, REQUESTS)) for _ in range(REPEATS)]
+def per_request_us(handler) -> float:  # noqa: ANN001
+    """Median µs per request of `handler`."""
+    samples = [asyncio.run(_drive(handler, REQUESTS)) for _ in range(REPEATS)]
     return statistics.median(samples) * 1e6
 
 
@@ -105,18 +113,23 @@ def metrics_work(metrics: ServeMetrics):  # noqa: ANN201
 
 
 def tracing_work(tracing: Tracing):  # noqa: ANN201
-    """The spans the route and scheduler make per request (preprocess, queue) and per batch."""
+    """The spans the route and scheduler make per request (preprocess, queue) and per batch, only
+    for sampled requests, as servewell does."""
     tracer = tracing.tracer
     pending: list = []
+    seen = [0]
 
     def work() -> None:
-        with tracer.start_as_current_span("preprocess"):
-            pass
-        now = time.time_ns()
-        queue = tracer.start_span("queue", start_time=now)
-        queue.end(end_time=now + 1000)
-        pending.append(queue.get_span_context())
-        if len(pending) == BATCH:
+        current = trace.get_current_span()
+        seen[0] += 1
+        if current.is_recording():
+            with tracer.start_as_current_span("preprocess"):
+                pass
+            now = time.time_ns()
+            queue = tracer.start_span("queue", start_time=now)
+            queue.end(end_time=now + 1000)
+            pending.append(current.get_span_context())
+        if seen[0] % BATCH == 0 and pending:
             batch = tracer.start_span("batch", links=[Link(c) for c in pending])
             batch.end()
             pending.clear()
@@ -142,14 +155,21 @@ def main() -> int:
     tracing = tracing_to_nowhere()
     bare = per_request_us(app)
     context_only = per_request_us(RequestContextMiddleware(app))
-    with_metrics = per_request_us(RequestContextMiddleware(app, metrics=metrics), metrics_work(metrics))
-    traced_mw = RequestContextMiddleware(app, metrics=metrics, tracing=tracing)
-    with_tracing = per_request_us(traced_mw, lambda m=metrics_work(metrics), t=tracing_work(tracing): (m(), t()))
+    with_metrics = per_request_us(RequestContextMiddleware(app_doing(metrics_work(metrics)), metrics=metrics))
+    traced = RequestContextMiddleware(app_doing(metrics_work(metrics), tracing_work(tracing)), metrics=metrics,
+                                      tracing=tracing)
+    with_tracing = per_request_us(traced)
     tracing.shutdown()
+    default_tracing = tracing_to_nowhere(DEFAULT_SAMPLE_RATIO)
+    default = RequestContextMiddleware(app_doing(metrics_work(metrics), tracing_work(default_tracing)),
+                                       metrics=metrics, tracing=default_tracing)
+    with_default = per_request_us(default)
+    default_tracing.shutdown()
     rows = {
         "request context (id, timing headers)": context_only - bare,
         "metrics (request + stages + per-batch, amortized)": with_metrics - context_only,
         "tracing at 100% sampling (http, preprocess, queue, batch spans)": with_tracing - with_metrics,
+        f"tracing at the default {DEFAULT_SAMPLE_RATIO:.0%} sampling": with_default - with_metrics,
         "one JSON log line (slow or failed requests only)": log_line_us(),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)

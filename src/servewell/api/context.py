@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 from fastapi import Request
+from opentelemetry import trace
 
 from servewell.api.codecs.image import image_to_array
 from servewell.config.model import ModelConfig
@@ -54,6 +56,13 @@ class ApiContext:
             return np.stack([image_to_array(blob, spec, limit) for blob in blobs])
 
         return await asyncio.get_running_loop().run_in_executor(self.decode_pool, work)
+
+
+def stage_span(api: ApiContext, name: str, model: str):  # noqa: ANN201 - a context manager
+    """A span for a request stage, only when the request is sampled (unsampled ones pay nothing)."""
+    if not api.tracing.enabled or not trace.get_current_span().is_recording():
+        return contextlib.nullcontext()
+    return api.tracing.tracer.start_as_current_span(name, attributes={"servewell.model": model})
 
 
 def api_context(request: Request) -> ApiContext:

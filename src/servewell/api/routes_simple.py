@@ -20,6 +20,7 @@ from servewell.api.context import (
     api_context,
     lane_from,
     server_timing,
+    stage_span,
     timeout_from_header,
     unless_disconnected,
 )
@@ -83,7 +84,7 @@ async def predict(request: Request) -> Response:
     lane = lane_from(request, req.urgency)
     api.engine.admit(name, None, lane)  # refuse before the image is decoded
     decode_started = time.perf_counter()
-    with api.tracing.tracer.start_as_current_span("preprocess", attributes={"servewell.model": name}):
+    with stage_span(api, "preprocess", name):
         image = decode_base64(req.image_base64, "image_base64")
         batch = await api.decode_images(config, [image])
     preprocess_s = time.perf_counter() - decode_started

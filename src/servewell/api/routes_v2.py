@@ -17,7 +17,14 @@ import servewell
 from servewell.api.body import check_content_type, read_body
 from servewell.api.codecs.image import decode_base64
 from servewell.api.codecs.tensors import DecodedTensor, encode_infer_response, parse_infer_request
-from servewell.api.context import ApiContext, api_context, server_timing, timeout_from_header, unless_disconnected
+from servewell.api.context import (
+    ApiContext,
+    api_context,
+    server_timing,
+    stage_span,
+    timeout_from_header,
+    unless_disconnected,
+)
 from servewell.config.model import ModelConfig
 from servewell.engine.engine import ModelView
 from servewell.engine.validation import expected_shape
@@ -162,7 +169,7 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
     check_content_type(request, ("application/json", "application/octet-stream"))
     body = await read_body(request, api.settings.max_body_bytes)
     preprocess_started = time.perf_counter()
-    with api.tracing.tracer.start_as_current_span("preprocess", attributes={"servewell.model": name}):
+    with stage_span(api, "preprocess", name):
         body = _decompress(body, request.headers.get("content-encoding"), api.settings.max_body_bytes)
         parsed = parse_infer_request(body, _header_length(request))
         config = api.engine.config_of(name, version)

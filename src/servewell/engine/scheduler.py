@@ -424,23 +424,31 @@ class ModelScheduler:
                 self._return_worker(worker)
             self._pump()
 
-    def _start_batch_span(self, batch: list[PendingRequest], rows: int):  # noqa: ANN202 - Span
-        """One `batch` span linking every request span, and each request's `queue` span ended now."""
+    def _start_batch_span(self, batch: list[PendingRequest], rows: int):  # noqa: ANN202 - Span | None
+        """One `batch` span linking every sampled request span, and each sampled request's `queue`
+        span ended now; None when no request in the batch is sampled (unsampled work costs nothing)."""
         now_ns = time.time_ns()
         links = []
+        first_sampled: Context | None = None
         for request in batch:
             if request.trace_context is None:
                 continue
-            parent = trace.get_current_span(request.trace_context).get_span_context()
-            if parent.is_valid:
-                links.append(Link(parent))
+            parent = trace.get_current_span(request.trace_context)
+            if not parent.is_recording():
+                continue
+            links.append(Link(parent.get_span_context()))
+            first_sampled = first_sampled or request.trace_context
             queue = self._tracer.start_span(
                 "queue", context=request.trace_context, start_time=request.enqueued_ns,
                 attributes={"servewell.model": self.config.name, "servewell.lane": self.lanes[request.item.lane]},
             )
             queue.end(end_time=now_ns)
+        if not links:
+            return None
+        # Under the first sampled request (so parent-based sampling records it), linked to all of them.
         return self._tracer.start_span(
-            "batch", context=Context(), links=links, start_time=now_ns,
+            "batch", context=first_sampled, links=links,
+            start_time=now_ns,
             attributes={"servewell.model": self.config.name, "servewell.model_version": self.config.version,
                         "servewell.batch_size": rows, "servewell.requests": len(batch)},
         )
