@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import threading
 import time
@@ -91,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     sink = SpanSink()
     samples: dict[str, dict[str, list[float]]] = {c: {"mlp_rps": [], "resnet50_img_s": [], "mlp_cpu_us": []}
                                                   for c in CONFIGS}
-    # Two rounds in opposite orders, so drift on a shared machine hits every configuration alike.
-    order = list(CONFIGS) + list(reversed(CONFIGS)) if not quick else list(CONFIGS)
+    # Rounds in alternating orders, so drift on a shared machine hits every configuration alike;
+    # medians over the rounds.
+    forward, backward = list(CONFIGS), list(reversed(CONFIGS))
+    order = forward if quick else forward + backward + forward
     for round_index, config in enumerate(order):
         flags = CONFIGS[config]
         extra = ["--otlp-endpoint", sink.url] if config != "off" else []
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         samples[config]["resnet50_img_s"].append(resnet)
         print(f"{config:>8}: MLP {mlp:.1f} req/s ({samples[config]['mlp_cpu_us'][-1]:.0f} server CPU us/request), "
               f"resnet50 {resnet:.1f} img/s")
-    results = {c: {k: sum(v) / len(v) for k, v in runs.items()} for c, runs in samples.items()}
+    results = {c: {k: statistics.median(v) for k, v in runs.items()} for c, runs in samples.items()}
     off = results["off"]
     ratios = {
         "resnet50_full_vs_off": results["full"]["resnet50_img_s"] / off["resnet50_img_s"],
