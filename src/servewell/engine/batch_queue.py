@@ -77,22 +77,20 @@ class BatchQueue(Generic[T]):
             self._counts[item.lane] -= 1
 
     def expire(self, now: float) -> list[QueuedItem[T]]:
-        """Remove and return every queued item whose deadline is at or before `now`."""
+        """Remove and return every queued item whose deadline is at or before `now`.
+
+        Each lane is a heap ordered by deadline, so expired items are at its top: this costs
+        the expired items, not the queue (it runs on every submit and every finished batch).
+        """
         expired: list[QueuedItem[T]] = []
         for lane, heap in enumerate(self._lanes):
-            kept = []
-            for entry in heap:
-                if entry.item.cancelled:
+            while heap and (heap[0].item.cancelled or heap[0].deadline_at <= now):
+                item = heapq.heappop(heap).item
+                if item.cancelled:
                     continue
-                if entry.deadline_at <= now:
-                    entry.item.queued = False
-                    expired.append(entry.item)
-                    self._counts[lane] -= 1
-                else:
-                    kept.append(entry)
-            if len(kept) != len(heap):
-                heapq.heapify(kept)
-                self._lanes[lane] = kept
+                item.queued = False
+                expired.append(item)
+                self._counts[lane] -= 1
         return expired
 
     def next_deadline(self) -> float | None:
