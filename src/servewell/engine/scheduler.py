@@ -194,11 +194,6 @@ class ModelScheduler:
         """Requests inside batches on workers right now."""
         return self._running_requests
 
-    @property
-    def running_batches(self) -> int:
-        """Batches on workers right now."""
-        return self._running
-
     def lane_index(self, lane: str | None) -> int:
         """Index of a lane name; unknown or None means 'normal' (or the lowest lane)."""
         if lane in self.lanes:

@@ -101,7 +101,6 @@ class WorkerHandle:
         self._arena: SharedArena | None = None
         self._reader = SegmentReader()
         self.alive = False
-        self.ready_info: WorkerReady | None = None
         self.rss_bytes = 0
         self.rows_computed = 0
         self.retiring = False
@@ -138,7 +137,6 @@ class WorkerHandle:
         except asyncio.TimeoutError:
             self.kill()
             raise WorkerLoadError(f"load did not finish within {timeout_s:g} s; the worker was killed") from None
-        self.ready_info = info
         self.rss_bytes = info.rss_bytes
         self.ready_at = time.monotonic()
         return info
