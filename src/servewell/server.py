@@ -61,7 +61,8 @@ def build_app(settings: ServerConfig) -> FastAPI:
     answers at once and readiness tells the truth while they load."""
     repository = settings.model_repository or ensure_builtin_repository(settings.cache_dir)
     metrics = ServeMetrics(settings.latency_buckets_s) if settings.metrics_enabled else None
-    tracing = Tracing(settings_from(settings.otlp_endpoint, settings.otlp_protocol, settings.trace_sample_ratio))
+    tracing = Tracing(settings_from(settings.otlp_endpoint, settings.otlp_protocol, settings.trace_sample_ratio),
+                      decides_roots=True)
     engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes,
                              metrics, tracing)
     if metrics is not None:

@@ -184,6 +184,35 @@ def test_json_logs_carry_ids_and_never_payloads(traced):
     assert "987654" not in server.log()
 
 
+UNSAMPLED = "00-1bf7651916cd43dd8448eb211c80319c-c7ad6b7169203331-00"
+
+
+def test_sampling_follows_the_caller_and_records_nothing_for_unsampled_requests(tmp_path, start_server):
+    stepped_model(tmp_path)
+    collector = Collector()
+    server = start_server(["--model-repository", str(tmp_path), "--slow-request-ms", "0.001"],
+                          env={"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url, "OTEL_TRACES_SAMPLER_ARG": "1e-9",
+                               "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    server.wait_ready()
+    try:
+        for i in range(20):  # no traceparent: recorded at the ratio, here never
+            assert infer(server.url, float(i)).status_code == 200
+        assert infer(server.url, 1.0, headers={"traceparent": UNSAMPLED, "X-Request-ID": "not-sampled"}).status_code == 200
+        assert infer(server.url, 2.0, headers={"traceparent": TRACEPARENT}).status_code == 200  # sampled by the caller
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not collector.named("custom_post"):
+            time.sleep(0.1)
+        time.sleep(0.5)  # anything else queued for export arrives by now
+        assert {s.trace_id.hex() for s in collector.spans} == {TRACEPARENT[3:35]}
+        assert {s.name for s in collector.spans} >= {"http", "queue", "preprocess", "batch", "compute", "custom_post"}
+        assert len(collector.named("http")) == 1 and len(collector.named("custom_post")) == 1
+        events = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+        carried = [e for e in events if e.get("request_id") == "not-sampled"]
+        assert carried and carried[0]["trace_id"] == UNSAMPLED[3:35]  # the caller's trace id reaches the log
+    finally:
+        collector.close()
+
+
 def metric_samples(url: str) -> dict:
     samples = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):

@@ -55,14 +55,26 @@ class RequestContextMiddleware:
         tokens = (request_id_var.set(request_id), model_var.set(""), stages_var.set({}))
         span = otel_token = None
         if self.tracing is not None:
-            span = self.tracing.tracer.start_span(
-                "http", context=extract_context(traceparent, tracestate), kind=SpanKind.SERVER,
-                attributes={"http.request.method": scope.get("method", ""), "url.path": scope.get("path", ""),
-                            "servewell.request_id": request_id},
-            )
-            span_context = trace.set_span_in_context(span)
-            otel_token = otel_context.attach(span_context)
-            trace_token = request_trace_var.set(span_context)
+            # Parent-based sampling, decided here before any span exists: a sampled incoming trace
+            # is recorded; an unsampled one is only carried (its trace id reaches the logs); a
+            # request without one is recorded at the configured ratio.
+            parent = extract_context(traceparent, tracestate) if traceparent else None
+            parent_span = trace.get_current_span(parent).get_span_context() if parent is not None else None
+            if parent_span is not None and parent_span.is_valid:
+                sampled = parent_span.trace_flags.sampled
+            else:
+                parent, sampled = None, self.tracing.sample_root()
+            span_context = parent
+            if sampled:
+                span = self.tracing.tracer.start_span(
+                    "http", context=parent, kind=SpanKind.SERVER,
+                    attributes={"http.request.method": scope.get("method", ""), "url.path": scope.get("path", ""),
+                                "servewell.request_id": request_id},
+                )
+                span_context = trace.set_span_in_context(span)
+            if span_context is not None:
+                otel_token = otel_context.attach(span_context)
+                trace_token = request_trace_var.set(span_context)
         status = 500
         response_started = False
 

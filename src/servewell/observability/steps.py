@@ -12,7 +12,7 @@ Inside a worker, durations travel back with the batch and land in the frontend's
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterator
 
 from opentelemetry import trace
@@ -33,10 +33,16 @@ def set_step_sink(sink: StepSink | None, tracer: trace.Tracer | None = None) -> 
 
 @contextmanager
 def trace_step(name: str) -> Iterator[None]:
-    """Time the block as a span named `name` (child of the current span) and a histogram sample."""
+    """Time the block as a histogram sample and, inside a recorded trace, as a span named `name`
+    (a child of the current span)."""
     started = time.perf_counter()
-    tracer = _tracer if _tracer is not None else trace.get_tracer("servewell.steps")
-    with tracer.start_as_current_span(name):
+    # A span only inside a recorded trace: an unsampled request's steps cost no span.
+    if trace.get_current_span().is_recording():
+        tracer = _tracer if _tracer is not None else trace.get_tracer("servewell.steps")
+        span = tracer.start_as_current_span(name)
+    else:
+        span = nullcontext()
+    with span:
         try:
             yield
         finally:
