@@ -58,7 +58,7 @@ class RequestContextMiddleware:
             # Parent-based sampling, decided here before any span exists: a sampled incoming trace
             # is recorded; an unsampled one is only carried (its trace id reaches the logs); a
             # request without one is recorded at the configured ratio.
-            parent = extract_context(traceparent, tracestate) if traceparent else None
+            parent = extract_context(traceparent, tracestate)
             parent_span = trace.get_current_span(parent).get_span_context() if parent is not None else None
             if parent_span is not None and parent_span.is_valid:
                 sampled = parent_span.trace_flags.sampled
