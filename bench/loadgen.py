@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from bench.httpclient import HttpConnection, encode_request, fetch
-from bench.stats import summarize_ms
+from bench.stats import completion_rate, summarize_ms
 
 URGENT, NORMAL = "urgent", "normal"
 SERVER_STAGES = ("preprocess", "queue", "compute", "total")
@@ -264,6 +264,10 @@ def _mean_batch(before: dict, after: dict) -> float | None:
     return round((a["rows"] - b["rows"]) / (a["batches"] - b["batches"]), 3)
 
 
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
 def summarize(spec: LoadSpec, recorder: Recorder) -> dict:
     """Throughput, latency percentiles per class, status and error counts of the measured window."""
     window_s = recorder.window_end - recorder.window_start
@@ -316,6 +320,8 @@ def summarize(spec: LoadSpec, recorder: Recorder) -> dict:
         "connections_opened": len(recorder.connections),
         "keepalive_retries": sum(c.retries for c in recorder.connections),
         "throughput_rps": round(ok_done_in_window / window_s, 3),
+        "completion_rate_rps": _round(completion_rate(o.done for o in recorder.outcomes
+                                                      if o.status == 200 and recorder.in_window(o.done))),
         "status_counts": dict(sorted(statuses.items())),
         "error_codes": dict(sorted(codes.items())),
         "classes": classes,

@@ -129,6 +129,17 @@ def run_module(module: str, args: list[str], timeout_s: float, log_path: Path | 
             log.close()
 
 
+def closed_loop(url: str, path: str, bodies: list[Path], clients: int, seconds: float, warmup_s: float,
+                out: Path, log_path: Path) -> dict:
+    """Run `bench.loadgen` as a closed loop of `clients` for `seconds` after `warmup_s`; its summary."""
+    args = ["--url", url, "--path", path, "--mode", "closed", "--concurrency", str(clients),
+            "--duration-s", f"{seconds:g}", "--warmup-s", f"{warmup_s:g}", "--out", str(out), "--grace-s", "15"]
+    for body in bodies:
+        args += ["--body-file", str(body)]
+    run_module("bench.loadgen", args, timeout_s=seconds + warmup_s + 60, log_path=log_path)
+    return json.loads(out.read_text())
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process (all its threads) so far; 0 if it is gone."""
     try:

@@ -17,8 +17,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.observability import run_load
-from bench.processes import HOST, ServerProcess, free_port, http_json, run_module
+from bench.processes import HOST, ServerProcess, closed_loop, free_port, http_json, run_module
 from bench.workspace import RESULTS, WORK, ServedModel, prepare
 
 MODEL = ServedModel("resnet50", "resnet50", {"threads": 1, "instances": 2, "max_batch_size": 8})
@@ -36,6 +35,7 @@ def sums(url: str) -> dict[str, float]:
 
 def main() -> int:
     (RESULTS / "logs").mkdir(parents=True, exist_ok=True)
+    (RESULTS / "runs").mkdir(parents=True, exist_ok=True)
     run_module("bench.models", ["--work", str(WORK)], timeout_s=300, log_path=RESULTS / "logs" / "build.log")
     workspace = prepare([MODEL])
     port = free_port()
@@ -47,7 +47,9 @@ def main() -> int:
     try:
         server.wait_ready(240)
         http_json(port, "GET", "/healthz")
-        served, _ = run_load(server.url, "/predict", workspace.bodies["resnet50"], 15, 3, 16, "transport_resnet50")
+        load = closed_loop(server.url, "/predict", workspace.bodies["resnet50"], 16, 15, 3,
+                           RESULTS / "runs" / "transport_resnet50.json", RESULTS / "logs" / "loadgen.log")
+        served = load["throughput_rps"]
         totals = sums(server.url)
     finally:
         server.stop()

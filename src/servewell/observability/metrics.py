@@ -1,19 +1,27 @@
 """Prometheus metrics of servewell: one registry per server, names documented in the README.
 
-Histograms and counters are updated on the hot path (per request or per batch, a couple of
-microseconds each); gauges that describe state (queue depth, model state, worker processes,
-GPUs) are read at scrape time by `StateCollector`, so serving never maintains them.
-Labels are low-cardinality: model, lane, route, status class, outcome, instance, gpu.
+Histograms and counters are updated on the hot path (per request or per batch); gauges that
+describe state (queue depth, model state, worker processes, GPUs) are read at scrape time by
+`StateCollector`, so serving never maintains them. Labels are low-cardinality: model, lane,
+route, status class, outcome, instance, gpu.
+
+Histograms and counters here are servewell's own (`LoopHistogram`, `LoopCounter`), exposed
+through prometheus-client's registry and text format. prometheus-client's own take a lock per
+update and search buckets in Python, about 2 us per labelled observation measured on the tiny
+MLP; the frontend updates them only from its event-loop thread, where a list increment after a
+C bisect is enough (see `bench/results` and the README).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -45,40 +53,149 @@ class ModelSample:
 MODEL_STATES = ("loading", "ready", "restarting", "failed", "invalid", "unloaded")
 
 
+class _HistogramSeries:
+    """One labelled series: a count per bucket (the last is +Inf) and the sum."""
+
+    __slots__ = ("_bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """Count `value` in the first bucket whose upper bound is >= value (Prometheus `le`)."""
+        self.counts[bisect_left(self._bounds, value)] += 1
+        self.sum += value
+
+
+class _CounterSeries:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        """Add `amount` (>= 0)."""
+        if amount < 0:
+            raise ValueError("counters only go up")
+        self.value += amount
+
+
+class _LoopFamily(Collector):
+    """A labelled metric family updated from one thread (the frontend's event loop) without locks,
+    registered with (and exposed by) a prometheus-client registry. Scrapes run on the same loop;
+    a scrape from another thread would read each series consistently enough (a list copy under
+    the GIL), as prometheus-client's own metrics do."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._series: dict[tuple[str, ...], object] = {}
+        registry.register(self)
+
+    def labels(self, *values: str):  # noqa: ANN201 - the series type of the family
+        """The series of these label values (created at first use)."""
+        series = self._series.get(values)
+        if series is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+            if not all(isinstance(v, str) for v in values):
+                return self.labels(*(str(v) for v in values))
+            series = self._series[values] = self._new_series()
+        return series
+
+    def _new_series(self) -> object:
+        raise NotImplementedError
+
+    def describe(self) -> Iterable[Metric]:
+        return [self._family()]
+
+    def _family(self) -> Metric:
+        raise NotImplementedError
+
+
+class LoopHistogram(_LoopFamily):
+    """A Prometheus histogram (cumulative `le` buckets, `_sum`, `_count`)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
+                 registry: CollectorRegistry) -> None:
+        bounds = tuple(sorted(float(b) for b in buckets if b != float("inf")))
+        if not bounds:
+            raise ValueError(f"{name}: at least one finite bucket bound is needed")
+        self._bounds = bounds
+        self._le = [floatToGoString(b) for b in bounds] + ["+Inf"]
+        super().__init__(name, documentation, labelnames, registry)
+
+    def _new_series(self) -> _HistogramSeries:
+        return _HistogramSeries(self._bounds)
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterable[Metric]:
+        family = self._family()
+        for values, series in list(self._series.items()):
+            counts, total, running = list(series.counts), series.sum, 0
+            buckets = []
+            for le, count in zip(self._le, counts):
+                running += count
+                buckets.append((le, running))
+            family.add_metric(list(values), buckets, total)
+        yield family
+
+
+class LoopCounter(_LoopFamily):
+    """A Prometheus counter (exposed as `<name>_total`)."""
+
+    def _new_series(self) -> _CounterSeries:
+        return _CounterSeries()
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterable[Metric]:
+        family = self._family()
+        for values, series in list(self._series.items()):
+            family.add_metric(list(values), series.value)
+        yield family
+
+
 class ServeMetrics:
     """All metric families of one server, in their own registry."""
 
     def __init__(self, latency_buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.request_latency = Histogram(
+        self.request_latency = LoopHistogram(
             "servewell_request_duration_seconds", "Time from request arrival to response, by route and status class.",
             ["model", "route", "status_class"], buckets=latency_buckets, registry=r)
-        self.queue_wait = Histogram(
+        self.queue_wait = LoopHistogram(
             "servewell_queue_wait_seconds", "Time a request waited in its lane before its batch started.",
             ["model", "lane"], buckets=latency_buckets, registry=r)
-        self.preprocess = Histogram(
+        self.preprocess = LoopHistogram(
             "servewell_preprocess_seconds", "Decoding and preprocessing per request (JSON tensors, images).",
             ["model"], buckets=latency_buckets, registry=r)
-        self.compute = Histogram(
+        self.compute = LoopHistogram(
             "servewell_batch_compute_seconds", "Model compute per batch, measured inside the worker.",
             ["model"], buckets=latency_buckets, registry=r)
-        self.transport = Histogram(
+        self.transport = LoopHistogram(
             "servewell_batch_transport_seconds", "Per-batch cost of the process hop (round trip minus compute).",
             ["model"], buckets=latency_buckets, registry=r)
-        self.postprocess = Histogram(
+        self.postprocess = LoopHistogram(
             "servewell_postprocess_seconds", "Response encoding per request.",
             ["model"], buckets=latency_buckets, registry=r)
-        self.batch_size = Histogram(
+        self.batch_size = LoopHistogram(
             "servewell_batch_size", "Rows per executed batch.", ["model"], buckets=BATCH_BUCKETS, registry=r)
-        self.requests = Counter(
+        self.requests = LoopCounter(
             "servewell_requests", "Inference requests by outcome and lane.", ["model", "lane", "outcome"], registry=r)
-        self.model_loads = Counter(
+        self.model_loads = LoopCounter(
             "servewell_model_loads", "Model load attempts by result.", ["model", "result"], registry=r)
-        self.worker_restarts = Counter(
+        self.worker_restarts = LoopCounter(
             "servewell_worker_restarts", "Worker processes replaced, by reason (crash, memory).",
             ["model", "reason"], registry=r)
-        self.trace_steps = Histogram(
+        self.trace_steps = LoopHistogram(
             "servewell_trace_step_seconds", "Durations of trace_step() blocks in model code.",
             ["step"], buckets=latency_buckets, registry=r)
 
