@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import subprocess
 import sys
@@ -56,6 +57,29 @@ def _log_progress(model: str, instance: int, stage: str, elapsed_s: float) -> No
              extra={"model": model, "instance": instance, "stage": stage, "elapsed_s": round(elapsed_s, 3)})
 
 
+#: Net new container objects between two young-generation collections (CPython's default: 700).
+#: Requests in flight allocate in bursts that crossed 700 about once every 9 requests on the tiny
+#: MLP (and every 10th of those collections scans the middle generation too): about 22 us of CPU
+#: per request. Nearly everything a request allocates is freed by reference counting, so at 10,000
+#: a collection runs about once per thousand requests; what one still finds is at most 10,000
+#: small objects' worth of cyclic garbage.
+GC_YOUNG_THRESHOLD = 10_000
+
+
+def _tune_garbage_collector() -> None:
+    """Keep the cyclic garbage collector off the request path.
+
+    What exists at startup (modules, routes, settings: about 80,000 objects) lives as long as the
+    process, yet every full collection walked it all: a 30 ms pause about every 0.6 s under load
+    on the tiny MLP, some 30 us of CPU per request. It is frozen (moved out of the collector's
+    reach) after a last collection, so no startup garbage is pinned; and young collections run
+    less often (`GC_YOUNG_THRESHOLD`). Measured with `bench.observability`."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
+
+
 def build_app(settings: ServerConfig) -> FastAPI:
     """The app for `settings`; models load in the background once it starts, so liveness
     answers at once and readiness tells the truth while they load."""
@@ -77,6 +101,7 @@ def build_app(settings: ServerConfig) -> FastAPI:
 
     async def startup() -> None:
         loop = asyncio.get_running_loop()
+        _tune_garbage_collector()
         background.append(loop.create_task(engine.start()))
         if metrics is not None and settings.alerting.webhook_url is not None:
             tracker = SignalTracker(metrics, engine.model_facts)

@@ -18,7 +18,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, GCCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -168,6 +168,10 @@ class ServeMetrics:
     def __init__(self, latency_buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # The frontend process itself: CPU (its event loop is what saturates first on small
+        # models), memory, and the garbage collector's collections by generation.
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
         self.request_latency = LoopHistogram(
             "servewell_request_duration_seconds", "Time from request arrival to response, by route and status class.",
             ["model", "route", "status_class"], buckets=latency_buckets, registry=r)
