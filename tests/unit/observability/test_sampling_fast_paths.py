@@ -1,0 +1,78 @@
+"""Unsampled work makes no span even where the tracer would record every span it is asked for:
+the frontend decides root sampling itself, and trace_step follows the current trace."""
+
+import asyncio
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+
+from servewell.api.middleware import RequestContextMiddleware
+from servewell.observability.steps import set_step_sink, trace_step
+from servewell.observability.tracing import Tracing, TracingSettings
+
+UNSAMPLED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
+SAMPLED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def recording_tracing(ratio: float) -> tuple[Tracing, InMemorySpanExporter]:
+    """A frontend-style Tracing whose provider records every root it is asked to start."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ParentBased(ALWAYS_ON))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing = Tracing(TracingSettings(None, "http/protobuf", ratio))
+    tracing._provider = provider  # noqa: SLF001 - an in-memory exporter instead of OTLP
+    tracing.tracer = provider.get_tracer("test")
+    return tracing, exporter
+
+
+def serve(middleware: RequestContextMiddleware, headers: list[tuple[bytes, bytes]]) -> None:
+    """One request through the middleware, to an app that runs a trace_step."""
+    async def app(scope, receive, send):  # noqa: ANN001
+        with trace_step("custom"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def receive():  # noqa: ANN202
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):  # noqa: ANN001
+        pass
+
+    middleware.app = app
+    scope = {"type": "http", "method": "POST", "path": "/v2/models/m/infer", "headers": headers}
+    asyncio.run(middleware(scope, receive, send))
+
+
+def test_unsampled_requests_and_their_steps_make_no_span():
+    tracing, exporter = recording_tracing(ratio=1e-12)
+    steps: list[str] = []
+    set_step_sink(lambda name, seconds: steps.append(name), tracing.tracer)
+    try:
+        middleware = RequestContextMiddleware(None, tracing=tracing)
+        serve(middleware, [])  # no traceparent: the ratio says no
+        serve(middleware, [(b"traceparent", UNSAMPLED.encode())])  # the caller says no
+        assert exporter.get_finished_spans() == ()
+        assert steps == ["custom", "custom"]  # the histogram still gets every step
+
+        serve(middleware, [(b"traceparent", SAMPLED.encode())])  # the caller says yes
+        spans = {s.name: s for s in exporter.get_finished_spans()}
+        assert set(spans) == {"http", "custom"}
+        assert spans["custom"].parent.span_id == spans["http"].context.span_id
+        assert spans["http"].context.trace_id == int(SAMPLED.split("-")[1], 16)
+    finally:
+        set_step_sink(None)
+        tracing.shutdown()
+
+
+def test_roots_are_recorded_at_the_configured_ratio():
+    tracing, exporter = recording_tracing(ratio=1.0)
+    try:
+        middleware = RequestContextMiddleware(None, tracing=tracing)
+        for _ in range(3):
+            serve(middleware, [])
+        assert [s.name for s in exporter.get_finished_spans()].count("http") == 3
+    finally:
+        tracing.shutdown()
