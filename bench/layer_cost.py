@@ -15,19 +15,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
 
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from servewell.api.middleware import RequestContextMiddleware
 from servewell.observability.logging import JsonLineFormatter
 from servewell.observability.metrics import ServeMetrics
-from servewell.observability.tracing import DEFAULT_SAMPLE_RATIO, Link, Tracing, TracingSettings
+from servewell.observability.tracing import DEFAULT_SAMPLE_RATIO, Link, Tracing, TracingSettings, _provider
 
 RESULTS = Path(__file__).parent / "results"
 REQUESTS = 3000
@@ -48,15 +48,12 @@ class EncodeOnlyExporter(SpanExporter):
 
 
 def tracing_to_nowhere(ratio: float = 1.0) -> Tracing:
-    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
-
-    # As in the frontend: the middleware decides root sampling (`sample_root`, at `ratio`), the
-    # provider records every root it is asked for.
+    """The frontend's tracing (its provider, resource, sampler and batch processor), exporting to
+    `EncodeOnlyExporter`. The middleware decides root sampling (`sample_root`, at `ratio`)."""
+    os.environ.setdefault("OTEL_BSP_MAX_QUEUE_SIZE", "200000")  # one repeat's spans, none dropped
     tracing = Tracing(TracingSettings(None, "http/protobuf", ratio))
-    provider = TracerProvider(sampler=ParentBased(ALWAYS_ON))
-    provider.add_span_processor(BatchSpanProcessor(EncodeOnlyExporter(), max_queue_size=200_000))
-    tracing._provider = provider  # noqa: SLF001 - benchmark-only wiring of a discarding exporter
-    tracing.tracer = provider.get_tracer("servewell")
+    tracing._provider = _provider(tracing.settings, decides_roots=True, exporter=EncodeOnlyExporter())  # noqa: SLF001
+    tracing.tracer = tracing._provider.get_tracer("servewell")  # noqa: SLF001
     return tracing
 
 

@@ -96,12 +96,33 @@ class Tracing:
             self._provider.shutdown()
 
 
-def _provider(settings: TracingSettings, decides_roots: bool):  # noqa: ANN202 - TracerProvider
+def _provider(settings: TracingSettings, decides_roots: bool, exporter=None):  # noqa: ANN001, ANN202 - TracerProvider
+    """The tracer provider: resource, parent-based sampler, bounded batch export to `exporter`
+    (by default the OTLP exporter of `settings`; benchmarks pass their own)."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, TraceIdRatioBased
 
+    from servewell.observability.resource import HashedResource
+
+    exporter = exporter if exporter is not None else _otlp_exporter(settings)
+    detected = Resource.create({"service.name": settings.service_name})
+    provider = TracerProvider(
+        resource=HashedResource(detected.attributes, detected.schema_url),
+        sampler=ParentBased(ALWAYS_ON if decides_roots else TraceIdRatioBased(settings.sample_ratio)),
+    )
+    # A bounded queue: when the collector is slow or gone, spans are dropped, requests are not.
+    # The standard OTEL_BSP_* variables override these (tests shorten the delay).
+    provider.add_span_processor(BatchSpanProcessor(
+        exporter, max_queue_size=_env_int("OTEL_BSP_MAX_QUEUE_SIZE", 4096),
+        schedule_delay_millis=_env_int("OTEL_BSP_SCHEDULE_DELAY", 1000),
+        max_export_batch_size=_env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
+        export_timeout_millis=_env_int("OTEL_BSP_EXPORT_TIMEOUT", 2000)))
+    return provider
+
+
+def _otlp_exporter(settings: TracingSettings):  # noqa: ANN202 - an OTLP SpanExporter
     if settings.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
@@ -113,18 +134,7 @@ def _provider(settings: TracingSettings, decides_roots: bool):  # noqa: ANN202 -
         if not endpoint.endswith("/v1/traces"):
             endpoint += "/v1/traces"
         exporter = OTLPSpanExporter(endpoint=endpoint, timeout=2)
-    provider = TracerProvider(
-        resource=Resource.create({"service.name": settings.service_name}),
-        sampler=ParentBased(ALWAYS_ON if decides_roots else TraceIdRatioBased(settings.sample_ratio)),
-    )
-    # A bounded queue: when the collector is slow or gone, spans are dropped, requests are not.
-    # The standard OTEL_BSP_* variables override these (tests shorten the delay).
-    provider.add_span_processor(BatchSpanProcessor(
-        exporter, max_queue_size=_env_int("OTEL_BSP_MAX_QUEUE_SIZE", 4096),
-        schedule_delay_millis=_env_int("OTEL_BSP_SCHEDULE_DELAY", 1000),
-        max_export_batch_size=_env_int("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
-        export_timeout_millis=_env_int("OTEL_BSP_EXPORT_TIMEOUT", 2000)))
-    return provider
+    return exporter
 
 
 def _env_int(name: str, default: int) -> int:

@@ -1,0 +1,21 @@
+"""The OpenTelemetry resource of servewell's tracer providers (imported only when tracing is on)."""
+
+from __future__ import annotations
+
+from opentelemetry.sdk.resources import Resource
+
+
+class HashedResource(Resource):
+    """A Resource that hashes once. The OTLP encoder groups every exported span by its resource,
+    and the SDK's `Resource.__hash__` serializes the attributes to JSON each time: 15% of the
+    encoding (measured: 6.5 of 47 us per span). A resource is immutable, so its hash is too."""
+
+    def __init__(self, attributes, schema_url: str | None = None) -> None:  # noqa: ANN001 - the SDK's type
+        super().__init__(attributes, schema_url)
+        self._hash = super().__hash__()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return super().__eq__(other)
