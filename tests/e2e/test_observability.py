@@ -276,6 +276,45 @@ def test_frontend_process_and_garbage_collector_metrics(traced):
     assert value(after, young, generation="2") - value(before, young, generation="2") == 0
 
 
+def test_otlp_grpc_export_from_frontend_and_worker(tmp_path, start_server):
+    """The same spans over OTLP/gRPC (`OTEL_EXPORTER_OTLP_PROTOCOL=grpc`), received by an in-test
+    gRPC TraceService."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    received: list = []
+
+    class TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 - the generated service's name
+            for resource_spans in request.resource_spans:
+                for scope_spans in resource_spans.scope_spans:
+                    received.extend(scope_spans.spans)
+            return ExportTraceServiceResponse()
+
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceService(), grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    try:
+        stepped_model(tmp_path)
+        server = start_server(["--model-repository", str(tmp_path)],
+                              env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+                                   "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_TRACES_SAMPLER_ARG": "1.0",
+                                   "OTEL_BSP_SCHEDULE_DELAY": "100"})
+        server.wait_ready()
+        assert infer(server.url, 1.0, headers={"traceparent": TRACEPARENT}).status_code == 200
+        deadline = time.monotonic() + 20
+        wanted = {"http", "queue", "preprocess", "batch", "compute", "custom_post"}
+        while time.monotonic() < deadline and not wanted <= {s.name for s in received}:
+            time.sleep(0.1)
+        assert wanted <= {s.name for s in received}
+        assert {s.trace_id.hex() for s in received} == {TRACEPARENT[3:35]}
+    finally:
+        grpc_server.stop(0)
+
+
 def test_unreachable_collector_changes_nothing_for_clients(tmp_path, start_server):
     blackhole = socket.socket()
     blackhole.bind(("127.0.0.1", 0))

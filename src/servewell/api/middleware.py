@@ -23,7 +23,10 @@ from servewell.observability.tracing import SpanKind, Tracing, extract_context
 log = logging.getLogger("servewell.api")
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
-_UNTIMED = ("/metrics", "/healthz", "/v2/health/live", "/v2/health/ready", "/docs", "/openapi.json")
+# Probes, scrapes and docs: neither timed in the request histogram nor started as traces (a
+# kubelet probe or a Prometheus scrape every few seconds would otherwise fill both with noise);
+# a caller's sampled trace is still followed.
+_PLUMBING = frozenset(("/metrics", "/healthz", "/v2/health/live", "/v2/health/ready", "/docs", "/openapi.json"))
 
 
 class RequestContextMiddleware:
@@ -57,13 +60,13 @@ class RequestContextMiddleware:
         if self.tracing is not None:
             # Parent-based sampling, decided here before any span exists: a sampled incoming trace
             # is recorded; an unsampled one is only carried (its trace id reaches the logs); a
-            # request without one is recorded at the configured ratio.
+            # request without one is recorded at the configured ratio (never a probe or scrape).
             parent = extract_context(traceparent, tracestate)
             parent_span = trace.get_current_span(parent).get_span_context() if parent is not None else None
             if parent_span is not None and parent_span.is_valid:
                 sampled = parent_span.trace_flags.sampled
             else:
-                parent, sampled = None, self.tracing.sample_root()
+                parent, sampled = None, scope["path"] not in _PLUMBING and self.tracing.sample_root()
             span_context = parent
             if sampled:
                 span = self.tracing.tracer.start_span(
@@ -117,7 +120,7 @@ class RequestContextMiddleware:
             if status >= 500:
                 span.set_status(trace.StatusCode.ERROR)
             span.end()
-        if template in _UNTIMED:
+        if template in _PLUMBING:
             return
         if self.metrics is not None:
             self.metrics.observe_request(model, template, status, elapsed)

@@ -27,7 +27,8 @@ def recording_tracing(ratio: float) -> tuple[Tracing, InMemorySpanExporter]:
     return tracing, exporter
 
 
-def serve(middleware: RequestContextMiddleware, headers: list[tuple[bytes, bytes]]) -> None:
+def serve(middleware: RequestContextMiddleware, headers: list[tuple[bytes, bytes]],
+          path: str = "/v2/models/m/infer") -> None:
     """One request through the middleware, to an app that runs a trace_step."""
     async def app(scope, receive, send):  # noqa: ANN001
         with trace_step("custom"):
@@ -42,7 +43,7 @@ def serve(middleware: RequestContextMiddleware, headers: list[tuple[bytes, bytes
         pass
 
     middleware.app = app
-    scope = {"type": "http", "method": "POST", "path": "/v2/models/m/infer", "headers": headers}
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
     asyncio.run(middleware(scope, receive, send))
 
 
@@ -74,6 +75,10 @@ def test_roots_are_recorded_at_the_configured_ratio():
         for _ in range(3):
             serve(middleware, [])
         assert [s.name for s in exporter.get_finished_spans()].count("http") == 3
+        for probe in ("/healthz", "/v2/health/ready", "/metrics"):  # probes and scrapes start no trace
+            serve(middleware, [], path=probe)
+        serve(middleware, [(b"traceparent", SAMPLED.encode())], path="/healthz")  # a caller's trace is followed
+        assert [s.name for s in exporter.get_finished_spans()].count("http") == 4
     finally:
         tracing.shutdown()
 
