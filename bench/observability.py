@@ -38,7 +38,7 @@ MODELS = [
 ]
 CONFIGS = {
     "off": ["--metrics-enabled", "false"],  # and no OTLP endpoint: no tracing
-    "default": [],  # metrics on, tracing to the sink at its default sampling
+    "default": [],  # metrics on, tracing to the sink at its default sampling (1%)
     "full": ["--trace-sample-ratio", "1.0"],  # metrics on, every request traced
 }
 # (path, clients, warm-up s, window s) per workload

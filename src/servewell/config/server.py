@@ -58,7 +58,7 @@ class ServerConfig(BaseModel):
         None, description="OTLP transport (default: OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf).",
     )
     trace_sample_ratio: float | None = Field(
-        None, ge=0, le=1, description="Share of traces recorded (default: OTEL_TRACES_SAMPLER_ARG, else 0.05; a sampled incoming "
+        None, ge=0, le=1, description="Share of traces recorded (default: OTEL_TRACES_SAMPLER_ARG, else 0.01; a sampled incoming "
         "traceparent is always followed).",
     )
     alerting: AlertingConfig = Field(
