@@ -9,6 +9,10 @@ the throughput with everything off; the tiny MLP with the default configuration 
 ratio at 100% sampling is reported). Then the per-request cost of each layer in microseconds
 (`bench.layer_cost`). Writes bench/results/observability.json and prints a table.
 
+A fourth server traces every request to a collector that never answers (a port that accepts
+into its backlog and never reads): its MLP throughput against the reachable one shows that the
+exporter never holds serving back.
+
 How it stays honest on a shared, noisy 2-core machine: the three servers run side by side
 (an idle one costs nothing), and the load visits them in short windows, in a rotating order,
 round after round. Each round compares configurations measured seconds apart, so drift in
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import sys
 import threading
@@ -40,6 +45,7 @@ CONFIGS = {
     "off": ["--metrics-enabled", "false"],  # and no OTLP endpoint: no tracing
     "default": [],  # metrics on, tracing to the sink at its default sampling (1%)
     "full": ["--trace-sample-ratio", "1.0"],  # metrics on, every request traced
+    "unreachable": ["--trace-sample-ratio", "1.0"],  # as full, to a collector that never answers (MLP only)
 }
 # (path, clients, warm-up s, window s) per workload
 WORKLOADS = {
@@ -86,10 +92,20 @@ def run_load(url: str, workload: str, bodies: list[Path], seconds: float, warmup
     return doc
 
 
-def start_servers(repository: Path, sink: SpanSink) -> dict[str, ServerProcess]:
+def blackhole() -> socket.socket:
+    """A port that accepts connections into its backlog and never reads: exports hang to their timeout."""
+    listener = socket.socket()
+    listener.bind((HOST, 0))
+    listener.listen(1)
+    return listener
+
+
+def start_servers(repository: Path, sink: SpanSink, unreachable: socket.socket) -> dict[str, ServerProcess]:
     servers = {}
+    endpoints = {"off": None, "unreachable": f"http://{HOST}:{unreachable.getsockname()[1]}"}
     for config, flags in CONFIGS.items():
-        extra = ["--otlp-endpoint", sink.url] if config != "off" else []
+        endpoint = endpoints.get(config, sink.url)
+        extra = ["--otlp-endpoint", endpoint] if endpoint else []
         port = free_port()
         servers[config] = ServerProcess(f"servewell-{config}", [
             sys.executable, "-m", "servewell", "serve", "--model-repository", str(repository),
@@ -104,7 +120,7 @@ def start_servers(repository: Path, sink: SpanSink) -> dict[str, ServerProcess]:
 
 def measure(servers: dict[str, ServerProcess], workload: str, bodies: list[Path], rounds: int,
             scale: float) -> dict[str, list[dict]]:
-    """Rounds of one window per configuration, each round in a rotated order."""
+    """Rounds of one window per configuration (of `servers`), each round in a rotated order."""
     _, _, warmup, window = WORKLOADS[workload]
     names = list(servers)
     samples: dict[str, list[dict]] = {c: [] for c in names}
@@ -147,19 +163,23 @@ def main(argv: list[str] | None = None) -> int:
     run_module("bench.models", ["--work", str(WORK)], timeout_s=300, log_path=RESULTS / "logs" / "build.log")
     workspace = prepare(MODELS)
     sink = SpanSink()
-    servers = start_servers(workspace.repository, sink)
+    unreachable = blackhole()
+    servers = start_servers(workspace.repository, sink, unreachable)
     try:
         mlp = measure(servers, "mlp", workspace.bodies["mlp"], rounds, scale)
-        resnet = measure(servers, "resnet50", workspace.bodies["resnet50"], rounds, scale)
+        resnet = measure({c: servers[c] for c in ("off", "default", "full")}, "resnet50", workspace.bodies["resnet50"],
+                         rounds, scale)
     finally:
         for server in servers.values():
             server.stop()
+        unreachable.close()
     per_round = {
         "resnet50_full_vs_off": round_ratios(resnet, "full", "rps"),
         "mlp_default_vs_off": round_ratios(mlp, "default", "rps"),
         "mlp_full_vs_off": round_ratios(mlp, "full", "rps"),
         "mlp_default_cpu_vs_off": round_ratios(mlp, "default", "server_cpu_us", inverse=True),
         "mlp_full_cpu_vs_off": round_ratios(mlp, "full", "server_cpu_us", inverse=True),
+        "mlp_unreachable_vs_full": [u["rps"] / f["rps"] for u, f in zip(mlp["unreachable"], mlp["full"])],
     }
     ratios = {k: statistics.median(v) for k, v in per_round.items()}
     medians = {w: {c: {k: statistics.median(s[k] for s in runs) for k in runs[0]} for c, runs in samples.items()}
@@ -167,15 +187,17 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{'median over rounds':<20} {'MLP req/s':>10} {'server CPU us/req':>18} {'resnet50 img/s':>15}")
     for config in CONFIGS:
+        resnet_rps = medians["resnet50"].get(config, {}).get("rps")
         print(f"{config:<20} {medians['mlp'][config]['rps']:>10.1f} {medians['mlp'][config]['server_cpu_us']:>18.0f} "
-              f"{medians['resnet50'][config]['rps']:>15.2f}")
+              f"{format(resnet_rps, '.2f') if resnet_rps else '-':>15}")
     print()
     print(f"{'target (median of per-round ratios)':<56} {'measured':>9} {'limit':>7}  {'range':>13}  result")
     checks = [("resnet50: metrics + tracing 100% vs everything off", "resnet50_full_vs_off", 0.97),
               ("tiny MLP: default configuration vs everything off", "mlp_default_vs_off", 0.90),
               ("tiny MLP: metrics + tracing 100% vs everything off", "mlp_full_vs_off", None),
               ("tiny MLP, by server CPU per request: default vs off", "mlp_default_cpu_vs_off", None),
-              ("tiny MLP, by server CPU per request: 100% vs off", "mlp_full_cpu_vs_off", None)]
+              ("tiny MLP, by server CPU per request: 100% vs off", "mlp_full_cpu_vs_off", None),
+              ("tiny MLP, 100%: collector unreachable vs reachable", "mlp_unreachable_vs_full", None)]
     for name, key, limit in checks:
         value, spread = ratios[key], f"{min(per_round[key]):.3f}-{max(per_round[key]):.3f}"
         verdict = "report" if limit is None else ("PASS" if value >= limit else "FAIL")
