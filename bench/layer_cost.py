@@ -21,12 +21,12 @@ import time
 from pathlib import Path
 
 from opentelemetry import trace
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from servewell.api.middleware import RequestContextMiddleware
 from servewell.observability.logging import JsonLineFormatter
 from servewell.observability.metrics import ServeMetrics
+from servewell.observability.otlp import encode_spans
 from servewell.observability.tracing import DEFAULT_SAMPLE_RATIO, Link, Tracing, TracingSettings, _provider
 
 RESULTS = Path(__file__).parent / "results"
@@ -36,11 +36,11 @@ BATCH = 8
 
 
 class EncodeOnlyExporter(SpanExporter):
-    """Encodes spans as the OTLP exporter does (protobuf), then drops them: the CPU of export is
-    counted, a network's latency is not."""
+    """Encodes spans as servewell's OTLP/HTTP exporter does (protobuf), then drops them: the CPU
+    of export is counted, a network's latency is not."""
 
     def export(self, spans):  # noqa: ANN001, ANN201
-        encode_spans(spans).SerializeToString()
+        encode_spans(spans)
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:

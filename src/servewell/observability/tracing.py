@@ -130,12 +130,12 @@ def _otlp_exporter(settings: TracingSettings):  # noqa: ANN202 - an OTLP SpanExp
 
         exporter = OTLPSpanExporter(endpoint=settings.endpoint, insecure=True, timeout=2)
     else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from servewell.observability.otlp import OtlpHttpSpanExporter
 
         endpoint = settings.endpoint.rstrip("/")
         if not endpoint.endswith("/v1/traces"):
             endpoint += "/v1/traces"
-        exporter = OTLPSpanExporter(endpoint=endpoint, timeout=2)
+        exporter = OtlpHttpSpanExporter.from_environment(endpoint, timeout_s=2.0)
     return exporter
 
 
