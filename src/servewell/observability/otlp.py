@@ -9,7 +9,8 @@ requires them equal to the SDK encoder's output for every span shape the SDK pro
 
 `OtlpHttpSpanExporter` sends them (HTTP/protobuf, gzip optional, retries with backoff on
 429/502/503/504 and connection errors within its timeout) and reads the standard variables:
-OTEL_EXPORTER_OTLP_[TRACES_]HEADERS, _COMPRESSION, _CERTIFICATE, _CLIENT_CERTIFICATE, _CLIENT_KEY.
+OTEL_EXPORTER_OTLP_[TRACES_]HEADERS, _COMPRESSION, _TIMEOUT, _CERTIFICATE, _CLIENT_CERTIFICATE,
+_CLIENT_KEY.
 gRPC export stays with the SDK's exporter.
 """
 
@@ -226,7 +227,14 @@ class OtlpHttpSpanExporter(SpanExporter):
 
     @classmethod
     def from_environment(cls, url: str, timeout_s: float = 2.0) -> OtlpHttpSpanExporter:
-        """An exporter configured by the standard OTEL_EXPORTER_OTLP_* variables."""
+        """An exporter configured by the standard OTEL_EXPORTER_OTLP_* variables (TIMEOUT in
+        milliseconds, as the specification says; else `timeout_s`)."""
+        raw_timeout = _env("TIMEOUT")
+        if raw_timeout:
+            try:
+                timeout_s = float(raw_timeout) / 1000.0
+            except ValueError:
+                log.warning("ignoring OTLP timeout %r: not a number of milliseconds", raw_timeout)
         compression = _env("COMPRESSION")
         if compression not in (None, "gzip", "none"):
             log.warning("OTLP compression %r is not supported; sending uncompressed", compression)
