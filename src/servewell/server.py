@@ -73,7 +73,9 @@ def _tune_garbage_collector() -> None:
     process, yet every full collection walked it all: a 30 ms pause about every 0.6 s under load
     on the tiny MLP, some 30 us of CPU per request. It is frozen (moved out of the collector's
     reach) after a last collection, so no startup garbage is pinned; and young collections run
-    less often (`GC_YOUNG_THRESHOLD`). Measured with `bench.observability`."""
+    less often (`GC_YOUNG_THRESHOLD`). Measured with `gc.callbacks` timing every collection of a
+    server under the tiny MLP's closed loop (32 clients): 51 us of collection per request before,
+    4 after; exposed as `python_gc_collections_total` on /metrics."""
     gc.collect()
     gc.freeze()
     _, middle, old = gc.get_threshold()

@@ -7,9 +7,10 @@ route, status class, outcome, instance, gpu.
 
 Histograms and counters here are servewell's own (`LoopHistogram`, `LoopCounter`), exposed
 through prometheus-client's registry and text format. prometheus-client's own take a lock per
-update and search buckets in Python, about 2 us per labelled observation measured on the tiny
-MLP; the frontend updates them only from its event-loop thread, where a list increment after a
-C bisect is enough (see `bench/results` and the README).
+update and search buckets in Python: 2.3 us per labelled observation against 0.3 us here
+(timeit), and the tiny MLP served 0.95x of its throughput with everything off with them, 0.97x
+with these (side by side, median of 6 rounds). The frontend updates them from its event-loop
+thread only, where a list increment after a C bisect is enough.
 """
 
 from __future__ import annotations

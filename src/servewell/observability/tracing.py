@@ -25,12 +25,12 @@ log = logging.getLogger("servewell.tracing")
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 #: Default share of request traces recorded: 1 in 100 (Triton's default trace rate is 1 in 1000).
-#: The Python SDK's spans and their OTLP encoding cost ~300 us of server CPU per traced request
-#: (`python -m bench.observability`: tracing every request runs the tiny MLP at ~0.63x of its
-#: throughput with everything off), and a part of the cost is fixed per export and per batch, so
-#: the default stays low: side by side, 5% measured 0.92x and 1% 0.95x of everything off
-#: (median of 8 rounds). A slow request is explained without its trace too: every one logs its
-#: stage breakdown. Requests that arrive with a sampled traceparent are always traced.
+#: A traced request costs ~260 us of server CPU (SDK spans in frontend and worker, OTLP encoding):
+#: tracing every request runs the tiny MLP at ~0.67x of its throughput with everything off
+#: (`python -m bench.observability`), and part of the cost is fixed per export and per batch, so
+#: the default stays low: side by side (before the lean OTLP encoder) 5% measured 0.92x and 1%
+#: 0.95x; the benchmark's default row now measures 0.99x. A slow request is explained without its
+#: trace too: every one logs its stage breakdown. A sampled incoming traceparent is always traced.
 DEFAULT_SAMPLE_RATIO = 0.01
 
 
