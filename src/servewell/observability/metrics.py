@@ -89,11 +89,14 @@ class _LoopFamily(Collector):
     a scrape from another thread would read each series consistently enough (a list copy under
     the GIL), as prometheus-client's own metrics do."""
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry,
+                 new_series: Callable[[], object], family_type: type) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
         self._series: dict[tuple[str, ...], object] = {}
+        self._new_series = new_series
+        self._family_type = family_type
         registry.register(self)
 
     def labels(self, *values: str):  # noqa: ANN201 - the series type of the family
@@ -107,14 +110,11 @@ class _LoopFamily(Collector):
             series = self._series[values] = self._new_series()
         return series
 
-    def _new_series(self) -> object:
-        raise NotImplementedError
-
     def describe(self) -> Iterable[Metric]:
         return [self._family()]
 
     def _family(self) -> Metric:
-        raise NotImplementedError
+        return self._family_type(self.name, self.documentation, labels=self.labelnames)
 
 
 class LoopHistogram(_LoopFamily):
@@ -125,15 +125,9 @@ class LoopHistogram(_LoopFamily):
         bounds = tuple(sorted(float(b) for b in buckets if b != float("inf")))
         if not bounds:
             raise ValueError(f"{name}: at least one finite bucket bound is needed")
-        self._bounds = bounds
         self._le = [floatToGoString(b) for b in bounds] + ["+Inf"]
-        super().__init__(name, documentation, labelnames, registry)
-
-    def _new_series(self) -> _HistogramSeries:
-        return _HistogramSeries(self._bounds)
-
-    def _family(self) -> HistogramMetricFamily:
-        return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        super().__init__(name, documentation, labelnames, registry, lambda: _HistogramSeries(bounds),
+                         HistogramMetricFamily)
 
     def collect(self) -> Iterable[Metric]:
         family = self._family()
@@ -150,11 +144,8 @@ class LoopHistogram(_LoopFamily):
 class LoopCounter(_LoopFamily):
     """A Prometheus counter (exposed as `<name>_total`)."""
 
-    def _new_series(self) -> _CounterSeries:
-        return _CounterSeries()
-
-    def _family(self) -> CounterMetricFamily:
-        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
+        super().__init__(name, documentation, labelnames, registry, _CounterSeries, CounterMetricFamily)
 
     def collect(self) -> Iterable[Metric]:
         family = self._family()
