@@ -143,3 +143,31 @@ def test_https_collector_configured_by_the_standard_variables(tmp_path, monkeypa
     finally:
         exporter.shutdown()
         receiver.server.shutdown()
+
+
+def test_mutual_tls_collector_takes_the_client_certificate(tmp_path, monkeypatch):
+    server_cert, server_key = self_signed_certificate(tmp_path)
+    (tmp_path / "client").mkdir()
+    client_cert, client_key = self_signed_certificate(tmp_path / "client")
+    receiver = Receiver([])
+    server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_context.load_cert_chain(server_cert, server_key)
+    server_context.verify_mode = ssl.CERT_REQUIRED  # only clients with a certificate it trusts
+    server_context.load_verify_locations(client_cert)
+    receiver.server.socket = server_context.wrap_socket(receiver.server.socket, server_side=True)
+    url = receiver.url.replace("http:", "https:")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", str(server_cert))
+    spans = make_spans()
+    anonymous = OtlpHttpSpanExporter.from_environment(url, timeout_s=1.0)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", str(client_cert))
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_CLIENT_KEY", str(client_key))
+    identified = OtlpHttpSpanExporter.from_environment(url)
+    try:
+        assert anonymous.export(spans) == SpanExportResult.FAILURE
+        assert receiver.bodies == []
+        assert identified.export(spans) == SpanExportResult.SUCCESS
+        assert ExportTraceServiceRequest.FromString(receiver.bodies[-1]) == sdk_encode_spans(spans)
+    finally:
+        anonymous.shutdown()
+        identified.shutdown()
+        receiver.server.shutdown()
