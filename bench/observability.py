@@ -13,7 +13,7 @@ A fourth server traces every request to a collector that never answers (a port t
 into its backlog and never reads): its MLP throughput against the reachable one shows that the
 exporter never holds serving back.
 
-How it stays honest on a shared, noisy 2-core machine: the three servers run side by side
+How it stays honest on a shared, noisy 2-core machine: the servers run side by side
 (an idle one costs nothing), and the load visits them in short windows, in a rotating order,
 round after round. Each round compares configurations measured seconds apart, so drift in
 the machine's speed hits them alike; the verdict is the median over rounds of each round's
@@ -100,7 +100,8 @@ def blackhole() -> socket.socket:
     return listener
 
 
-def start_servers(repository: Path, sink: SpanSink, unreachable: socket.socket) -> dict[str, ServerProcess]:
+def make_servers(repository: Path, sink: SpanSink, unreachable: socket.socket) -> dict[str, ServerProcess]:
+    """One server per configuration, not started yet."""
     servers = {}
     endpoints = {"off": None, "unreachable": f"http://{HOST}:{unreachable.getsockname()[1]}"}
     for config, flags in CONFIGS.items():
@@ -111,11 +112,14 @@ def start_servers(repository: Path, sink: SpanSink, unreachable: socket.socket) 
             sys.executable, "-m", "servewell", "serve", "--model-repository", str(repository),
             "--host", HOST, "--port", str(port), "--load-timeout-s", "180", *flags, *extra,
         ], port, RESULTS / "logs" / f"servewell-observability-{config}.log")
-    for server in servers.values():  # one at a time: loading three at once would only contend
+    return servers
+
+
+def start_servers(servers: dict[str, ServerProcess]) -> None:
+    for server in servers.values():  # one at a time: loading them all at once would only contend
         server.start()
         server.wait_ready(240)
         http_json(server.port, "PATCH", "/admin/models/resnet50/batching", {"max_batch_size": 8})
-    return servers
 
 
 def measure(servers: dict[str, ServerProcess], workload: str, bodies: list[Path], rounds: int,
@@ -164,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     workspace = prepare(MODELS)
     sink = SpanSink()
     unreachable = blackhole()
-    servers = start_servers(workspace.repository, sink, unreachable)
+    servers = make_servers(workspace.repository, sink, unreachable)
     try:
+        start_servers(servers)  # inside the try: a server that fails to start stops the ones before it
         mlp = measure(servers, "mlp", workspace.bodies["mlp"], rounds, scale)
         resnet = measure({c: servers[c] for c in ("off", "default", "full")}, "resnet50", workspace.bodies["resnet50"],
                          rounds, scale)

@@ -16,6 +16,3 @@ class HashedResource(Resource):
 
     def __hash__(self) -> int:
         return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return super().__eq__(other)

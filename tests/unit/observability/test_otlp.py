@@ -45,3 +45,14 @@ def test_headers_from_the_environment_format():
 def test_exporter_refuses_a_non_http_endpoint():
     with pytest.raises(ValueError):
         OtlpHttpSpanExporter("localhost:4317")
+
+
+def test_the_resource_hashes_once_and_still_equals_the_sdk_one():
+    from opentelemetry.sdk.resources import Resource
+
+    from servewell.observability.resource import HashedResource
+
+    plain = Resource.create({"service.name": "servewell"})
+    hashed = HashedResource(plain.attributes, plain.schema_url)
+    assert hashed == plain and hash(hashed) == hash(plain)
+    assert {plain: 1}[hashed] == 1 and hashed.attributes["service.name"] == "servewell"

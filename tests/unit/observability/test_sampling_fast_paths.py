@@ -82,13 +82,3 @@ def test_roots_are_recorded_at_the_configured_ratio():
     finally:
         tracing.shutdown()
 
-
-def test_the_resource_hashes_once_and_still_equals_the_sdk_one():
-    from opentelemetry.sdk.resources import Resource
-
-    from servewell.observability.resource import HashedResource
-
-    plain = Resource.create({"service.name": "servewell"})
-    hashed = HashedResource(plain.attributes, plain.schema_url)
-    assert hashed == plain and hash(hashed) == hash(plain)
-    assert {plain: 1}[hashed] == 1 and hashed.attributes["service.name"] == "servewell"
