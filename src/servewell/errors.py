@@ -2,6 +2,22 @@
 
 from __future__ import annotations
 
+import reprlib
+
+#: Longest client-supplied text echoed back in an error message or a log line.
+ECHO_LIMIT = 64
+
+_ECHO = reprlib.Repr()  # Python 3.11's Repr takes its limits as attributes
+_ECHO.maxlevel, _ECHO.maxstring, _ECHO.maxother, _ECHO.maxlong = 2, ECHO_LIMIT, ECHO_LIMIT, ECHO_LIMIT
+_ECHO.maxlist = _ECHO.maxtuple = _ECHO.maxdict = _ECHO.maxset = 4
+
+
+def quote(value: object, limit: int = ECHO_LIMIT) -> str:
+    """A short `repr` of a client-supplied value: strings, numbers and nesting are cut, so error
+    bodies and log lines never grow with what a client sends (and deep nesting cannot recurse)."""
+    text = _ECHO.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
 
 class ServeError(Exception):
     """A failure the client is told about as `{"error": {"code", "message", "request_id"}}`."""
@@ -61,6 +77,12 @@ class Forbidden(ServeError):
     """The caller may not use this endpoint."""
 
     status, code = 403, "forbidden"
+
+
+class Conflict(ServeError):
+    """The request conflicts with work in progress (e.g. a profile already being captured)."""
+
+    status, code = 409, "conflict"
 
 
 class ClientClosed(ServeError):

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from servewell.api.app import create_app
-from servewell.api.context import ApiContext
+from servewell.api.dataplane import DataPlane
+from servewell.api.state import AppState
 from servewell.config.server import ServerConfig
 from servewell.engine.engine import InferenceEngine
 from servewell.observability.alerting import run_alerting
@@ -86,19 +85,18 @@ def build_app(settings: ServerConfig) -> FastAPI:
     """The app for `settings`; models load in the background once it starts, so liveness
     answers at once and readiness tells the truth while they load."""
     repository = settings.model_repository or ensure_builtin_repository(settings.cache_dir)
+    default_model = settings.default_model or (None if settings.model_repository else BUILTIN_MODEL)
     metrics = ServeMetrics(settings.latency_buckets_s) if settings.metrics_enabled else None
     tracing = Tracing(settings_from(settings.otlp_endpoint, settings.otlp_protocol, settings.trace_sample_ratio),
                       decides_roots=True)
     engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes,
-                             metrics, tracing)
+                             metrics, tracing, default_model)
     if metrics is not None:
         set_step_sink(lambda name, seconds: metrics.trace_steps.labels(name).observe(seconds), tracing.tracer)
         gpus = GpuProbe()
-        metrics.registry.register(StateCollector(
-            engine.samples, process_facts, gpus.read, lambda: (engine.budget.total_bytes, engine.budget.used_bytes),
-        ))
+        metrics.registry.register(StateCollector(engine.samples, process_facts, gpus.read, lambda: engine.memory_budget))
     pool = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
-    background: list[asyncio.Task] = []
+    background: list[asyncio.Task[None]] = []
     stop_alerting = asyncio.Event()
 
     async def startup() -> None:
@@ -118,15 +116,8 @@ def build_app(settings: ServerConfig) -> FastAPI:
         pool.shutdown(wait=False)
         tracing.shutdown()
 
-    app = create_app(ApiContext(engine, settings, pool, metrics, tracing), startup, shutdown)
-
-    if metrics is not None:
-        @app.get("/metrics", summary="Prometheus metrics", tags=["observability"])
-        async def prometheus_metrics() -> Response:
-            """Every metric family in the Prometheus text format (names in the README)."""
-            return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
+    plane = DataPlane(engine, pool, settings.max_image_pixels, metrics, tracing)
+    return create_app(AppState(engine, plane, settings, metrics), startup, shutdown, tracing)
 
 
 def serve(settings: ServerConfig) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.http as triton
 
-from servewell.api.codecs.image_transform import transform_image
+from servewell.imaging import transform_image
 from servewell.examples.digits import DIGITS_PREPROCESS, load_split, render_digit
 
 EXAMPLES = Path(__file__).parents[2] / "src" / "servewell" / "examples" / "images"

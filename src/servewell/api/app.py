@@ -1,4 +1,4 @@
-"""Builds the FastAPI application from an `ApiContext`."""
+"""Builds the FastAPI application from an `AppState`."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from typing import AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI
 
 import servewell
-from servewell.api import routes_admin, routes_simple, routes_v2
-from servewell.api.context import ApiContext
+from servewell.api import routes_admin, routes_metrics, routes_simple, routes_v2
 from servewell.api.errors import install_error_handlers
 from servewell.api.middleware import RequestContextMiddleware
+from servewell.api.state import AppState
+from servewell.observability.tracing import Tracing
 
 DESCRIPTION = """servewell serves ONNX, TorchScript and PyTorch models.
 
@@ -23,9 +24,10 @@ DESCRIPTION = """servewell serves ONNX, TorchScript and PyTorch models.
 
 
 def create_app(
-    api: ApiContext,
+    state: AppState,
     on_startup: Callable[[], Awaitable[None]] | None = None,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     """The HTTP application; `on_startup`/`on_shutdown` run in its lifespan."""
 
@@ -40,12 +42,13 @@ def create_app(
                 await on_shutdown()
 
     app = FastAPI(title="servewell", version=servewell.__version__, description=DESCRIPTION, lifespan=lifespan)
-    app.state.api = api
+    app.state.servewell = state
     install_error_handlers(app)
     app.include_router(routes_simple.router)
     app.include_router(routes_v2.router)
     app.include_router(routes_admin.router)
     app.include_router(routes_admin.repository_router)
-    app.add_middleware(RequestContextMiddleware, metrics=api.metrics, tracing=api.tracing,
-                       slow_request_s=api.settings.slow_request_ms / 1000.0)
+    app.include_router(routes_metrics.router)
+    app.add_middleware(RequestContextMiddleware, metrics=state.metrics, tracing=tracing,
+                       slow_request_s=state.settings.slow_request_ms / 1000.0)
     return app

@@ -10,7 +10,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from servewell.api.body import check_content_type, read_body
-from servewell.api.context import ApiContext, api_context
+from servewell.api.state import AppState, app_state
+from servewell.engine.protocol import ModelView
 from servewell.errors import BadRequest, Forbidden, InvalidInput, Unauthorized
 
 router = APIRouter(prefix="/admin", tags=["admin"])
@@ -20,22 +21,22 @@ repository_router = APIRouter(prefix="/v2/repository", tags=["Open Inference Pro
 _LOOPBACK = ("127.", "::1", "localhost")
 
 
-def require_admin(request: Request, api: ApiContext = Depends(api_context)) -> ApiContext:
+def require_admin(request: Request, state: AppState = Depends(app_state)) -> AppState:
     """401 without the configured bearer token; with no token configured, loopback clients only."""
-    token = api.settings.admin_token
+    token = state.settings.admin_token
     if token:
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
             raise Unauthorized("this endpoint needs 'Authorization: Bearer <admin_token>'")
     elif request.client is None or not request.client.host.startswith(_LOOPBACK):
         raise Forbidden("admin endpoints answer loopback clients only unless admin_token is configured")
-    return api
+    return state
 
 
 @router.get("/models/{name}/batching", summary="Live batching settings")
-async def get_batching(name: str, api: ApiContext = Depends(require_admin)) -> Response:
+async def get_batching(name: str, state: AppState = Depends(require_admin)) -> Response:
     """The model's current batching settings."""
-    return Response(orjson.dumps(api.engine.batching(name)), media_type="application/json")
+    return Response(orjson.dumps(state.engine.batching(name)), media_type="application/json")
 
 
 @router.patch(
@@ -47,42 +48,42 @@ async def get_batching(name: str, api: ApiContext = Depends(require_admin)) -> R
                                        "default_timeout_ms", "max_consecutive_high", "reserve_instance_for_high")},
     }}}}},
 )
-async def patch_batching(name: str, request: Request, api: ApiContext = Depends(require_admin)) -> Response:
-    """Apply the given fields; queued and running requests are kept."""
+async def patch_batching(name: str, request: Request, state: AppState = Depends(require_admin)) -> Response:
+    """Apply the given fields, all or none; queued and running requests are kept."""
     check_content_type(request, ("application/json",))
     try:
-        changes: Any = orjson.loads(await read_body(request, api.settings.max_body_bytes))
+        changes: Any = orjson.loads(await read_body(request, state.settings.max_body_bytes))
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(changes, dict) or not changes:
         raise InvalidInput("send a JSON object with the settings to change")
-    return Response(orjson.dumps(api.engine.update_batching(name, changes)), media_type="application/json")
+    return Response(orjson.dumps(state.engine.update_batching(name, changes)), media_type="application/json")
 
 
 @router.post("/models/{name}/profile", summary="Profile a model worker (Chrome/Perfetto trace)")
-async def profile(name: str, seconds: float = 5.0, instance: int = 0, api: ApiContext = Depends(require_admin)) -> Response:
+async def profile(name: str, seconds: float = 5.0, instance: int = 0, state: AppState = Depends(require_admin)) -> Response:
     """Capture `seconds` (at most 60) of one instance's batches with torch.profiler or onnxruntime
     profiling; returns a trace file that chrome://tracing and ui.perfetto.dev open."""
     if not 0 < seconds <= 60:
         raise InvalidInput("seconds must be in (0, 60]")
-    trace = await api.engine.profile(name, instance, seconds)
+    trace = await state.engine.profile(name, instance, seconds)
     return Response(trace, media_type="application/json",
                     headers={"Content-Disposition": f'attachment; filename="{name}-{instance}-profile.json"'})
 
 
-def _state(view) -> dict[str, Any]:  # noqa: ANN001 - ModelView
+def _state(view: ModelView) -> dict[str, Any]:
     return {"name": view.name, "version": view.version, "state": view.state, "reason": view.reason}
 
 
 @repository_router.post("/models/{name}/load", summary="Load or reload a model (zero failed requests)")
-async def load_model(name: str, api: ApiContext = Depends(require_admin)) -> Response:
+async def load_model(name: str, state: AppState = Depends(require_admin)) -> Response:
     """Read the model's directory again and load it; the new version warms up before traffic moves."""
-    view = await api.engine.load_model(name)
+    view = await state.engine.load_model(name)
     return Response(orjson.dumps(_state(view)), media_type="application/json")
 
 
 @repository_router.post("/models/{name}/unload", summary="Unload a model")
-async def unload_model(name: str, api: ApiContext = Depends(require_admin)) -> Response:
+async def unload_model(name: str, state: AppState = Depends(require_admin)) -> Response:
     """Finish the model's queued and running requests, then stop its workers."""
-    view = await api.engine.unload_model(name)
+    view = await state.engine.unload_model(name)
     return Response(orjson.dumps(_state(view)), media_type="application/json")

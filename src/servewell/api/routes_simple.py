@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import asdict
 from typing import Any, Literal
 
@@ -15,18 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from servewell.api.body import check_content_type, read_body
 from servewell.api.codecs.image import decode_base64
-from servewell.api.context import (
-    ApiContext,
-    api_context,
-    lane_from,
-    server_timing,
-    stage_span,
-    timeout_from_header,
-    unless_disconnected,
-)
+from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
+from servewell.api.state import AppState, app_state
 from servewell.config.model import ModelConfig
+from servewell.engine.protocol import SchedulingFacts
 from servewell.errors import BadRequest, InvalidInput
-from servewell.observability.context import model_var, request_id_var
+from servewell.observability.context import request_id_var
 from servewell.observability.process import rss_bytes
 
 router = APIRouter()
@@ -37,9 +29,12 @@ class PredictRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    image_base64: str = Field(description="The image (PNG, JPEG, ...) encoded as base64.")
-    urgency: Literal["normal", "high"] = Field("normal", description="high: skip the batching window, go first.")
-    model: str | None = Field(None, description="Model to use; default: the server's default model (digits).")
+    image_base64: str = Field(min_length=1, description="The image (PNG, JPEG, ...) encoded as base64.")
+    urgency: Literal["high", "normal", "low"] | None = Field(
+        None, description="high: the model's first lane (skips the batching window, goes first); low: its last; "
+        "default: its default lane. The X-Urgency header, when sent, wins.")
+    model: str | None = Field(None, min_length=1, max_length=200,
+                              description="Model to use; default: the server's default model.")
 
 
 class PredictResponse(BaseModel):
@@ -61,11 +56,10 @@ def _json(doc: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 )
 async def predict(request: Request) -> Response:
     """Decode the image, run it through the model and return the label."""
-    api = api_context(request)
-    started = time.perf_counter()
-    arrived_at = asyncio.get_running_loop().time()
+    state = app_state(request)
+    call = state.plane.call()
     check_content_type(request, ("application/json",))
-    body = await read_body(request, api.settings.max_body_bytes)
+    body = await read_body(request, state.settings.max_body_bytes)
     try:
         raw = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -76,29 +70,17 @@ async def predict(request: Request) -> Response:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "(body)"
         raise InvalidInput(f"field '{where}': {err['msg']}") from None
-    name = req.model or api.engine.default_model_name()
-    model_var.set(name)
-    config = api.engine.config_of(name)
+    model = call.open(req.model or state.engine.default_model_name(), None, urgency_of(request) or req.urgency)
+    config = model.config
     if config.image_input is None:
-        raise InvalidInput(f"model '{name}' takes no images; call /v2/models/{name}/infer with tensors")
-    lane = lane_from(request, req.urgency)
-    api.engine.admit(name, None, lane)  # refuse before the image is decoded
-    decode_started = time.perf_counter()
-    with stage_span(api, "preprocess", name):
-        image = decode_base64(req.image_base64, "image_base64")
-        batch = await api.decode_images(config, [image])
-    preprocess_s = time.perf_counter() - decode_started
-    inputs = {config.image_input: batch.astype(config.input_spec(config.image_input).numpy_dtype, copy=False)}
-    result = await unless_disconnected(request, api.engine.submit(
-        name, None, inputs, lane=lane, timeout_ms=timeout_from_header(request), request_id=request_id_var.get(),
-        arrived_at=arrived_at,
-    ))
-    post_started = time.perf_counter()
-    body_out = orjson.dumps({"result": interpret(config, result.outputs), "request_id": request_id_var.get()})
-    postprocess_s = time.perf_counter() - post_started
-    api.record_stages(name, result, preprocess_s, postprocess_s)
-    timing = server_timing(result.queue_s, preprocess_s, result.compute_s, postprocess_s, time.perf_counter() - started)
-    return Response(body_out, 200, {"Server-Timing": timing}, "application/json")
+        raise InvalidInput(f"model '{model.name}' takes no images; call /v2/models/{model.name}/infer with tensors")
+    with call.preprocessing():
+        batch = await call.decode_images([decode_base64(req.image_base64, "image_base64")])
+    result = await call.infer({config.image_input: batch}, timeout_ms=timeout_ms_of(request),
+                              disconnected=disconnected(request))
+    with call.postprocessing():
+        body_out = orjson.dumps({"result": interpret(config, result.outputs), "request_id": request_id_var.get()})
+    return Response(body_out, 200, {"Server-Timing": call.finish(result)}, "application/json")
 
 
 def interpret(config: ModelConfig, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -121,10 +103,10 @@ def interpret(config: ModelConfig, outputs: dict[str, np.ndarray]) -> dict[str, 
 
 
 @router.get("/healthz", summary="Server and per-model health")
-async def healthz(api: ApiContext = Depends(api_context)) -> Response:
-    """200 when every model is ready, 503 otherwise; always with per-model state and memory."""
+async def healthz(state: AppState = Depends(app_state)) -> Response:
+    """200 when the server is ready, 503 otherwise; always with per-model state and memory."""
     models = {}
-    for view in api.engine.models():
+    for view in state.engine.models():
         models[view.name] = {
             "state": view.state,
             "version": view.version,
@@ -133,21 +115,26 @@ async def healthz(api: ApiContext = Depends(api_context)) -> Response:
             "load_s": round(view.load_s, 3) if view.load_s is not None else None,
             "restarts": view.restarts,
             "recycles": view.recycles,
-            "instances": [
-                {"instance": i.instance, "pid": i.pid, "alive": i.alive, "rss_bytes": i.rss_bytes,
-                 "rows_computed": i.rows_computed}
-                for i in view.instances
-            ],
+            "instances": [asdict(i) for i in view.instances],
             "rss_bytes": sum(i.rss_bytes for i in view.instances),
-            "lanes": view.lane_depths,
-            "scheduler": asdict(view.stats) if view.stats else None,
+            "lanes": view.scheduling.lane_depths if view.scheduling else {},
+            "max_batch_size": view.scheduling.max_batch_size if view.scheduling else None,
+            "scheduler": _scheduler_counts(view.scheduling),
         }
-    ready = api.engine.ready
+    ready = state.engine.ready
+    total, reserved = state.engine.memory_budget
     doc = {
         "status": "ok" if ready else "not_ready",
         "ready": ready,
         "frontend_rss_bytes": rss_bytes(),
-        "memory_budget": {"total_bytes": api.engine.budget.total_bytes, "reserved_bytes": api.engine.budget.used_bytes},
+        "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
         "models": models,
     }
     return _json(doc, 200 if ready else 503, None if ready else {"Retry-After": "2"})
+
+
+def _scheduler_counts(facts: SchedulingFacts | None) -> dict[str, int] | None:
+    if facts is None:
+        return None
+    return {"batches": facts.batches, "rows": facts.rows, "expired": facts.expired, "cancelled": facts.cancelled,
+            "rejected": facts.rejected}

@@ -3,33 +3,22 @@ that `tritonclient` uses: model config, repository index, binary tensor data."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 import zlib
 from typing import Any
 
-import numpy as np
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 import servewell
 from servewell.api.body import check_content_type, read_body
-from servewell.api.codecs.image import decode_base64
-from servewell.api.codecs.tensors import DecodedTensor, encode_infer_response, parse_infer_request
-from servewell.api.context import (
-    ApiContext,
-    api_context,
-    server_timing,
-    stage_span,
-    timeout_from_header,
-    unless_disconnected,
-)
-from servewell.config.model import ModelConfig
-from servewell.engine.engine import ModelView
-from servewell.engine.validation import expected_shape
-from servewell.errors import BadRequest, InvalidInput, PayloadTooLarge
-from servewell.observability.context import model_var, request_id_var
+from servewell.api.codecs.tensors import encode_infer_response, parse_infer_request
+from servewell.api.dataplane import select_outputs
+from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
+from servewell.api.state import AppState, app_state
+from servewell.config.model import TensorSpec
+from servewell.engine.protocol import ModelView, client_shape
+from servewell.errors import BadRequest, InvalidInput, PayloadTooLarge, quote
 
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol v2"])
 
@@ -52,15 +41,15 @@ async def server_metadata() -> Response:
 
 
 @router.get("/health/live", summary="Liveness")
-async def health_live(api: ApiContext = Depends(api_context)) -> Response:
+async def health_live() -> Response:
     """200 while the server process answers."""
-    return _json({"live": api.engine.live})
+    return _json({"live": True})
 
 
 @router.get("/health/ready", summary="Readiness")
-async def health_ready(api: ApiContext = Depends(api_context)) -> Response:
-    """200 when every valid model is ready, 503 (with Retry-After) otherwise."""
-    ready = api.engine.ready
+async def health_ready(state: AppState = Depends(app_state)) -> Response:
+    """200 when the server should receive traffic, 503 (with Retry-After) otherwise."""
+    ready = state.engine.ready
     return _json({"ready": ready}, 200 if ready else 503, None if ready else {"Retry-After": "2"})
 
 
@@ -72,10 +61,10 @@ def _metadata(view: ModelView) -> dict[str, Any]:
         return doc
     doc["platform"] = PLATFORMS[config.runtime]
     doc["inputs"] = [
-        {"name": t.name, "datatype": t.datatype, "shape": expected_shape(config, t)} for t in config.inputs
+        {"name": t.name, "datatype": t.datatype, "shape": client_shape(config, t)} for t in config.inputs
     ]
     doc["outputs"] = [
-        {"name": t.name, "datatype": t.datatype, "shape": expected_shape(config, t)} for t in config.outputs
+        {"name": t.name, "datatype": t.datatype, "shape": client_shape(config, t)} for t in config.outputs
     ]
     doc["parameters"] = {"max_batch_size": config.max_batch_size, **config.metadata}
     if config.image_input:
@@ -85,16 +74,16 @@ def _metadata(view: ModelView) -> dict[str, Any]:
 
 @router.get("/models/{name}", summary="Model metadata")
 @router.get("/models/{name}/versions/{version}", summary="Model metadata (version)")
-async def model_metadata(name: str, version: str | None = None, api: ApiContext = Depends(api_context)) -> Response:
+async def model_metadata(name: str, version: str | None = None, state: AppState = Depends(app_state)) -> Response:
     """Inputs, outputs, platform and versions of a model."""
-    return _json(_metadata(api.engine.model(name, version)))
+    return _json(_metadata(state.engine.model(name, version)))
 
 
 @router.get("/models/{name}/ready", summary="Model readiness")
 @router.get("/models/{name}/versions/{version}/ready", summary="Model readiness (version)")
-async def model_ready(name: str, version: str | None = None, api: ApiContext = Depends(api_context)) -> Response:
+async def model_ready(name: str, version: str | None = None, state: AppState = Depends(app_state)) -> Response:
     """200 when the model is ready, 503 otherwise."""
-    view = api.engine.model(name, version)
+    view = state.engine.model(name, version)
     ready = view.state == "ready"
     doc = {"name": name, "ready": ready, "state": view.state}
     if view.reason:
@@ -104,12 +93,14 @@ async def model_ready(name: str, version: str | None = None, api: ApiContext = D
 
 @router.get("/models/{name}/config", summary="Model configuration (Triton extension)")
 @router.get("/models/{name}/versions/{version}/config", summary="Model configuration (version)")
-async def model_config(name: str, version: str | None = None, api: ApiContext = Depends(api_context)) -> Response:
+async def model_config(name: str, version: str | None = None, state: AppState = Depends(app_state)) -> Response:
     """The model's configuration in Triton's field names, as `tritonclient.get_model_config` expects."""
-    api.engine.model(name, version)
-    config = api.engine.config_of(name, version)
+    view = state.engine.model(name, version)
+    config = view.config
+    if config is None:
+        raise InvalidInput(f"model '{name}' is invalid: {view.reason}")
 
-    def tensor(t) -> dict[str, Any]:  # noqa: ANN001
+    def tensor(t: TensorSpec) -> dict[str, Any]:
         return {"name": t.name, "data_type": "TYPE_STRING" if t.datatype == "BYTES" else f"TYPE_{t.datatype}", "dims": t.shape}
 
     kind = "KIND_GPU" if config.device.startswith("cuda") else "KIND_CPU"
@@ -117,7 +108,8 @@ async def model_config(name: str, version: str | None = None, api: ApiContext = 
         "name": config.name,
         "platform": PLATFORMS[config.runtime],
         "backend": config.runtime,
-        "max_batch_size": config.max_batch_size,
+        "max_batch_size": view.scheduling.max_batch_size if view.scheduling and config.max_batch_size else
+        config.max_batch_size,
         "input": [tensor(t) for t in config.inputs],
         "output": [tensor(t) for t in config.outputs],
         "instance_group": [{"count": config.instances, "kind": kind}],
@@ -130,10 +122,10 @@ async def model_config(name: str, version: str | None = None, api: ApiContext = 
 
 
 @router.post("/repository/index", summary="Repository index")
-async def repository_index(api: ApiContext = Depends(api_context)) -> Response:
+async def repository_index(state: AppState = Depends(app_state)) -> Response:
     """Every model of the repository with its state and, if not ready, the reason."""
     entries = []
-    for view in api.engine.models():
+    for view in state.engine.models():
         entry = {"name": view.name, "version": view.version, "state": TRITON_STATES.get(view.state, "UNAVAILABLE")}
         if view.reason:
             entry["reason"] = view.reason
@@ -160,44 +152,27 @@ _INFER_BODY = {
 @router.post("/models/{name}/versions/{version}/infer", summary="Inference (version)", openapi_extra={"requestBody": _INFER_BODY})
 async def infer(name: str, request: Request, version: str | None = None) -> Response:
     """Run the model on JSON (or binary-extension) tensors."""
-    api = api_context(request)
-    started = time.perf_counter()
-    arrived_at = asyncio.get_running_loop().time()
-    model_var.set(name)
-    header_lane = "high" if request.headers.get("x-urgency", "").strip().lower() == "high" else None
-    api.engine.admit(name, version, header_lane)  # 404/503 before reading and decoding the body
+    state = app_state(request)
+    call = state.plane.call()
+    model = call.open(name, version, urgency_of(request))  # 404/503 before reading and decoding the body
     check_content_type(request, ("application/json", "application/octet-stream"))
-    body = await read_body(request, api.settings.max_body_bytes)
-    preprocess_started = time.perf_counter()
-    with stage_span(api, "preprocess", name):
-        body = _decompress(body, request.headers.get("content-encoding"), api.settings.max_body_bytes)
+    body = await read_body(request, state.settings.max_body_bytes)
+    limit = state.settings.max_body_bytes
+    with call.preprocessing():
+        body = _decompress(body, request.headers.get("content-encoding"), limit)
         parsed = parse_infer_request(body, _header_length(request))
-        config = api.engine.config_of(name, version)
-        inputs = {}
-        for tensor in parsed.inputs:
-            inputs[tensor.name] = await _model_input(api, config, tensor)
-    preprocess_s = time.perf_counter() - preprocess_started
-    lane, timeout_ms = _scheduling(parsed.parameters, config.batching.lanes)
-    if header_lane is not None:
-        lane = config.batching.lanes[0]
-    header_timeout = timeout_from_header(request)
-    result = await unless_disconnected(request, api.engine.submit(
-        name, version, inputs, lane=lane, timeout_ms=header_timeout if header_timeout is not None else timeout_ms,
-        request_id=request_id_var.get(), arrived_at=arrived_at,
-    ))
-    post_started = time.perf_counter()
-    outputs = result.outputs
-    if parsed.requested_outputs is not None:
-        unknown = [n for n in parsed.requested_outputs if n not in outputs]
-        if unknown:
-            raise InvalidInput(f"unknown output '{unknown[0]}'; model '{name}' has {list(outputs)}")
-        outputs = {n: outputs[n] for n in parsed.requested_outputs}
-    binary = set(outputs) if parsed.all_binary else parsed.binary_outputs
-    body_out, json_length = encode_infer_response(name, config.version, parsed.id, outputs, binary)
-    postprocess_s = time.perf_counter() - post_started
-    api.record_stages(name, result, preprocess_s, postprocess_s)
-    total_s = time.perf_counter() - started
-    headers = {"Server-Timing": server_timing(result.queue_s, preprocess_s, result.compute_s, postprocess_s, total_s)}
+        inputs = await call.model_inputs(parsed.inputs)
+    header_timeout = timeout_ms_of(request)
+    result = await call.infer(
+        inputs, priority=parsed.parameters.get("priority"),
+        timeout_ms=header_timeout if header_timeout is not None else _timeout_ms(parsed.parameters),
+        disconnected=disconnected(request),
+    )
+    with call.postprocessing():
+        outputs = select_outputs(name, result.outputs, parsed.requested_outputs)
+        binary = set(outputs) if parsed.all_binary else parsed.binary_outputs
+        body_out, json_length = encode_infer_response(name, model.config.version, parsed.id, outputs, binary)
+    headers = {"Server-Timing": call.finish(result)}
     if json_length is None:
         return Response(body_out, 200, headers, "application/json")
     headers["Inference-Header-Content-Length"] = str(json_length)
@@ -208,9 +183,10 @@ def _header_length(request: Request) -> int | None:
     raw = request.headers.get("inference-header-content-length")
     if raw is None:
         return None
-    if not raw.strip().isdigit():
-        raise BadRequest(f"Inference-Header-Content-Length must be a byte count, got {raw!r}")
-    return int(raw)
+    text = raw.strip()
+    if not (0 < len(text) <= 12 and text.isascii() and text.isdigit()):
+        raise BadRequest(f"Inference-Header-Content-Length must be a byte count, got {quote(raw)}")
+    return int(text)
 
 
 def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
@@ -229,38 +205,11 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     return out
 
 
-def _scheduling(parameters: dict[str, Any], lanes: list[str]) -> tuple[str | None, float | None]:
-    """Lane and deadline from OIP parameters. priority follows Triton: 0 is the default lane,
-    1 the highest, 2 the next...; a lane name is accepted too. timeout is in microseconds, as
-    Triton and tritonclient define it."""
-    priority = parameters.get("priority", 0)
-    if isinstance(priority, str) and priority in lanes:
-        lane: str | None = priority
-    elif isinstance(priority, int) and not isinstance(priority, bool) and priority >= 0:
-        lane = lanes[min(priority, len(lanes)) - 1] if priority > 0 else None
-    else:
-        raise InvalidInput(f"parameters.priority must be 0..{len(lanes)} or one of {lanes}")
+def _timeout_ms(parameters: dict[str, Any]) -> float | None:
+    """Deadline from OIP `parameters.timeout`, in microseconds as Triton and tritonclient define it."""
     timeout = parameters.get("timeout")
     if timeout is None:
-        return lane, None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise InvalidInput("parameters.timeout must be a positive number of microseconds")
-    return lane, timeout / 1000.0
-
-
-async def _model_input(api: ApiContext, config: ModelConfig, tensor: DecodedTensor) -> np.ndarray:
-    name, datatype, array = tensor.name, tensor.datatype, tensor.array
-    spec = config.input_spec(name)
-    if spec is None:
-        raise InvalidInput(f"unknown input '{name}'; model '{config.name}' takes {[t.name for t in config.inputs]}")
-    if datatype == "BYTES" and spec.datatype != "BYTES" and config.image_input == name:
-        # Encoded images: raw bytes in the binary extension, base64 strings in JSON.
-        blobs = list(array.reshape(-1))
-        if not tensor.from_binary:
-            blobs = [decode_base64(b.decode("ascii", "replace"), name) for b in blobs]
-        if not blobs:
-            raise InvalidInput(f"input '{name}' holds no images")
-        return (await api.decode_images(config, blobs)).astype(spec.numpy_dtype, copy=False)
-    if datatype != spec.datatype:
-        raise InvalidInput(f"input '{name}' has datatype {datatype}, model '{config.name}' expects {spec.datatype}")
-    return array
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise InvalidInput(f"parameters.timeout must be a positive number of microseconds, got {quote(timeout)}")
+    return timeout / 1000.0

@@ -26,6 +26,10 @@ class ServerConfig(BaseModel):
     model_repository: Path | None = Field(
         None, description="Directory with one sub-directory per model; default: the built-in digits model."
     )
+    default_model: str | None = Field(
+        None, description="Model /predict uses when a request names none; default: the built-in model, else the "
+        "repository's first valid model.",
+    )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
     cache_dir: Path = Field(

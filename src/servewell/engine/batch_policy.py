@@ -7,7 +7,8 @@ answers "now" (None) or the time to wait until. The highest lane never asks: it 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 #: Share of the latency target the adaptive policy plans for; the rest absorbs tail variance.
 SLO_HEADROOM = 0.8
@@ -134,3 +135,39 @@ def adaptive_wait(
     slack_s = op.oldest_enqueued_at + SLO_HEADROOM * slo_s - latency.predict(needed) - op.now
     wait_s = min(fill_s, slack_s, max_wait_s - (op.now - op.oldest_enqueued_at))
     return op.now + wait_s if wait_s > 0 else None
+
+
+@dataclass(slots=True, frozen=True)
+class PolicyLimits:
+    """The batching settings a policy reads (from the model's live batching config)."""
+
+    max_wait_s: float
+    latency_slo_s: float
+
+
+@dataclass(slots=True)
+class LearnedLoad:
+    """What the scheduler has learned online: batch latency by size and the arrival rate."""
+
+    latency: BatchLatencyModel = field(default_factory=BatchLatencyModel)
+    arrivals: ArrivalRate = field(default_factory=ArrivalRate)
+
+
+#: A policy: when a batch should start (None: now), given the opportunity, limits and learned load.
+BatchPolicy = Callable[[BatchOpportunity, PolicyLimits, LearnedLoad], "float | None"]
+
+
+def _idle(op: BatchOpportunity, _limits: PolicyLimits, _learned: LearnedLoad) -> float | None:
+    return idle_wait(op)
+
+
+def _window(op: BatchOpportunity, limits: PolicyLimits, _learned: LearnedLoad) -> float | None:
+    return window_wait(op, limits.max_wait_s)
+
+
+def _adaptive(op: BatchOpportunity, limits: PolicyLimits, learned: LearnedLoad) -> float | None:
+    return adaptive_wait(op, learned.latency, learned.arrivals, limits.latency_slo_s, limits.max_wait_s)
+
+
+#: Every policy by the name model.yaml uses (`batching.policy`).
+POLICIES: dict[str, BatchPolicy] = {"idle": _idle, "window": _window, "adaptive": _adaptive}

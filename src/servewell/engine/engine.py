@@ -1,51 +1,90 @@
-"""The engine the API talks to: model lookup, admission and inference, behind one small class.
+"""The engine the API talks to: every model of one repository behind `ServingEngine`.
 
-Routes never see schedulers or workers; they call `InferenceEngine.submit` and read
-`ModelView`s. The engine can therefore be faked in tests or moved behind another transport.
+Requests resolve a model once (`resolve`) and then use the handle they got; the handle
+follows a reload to the new version, so a request decoded while traffic moves is queued on
+the version that serves it, never refused by the one that drains.
 """
 
 from __future__ import annotations
 
 import asyncio
 import tempfile
-from dataclasses import dataclass, replace
-from typing import Any
 from pathlib import Path
+from typing import Any, Mapping
 
 import numpy as np
 
 from servewell.config.model import ModelConfig
-from servewell.engine.model_entry import InstanceInfo, LoadProgressFn, ModelEntry, ModelState
+from servewell.engine.lanes import resolve_lane
 from servewell.engine.memory_budget import MemoryBudget, machine_memory_budget
+from servewell.engine.model_entry import EntryServices, InvalidModel, LoadProgressFn, ModelEntry
+from servewell.engine.protocol import ModelView, RequestResult, SchedulingFacts
 from servewell.engine.repository import read_model_config, scan_repository
-from servewell.engine.scheduler import RequestResult, SchedulerStats
 from servewell.engine.validation import check_inputs
+from servewell.errors import Conflict, LoadFailed, ModelNotReady, NotFound, ShuttingDown, quote
 from servewell.observability.metrics import ModelSample, ServeMetrics, WorkerSample
 from servewell.observability.signals import ModelFacts
 from servewell.observability.tracing import Tracing
-from servewell.errors import LoadFailed, ModelNotReady, NotFound, ShuttingDown
+
+Entry = ModelEntry | InvalidModel
 
 
-@dataclass(slots=True, frozen=True)
-class ModelView:
-    """Read-only facts about a model for metadata, health and index endpoints."""
+class ModelSlot:
+    """Where one model name's current entry lives; a reload swaps the entry, not the slot."""
 
-    name: str
-    version: str
-    state: ModelState
-    reason: str | None
-    config: ModelConfig | None
-    load_s: float | None
-    restarts: int
-    recycles: int
-    queue_depth: int
-    instances: tuple[InstanceInfo, ...]
-    lane_depths: dict[str, int]
-    stats: SchedulerStats | None
+    __slots__ = ("entry", "lock", "profiling")
+
+    def __init__(self, entry: Entry) -> None:
+        self.entry = entry
+        self.lock = asyncio.Lock()  # one load/unload of this model at a time
+        self.profiling = False
+
+
+class ServedModelHandle:
+    """A request's view of a ready model (`ServedModel`): admit and infer without lookups."""
+
+    __slots__ = ("_slot", "_engine", "name", "config", "_lanes")
+
+    def __init__(self, slot: ModelSlot, engine: InferenceEngine, entry: ModelEntry) -> None:
+        self._slot = slot
+        self._engine = engine
+        self.name = entry.name
+        self.config: ModelConfig = entry.config
+        self._lanes = entry.scheduler.lanes
+
+    def resolve_lane(self, urgency: str | None = None, priority: object = None) -> int:
+        """Lane index for a request's urgency and/or OIP priority (engine/lanes.py)."""
+        return resolve_lane(self._lanes, urgency, priority)
+
+    def _serving(self) -> ModelEntry:
+        entry = self._slot.entry
+        if not self._engine.accepting:
+            raise ShuttingDown("the server is shutting down and accepts no new requests")
+        if not isinstance(entry, ModelEntry) or entry.state != "ready":
+            raise _not_ready(entry)
+        return entry
+
+    def admit(self, lane: int) -> None:
+        """Refuse now what could not be queued (not ready, lane full, shutting down)."""
+        self._serving().scheduler.admit(lane)
+
+    def infer(self, inputs: dict[str, np.ndarray], *, lane: int, timeout_ms: float | None, request_id: str,
+              arrived_at: float | None) -> asyncio.Future[RequestResult]:
+        """Validate and queue the request on the version serving now."""
+        entry = self._serving()
+        rows = check_inputs(entry.config, inputs)
+        return entry.scheduler.submit(inputs, rows, lane, timeout_ms, request_id, arrived_at)
+
+
+def _not_ready(entry: Entry) -> ModelNotReady:
+    state = "invalid" if isinstance(entry, InvalidModel) else entry.state
+    retry = None if state in ("failed", "invalid", "unloaded") else 2.0
+    detail = f": {entry.reason}" if entry.reason else ""
+    return ModelNotReady(f"model '{entry.name}' is {state}{detail}", retry_after_s=retry or 5.0)
 
 
 class InferenceEngine:
-    """All models of one repository."""
+    """All models of one repository (implements `ServingEngine`)."""
 
     def __init__(
         self,
@@ -55,176 +94,153 @@ class InferenceEngine:
         memory_budget_bytes: int | None = None,
         metrics: ServeMetrics | None = None,
         tracing: Tracing | None = None,
+        default_model: str | None = None,
     ) -> None:
         self.repository = repository
-        self.metrics = metrics
-        self.tracing = tracing
         self.budget = MemoryBudget(memory_budget_bytes or machine_memory_budget())
-        self._load_timeout_s = load_timeout_s
-        self._on_progress = on_progress
-        self._entries: dict[str, ModelEntry] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._accepting = True
+        self._services = EntryServices(load_timeout_s, self.budget, metrics, tracing, on_progress)
+        self._default_model = default_model
+        self._slots: dict[str, ModelSlot] = {}
+        self._first_load_locks: dict[str, asyncio.Lock] = {}  # names with a directory but no slot yet
+        self.accepting = True
 
     async def start(self) -> None:
         """Read the repository and load every valid model (concurrently)."""
         for source in scan_repository(self.repository):
-            self._entries[source.name] = self._new_entry(source.name, source.directory, source.config, source.error)
-        await asyncio.gather(*(entry.load() for entry in self._entries.values()))
+            entry: Entry
+            if source.config is None:
+                entry = InvalidModel(source.name, source.directory, source.error or "invalid model.yaml")
+            else:
+                entry = ModelEntry(source.name, source.directory, source.config, self._services)
+            self._slots[source.name] = ModelSlot(entry)
+        await asyncio.gather(*(s.entry.load() for s in self._slots.values() if isinstance(s.entry, ModelEntry)))
 
-    def _new_entry(self, name: str, directory: Path, config: ModelConfig | None, error: str | None) -> ModelEntry:
-        return ModelEntry(
-            name, directory, config, error, self._load_timeout_s, self.budget, self._on_progress, self.metrics,
-            self.tracing,
-        )
+    # --- the data plane's entry point -----------------------------------------------------
+
+    def resolve(self, name: str, version: str | None = None) -> ServedModelHandle:
+        """The ready model `name` (`NotFound`, `ModelNotReady`, `ShuttingDown` otherwise)."""
+        slot = self._slot(name, version)
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down and accepts no new requests")
+        entry = slot.entry
+        if not isinstance(entry, ModelEntry) or entry.state != "ready":
+            raise _not_ready(entry)
+        return ServedModelHandle(slot, self, entry)
+
+    def default_model_name(self) -> str:
+        """The configured default model, else the only or first valid model."""
+        if self._default_model is not None and self._default_model in self._slots:
+            return self._default_model
+        valid = [name for name, slot in self._slots.items() if isinstance(slot.entry, ModelEntry)]
+        if not valid:
+            raise NotFound("the repository has no valid model")
+        return valid[0]
+
+    def knows(self, name: str) -> bool:
+        """Whether `name` is a model of this server."""
+        return name in self._slots
+
+    # --- control plane ---------------------------------------------------------------------
 
     async def load_model(self, name: str) -> ModelView:
         """(Re)load a model from its repository directory with zero failed requests: the new
         version loads and warms up while the old one serves; then traffic moves and the old drains."""
         directory = self.repository / name
-        if not name or "/" in name or name.startswith(".") or not directory.is_dir():
-            raise NotFound(f"the repository {self.repository} has no model directory '{name}'")
-        async with self._locks.setdefault(name, asyncio.Lock()):
+        if not _safe_name(name) or not directory.is_dir():
+            raise NotFound(f"the repository has no model directory {quote(name)}")
+        slot = self._slots.get(name)
+        lock = slot.lock if slot is not None else self._first_load_locks.setdefault(name, asyncio.Lock())
+        async with lock:
             try:
                 config = read_model_config(directory)
             except ValueError as exc:
                 raise LoadFailed(str(exc)) from None
-            fresh = self._new_entry(name, directory, config, None)
+            fresh = ModelEntry(name, directory, config, self._services)
             await fresh.load()
             if fresh.state != "ready":
                 raise LoadFailed(f"model '{name}' failed to load (the previous version, if any, keeps serving): "
                                  f"{fresh.reason}")
-            old = self._entries.get(name)
-            self._entries[name] = fresh  # from here on, new requests go to the new version
-            if old is not None:
-                await old.stop()  # drains what the old version had accepted
+            slot = self._slots.get(name)
+            if slot is None:
+                self._slots[name] = ModelSlot(fresh)
+                return self._view(fresh)
+            old, slot.entry = slot.entry, fresh  # from here on, new requests go to the new version
+            if isinstance(old, ModelEntry):
+                await old.stop(reason="replaced by a reload")  # drains what the old version had accepted
             return self._view(fresh)
-
-    async def profile(self, name: str, instance: int, seconds: float) -> bytes:
-        """A Chrome/Perfetto trace of one instance's batches over `seconds`."""
-        entry = self._entry(name, None)
-        if entry.state != "ready":
-            raise ModelNotReady(f"model '{name}' is {entry.state}", retry_after_s=2.0)
-        with tempfile.TemporaryDirectory(prefix="servewell-profile-") as directory:
-            path = await entry.profile(instance, seconds, directory)
-            return Path(path).read_bytes()
 
     async def unload_model(self, name: str) -> ModelView:
         """Stop serving a model: queued and running requests finish, then its workers stop."""
-        entry = self._entry(name, None)
-        async with self._locks.setdefault(name, asyncio.Lock()):
-            await entry.stop()
-            entry.state, entry.reason = "unloaded", "unloaded by an operator"
+        slot = self._slot(name, None)
+        async with slot.lock:
+            entry = slot.entry
+            if isinstance(entry, ModelEntry):
+                await entry.stop("unloaded", "unloaded by an operator")
             return self._view(entry)
+
+    async def profile(self, name: str, instance: int, seconds: float) -> bytes:
+        """A Chrome/Perfetto trace of one instance's batches over `seconds` (one at a time per model)."""
+        slot = self._slot(name, None)
+        entry = slot.entry
+        if not isinstance(entry, ModelEntry) or entry.state != "ready":
+            raise _not_ready(entry)
+        if slot.profiling:
+            raise Conflict(f"a profile of model '{name}' is already being captured; try again when it ends")
+        slot.profiling = True
+        try:
+            with tempfile.TemporaryDirectory(prefix="servewell-profile-") as directory:
+                path = await entry.profile(instance, seconds, directory)
+                return await asyncio.to_thread(Path(path).read_bytes)
+        finally:
+            slot.profiling = False
+
+    def batching(self, name: str) -> dict[str, Any]:
+        """Live batching settings of a model."""
+        return self._valid(name).scheduler.settings()
+
+    def update_batching(self, name: str, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """Change a model's batching settings while it serves (all or nothing)."""
+        return self._valid(name).scheduler.update(changes)
 
     async def stop(self) -> None:
         """Stop admitting, finish what was admitted, stop every worker."""
-        self._accepting = False
-        await asyncio.gather(*(entry.stop() for entry in self._entries.values()))
+        self.accepting = False
+        await asyncio.gather(*(s.entry.stop() for s in self._slots.values() if isinstance(s.entry, ModelEntry)))
 
-    # --- queries -------------------------------------------------------------------------
-
-    @property
-    def live(self) -> bool:
-        """The frontend is up and answering."""
-        return True
+    # --- queries ---------------------------------------------------------------------------
 
     @property
     def ready(self) -> bool:
         """Accepting requests, and every valid model is ready."""
-        serving = [e for e in self._entries.values() if e.config is not None and e.state != "unloaded"]
-        return self._accepting and bool(serving) and all(e.state == "ready" for e in serving)
+        serving = [s.entry for s in self._slots.values()
+                   if isinstance(s.entry, ModelEntry) and s.entry.state != "unloaded"]
+        return self.accepting and bool(serving) and all(e.state == "ready" for e in serving)
+
+    @property
+    def memory_budget(self) -> tuple[int, int]:
+        """(total, reserved) bytes."""
+        return self.budget.total_bytes, self.budget.used_bytes
 
     def models(self) -> list[ModelView]:
         """Every model of the repository, valid or not."""
-        return [self._view(e) for e in self._entries.values()]
+        return [self._view(s.entry) for s in self._slots.values()]
 
     def model(self, name: str, version: str | None = None) -> ModelView:
         """One model; `NotFound` for an unknown name or version."""
-        return self._view(self._entry(name, version))
-
-    def default_model_name(self) -> str:
-        """The model `/predict` uses when the request names none: the only or the first valid model."""
-        valid = [name for name, e in self._entries.items() if e.config is not None]
-        if not valid:
-            raise NotFound("the repository has no valid model")
-        return "digits" if "digits" in valid else valid[0]
-
-    # --- inference -----------------------------------------------------------------------
-
-    def admit(self, name: str, version: str | None, lane: str | None) -> None:
-        """Cheap checks before a request is decoded: known model, ready, lane not full."""
-        entry = self._ready_entry(name, version)
-        entry.scheduler.admit(lane)
-
-    def submit(
-        self,
-        name: str,
-        version: str | None,
-        inputs: dict[str, np.ndarray],
-        *,
-        lane: str | None = None,
-        timeout_ms: float | None = None,
-        request_id: str = "",
-        arrived_at: float | None = None,
-    ) -> asyncio.Future[RequestResult]:
-        """Validate and queue one request; the future resolves with its result or a `ServeError`.
-        Cancelling the future drops the request if it has not run yet."""
-        entry = self._ready_entry(name, version)
-        rows = check_inputs(entry.config, inputs)
-        return entry.scheduler.submit(inputs, rows, lane, timeout_ms, request_id, arrived_at)
-
-    def _ready_entry(self, name: str, version: str | None) -> ModelEntry:
-        entry = self._entry(name, version)
-        if not self._accepting:
-            raise ShuttingDown("the server is shutting down and accepts no new requests")
-        if entry.state != "ready" or entry.scheduler is None:
-            retry = None if entry.state in ("failed", "invalid", "unloaded") else 2.0
-            detail = f": {entry.reason}" if entry.reason else ""
-            raise ModelNotReady(f"model '{name}' is {entry.state}{detail}", retry_after_s=retry or 5.0)
-        return entry
-
-    def batching(self, name: str) -> dict[str, Any]:
-        """Live batching settings of a model."""
-        return self._scheduler(name).settings()
-
-    def update_batching(self, name: str, changes: dict[str, Any]) -> dict[str, Any]:
-        """Change a model's batching settings while it serves; queued requests are kept."""
-        scheduler = self._scheduler(name)
-        scheduler.update(changes)
-        return scheduler.settings()
-
-    def _scheduler(self, name: str):  # noqa: ANN202 - ModelScheduler
-        entry = self._entry(name, None)
-        if entry.scheduler is None:
-            raise ModelNotReady(f"model '{name}' is invalid: {entry.reason}", retry_after_s=None)
-        return entry.scheduler
-
-    def config_of(self, name: str, version: str | None = None) -> ModelConfig:
-        """The valid config of a model (`NotFound` / `ModelNotReady` otherwise)."""
-        entry = self._entry(name, version)
-        if entry.config is None:
-            raise ModelNotReady(f"model '{name}' is invalid: {entry.reason}", retry_after_s=None)
-        return entry.config
-
-    def _entry(self, name: str, version: str | None) -> ModelEntry:
-        entry = self._entries.get(name)
-        if entry is None:
-            raise NotFound(f"unknown model '{name}'; this server has {sorted(self._entries)}")
-        if version not in (None, "", entry.version):
-            raise NotFound(f"model '{name}' has no version '{version}'; it serves version '{entry.version}'")
-        return entry
+        return self._view(self._slot(name, version).entry)
 
     def samples(self) -> list[ModelSample]:
         """State of every model for the metrics scrape."""
         out = []
-        for entry in list(self._entries.values()):
+        for slot in list(self._slots.values()):
+            entry = slot.entry
+            if isinstance(entry, InvalidModel):
+                out.append(ModelSample(entry.name, "invalid", {}, 0, 0, ()))
+                continue
             scheduler = entry.scheduler
             out.append(ModelSample(
-                entry.name, entry.state,
-                scheduler.lane_depths() if scheduler else {},
-                (scheduler.queue_depth + scheduler.running_rows) if scheduler else 0,
-                scheduler.max_batch_size if scheduler else 0,
+                entry.name, entry.state, scheduler.lane_depths(), scheduler.queue_depth + scheduler.running_rows,
+                scheduler.max_batch_size,
                 tuple(WorkerSample(entry.name, i.instance, i.alive, i.pid) for i in entry.instances()),
             ))
         return out
@@ -232,22 +248,46 @@ class InferenceEngine:
     def model_facts(self) -> list[ModelFacts]:
         """Per-model facts the alert webhook evaluates (queue fill, restarts, memory headroom)."""
         facts = []
-        for entry in list(self._entries.values()):
-            if entry.config is None or entry.scheduler is None:
+        for slot in list(self._slots.values()):
+            entry = slot.entry
+            if not isinstance(entry, ModelEntry):
                 continue
-            depths = entry.scheduler.lane_depths().values()
-            fill = max(depths, default=0) / entry.scheduler.batching.max_queue_size
+            fill = max(entry.scheduler.lane_depths().values(), default=0) / entry.scheduler.batching.max_queue_size
             limit = entry.config.memory_limit_bytes
             rss = max((i.rss_bytes for i in entry.instances()), default=0)
-            headroom = 1.0 - rss / limit if limit else None
-            facts.append(ModelFacts(entry.name, fill, entry.restarts + entry.recycles, headroom))
+            facts.append(ModelFacts(entry.name, fill, entry.restarts + entry.recycles,
+                                    1.0 - rss / limit if limit else None))
         return facts
 
+    # --- lookups ---------------------------------------------------------------------------
+
+    def _slot(self, name: str, version: str | None) -> ModelSlot:
+        slot = self._slots.get(name)
+        if slot is None:
+            raise NotFound(f"unknown model {quote(name)}; this server has {sorted(self._slots)[:20]}")
+        if version not in (None, "", slot.entry.version):
+            raise NotFound(f"model '{name}' has no version {quote(version)}; it serves version '{slot.entry.version}'")
+        return slot
+
+    def _valid(self, name: str) -> ModelEntry:
+        entry = self._slot(name, None).entry
+        if isinstance(entry, InvalidModel):
+            raise ModelNotReady(f"model '{name}' is invalid: {entry.reason}", retry_after_s=None)
+        return entry
+
     @staticmethod
-    def _view(entry: ModelEntry) -> ModelView:
-        scheduler = entry.scheduler
-        return ModelView(
-            entry.name, entry.version, entry.state, entry.reason, entry.config, entry.load_s,
-            entry.restarts, entry.recycles, scheduler.queue_depth if scheduler else 0, tuple(entry.instances()),
-            scheduler.lane_depths() if scheduler else {}, replace(scheduler.stats) if scheduler else None,
-        )
+    def _view(entry: Entry) -> ModelView:
+        if isinstance(entry, InvalidModel):
+            return ModelView(entry.name, entry.version, "invalid", entry.reason, None, None, 0, 0, (), None)
+        s = entry.scheduler
+        stats = s.stats
+        scheduling = SchedulingFacts(s.queue_depth, s.lane_depths(), s.running_rows, s.max_batch_size,
+                                     stats.batches, stats.rows, stats.expired, stats.cancelled, stats.rejected)
+        return ModelView(entry.name, entry.version, entry.state, entry.reason, entry.config, entry.load_s,
+                         entry.restarts, entry.recycles, entry.instances(), scheduling)
+
+
+def _safe_name(name: str) -> bool:
+    """A model name that can only be a directory directly under the repository (and not too long
+    for a file name)."""
+    return 0 < len(name) <= 200 and not name.startswith(".") and all(c.isalnum() or c in "-_." for c in name)

@@ -10,6 +10,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Hashable
 
 from servewell.config.model import ModelConfig
 
@@ -91,26 +92,27 @@ class MemoryBudget:
 
     def __init__(self, total_bytes: int) -> None:
         self.total_bytes = total_bytes
-        self._reserved: dict[str, int] = {}
+        self._reserved: dict[Hashable, int] = {}
 
     @property
     def used_bytes(self) -> int:
         """Bytes promised to models now."""
         return sum(self._reserved.values())
 
-    def reserve(self, model: str, estimate: MemoryEstimate) -> None:
-        """Promise `estimate` to `model`; `MemoryError` (with the numbers) when it does not fit."""
-        others = self.used_bytes - self._reserved.get(model, 0)
+    def reserve(self, owner: Hashable, estimate: MemoryEstimate, label: str) -> None:
+        """Promise `estimate` to `owner` (a loaded model version; `label` names it in the error);
+        `MemoryError` (with the numbers) when it does not fit."""
+        others = self.used_bytes - self._reserved.get(owner, 0)
         if others + estimate.total_bytes > self.total_bytes:
             raise MemoryError(
-                f"model '{model}' needs an estimated {estimate.total_bytes / MiB:.0f} MiB "
+                f"{label} needs an estimated {estimate.total_bytes / MiB:.0f} MiB "
                 f"({estimate.weight_bytes / MiB:.0f} MiB of weights from the {estimate.basis}, "
                 f"{estimate.per_instance_bytes / MiB:.0f} MiB per instance) but only "
                 f"{max(0, self.total_bytes - others) / MiB:.0f} MiB of the {self.total_bytes / MiB:.0f} MiB "
                 "memory budget is left; raise --memory-budget-bytes, lower instances or dtype, or unload a model"
             )
-        self._reserved[model] = estimate.total_bytes
+        self._reserved[owner] = estimate.total_bytes
 
-    def release(self, model: str) -> None:
-        """Return `model`'s share."""
-        self._reserved.pop(model, None)
+    def release(self, owner: Hashable) -> None:
+        """Return `owner`'s share."""
+        self._reserved.pop(owner, None)

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from servewell.config.model import ModelConfig, TensorSpec
+from servewell.config.model import ModelConfig
+from servewell.engine.protocol import client_shape
 from servewell.errors import InvalidInput
 
 
 def _shape_text(shape: list[int] | tuple[int, ...]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
-
-
-def expected_shape(config: ModelConfig, spec: TensorSpec) -> list[int]:
-    """Full shape the API shows for a tensor: batch dimension -1 first when the model batches."""
-    return ([-1] if config.max_batch_size > 0 else []) + list(spec.shape)
 
 
 def check_inputs(config: ModelConfig, inputs: dict[str, np.ndarray]) -> int:
@@ -33,7 +29,7 @@ def check_inputs(config: ModelConfig, inputs: dict[str, np.ndarray]) -> int:
             raise InvalidInput(
                 f"input '{spec.name}' has dtype {array.dtype}, model '{config.name}' expects {spec.datatype}"
             )
-        want = expected_shape(config, spec)
+        want = client_shape(config, spec)
         if array.ndim != len(want) or any(w != -1 and w != g for w, g in zip(want, array.shape)):
             raise InvalidInput(
                 f"input '{spec.name}' has shape {_shape_text(array.shape)}, model '{config.name}' expects "

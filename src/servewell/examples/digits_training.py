@@ -16,7 +16,7 @@ import torch
 from PIL import Image, ImageFilter
 from torch import nn
 
-from servewell.api.codecs.image_transform import transform_image
+from servewell.imaging import transform_image
 from servewell.examples.artifacts import ProgressFn
 from servewell.examples.digits import DIGITS_PREPROCESS, render_digit
 

@@ -15,30 +15,31 @@ import multiprocessing
 import os
 import threading
 import time
-from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from servewell.config.model import ModelConfig
+from servewell.engine.batch_runner import BatchOutcome
 from servewell.errors import ModelError, WorkerLost
 from servewell.workers.messages import (
     BatchDone,
     BatchFailed,
-    LoadFailed,
     LoadProgress,
     ProfileDone,
     RunBatch,
     Shutdown,
     StartProfile,
     StopProfile,
+    WorkerLoadFailed,
     WorkerReady,
     WorkerReply,
 )
 from servewell.observability.process import rss_bytes as process_rss_bytes
 from servewell.observability.tracing import TracingSettings
-from servewell.workers.process_main import worker_main
+from servewell.workers.entry import run_worker
 from servewell.workers.shm import SegmentReader, SharedArena
 
 log = logging.getLogger("servewell.workers")
@@ -66,17 +67,8 @@ class WorkerLoadError(Exception):
     """The worker could not load its model (the message says why)."""
 
 
-@dataclass(slots=True)
-class BatchOutcome:
-    """Outputs of one batch (copied out of shared memory) and the worker's own timing."""
-
-    outputs: dict[str, np.ndarray]
-    compute_s: float
-    steps: tuple[tuple[str, float], ...] = ()
-
-
 class WorkerHandle:
-    """One model instance in its own process."""
+    """One model instance in its own process; a `BatchRunner` for the model's scheduler."""
 
     def __init__(
         self,
@@ -85,6 +77,8 @@ class WorkerHandle:
         on_progress: ProgressCallback | None = None,
         tracing: TracingSettings | None = None,
         instance: int = 0,
+        on_lost: Callable[[WorkerHandle], None] | None = None,
+        on_batch_done: Callable[[WorkerHandle, BatchDone], None] | None = None,
     ) -> None:
         self.config = config
         self._tracing = tracing
@@ -93,7 +87,7 @@ class WorkerHandle:
         self._on_progress = on_progress
         self._ids = itertools.count(1)
         self._process: multiprocessing.process.BaseProcess | None = None
-        self._conn = None
+        self._conn: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[WorkerReady] | None = None
         self._pending: dict[int, asyncio.Future[BatchOutcome]] = {}
@@ -103,12 +97,10 @@ class WorkerHandle:
         self.alive = False
         self.rss_bytes = 0
         self.rows_computed = 0
-        self.retiring = False
-        self.oom_limited_batch_size: int | None = None
         self.ready_at: float | None = None
         self.exit_reason = ""
-        self.on_lost: Callable[[WorkerHandle], None] | None = None
-        self.on_batch_done: Callable[[WorkerHandle], None] | None = None
+        self._on_lost = on_lost
+        self._on_batch_done = on_batch_done
 
     @property
     def pid(self) -> int | None:
@@ -122,7 +114,7 @@ class WorkerHandle:
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         self._process = ctx.Process(
-            target=worker_main,
+            target=run_worker,
             args=(child, self.config, str(self.model_dir), self._tracing, self.instance),
             name=f"servewell-worker-{self.config.name}",
             daemon=True,
@@ -228,7 +220,7 @@ class WorkerHandle:
         elif isinstance(message, WorkerReady):
             if not self._ready.done():
                 self._ready.set_result(message)
-        elif isinstance(message, LoadFailed):
+        elif isinstance(message, WorkerLoadFailed):
             self.alive = False
             if not self._ready.done():
                 self._ready.set_exception(WorkerLoadError(message.reason))
@@ -236,12 +228,11 @@ class WorkerHandle:
             future = self._pending.pop(message.batch_id, None)
             self.rss_bytes = message.rss_bytes
             self.rows_computed = message.rows_computed
-            self.oom_limited_batch_size = message.oom_limited_batch_size
             if future is not None and not future.done():
                 outputs = self._reader.arrays(message.segment, message.outputs, copy=True)
                 future.set_result(BatchOutcome(outputs, message.compute_s, message.steps))
-            if self.on_batch_done is not None:
-                self.on_batch_done(self)
+            if self._on_batch_done is not None:
+                self._on_batch_done(self, message)
         elif isinstance(message, ProfileDone):
             if self._profile_reply is not None and not self._profile_reply.done():
                 self._profile_reply.set_result(message)
@@ -270,8 +261,8 @@ class WorkerHandle:
             if not future.done():
                 future.set_exception(WorkerLost(f"{reason}; the request was not completed and is safe to retry"))
         self._pending.clear()
-        if was_alive and self.on_lost is not None:
-            self.on_lost(self)
+        if was_alive and self._on_lost is not None:
+            self._on_lost(self)
 
     def kill(self) -> None:
         """End the worker at once (hung load, shutdown timeout)."""
@@ -280,7 +271,7 @@ class WorkerHandle:
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Ask the worker to exit after its current batch; kill it if it does not."""
-        self.on_lost = None
+        self._on_lost = None
         if self._conn is not None and self.alive:
             try:
                 self._conn.send(Shutdown())

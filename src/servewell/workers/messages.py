@@ -76,7 +76,7 @@ class WorkerReady:
 
 
 @dataclass(slots=True, frozen=True)
-class LoadFailed:
+class WorkerLoadFailed:
     """The model could not be loaded; the worker exits after sending this."""
 
     reason: str
@@ -113,4 +113,4 @@ class ProfileDone:
     error: str | None = None
 
 
-WorkerReply = ProfileDone | LoadProgress | WorkerReady | LoadFailed | BatchDone | BatchFailed
+WorkerReply = ProfileDone | LoadProgress | WorkerReady | WorkerLoadFailed | BatchDone | BatchFailed

@@ -19,7 +19,7 @@ from servewell.config.model import ModelConfig
 from servewell.workers.messages import (
     BatchDone,
     BatchFailed,
-    LoadFailed,
+    WorkerLoadFailed,
     LoadProgress,
     ProfileDone,
     RunBatch,
@@ -31,6 +31,7 @@ from servewell.workers.messages import (
 from servewell.observability.process import rss_bytes
 from servewell.observability.steps import set_step_sink
 from servewell.observability.tracing import Tracing, TracingSettings, context_from_traceparent
+from servewell.runtimes.base import DeviceUnusableError, ModelLoadError, ModelRuntime, OomSplitting
 from servewell.workers.profiling import WorkerProfiler
 from servewell.workers.shm import SegmentReader, SharedArena
 
@@ -53,7 +54,7 @@ def worker_main(
         try:
             os.sched_setaffinity(0, config.cpu_affinity)
         except (OSError, ValueError) as exc:
-            conn.send(LoadFailed(f"cpu_affinity {config.cpu_affinity} cannot be applied: {exc}"))
+            conn.send(WorkerLoadFailed(f"cpu_affinity {config.cpu_affinity} cannot be applied: {exc}"))
             conn.close()
             return
 
@@ -76,7 +77,7 @@ def worker_main(
             progress("warm-up")
             report = warm_up(runtime, config, progress)
     except Exception as exc:  # any load failure is reported, never raised into the void
-        conn.send(LoadFailed(_describe(exc)))
+        conn.send(WorkerLoadFailed(_describe(exc)))
         conn.close()
         return
 
@@ -103,7 +104,7 @@ def assign_device(config: ModelConfig, instance: int) -> ModelConfig:
     return config.model_copy(update={"device": f"cuda:{instance % count}"})
 
 
-def _serve(conn: Connection, runtime, model: str, tracing: Tracing | None) -> None:  # noqa: ANN001 - a ModelRuntime
+def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing | None) -> None:
     reader = SegmentReader()
     arena = SharedArena()
     rows_computed = 0
@@ -145,7 +146,7 @@ def _serve(conn: Connection, runtime, model: str, tracing: Tracing | None) -> No
             tracing.shutdown()
 
 
-def _profile(message: StartProfile | StopProfile, profiler: WorkerProfiler, runtime) -> ProfileDone:  # noqa: ANN001
+def _profile(message: StartProfile | StopProfile, profiler: WorkerProfiler, runtime: ModelRuntime) -> ProfileDone:
     """Start or stop profiling; always replies, so the frontend never waits forever."""
     try:
         if isinstance(message, StartProfile):
@@ -156,8 +157,8 @@ def _profile(message: StartProfile | StopProfile, profiler: WorkerProfiler, runt
         return ProfileDone(None, _describe(exc))
 
 
-def _run(message: RunBatch, runtime, reader: SegmentReader, arena: SharedArena, rows_computed: int,  # noqa: ANN001
-         steps: list[tuple[str, float]]):
+def _run(message: RunBatch, runtime: ModelRuntime, reader: SegmentReader, arena: SharedArena, rows_computed: int,
+         steps: list[tuple[str, float]]) -> BatchDone | BatchFailed:
     inputs = reader.arrays(message.segment, message.inputs, copy=False)
     started = time.perf_counter()
     try:
@@ -165,21 +166,21 @@ def _run(message: RunBatch, runtime, reader: SegmentReader, arena: SharedArena, 
         compute_s = time.perf_counter() - started
         refs = arena.write({k: np.ascontiguousarray(v) for k, v in outputs.items()})
     except Exception as exc:
-        fatal = type(exc).__name__ == "DeviceUnusableError"
-        return BatchFailed(message.batch_id, _describe(exc), fatal=fatal)
+        return BatchFailed(message.batch_id, _describe(exc), fatal=isinstance(exc, DeviceUnusableError))
     finally:
         del inputs
+    oom_limited = runtime.oom_limited_batch_size if isinstance(runtime, OomSplitting) else None
     return BatchDone(message.batch_id, arena.name, refs, compute_s, rss_bytes(), rows_computed, tuple(steps),
-                     getattr(runtime, "oom_limited_batch_size", None))
+                     oom_limited)
 
 
 def _describe(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
-    if not isinstance(exc, (ValueError, RuntimeError, OSError)) and type(exc).__name__ != "ModelLoadError":
+    if not isinstance(exc, (ValueError, RuntimeError, OSError, ModelLoadError)):
         text = f"{type(exc).__name__}: {text}"
     # The last frame tells a model author where it broke without dumping a full trace to clients.
     frames = traceback.extract_tb(exc.__traceback__)
-    if frames and type(exc).__name__ != "ModelLoadError":
+    if frames and not isinstance(exc, ModelLoadError):
         last = frames[-1]
         text += f" (at {Path(last.filename).name}:{last.lineno})"
     return text

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from servewell.api.codecs.image_transform import transform_image
+from servewell.imaging import transform_image
 from servewell.config.model import ModelConfig
 from servewell.examples.build import build_model
 from servewell.examples.digits import load_split, render_digit

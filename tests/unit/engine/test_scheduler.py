@@ -1,274 +1,354 @@
-"""The scheduler with fake in-process workers: every exit path resolves every future."""
+"""The scheduler with fake in-process runners and a manual clock: every exit path resolves every
+future, and every timing rule holds without a single sleep."""
+
+from __future__ import annotations
 
 import asyncio
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 import pytest
+from fake_clock import FakeClock
 
 from servewell.config.model import ModelConfig
+from servewell.engine.batch_runner import BatchOutcome
+from servewell.engine.protocol import RequestResult
 from servewell.engine.scheduler import ModelScheduler
 from servewell.errors import DeadlineExceeded, InvalidInput, ModelError, Overloaded, ShuttingDown, WorkerLost
-from servewell.workers.handle import BatchOutcome
 
-HIGH, NORMAL = "high", "normal"
+HIGH, NORMAL = 0, 1  # lane indices of the default lanes ["high", "normal"]
 
 
-def config(instances: int = 1, **batching) -> ModelConfig:
+def config(instances: int = 1, max_batch_size: int = 4, **batching: Any) -> ModelConfig:
     return ModelConfig.model_validate({
-        "name": "m", "runtime": "onnx", "artifact": "m.onnx", "max_batch_size": 4, "instances": instances,
+        "name": "m", "runtime": "onnx", "artifact": "m.onnx", "max_batch_size": max_batch_size,
+        "instances": instances,
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [2]}],
         "outputs": [{"name": "y", "datatype": "FP32", "shape": [2]}],
         "batching": batching,
     })
 
 
-class FakeWorker:
+class FakeRunner:
     """Doubles its input; a batch finishes when the test releases it."""
 
-    def __init__(self, fail_with=None, delay_s=0.0):
+    def __init__(self, fail_with: Exception | None = None) -> None:
         self.alive = True
-        self.delay_s = delay_s
         self.batches: list[list[float]] = []
         self.release = asyncio.Event()
         self.release.set()
         self.fail_with = fail_with
 
-    async def run(self, parts, traceparent=None):
+    async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None) -> BatchOutcome:
         x = np.concatenate(parts["x"])
         self.batches.append(x[:, 0].tolist())
         await self.release.wait()
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
         if self.fail_with is not None:
             self.alive = not isinstance(self.fail_with, WorkerLost)
             raise self.fail_with
         return BatchOutcome({"y": x * 2}, compute_s=0.001)
 
 
-def row(value: float, rows: int = 1) -> dict:
+def row(value: float, rows: int = 1) -> dict[str, np.ndarray]:
     return {"x": np.full((rows, 2), value, dtype=np.float32)}
 
 
-def submit(s, value, lane=NORMAL, timeout_ms=None, rows=1):
+def submit(s: ModelScheduler, value: float, lane: int = NORMAL, timeout_ms: float | None = None,
+           rows: int = 1) -> asyncio.Future[RequestResult]:
     return s.submit(row(value, rows), rows, lane, timeout_ms, f"r{value}")
 
 
-def test_each_request_gets_its_own_rows_back():
-    async def main():
-        s = ModelScheduler(config())
-        worker = FakeWorker()
-        worker.release.clear()
-        s.add_worker(worker)
-        first = submit(s, 1)  # starts at once on the idle worker
-        rest = [submit(s, v) for v in (2, 3)]
+async def settle() -> None:
+    """Let every ready task and callback run."""
+    for _ in range(10):
         await asyncio.sleep(0)
-        worker.release.set()
+
+
+def run(test: Callable[[FakeClock], Awaitable[None]]) -> None:
+    asyncio.run(test(FakeClock()))
+
+
+def test_each_request_gets_its_own_rows_back() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(), clock=clock)
+        runner = FakeRunner()
+        runner.release.clear()
+        s.add_runner(runner)
+        first = submit(s, 1)  # starts at once on the idle runner
+        rest = [submit(s, v) for v in (2, 3)]
+        await settle()
+        runner.release.set()
         results = await asyncio.gather(first, *rest)
         assert [r.outputs["y"][0, 0] for r in results] == [2, 4, 6]
-        assert worker.batches == [[1], [2, 3]]
+        assert runner.batches == [[1], [2, 3]]
         assert results[1].batch_size == 2
-    asyncio.run(main())
+    run(main)
 
 
-def test_urgent_request_overtakes_a_full_normal_queue():
-    async def main():
-        s = ModelScheduler(config())
-        worker = FakeWorker()
-        worker.release.clear()
-        s.add_worker(worker)
+def test_urgent_request_overtakes_a_full_normal_queue() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(), clock=clock)
+        runner = FakeRunner()
+        runner.release.clear()
+        s.add_runner(runner)
         running = submit(s, 0)
         queued = [submit(s, v) for v in range(1, 9)]
         urgent = submit(s, 99, lane=HIGH)
-        await asyncio.sleep(0)
-        worker.release.set()
+        await settle()
+        runner.release.set()
         await asyncio.gather(running, urgent, *queued)
-        assert worker.batches[1][0] == 99  # next batch after the running one is led by the urgent request
-    asyncio.run(main())
+        assert runner.batches[1][0] == 99  # next batch after the running one is led by the urgent request
+    run(main)
 
 
-def test_window_policy_waits_for_a_fuller_batch_but_high_lane_does_not():
-    async def main():
-        s = ModelScheduler(config(policy="window", max_wait_ms=50))
-        worker = FakeWorker()
-        s.add_worker(worker)
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
+def test_window_policy_waits_for_a_fuller_batch_but_high_lane_does_not() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(policy="window", max_wait_ms=50), clock=clock)
+        runner = FakeRunner()
+        s.add_runner(runner)
         a, b = submit(s, 1), submit(s, 2)
+        await settle()
+        assert runner.batches == [] and clock.pending() == [pytest.approx(clock.now() + 0.05)]
+        clock.advance(0.049)
+        await settle()
+        assert runner.batches == []  # the window is still open
+        clock.advance(0.001)
         await asyncio.gather(a, b)
-        assert loop.time() - t0 >= 0.045  # waited for the window
-        assert worker.batches == [[1, 2]]
-        t1 = loop.time()
-        await submit(s, 3, lane=HIGH)
-        assert loop.time() - t1 < 0.04  # high lane never waits for a window
-    asyncio.run(main())
+        assert runner.batches == [[1, 2]]
+        urgent = submit(s, 3, lane=HIGH)
+        await settle()
+        assert urgent.done() and runner.batches[-1] == [3]  # no window, no clock movement
+    run(main)
 
 
-def test_window_closes_early_when_the_batch_is_full():
-    async def main():
-        s = ModelScheduler(config(policy="window", max_wait_ms=5000))
-        worker = FakeWorker()
-        s.add_worker(worker)
-        results = await asyncio.wait_for(asyncio.gather(*(submit(s, v) for v in range(4))), timeout=1)
-        assert len(results) == 4 and worker.batches == [[0, 1, 2, 3]]
-    asyncio.run(main())
+def test_window_closes_early_when_the_batch_is_full() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(policy="window", max_wait_ms=5000), clock=clock)
+        runner = FakeRunner()
+        s.add_runner(runner)
+        futures = [submit(s, v) for v in range(4)]
+        await settle()
+        assert all(f.done() for f in futures) and runner.batches == [[0, 1, 2, 3]]
+    run(main)
 
 
-def test_expired_request_is_answered_at_once_and_never_reaches_the_model():
-    async def main():
-        s = ModelScheduler(config())
-        worker = FakeWorker()
-        worker.release.clear()
-        s.add_worker(worker)
+def test_expired_request_is_answered_at_its_deadline_and_never_reaches_the_model() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(), clock=clock)
+        runner = FakeRunner()
+        runner.release.clear()
+        s.add_runner(runner)
         busy = submit(s, 0)
         doomed = submit(s, 1, timeout_ms=20)
-        with pytest.raises(DeadlineExceeded):
-            await asyncio.wait_for(doomed, timeout=1)  # resolved while the worker is still busy
-        worker.release.set()
+        clock.advance(0.019)
+        await settle()
+        assert not doomed.done()
+        clock.advance(0.001)  # the timer at the deadline fires while the runner is still busy
+        await settle()
+        assert isinstance(doomed.exception(), DeadlineExceeded)
+        runner.release.set()
         await busy
-        assert worker.batches == [[0]]
-    asyncio.run(main())
+        assert runner.batches == [[0]]
+    run(main)
 
 
-def test_cancelled_request_is_dropped_before_compute():
-    async def main():
-        s = ModelScheduler(config())
-        worker = FakeWorker()
-        worker.release.clear()
-        s.add_worker(worker)
+def test_cancelled_request_is_dropped_before_compute() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(), clock=clock)
+        runner = FakeRunner()
+        runner.release.clear()
+        s.add_runner(runner)
         busy = submit(s, 0)
         gone = submit(s, 1)
         kept = submit(s, 2)
         gone.cancel()
-        await asyncio.sleep(0)
-        worker.release.set()
+        await settle()
+        runner.release.set()
         await asyncio.gather(busy, kept)
-        assert worker.batches == [[0], [2]]
-    asyncio.run(main())
+        assert runner.batches == [[0], [2]]
+        assert s.stats.cancelled == 1
+    run(main)
 
 
-def test_full_lane_is_refused_with_retry_after():
-    async def main():
-        s = ModelScheduler(config(max_queue_size=2))
-        submit(s, 1), submit(s, 2)  # no worker yet: both stay queued
+def test_full_lane_is_refused_with_retry_after() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(max_queue_size=2), clock=clock)
+        submit(s, 1), submit(s, 2)  # no runner yet: both stay queued
         with pytest.raises(Overloaded) as info:
             submit(s, 3)
-        assert info.value.retry_after_s >= 1
+        assert info.value.retry_after_s is not None and info.value.retry_after_s >= 1
         submit(s, 4, lane=HIGH)  # the high lane has its own bound
-    asyncio.run(main())
+    run(main)
 
 
-def test_worker_loss_fails_its_batch_and_model_errors_fail_theirs():
-    async def main():
-        s = ModelScheduler(config())
-        s.add_worker(FakeWorker(fail_with=WorkerLost("gone")))
+def test_runner_loss_fails_its_batch_and_model_errors_fail_theirs() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(), clock=clock)
+        s.add_runner(FakeRunner(fail_with=WorkerLost("gone")))
         with pytest.raises(WorkerLost):
             await submit(s, 1)
-        s2 = ModelScheduler(config())
-        s2.add_worker(FakeWorker(fail_with=ModelError("boom")))
+        s2 = ModelScheduler(config(), clock=clock)
+        s2.add_runner(FakeRunner(fail_with=ModelError("boom")))
         with pytest.raises(ModelError):
             await submit(s2, 1)
-    asyncio.run(main())
+    run(main)
 
 
-def test_drain_finishes_queued_work_then_refuses_new_requests():
-    async def main():
-        s = ModelScheduler(config())
-        worker = FakeWorker()
-        worker.release.clear()
-        s.add_worker(worker)
+def test_a_removed_runner_gets_no_more_batches() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(), clock=clock)
+        old, new = FakeRunner(), FakeRunner()
+        old.release.clear()
+        s.add_runner(old)
+        running = submit(s, 0)
+        await settle()
+        s.remove_runner(old)  # e.g. drained for memory: its batch still completes
+        queued = submit(s, 1)
+        old.release.set()
+        await running
+        await settle()
+        assert not queued.done() and old.batches == [[0]]
+        s.add_runner(new)
+        await queued
+        assert new.batches == [[1]]
+    run(main)
+
+
+def test_drain_finishes_queued_work_then_refuses_new_requests() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(), clock=clock)
+        runner = FakeRunner()
+        runner.release.clear()
+        s.add_runner(runner)
         pending = [submit(s, v) for v in range(6)]
         drained = asyncio.ensure_future(s.drain())
-        await asyncio.sleep(0)
+        await settle()
         with pytest.raises(ShuttingDown):
             submit(s, 7)
-        worker.release.set()
+        runner.release.set()
         await drained
         assert all(p.done() and not p.exception() for p in pending)
-    asyncio.run(main())
+    run(main)
 
 
-def test_reserved_instance_serves_urgent_requests_while_the_other_is_busy():
-    async def main():
-        s = ModelScheduler(config(instances=2, reserve_instance_for_high=True))
-        general, reserved = FakeWorker(), FakeWorker()
+def test_reserved_instance_serves_urgent_requests_while_the_other_is_busy() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(instances=2, reserve_instance_for_high=True), clock=clock)
+        general, reserved = FakeRunner(), FakeRunner()
         general.release.clear()
-        s.add_worker(general)
-        s.add_worker(reserved)  # the second instance becomes the reserved one
+        s.add_runner(general)
+        s.add_runner(reserved)  # the second instance becomes the reserved one
         busy = submit(s, 0)
         queued = [submit(s, v) for v in range(1, 6)]
-        urgent = await asyncio.wait_for(submit(s, 99, lane=HIGH), timeout=1)
+        urgent = await submit(s, 99, lane=HIGH)
         assert urgent.outputs["y"][0, 0] == 198
         assert reserved.batches == [[99]]  # normal work never ran on the reserved instance
         general.release.set()
         await asyncio.gather(busy, *queued)
         assert reserved.batches == [[99]]
-    asyncio.run(main())
+    run(main)
 
 
-def test_settings_change_while_serving_without_losing_requests():
-    async def main():
-        s = ModelScheduler(config(policy="window", max_wait_ms=10_000))
-        worker = FakeWorker()
-        s.add_worker(worker)
+def test_settings_change_while_serving_without_losing_requests() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(policy="window", max_wait_ms=10_000), clock=clock)
+        runner = FakeRunner()
+        s.add_runner(runner)
         waiting = [submit(s, v) for v in range(2)]  # held by the long window
-        await asyncio.sleep(0.01)
+        await settle()
         assert not any(w.done() for w in waiting)
         s.update({"policy": "idle", "max_batch_size": 2})
-        results = await asyncio.wait_for(asyncio.gather(*waiting), timeout=1)
+        results = await asyncio.gather(*waiting)
         assert [r.batch_size for r in results] == [2, 2]
         with pytest.raises(InvalidInput):
             s.update({"max_batch_size": 64})  # above what the model was loaded and warmed up with
         with pytest.raises(InvalidInput):
             s.update({"policy": "fastest"})
         assert s.settings()["policy"] == "idle"
-    asyncio.run(main())
+    run(main)
 
 
-def test_adaptive_policy_starts_at_once_at_low_load():
-    async def main():
-        s = ModelScheduler(config(policy="adaptive", max_wait_ms=500, latency_slo_ms=1000))
-        s.add_worker(FakeWorker())
-        loop = asyncio.get_running_loop()
+def test_an_update_with_one_bad_field_changes_nothing() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(max_batch_size=8), clock=clock)
+        before = s.settings()
+        with pytest.raises(InvalidInput):
+            s.update({"max_batch_size": 2, "max_wait_ms": -5})  # the size is valid, the wait is not
+        with pytest.raises(InvalidInput):
+            s.update({"max_batch_size": 2, "reserve_instance_for_high": True})  # needs instances >= 2
+        with pytest.raises(InvalidInput):
+            s.update({"max_batch_size": 2, "lanes": ["a"]})
+        assert s.settings() == before
+        assert s.max_batch_size == 8
+    run(main)
+
+
+def test_update_cannot_raise_the_batch_size_above_what_warm_up_proved() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(max_batch_size=16), clock=clock)
+        s.limit_max_batch_size(4, "warm-up measured memory")
+        assert s.max_batch_size == 4 and s.proven_max_batch_size == 4
+        with pytest.raises(InvalidInput, match="from 1 to 4"):
+            s.update({"max_batch_size": 16})  # the configured size, which does not fit
+        assert s.update({"max_batch_size": 2})["max_batch_size"] == 2
+        s.limit_max_batch_size(8, "a later, looser measurement")  # never raises the proven maximum
+        assert s.proven_max_batch_size == 4 and s.max_batch_size == 2
+    run(main)
+
+
+def test_adaptive_policy_starts_at_once_at_low_load() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(policy="adaptive", max_wait_ms=500, latency_slo_ms=1000), clock=clock)
+        runner = FakeRunner()
+        s.add_runner(runner)
         for v in range(3):
-            t0 = loop.time()
-            await submit(s, v)
-            await asyncio.sleep(0.05)  # sparse arrivals
-            assert loop.time() - t0 < 0.3
-    asyncio.run(main())
+            done = submit(s, v)
+            await settle()
+            assert done.done()  # no waiting at all: nothing else is arriving
+            clock.advance(0.05)  # sparse arrivals
+    run(main)
 
 
-def test_admission_refuses_a_full_lane_before_any_decoding():
-    async def main():
-        s = ModelScheduler(config(max_queue_size=1))
-        submit(s, 1)  # no worker: stays queued
+def test_admission_refuses_a_full_lane_before_any_decoding() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(max_queue_size=1), clock=clock)
+        submit(s, 1)  # no runner: stays queued
         with pytest.raises(Overloaded):
-            s.admit("normal")
-        s.admit("high")  # another lane, its own bound
-    asyncio.run(main())
+            s.admit(NORMAL)
+        s.admit(HIGH)  # another lane, its own bound
+    run(main)
 
 
-def test_deadline_counts_from_arrival_not_from_queueing():
-    async def main():
-        s = ModelScheduler(config())
-        loop = asyncio.get_running_loop()
+def test_deadline_counts_from_arrival_not_from_queueing() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(), clock=clock)
         with pytest.raises(DeadlineExceeded):
-            s.submit(row(1), 1, NORMAL, 50, "late", arrived_at=loop.time() - 0.1)  # decoding took 100 ms
-    asyncio.run(main())
+            s.submit(row(1), 1, NORMAL, 50, "late", arrived_at=clock.now() - 0.1)  # decoding took 100 ms
+    run(main)
 
 
-def test_a_request_that_would_finish_after_its_deadline_is_not_run():
-    async def main():
-        s = ModelScheduler(config())
-        worker = FakeWorker(delay_s=0.2)
-        s.add_worker(worker)
-        await submit(s, -1)  # the scheduler learns that a batch takes about 200 ms
-        worker.batches.clear()
-        worker.release.clear()
+def test_a_request_that_would_finish_after_its_deadline_is_not_run() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(), clock=clock)
+        runner = FakeRunner()
+        runner.release.clear()
+        s.add_runner(runner)
+        first = submit(s, -1)
+        await settle()
+        clock.advance(0.2)  # the scheduler learns that a batch takes about 200 ms
+        runner.release.set()
+        await first
+        runner.batches.clear()
+        runner.release.clear()
         busy = submit(s, 0, timeout_ms=5000)
-        doomed = submit(s, 1, timeout_ms=100)  # queued behind it; 100 ms cannot fit a 200 ms batch
-        with pytest.raises(DeadlineExceeded):
-            await asyncio.wait_for(doomed, timeout=2)
-        worker.release.set()
+        doomed = submit(s, 1, timeout_ms=300)  # queued behind it
+        await settle()
+        clock.advance(0.2)  # busy's batch takes 200 ms too: 100 ms of doomed's budget are left
+        runner.release.set()
         await busy
-        assert worker.batches == [[0]]
-    asyncio.run(main())
+        await settle()
+        assert clock.now() < 1000.2 + 0.3  # its deadline has not passed, but a 200 ms batch cannot fit
+        assert isinstance(doomed.exception(), DeadlineExceeded)
+        assert "would finish after its deadline" in str(doomed.exception())
+        assert runner.batches == [[0]]
+    run(main)

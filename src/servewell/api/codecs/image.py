@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from servewell.api.codecs.image_transform import transform_image
+from servewell.imaging import transform_image
 from servewell.config.model import ImagePreprocess
 from servewell.errors import BadRequest, PayloadTooLarge
 

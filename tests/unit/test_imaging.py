@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from servewell.api.codecs.image_transform import transform_image
+from servewell.imaging import transform_image
 from servewell.config.model import ImagePreprocess
 
 DIGITS = ImagePreprocess(size=(8, 8), channels=1, invert=True, fit="ink_bbox", scale=16 / 255, layout="CHW")

@@ -1,0 +1,209 @@
+"""The one inference path every protocol calls.
+
+A route (HTTP `/predict`, HTTP `/v2/.../infer`, gRPC `ModelInfer`) does only what is specific to
+its wire format: read the body, parse it into tensors, encode the answer. Everything else runs
+here, in this order, the same for all of them:
+
+1. `DataPlane.call()` at arrival: the clocks the deadline and `Server-Timing` count from;
+2. `InferenceCall.open(name, version, urgency)`: resolve the model once, pick the lane, admit
+   (refused before the body is decoded when the model is not ready or the lane is full);
+3. `preprocessing()` around the protocol's decoding, with `decode_images` / `model_inputs` for
+   what is common (encoded images through the decode pool, datatype checks);
+4. `infer(...)`: final lane (OIP priority), deadline, submit, and cancellation when the client goes;
+5. `postprocessing()` around encoding, then `finish()`: stage metrics and the `Server-Timing` value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Awaitable, Iterator, Sequence
+
+import numpy as np
+from opentelemetry import trace
+
+from servewell.api.codecs.image import decode_base64, image_to_array
+from servewell.api.codecs.tensors import DecodedTensor
+from servewell.config.model import ModelConfig
+from servewell.engine.protocol import RequestResult, ServedModel, ServingEngine
+from servewell.errors import ClientClosed, InvalidInput, quote
+from servewell.observability.context import model_var, request_id_var, stages_var
+from servewell.observability.metrics import ServeMetrics
+from servewell.observability.tracing import Tracing
+
+
+class DataPlane:
+    """Shared by every protocol of one server."""
+
+    def __init__(self, engine: ServingEngine, decode_pool: ThreadPoolExecutor, max_image_pixels: int,
+                 metrics: ServeMetrics | None, tracing: Tracing) -> None:
+        self.engine = engine
+        self._decode_pool = decode_pool
+        self._max_image_pixels = max_image_pixels
+        self._metrics = metrics
+        self._tracing = tracing
+
+    def call(self) -> InferenceCall:
+        """Start one inference request (call it first: its clocks start now)."""
+        return InferenceCall(self)
+
+    def note_model(self, name: str) -> None:
+        """Name the request's model in its logs and metrics, if it is one of ours: a client cannot
+        mint label values or log fields with made-up names."""
+        if self.engine.knows(name):
+            model_var.set(name)
+
+    async def decode_images(self, config: ModelConfig, blobs: Sequence[bytes]) -> np.ndarray:
+        """Decode encoded images into one input batch for `config`, off the event loop."""
+        spec = config.preprocess
+        if spec is None:
+            raise InvalidInput(f"model '{config.name}' declares no image preprocessing, so it takes no images")
+        limit = self._max_image_pixels
+
+        def work() -> np.ndarray:
+            return np.stack([image_to_array(blob, spec, limit) for blob in blobs])
+
+        return await asyncio.get_running_loop().run_in_executor(self._decode_pool, work)
+
+    def record(self, model: str, result: RequestResult, preprocess_s: float, postprocess_s: float) -> None:
+        """Per-request stage durations: into the histograms, and for the slow-request log."""
+        if self._metrics is not None:
+            self._metrics.preprocess.labels(model).observe(preprocess_s)
+            self._metrics.postprocess.labels(model).observe(postprocess_s)
+        stages = stages_var.get()
+        if stages is not None:
+            stages.update(preprocess=preprocess_s, queue=result.queue_s, compute=result.compute_s,
+                          postprocess=postprocess_s)
+
+    def stage_span(self, name: str, model: str) -> contextlib.AbstractContextManager[object]:
+        """A span for a request stage, only when the request is sampled (unsampled ones pay nothing)."""
+        if not self._tracing.enabled or not trace.get_current_span().is_recording():
+            return contextlib.nullcontext()
+        return self._tracing.tracer.start_as_current_span(name, attributes={"servewell.model": model})
+
+
+class InferenceCall:
+    """One request on its way through the data plane."""
+
+    __slots__ = ("_plane", "_started", "arrived_at", "_model", "_urgency", "_lane", "preprocess_s", "postprocess_s")
+
+    def __init__(self, plane: DataPlane) -> None:
+        self._plane = plane
+        self._started = time.perf_counter()
+        self.arrived_at = asyncio.get_running_loop().time()
+        self._model: ServedModel | None = None
+        self._urgency: str | None = None
+        self._lane = 0
+        self.preprocess_s = 0.0
+        self.postprocess_s = 0.0
+
+    @property
+    def model(self) -> ServedModel:
+        """The model `open` resolved."""
+        if self._model is None:
+            raise RuntimeError("InferenceCall.open() must come first")
+        return self._model
+
+    def open(self, name: str, version: str | None = None, urgency: str | None = None) -> ServedModel:
+        """Resolve the model, choose the lane from `urgency`, and admit (or refuse at once)."""
+        self._plane.note_model(name)
+        model = self._plane.engine.resolve(name, version)
+        self._model, self._urgency = model, urgency
+        self._lane = model.resolve_lane(urgency)
+        model.admit(self._lane)
+        return model
+
+    @contextlib.contextmanager
+    def preprocessing(self) -> Iterator[None]:
+        """Times (and, when sampled, spans) the protocol's decoding of the request."""
+        started = time.perf_counter()
+        with self._plane.stage_span("preprocess", self.model.name):
+            try:
+                yield
+            finally:
+                self.preprocess_s += time.perf_counter() - started
+
+    @contextlib.contextmanager
+    def postprocessing(self) -> Iterator[None]:
+        """Times the protocol's encoding of the answer."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.postprocess_s += time.perf_counter() - started
+
+    async def decode_images(self, blobs: Sequence[bytes]) -> np.ndarray:
+        """Encoded images to the model's image input batch (off the event loop)."""
+        config = self.model.config
+        batch = await self._plane.decode_images(config, blobs)
+        spec = config.input_spec(config.image_input or "")
+        return batch.astype(spec.numpy_dtype, copy=False) if spec is not None else batch
+
+    async def model_inputs(self, tensors: Sequence[DecodedTensor]) -> dict[str, np.ndarray]:
+        """OIP tensors to model inputs: names and datatypes checked, encoded images (BYTES sent to the
+        model's image input) decoded with the model's preprocessing."""
+        config = self.model.config
+        inputs: dict[str, np.ndarray] = {}
+        for tensor in tensors:
+            spec = config.input_spec(tensor.name)
+            if spec is None:
+                raise InvalidInput(f"unknown input {quote(tensor.name)}; model '{config.name}' takes "
+                                   f"{[t.name for t in config.inputs]}")
+            if tensor.datatype == "BYTES" and spec.datatype != "BYTES" and config.image_input == tensor.name:
+                # Encoded images: raw bytes in binary form, base64 strings in JSON.
+                blobs = [bytes(b) for b in tensor.array.reshape(-1)]
+                if not tensor.from_binary:
+                    blobs = [decode_base64(b.decode("ascii", "replace"), tensor.name) for b in blobs]
+                if not blobs:
+                    raise InvalidInput(f"input '{tensor.name}' holds no images")
+                inputs[tensor.name] = await self.decode_images(blobs)
+            elif tensor.datatype != spec.datatype:
+                raise InvalidInput(f"input '{tensor.name}' has datatype {quote(tensor.datatype)}, model "
+                                   f"'{config.name}' expects {spec.datatype}")
+            else:
+                inputs[tensor.name] = tensor.array
+        return inputs
+
+    async def infer(self, inputs: dict[str, np.ndarray], *, priority: object = None, timeout_ms: float | None = None,
+                    disconnected: Awaitable[None] | None = None) -> RequestResult:
+        """Queue the request and wait for its result. `priority` (OIP) picks the lane unless the
+        request's urgency already did; `disconnected` completes when the client goes away, which
+        drops a request that has not run yet (`ClientClosed`)."""
+        model = self.model
+        lane = self._lane if priority is None or self._urgency else model.resolve_lane(None, priority)
+        future = model.infer(inputs, lane=lane, timeout_ms=timeout_ms, request_id=request_id_var.get(),
+                             arrived_at=self.arrived_at)
+        if disconnected is None:
+            return await future
+        watcher = asyncio.ensure_future(disconnected)
+        watcher.add_done_callback(lambda w: None if w.cancelled() else future.cancel())
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if watcher.done() and not watcher.cancelled():
+                raise ClientClosed("the client disconnected before the result was ready") from None
+            raise
+        finally:
+            watcher.cancel()
+
+    def finish(self, result: RequestResult) -> str:
+        """Record the request's stages; the `Server-Timing` header value (milliseconds)."""
+        self._plane.record(self.model.name, result, self.preprocess_s, self.postprocess_s)
+        total_s = time.perf_counter() - self._started
+        return (
+            f"preprocess;dur={self.preprocess_s * 1000:.3f}, queue;dur={result.queue_s * 1000:.3f}, "
+            f"compute;dur={result.compute_s * 1000:.3f}, postprocess;dur={self.postprocess_s * 1000:.3f}, "
+            f"total;dur={total_s * 1000:.3f}"
+        )
+
+
+def select_outputs(model: str, outputs: dict[str, np.ndarray], requested: Sequence[str] | None) -> dict[str, np.ndarray]:
+    """The outputs a request asked for, in its order (all when it named none)."""
+    if requested is None:
+        return outputs
+    unknown = [name for name in requested if name not in outputs]
+    if unknown:
+        raise InvalidInput(f"unknown output {quote(unknown[0])}; model '{model}' has {list(outputs)}")
+    return {name: outputs[name] for name in requested}

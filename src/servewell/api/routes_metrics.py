@@ -1,0 +1,21 @@
+"""`GET /metrics`: every metric family in the Prometheus text format."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from servewell.api.state import AppState, app_state
+from servewell.errors import NotFound
+
+router = APIRouter(tags=["observability"])
+
+
+@router.get("/metrics", summary="Prometheus metrics")
+async def prometheus_metrics(state: AppState = Depends(app_state)) -> Response:
+    """Every metric family in the Prometheus text format (names in the README); 404 when metrics
+    are turned off (`--metrics-enabled false`)."""
+    if state.metrics is None:
+        raise NotFound("metrics are turned off on this server (--metrics-enabled false)")
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,29 @@
+"""What the HTTP routes share, kept on the app: the engine, the data plane and the settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from servewell.api.dataplane import DataPlane
+from servewell.config.server import ServerConfig
+from servewell.engine.protocol import ServingEngine
+from servewell.observability.metrics import ServeMetrics
+
+
+@dataclass(slots=True, frozen=True)
+class AppState:
+    """Everything a route may use."""
+
+    engine: ServingEngine
+    plane: DataPlane
+    settings: ServerConfig
+    metrics: ServeMetrics | None
+
+
+def app_state(request: Request) -> AppState:
+    """The shared state (a FastAPI dependency; the hot routes call it directly, which costs less
+    than dependency solving)."""
+    state: AppState = request.app.state.servewell
+    return state

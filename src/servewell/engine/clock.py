@@ -1,0 +1,42 @@
+"""The scheduler's time source: the event loop's clock in production, a manual one in tests.
+
+The scheduler only ever asks "what time is it" and "call me back at t", so a fake clock makes
+every timing rule (batching windows, deadlines) testable without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Protocol
+
+
+class TimerHandle(Protocol):
+    """A scheduled callback that can be cancelled."""
+
+    def cancel(self) -> None:
+        """Do not run the callback."""
+        ...
+
+
+class Clock(Protocol):
+    """Monotonic seconds and one-shot timers."""
+
+    def now(self) -> float:
+        """Current time in seconds (monotonic; only differences matter)."""
+        ...
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
+        """Run `callback` at time `when` (at once if it has passed)."""
+        ...
+
+
+class LoopClock:
+    """The running event loop's clock (`loop.time()`, `loop.call_at`)."""
+
+    def now(self) -> float:
+        """`loop.time()` of the running loop."""
+        return asyncio.get_running_loop().time()
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
+        """`loop.call_at` of the running loop."""
+        return asyncio.get_running_loop().call_at(when, callback)

@@ -1,0 +1,174 @@
+"""The engine as the API layer sees it: a small typed boundary (`ServingEngine`, `ServedModel`).
+
+Protocols (HTTP today, gRPC next) resolve a model once per request and then talk only to the
+handle they got: admit, infer. Control-plane calls (load, unload, batching, profile) and the
+read-only views for health, metadata and metrics are on the engine. Nothing here knows about
+schedulers or worker processes, so the engine can be replaced by a fake in tests or moved
+behind another transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping, Protocol
+
+import numpy as np
+
+from servewell.config.model import ModelConfig, TensorSpec
+
+ModelState = Literal["loading", "ready", "restarting", "failed", "invalid", "unloaded"]
+
+
+def client_shape(config: ModelConfig, spec: TensorSpec) -> list[int]:
+    """The full shape of a tensor as a client sends or gets it: a batch dimension -1 first when the
+    model batches, then the item shape (-1: any size)."""
+    return ([-1] if config.max_batch_size > 0 else []) + list(spec.shape)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What a request gets back: its own rows of every output plus its timings."""
+
+    outputs: dict[str, np.ndarray]
+    queue_s: float
+    compute_s: float
+    batch_size: int
+
+
+@dataclass(slots=True, frozen=True)
+class InstanceInfo:
+    """One worker process of a model, as health endpoints show it."""
+
+    instance: int
+    pid: int | None
+    alive: bool
+    rss_bytes: int
+    rows_computed: int
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulingFacts:
+    """A model's scheduler at one moment."""
+
+    queue_depth: int
+    lane_depths: dict[str, int]
+    running_rows: int
+    max_batch_size: int
+    batches: int
+    rows: int
+    expired: int
+    cancelled: int
+    rejected: int
+
+
+@dataclass(slots=True, frozen=True)
+class ModelView:
+    """Read-only facts about a model for metadata, health and index endpoints."""
+
+    name: str
+    version: str
+    state: ModelState
+    reason: str | None
+    config: ModelConfig | None  # None for a model whose model.yaml is invalid
+    load_s: float | None
+    restarts: int
+    recycles: int
+    instances: tuple[InstanceInfo, ...]
+    scheduling: SchedulingFacts | None
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting in every lane."""
+        return self.scheduling.queue_depth if self.scheduling else 0
+
+
+class ServedModel(Protocol):
+    """A ready model, resolved once per request: everything the data plane needs of it."""
+
+    @property
+    def name(self) -> str:
+        """The model's name."""
+        ...
+
+    @property
+    def config(self) -> ModelConfig:
+        """Its configuration (inputs, outputs, preprocessing, lanes)."""
+        ...
+
+    def resolve_lane(self, urgency: str | None = None, priority: object = None) -> int:
+        """The lane index for a request's urgency and/or OIP priority (`InvalidInput` if unknown)."""
+        ...
+
+    def admit(self, lane: int) -> None:
+        """Refuse now (`Overloaded`, `ShuttingDown`, `ModelNotReady`) what could not be queued,
+        before the caller spends anything on decoding."""
+        ...
+
+    def infer(
+        self,
+        inputs: dict[str, np.ndarray],
+        *,
+        lane: int,
+        timeout_ms: float | None,
+        request_id: str,
+        arrived_at: float | None,
+    ) -> asyncio.Future[RequestResult]:
+        """Validate and queue one request; the future resolves with its result or a `ServeError`.
+        Cancelling the future drops the request if it has not run yet."""
+        ...
+
+
+class ServingEngine(Protocol):
+    """All models of a server, as the API layer uses them."""
+
+    @property
+    def ready(self) -> bool:
+        """Whether the server should receive traffic."""
+        ...
+
+    def resolve(self, name: str, version: str | None = None) -> ServedModel:
+        """The ready model `name` (`NotFound` for an unknown name or version, `ModelNotReady`,
+        `ShuttingDown`)."""
+        ...
+
+    def default_model_name(self) -> str:
+        """The model `/predict` uses when a request names none."""
+        ...
+
+    def knows(self, name: str) -> bool:
+        """Whether `name` is a model of this server (valid or not): only such names become metric labels."""
+        ...
+
+    def models(self) -> list[ModelView]:
+        """Every model of the repository, valid or not."""
+        ...
+
+    def model(self, name: str, version: str | None = None) -> ModelView:
+        """One model's view (`NotFound` for an unknown name or version)."""
+        ...
+
+    def batching(self, name: str) -> dict[str, Any]:
+        """A model's live batching settings."""
+        ...
+
+    def update_batching(self, name: str, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """Change a model's batching settings while it serves (all or nothing)."""
+        ...
+
+    async def load_model(self, name: str) -> ModelView:
+        """(Re)load a model from its directory with zero failed requests."""
+        ...
+
+    async def unload_model(self, name: str) -> ModelView:
+        """Stop serving a model after its queued and running requests finish."""
+        ...
+
+    async def profile(self, name: str, instance: int, seconds: float) -> bytes:
+        """A Chrome/Perfetto trace of one instance's batches over `seconds`."""
+        ...
+
+    @property
+    def memory_budget(self) -> tuple[int, int]:
+        """(total, reserved) bytes of the models' memory budget."""
+        ...
