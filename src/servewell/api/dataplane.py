@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Awaitable, Iterator, Sequence
 
 import numpy as np
 from opentelemetry import trace

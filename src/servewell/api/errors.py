@@ -39,14 +39,17 @@ def serve_error_response(exc: ServeError) -> Response:
 def install_error_handlers(app: FastAPI) -> None:
     """Map framework and servewell exceptions onto the JSON error shape."""
 
-    async def on_serve_error(_: Request, exc: ServeError) -> Response:
+    async def on_serve_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ServeError)
         return serve_error_response(exc)
 
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    async def on_http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
         code = _HTTP_CODES.get(exc.status_code, "http_error")
         return error_response(exc.status_code, code, str(exc.detail))
 
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
+    async def on_validation_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return error_response(422, "invalid_input", f"field '{where}': {first.get('msg')}")

@@ -13,6 +13,7 @@ import uuid
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.trace import Span
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servewell.api.errors import error_response
@@ -108,7 +109,7 @@ class RequestContextMiddleware:
             model_var.reset(tokens[1])
             stages_var.reset(tokens[2])
 
-    def _finish(self, scope: Scope, status: int, elapsed: float, span) -> None:  # noqa: ANN001
+    def _finish(self, scope: Scope, status: int, elapsed: float, span: Span | None) -> None:
         route = scope.get("route")
         template = getattr(route, "path", None) or "unmatched"
         model = model_var.get()

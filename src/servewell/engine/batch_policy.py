@@ -7,8 +7,8 @@ answers "now" (None) or the time to wait until. The highest lane never asks: it 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 #: Share of the latency target the adaptive policy plans for; the rest absorbs tail variance.
 SLO_HEADROOM = 0.8

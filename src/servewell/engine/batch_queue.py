@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Generic, Hashable, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -33,7 +34,7 @@ class QueuedItem(Generic[T]):
 class _HeapEntry:
     deadline_at: float
     seq: int
-    item: QueuedItem = field(compare=False)
+    item: QueuedItem[Any] = field(compare=False)
 
 
 class BatchQueue(Generic[T]):
@@ -134,10 +135,9 @@ class BatchQueue(Generic[T]):
         """Remove and return the next batch from one lane (lanes never share a batch, so an urgent
         batch stays small): led by that lane's earliest deadline, filled with same-shape items in
         deadline order up to `max_rows` rows (a single larger item still goes alone)."""
-        top = self.next_lane()
-        lane = top if lane is None else lane
+        lane = self.next_lane() if lane is None else lane
         lead = self.head(lane) if lane is not None else None
-        if lead is None:
+        if lane is None or lead is None:
             return []
         waiting = [i for i, count in enumerate(self._counts) if count > 0]
         if lane == waiting[0] and len(waiting) > 1:

@@ -7,7 +7,8 @@ every timing rule (batching windows, deadlines) testable without sleeping.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 
 class TimerHandle(Protocol):

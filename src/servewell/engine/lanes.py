@@ -14,7 +14,7 @@ very request. The default lane is `normal` when the model has one, else its last
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from servewell.errors import InvalidInput, quote
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Hashable
 
 from servewell.config.model import ModelConfig
 

@@ -10,8 +10,9 @@ behind another transport.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 

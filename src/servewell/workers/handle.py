@@ -15,15 +15,17 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from servewell.config.model import ModelConfig
 from servewell.engine.batch_runner import BatchOutcome
 from servewell.errors import ModelError, WorkerLost
+from servewell.observability.tracing import TracingSettings
+from servewell.workers.entry import run_worker
 from servewell.workers.messages import (
     BatchDone,
     BatchFailed,
@@ -37,9 +39,6 @@ from servewell.workers.messages import (
     WorkerReady,
     WorkerReply,
 )
-from servewell.observability.process import rss_bytes as process_rss_bytes
-from servewell.observability.tracing import TracingSettings
-from servewell.workers.entry import run_worker
 from servewell.workers.shm import SegmentReader, SharedArena
 
 log = logging.getLogger("servewell.workers")
@@ -113,27 +112,28 @@ class WorkerHandle:
         self._ready = self._loop.create_future()
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(
+        process = ctx.Process(
             target=run_worker,
             args=(child, self.config, str(self.model_dir), self._tracing, self.instance),
             name=f"servewell-worker-{self.config.name}",
             daemon=True,
         )
-        self._spawn()
+        self._process = process
+        self._spawn(process)
         child.close()
         self._conn = parent
         self.alive = True
         self._loop.add_reader(parent.fileno(), self._on_readable)
         try:
             info = await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.kill()
             raise WorkerLoadError(f"load did not finish within {timeout_s:g} s; the worker was killed") from None
         self.rss_bytes = info.rss_bytes
         self.ready_at = time.monotonic()
         return info
 
-    def _spawn(self) -> None:
+    def _spawn(self, process: multiprocessing.process.BaseProcess) -> None:
         """Start the process; with `allocator: jemalloc` it is preloaded into the child only."""
         preload = None
         if self.config.allocator == "jemalloc":
@@ -142,14 +142,14 @@ class WorkerHandle:
                 log.warning("model %s: allocator jemalloc requested but libjemalloc is not installed "
                             "(Debian: libjemalloc2); using the system allocator", self.config.name)
         if preload is None:
-            self._process.start()
+            process.start()
             return
         # spawn execs a fresh interpreter with this process's environment: set it just for the start.
         with _spawn_lock:
             previous = os.environ.get("LD_PRELOAD")
             os.environ["LD_PRELOAD"] = preload if not previous else f"{preload}:{previous}"
             try:
-                self._process.start()
+                process.start()
             finally:
                 if previous is None:
                     os.environ.pop("LD_PRELOAD", None)
@@ -175,7 +175,7 @@ class WorkerHandle:
         refs = self._arena.refs_of(views)
         del views  # the arena may need to grow next time; hold no views into it
         batch_id = next(self._ids)
-        future = self._loop.create_future()
+        future: asyncio.Future[BatchOutcome] = asyncio.get_running_loop().create_future()
         self._pending[batch_id] = future
         try:
             self._conn.send(RunBatch(batch_id, self._arena.name, refs, traceparent))
@@ -186,17 +186,23 @@ class WorkerHandle:
 
     async def profile(self, seconds: float, directory: str) -> str:
         """Profile this worker's batches for `seconds`; the path of the Chrome trace file."""
-        for message in (StartProfile(directory), StopProfile()):
-            if message.__class__ is StopProfile:
-                await asyncio.sleep(seconds)
-            if not self.alive or self._conn is None:
-                raise WorkerLost("the worker process is not running")
-            self._profile_reply = self._loop.create_future()
-            self._conn.send(message)
-            reply = await asyncio.wait_for(self._profile_reply, timeout=60)
-            if reply.error:
-                raise ModelError(f"profiling failed: {reply.error}")
+        await self._profile_step(StartProfile(directory))
+        await asyncio.sleep(seconds)
+        reply = await self._profile_step(StopProfile())
+        if reply.path is None:
+            raise ModelError("profiling produced no trace file")
         return reply.path
+
+    async def _profile_step(self, message: StartProfile | StopProfile) -> ProfileDone:
+        if not self.alive or self._conn is None:
+            raise WorkerLost("the worker process is not running")
+        reply: asyncio.Future[ProfileDone] = asyncio.get_running_loop().create_future()
+        self._profile_reply = reply
+        self._conn.send(message)
+        done = await asyncio.wait_for(reply, timeout=60)
+        if done.error:
+            raise ModelError(f"profiling failed: {done.error}")
+        return done
 
     def _on_readable(self) -> None:
         conn = self._conn
@@ -218,11 +224,11 @@ class WorkerHandle:
             if self._on_progress:
                 self._on_progress(message.stage, message.elapsed_s)
         elif isinstance(message, WorkerReady):
-            if not self._ready.done():
+            if self._ready is not None and not self._ready.done():
                 self._ready.set_result(message)
         elif isinstance(message, WorkerLoadFailed):
             self.alive = False
-            if not self._ready.done():
+            if self._ready is not None and not self._ready.done():
                 self._ready.set_exception(WorkerLoadError(message.reason))
         elif isinstance(message, BatchDone):
             future = self._pending.pop(message.batch_id, None)

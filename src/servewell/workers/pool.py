@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from servewell.config.model import ModelConfig
 from servewell.errors import InvalidInput

@@ -16,22 +16,22 @@ from pathlib import Path
 import numpy as np
 
 from servewell.config.model import ModelConfig
+from servewell.observability.process import rss_bytes
+from servewell.observability.steps import set_step_sink
+from servewell.observability.tracing import Tracing, TracingSettings, context_from_traceparent
+from servewell.runtimes.base import DeviceUnusableError, ModelLoadError, ModelRuntime, OomSplitting
 from servewell.workers.messages import (
     BatchDone,
     BatchFailed,
-    WorkerLoadFailed,
     LoadProgress,
     ProfileDone,
     RunBatch,
     Shutdown,
     StartProfile,
     StopProfile,
+    WorkerLoadFailed,
     WorkerReady,
 )
-from servewell.observability.process import rss_bytes
-from servewell.observability.steps import set_step_sink
-from servewell.observability.tracing import Tracing, TracingSettings, context_from_traceparent
-from servewell.runtimes.base import DeviceUnusableError, ModelLoadError, ModelRuntime, OomSplitting
 from servewell.workers.profiling import WorkerProfiler
 from servewell.workers.shm import SegmentReader, SharedArena
 

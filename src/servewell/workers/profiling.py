@@ -7,28 +7,42 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class SelfProfiling(Protocol):
+    """A runtime with a profiler of its own (onnxruntime's)."""
+
+    def start_profiling(self, directory: str) -> None:
+        """Profile every run from now on, writing under `directory`."""
+        ...
+
+    def stop_profiling(self) -> str:
+        """End profiling; the trace file's path."""
+        ...
 
 
 class WorkerProfiler:
     """Starts and stops one profiling session of a runtime."""
 
     def __init__(self) -> None:
-        self._torch_profile = None
-        self._runtime = None
-        self._directory: Path | None = None
+        self._torch_profile: Any = None  # a torch.profiler.profile while torch profiles
+        self._runtime: object | None = None
+        self._directory = Path(".")
 
     @property
     def active(self) -> bool:
         """Whether a session is running."""
         return self._runtime is not None
 
-    def start(self, runtime, directory: str) -> None:  # noqa: ANN001 - a ModelRuntime
+    def start(self, runtime: object, directory: str) -> None:
         """Begin profiling `runtime`'s batches."""
         if self.active:
             raise RuntimeError("a profile is already being captured")
         self._directory = Path(directory)
         self._directory.mkdir(parents=True, exist_ok=True)
-        if hasattr(runtime, "start_profiling"):
+        if isinstance(runtime, SelfProfiling):
             runtime.start_profiling(str(self._directory))
         else:
             import torch
@@ -51,4 +65,6 @@ class WorkerProfiler:
             path = self._directory / f"torch-profile-{os.getpid()}-{time.time_ns()}.json"
             profile.export_chrome_trace(str(path))
             return str(path)
+        if not isinstance(runtime, SelfProfiling):
+            raise RuntimeError("the runtime has no profiler of its own")
         return runtime.stop_profiling()

@@ -10,9 +10,9 @@ import warnings
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from servewell.imaging import transform_image
 from servewell.config.model import ImagePreprocess
 from servewell.errors import BadRequest, PayloadTooLarge
+from servewell.imaging import transform_image
 
 ACCEPTED_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")
 
