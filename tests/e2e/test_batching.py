@@ -159,3 +159,11 @@ def test_batching_settings_change_while_serving(server):
     r = httpx.post(server.url + "/v2/models/slow/infer", json=body(5))
     assert r.status_code == 200
     httpx.patch(url, json={"policy": "idle", "max_batch_size": 4})
+
+
+def test_a_batching_patch_with_one_invalid_field_changes_nothing(server):
+    url = server.url + "/admin/models/slow/batching"
+    before = httpx.get(url).json()
+    bad = httpx.patch(url, json={"max_batch_size": 1, "policy": "window", "max_wait_ms": -1})
+    assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_input"
+    assert httpx.get(url).json() == before  # neither the valid size nor the valid policy applied
