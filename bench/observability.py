@@ -109,7 +109,7 @@ def make_servers(repository: Path, sink: SpanSink, unreachable: socket.socket) -
         extra = ["--otlp-endpoint", endpoint] if endpoint else []
         port = free_port()
         servers[config] = ServerProcess(f"servewell-{config}", [
-            sys.executable, "-m", "servewell", "serve", "--model-repository", str(repository),
+            sys.executable, "-m", "servewell", "serve", "--grpc-port", "0", "--model-repository", str(repository),
             "--host", HOST, "--port", str(port), "--load-timeout-s", "180", *flags, *extra,
         ], port, RESULTS / "logs" / f"servewell-observability-{config}.log")
     return servers

@@ -40,7 +40,7 @@ def main() -> int:
     workspace = prepare([MODEL])
     port = free_port()
     server = ServerProcess("servewell-transport", [
-        sys.executable, "-m", "servewell", "serve", "--model-repository", str(workspace.repository),
+        sys.executable, "-m", "servewell", "serve", "--grpc-port", "0", "--model-repository", str(workspace.repository),
         "--host", HOST, "--port", str(port), "--load-timeout-s", "180",
     ], port, RESULTS / "logs" / "servewell-transport.log")
     server.start()

@@ -15,6 +15,9 @@ from fastapi import FastAPI
 
 from servewell.api.app import create_app
 from servewell.api.dataplane import DataPlane
+from servewell.api.grpc.listener import GrpcListener
+from servewell.api.grpc.scope import RpcScope
+from servewell.api.grpc.servicer import InferenceServicer
 from servewell.api.state import AppState
 from servewell.config.server import ServerConfig
 from servewell.engine.engine import InferenceEngine
@@ -29,6 +32,8 @@ from servewell.observability.tracing import Tracing, settings_from
 log = logging.getLogger("servewell.server")
 
 BUILTIN_MODEL = "digits"
+#: Seconds gRPC calls in flight get to finish at shutdown (HTTP gets uvicorn's graceful timeout).
+GRPC_DRAIN_S = 30.0
 
 
 def builtin_repository(cache_dir: Path) -> Path:
@@ -96,18 +101,28 @@ def build_app(settings: ServerConfig) -> FastAPI:
         gpus = GpuProbe()
         metrics.registry.register(StateCollector(engine.samples, process_facts, gpus.read, lambda: engine.memory_budget))
     pool = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
+    plane = DataPlane(engine, pool, settings.max_image_pixels, metrics, tracing)
+    grpc_listener = None
+    if settings.grpc_port:
+        scope = RpcScope(metrics, tracing, settings.slow_request_ms / 1000.0)
+        grpc_listener = GrpcListener(InferenceServicer(engine, plane, scope, settings.admin_token), settings.host,
+                                     settings.grpc_port, settings.max_body_bytes, settings.grpc_max_concurrent_rpcs)
     background: list[asyncio.Task[None]] = []
     stop_alerting = asyncio.Event()
 
     async def startup() -> None:
         loop = asyncio.get_running_loop()
         _tune_garbage_collector()
+        if grpc_listener is not None:
+            await grpc_listener.start()
         background.append(loop.create_task(engine.start()))
         if metrics is not None and settings.alerting.webhook_url is not None:
             tracker = SignalTracker(metrics, engine.model_facts)
             background.append(loop.create_task(run_alerting(settings.alerting, tracker.snapshots, stop_alerting)))
 
     async def shutdown() -> None:
+        if grpc_listener is not None:
+            await grpc_listener.stop(GRPC_DRAIN_S)  # calls in flight finish on a still-serving engine
         stop_alerting.set()
         for task in background:
             if not task.done():
@@ -116,7 +131,6 @@ def build_app(settings: ServerConfig) -> FastAPI:
         pool.shutdown(wait=False)
         tracing.shutdown()
 
-    plane = DataPlane(engine, pool, settings.max_image_pixels, metrics, tracing)
     return create_app(AppState(engine, plane, settings, metrics), startup, shutdown, tracing)
 
 

@@ -16,9 +16,12 @@ class ServerProcess(ChildProcess):
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
+        self.grpc_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.grpc_url = f"127.0.0.1:{self.grpc_port}"
         super().__init__(
-            [sys.executable, "-m", "servewell", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
+            [sys.executable, "-m", "servewell", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+             "--grpc-port", str(self.grpc_port), *args],
             log_path, env,
         )
 

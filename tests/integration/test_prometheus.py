@@ -99,7 +99,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     stop_load = threading.Event()
     load: threading.Thread | None = None
     try:
-        server = Process([sys.executable, "-m", "servewell", "serve", "--host", "127.0.0.1", "--port", str(serve_port),
+        server = Process([sys.executable, "-m", "servewell", "serve", "--grpc-port", "0", "--host", "127.0.0.1", "--port", str(serve_port),
                           "--model-repository", str(root / "repo")], root / "servewell.log")
         started.append(server)
         serve_url = f"http://127.0.0.1:{serve_port}"

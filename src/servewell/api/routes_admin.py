@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from servewell.api.access import check_admin
 from servewell.api.body import check_content_type, read_body
 from servewell.api.state import AppState, app_state
 from servewell.engine.protocol import ModelView
-from servewell.errors import BadRequest, Forbidden, InvalidInput, Unauthorized
+from servewell.errors import BadRequest, InvalidInput
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 #: The OIP model-repository extension (Triton's load/unload), guarded like /admin.
 repository_router = APIRouter(prefix="/v2/repository", tags=["Open Inference Protocol v2"])
 
-_LOOPBACK = ("127.", "::1", "localhost")
-
 
 def require_admin(request: Request, state: AppState = Depends(app_state)) -> AppState:
     """401 without the configured bearer token; with no token configured, loopback clients only."""
-    token = state.settings.admin_token
-    if token:
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise Unauthorized("this endpoint needs 'Authorization: Bearer <admin_token>'")
-    elif request.client is None or not request.client.host.startswith(_LOOPBACK):
-        raise Forbidden("admin endpoints answer loopback clients only unless admin_token is configured")
+    check_admin(state.settings.admin_token, request.headers.get("authorization"),
+                request.client.host if request.client is not None else None)
     return state
 
 

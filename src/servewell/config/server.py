@@ -32,6 +32,10 @@ class ServerConfig(BaseModel):
     )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
+    grpc_port: int = Field(8001, ge=0, le=65535, description="TCP port of the OIP v2 gRPC listener (Triton's "
+                           "GRPCInferenceService); 0 turns it off.")
+    grpc_max_concurrent_rpcs: int = Field(
+        1024, ge=1, description="gRPC calls served at once; more are refused with RESOURCE_EXHAUSTED.")
     cache_dir: Path = Field(
         Path.home() / ".cache" / "servewell", description="Where built-in models are built and cached."
     )

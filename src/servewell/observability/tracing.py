@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, TraceFlags, Tracer
+from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 log = logging.getLogger("servewell.tracing")
@@ -158,6 +158,27 @@ def extract_context(traceparent: str | None, tracestate: str | None) -> Context 
     return _PROPAGATOR.extract(carrier)
 
 
+def begin_server_span(
+    tracing: Tracing, name: str, traceparent: str | None, tracestate: str | None, may_sample_root: bool,
+    attributes: dict[str, str],
+) -> tuple[Span | None, Context | None]:
+    """The span of an incoming request and the context to run it in (both None when not traced).
+
+    Parent-based sampling, decided before any span exists: a sampled incoming trace is recorded;
+    an unsampled one is only carried (its trace id reaches the logs); a request without one is
+    recorded at the configured ratio, and only when `may_sample_root` (never a probe or scrape)."""
+    parent = extract_context(traceparent, tracestate)
+    parent_span = trace.get_current_span(parent).get_span_context() if parent is not None else None
+    if parent_span is not None and parent_span.is_valid:
+        sampled = parent_span.trace_flags.sampled
+    else:
+        parent, sampled = None, may_sample_root and tracing.sample_root()
+    if not sampled:
+        return None, parent
+    span = tracing.tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+    return span, trace.set_span_in_context(span)
+
+
 def traceparent_of(span_context: SpanContext) -> str | None:
     """W3C traceparent string of a span context (None when invalid)."""
     if not span_context.is_valid:
@@ -178,6 +199,6 @@ def context_from_traceparent(traceparent: str | None) -> Context | None:
 
 
 __all__ = [
-    "Link", "SpanKind", "Tracing", "TracingSettings", "context_from_traceparent", "extract_context",
+    "Link", "SpanKind", "Tracing", "TracingSettings", "begin_server_span", "context_from_traceparent", "extract_context",
     "settings_from", "traceparent_of",
 ]

@@ -16,7 +16,7 @@ import numpy as np
 import orjson
 
 from servewell.config.model import NUMPY_TO_OIP, OIP_TO_NUMPY
-from servewell.errors import BadRequest, InvalidInput
+from servewell.errors import BadRequest, InvalidInput, quote
 
 
 @dataclass(slots=True)
@@ -223,3 +223,53 @@ def _to_binary(array: np.ndarray, datatype: str) -> bytes:
             parts.append(struct.pack("<I", len(raw)) + raw)
         return b"".join(parts)
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+
+
+def tensor_from_raw(name: str, datatype: str, shape: list[int], data: memoryview | bytes) -> np.ndarray:
+    """One tensor from raw little-endian bytes (the binary extension's and gRPC's raw contents;
+    BYTES elements each behind a 4-byte length)."""
+    if datatype not in OIP_TO_NUMPY:
+        raise InvalidInput(f"input {quote(name)}: datatype {quote(datatype)} is not one of {sorted(OIP_TO_NUMPY)}")
+    count = _element_count(name, shape)
+    return _from_binary(name, datatype, shape, count, memoryview(data))
+
+
+def tensor_from_values(name: str, datatype: str, shape: list[int], values: Any) -> np.ndarray:
+    """One tensor from a flat sequence of typed values (gRPC's typed contents)."""
+    if datatype not in OIP_TO_NUMPY:
+        raise InvalidInput(f"input {quote(name)}: datatype {quote(datatype)} is not one of {sorted(OIP_TO_NUMPY)}")
+    count = _element_count(name, shape)
+    if datatype == "BYTES":
+        array = np.empty(len(values), dtype=object)
+        array[:] = [bytes(v) for v in values]
+    else:
+        try:
+            array = np.asarray(values, dtype=OIP_TO_NUMPY[datatype])
+        except (ValueError, TypeError, OverflowError):
+            raise InvalidInput(f"input {quote(name)}: contents do not hold {datatype} values") from None
+    if array.size != count:
+        raise InvalidInput(f"input {quote(name)}: {array.size} values do not fill shape {shape} ({count} elements)")
+    return array.reshape(shape)
+
+
+def tensor_to_raw(name: str, array: np.ndarray) -> tuple[str, bytes]:
+    """(OIP datatype, raw little-endian bytes) of an output tensor."""
+    datatype = NUMPY_TO_OIP.get(array.dtype.name, "BYTES" if array.dtype == object else None)
+    if datatype is None:
+        raise InvalidInput(f"output '{name}' has dtype {array.dtype}, which the protocol cannot carry")
+    return datatype, _to_binary(array, datatype)
+
+
+#: Most dimensions a tensor may declare.
+MAX_DIMS = 64
+
+
+def _element_count(name: str, shape: Any) -> int:
+    """Elements in `shape`, checked before anything is allocated (non-negative ints, bounded rank)."""
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise InvalidInput(f"input {quote(name)}: shape must be a list of at most {MAX_DIMS} non-negative integers")
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count

@@ -1,0 +1,128 @@
+"""What the HTTP middleware does for a request, done for one gRPC call: request id, trace
+context, timing, metrics, the slow/failed-request log, and servewell errors as gRPC statuses.
+
+Status codes follow the HTTP ones: 4xx input errors are INVALID_ARGUMENT, 404 NOT_FOUND, 503
+refusals UNAVAILABLE (a deadline that passed DEADLINE_EXCEEDED), 401 UNAUTHENTICATED, 403
+PERMISSION_DENIED, 409 ABORTED, 413 RESOURCE_EXHAUSTED, a bug INTERNAL. The stable servewell
+error code and the request id travel in the trailing metadata (`servewell-error-code`,
+`x-request-id`), so a gRPC client can tell `overloaded` from `model_not_ready`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from typing import Any, Awaitable, Callable, TypeVar
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from servewell.api.grpc.codec import metadata_value
+from servewell.errors import ServeError
+from servewell.observability.context import model_var, request_id_var, request_trace_var, stages_var
+from servewell.observability.metrics import ServeMetrics
+from servewell.observability.tracing import Tracing, begin_server_span
+
+log = logging.getLogger("servewell.api")
+
+T = TypeVar("T")
+#: The servicer context of one call (request and response types vary by method).
+RpcContext = grpc.aio.ServicerContext[Any, Any]
+
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+
+_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.ABORTED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED, 415: grpc.StatusCode.INVALID_ARGUMENT,
+    422: grpc.StatusCode.INVALID_ARGUMENT, 499: grpc.StatusCode.CANCELLED, 503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_code(error: ServeError) -> grpc.StatusCode:
+    """The gRPC status for a servewell error."""
+    if error.code == "deadline_exceeded":
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return _CODES.get(error.status, grpc.StatusCode.INTERNAL)
+
+
+class RpcScope:
+    """Runs gRPC handlers inside a request context, as the HTTP middleware does for routes."""
+
+    def __init__(self, metrics: ServeMetrics | None, tracing: Tracing | None, slow_request_s: float) -> None:
+        self._metrics = metrics
+        self._tracing = tracing if tracing is not None and tracing.enabled else None
+        self._slow_request_s = slow_request_s
+
+    async def run(self, method: str, context: RpcContext, handler: Callable[[], Awaitable[T]],
+                  probe: bool = False) -> T:
+        """Run `handler` for the RPC `method`; probes are neither timed nor traced as roots."""
+        started = time.perf_counter()
+        metadata = context.invocation_metadata()
+        given = metadata_value(metadata, "x-request-id")
+        request_id = given if given is not None and _SAFE_ID.match(given) else uuid.uuid4().hex
+        tokens = (request_id_var.set(request_id), model_var.set(""), stages_var.set({}))
+        span = otel_token = trace_token = None
+        if self._tracing is not None:
+            span, span_context = begin_server_span(
+                self._tracing, "grpc", metadata_value(metadata, "traceparent"), metadata_value(metadata, "tracestate"),
+                not probe, {"rpc.system": "grpc", "rpc.method": method, "servewell.request_id": request_id},
+            )
+            if span_context is not None:
+                otel_token = otel_context.attach(span_context)
+                trace_token = request_trace_var.set(span_context)
+        status = 200
+        context.set_trailing_metadata((("x-request-id", request_id),))
+        try:
+            return await handler()
+        except ServeError as exc:
+            status = exc.status
+            level = logging.WARNING if exc.status >= 500 else logging.INFO
+            log.log(level, "request failed: %s", exc.message, extra={"status": exc.status, "code": exc.code})
+            context.set_trailing_metadata((("x-request-id", request_id), ("servewell-error-code", exc.code)))
+            await context.abort(status_code(exc), exc.message)
+            raise  # abort raises; this line only satisfies the type checker
+        except asyncio.CancelledError:
+            status = 499  # the client cancelled or its deadline passed: not a server error
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            status = 500
+            log.exception("unhandled error while serving gRPC %s", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal server error; request id {request_id}")
+            raise
+        finally:
+            elapsed = time.perf_counter() - started
+            self._finish(method, status, elapsed, span, probe)
+            if trace_token is not None:
+                request_trace_var.reset(trace_token)
+            if otel_token is not None:
+                otel_context.detach(otel_token)
+            request_id_var.reset(tokens[0])
+            model_var.reset(tokens[1])
+            stages_var.reset(tokens[2])
+
+    def _finish(self, method: str, status: int, elapsed: float, span: trace.Span | None, probe: bool) -> None:
+        model = model_var.get()
+        if span is not None:
+            span.set_attribute("rpc.grpc.servewell_status", status)
+            if model:
+                span.set_attribute("servewell.model", model)
+            if status >= 500:
+                span.set_status(trace.StatusCode.ERROR)
+            span.end()
+        if probe:
+            return
+        route = f"grpc {method}"
+        if self._metrics is not None:
+            self._metrics.observe_request(model, route, status, elapsed)
+        if elapsed > self._slow_request_s:
+            stages = {k: round(v * 1000, 3) for k, v in (stages_var.get() or {}).items()}
+            log.warning("slow request: %.1f ms on %s (status %d)", elapsed * 1000, route, status,
+                        extra={"route": route, "status": status, "total_ms": round(elapsed * 1000, 3),
+                               "stages_ms": stages})
