@@ -7,10 +7,10 @@ import sys
 import typing
 from pathlib import Path
 
-from servewell.config.server import ConfigFileError, ServerConfig, load_server_config
+from servewell.config.server import ConfigFileError, ConfigSource, ServerConfig
 
 #: Nested settings that only a --config file sets.
-_FILE_ONLY = ("alerting",)
+_FILE_ONLY = ("alerting", "api_keys")
 _FLAG_TYPES = {int: int, float: float, str: str, Path: Path}
 
 
@@ -51,21 +51,26 @@ def _add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | N
         )
 
 
-def _settings(args: argparse.Namespace) -> ServerConfig:
+def _source(args: argparse.Namespace) -> ConfigSource:
     overrides = {name: getattr(args, name, None) for name in ServerConfig.model_fields}
-    return load_server_config(args.config, overrides)
+    return ConfigSource(args.config, {k: v for k, v in overrides.items() if v is not None})
+
+
+def _settings(args: argparse.Namespace) -> ServerConfig:
+    return _source(args).load()
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from servewell.observability.logging import configure_logging
     from servewell.server import serve
 
-    settings = _settings(args)
+    source = _source(args)
+    settings = source.load()
     configure_logging(settings.log_level, settings.log_format)
     if settings.model_repository is not None and not settings.model_repository.is_dir():
         print(f"servewell: model repository {settings.model_repository} is not a directory", file=sys.stderr)
         return 2
-    serve(settings)
+    serve(settings, source)
     return 0
 
 
@@ -92,6 +97,26 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 1 if any(s.config is None for s in sources) else 0
 
 
+def _cmd_keys(args: argparse.Namespace) -> int:
+    import secrets
+
+    from servewell.api.keys import KeyFormatError, key_digest, parse_keys
+
+    if args.action == "new":
+        key = secrets.token_urlsafe(32)
+        print(f"key (give it to the client; it is not stored anywhere): {key}")
+        print(f"line for --api-keys-file (only the hash):  {args.id}:{key_digest(key)}")
+        return 0
+    key = sys.stdin.readline().strip()
+    try:
+        parse_keys([f"{args.id}:{key}"], "stdin")
+    except KeyFormatError as exc:
+        print(f"servewell: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.id}:{key_digest(key)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (also used to render `--help`)."""
     parser = argparse.ArgumentParser(prog="servewell", description="Serve ONNX, TorchScript and PyTorch models over HTTP.")
@@ -106,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--config", type=Path, default=None, help="YAML file with settings.")
     _add_config_flags(models, only=("model_repository", "cache_dir"))
     models.set_defaults(run=_cmd_models)
+    keys = sub.add_parser("keys", help="make API keys and the hashed lines of a keys file",
+                          description="new: print a fresh random key and its hashed line for --api-keys-file; "
+                          "hash: read a key on stdin and print its hashed line.")
+    keys.add_argument("action", choices=("new", "hash"))
+    keys.add_argument("--id", default="client", help="the key's id (appears in logs and metrics; default: client)")
+    keys.set_defaults(run=_cmd_keys)
     return parser
 
 

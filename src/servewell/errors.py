@@ -30,6 +30,11 @@ class ServeError(Exception):
         self.message = message
         self.retry_after_s = retry_after_s
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """Extra response headers this error carries (a challenge, ...)."""
+        return {}
+
 
 class BadRequest(ServeError):
     """Malformed JSON, bad base64, an undecodable image."""
@@ -68,9 +73,24 @@ class LoadFailed(ServeError):
 
 
 class Unauthorized(ServeError):
-    """Missing or wrong admin token."""
+    """Missing or wrong admin token or API key; `challenge` is the `WWW-Authenticate` value."""
 
     status, code = 401, "unauthorized"
+
+    def __init__(self, message: str, *, challenge: str = 'Bearer realm="servewell"') -> None:
+        super().__init__(message)
+        self.challenge = challenge
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The `WWW-Authenticate` challenge."""
+        return {"WWW-Authenticate": self.challenge}
+
+
+class RateLimited(ServeError):
+    """The caller's API key is over its request rate; `Retry-After` says when to try again."""
+
+    status, code = 429, "rate_limited"
 
 
 class Forbidden(ServeError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -18,9 +19,12 @@ from servewell.api.dataplane import DataPlane
 from servewell.api.grpc.listener import GrpcListener
 from servewell.api.grpc.scope import RpcScope
 from servewell.api.grpc.servicer import InferenceServicer
+from servewell.api.keys import InferenceAccess, KeyFormatError
+from servewell.api.state import LiveKnobs
 from servewell.api.state import AppState
-from servewell.config.server import ServerConfig
+from servewell.config.server import ConfigFileError, ConfigSource, ServerConfig
 from servewell.engine.engine import InferenceEngine
+from servewell.live_config import ConfigReloader, load_keys
 from servewell.observability.alerting import run_alerting
 from servewell.observability.gpu import GpuProbe
 from servewell.observability.metrics import ServeMetrics, StateCollector
@@ -86,9 +90,14 @@ def _tune_garbage_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
-def build_app(settings: ServerConfig) -> FastAPI:
+def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> FastAPI:
     """The app for `settings`; models load in the background once it starts, so liveness
-    answers at once and readiness tells the truth while they load."""
+    answers at once and readiness tells the truth while they load. `source` (where the settings
+    came from) is watched for changes; without it, only model.yaml files are."""
+    try:
+        keys = load_keys(settings)
+    except (KeyFormatError, OSError) as exc:
+        raise ConfigFileError(f"API keys: {exc}") from None
     repository = settings.model_repository or ensure_builtin_repository(settings.cache_dir)
     default_model = settings.default_model or (None if settings.model_repository else BUILTIN_MODEL)
     metrics = ServeMetrics(settings.latency_buckets_s) if settings.metrics_enabled else None
@@ -102,28 +111,37 @@ def build_app(settings: ServerConfig) -> FastAPI:
         metrics.registry.register(StateCollector(engine.samples, process_facts, gpus.read, lambda: engine.memory_budget))
     pool = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
     plane = DataPlane(engine, pool, settings.max_image_pixels, metrics, tracing)
+    access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
+    knobs = LiveKnobs(settings.slow_request_ms / 1000.0, settings.metrics_require_key)
+    reloader = ConfigReloader(source or ConfigSource(None, {}), settings, engine, access, tracing, knobs)
     grpc_listener = None
     if settings.grpc_port:
-        scope = RpcScope(metrics, tracing, settings.slow_request_ms / 1000.0)
+        scope = RpcScope(metrics, tracing, access, knobs)
         grpc_listener = GrpcListener(InferenceServicer(engine, plane, scope, settings.admin_token), settings.host,
                                      settings.grpc_port, settings.max_body_bytes, settings.grpc_max_concurrent_rpcs)
     background: list[asyncio.Task[None]] = []
-    stop_alerting = asyncio.Event()
+    stop = asyncio.Event()
+
+    async def start_engine_then_watch() -> None:
+        await engine.start()
+        reloader.watch_models()  # the models as loaded are the baseline of their model.yaml files
 
     async def startup() -> None:
         loop = asyncio.get_running_loop()
         _tune_garbage_collector()
         if grpc_listener is not None:
             await grpc_listener.start()
-        background.append(loop.create_task(engine.start()))
+        background.append(loop.create_task(start_engine_then_watch()))
+        background.append(loop.create_task(reloader.run(stop)))
+        loop.add_signal_handler(signal.SIGHUP, lambda: background.append(loop.create_task(reloader.check())))
         if metrics is not None and settings.alerting.webhook_url is not None:
             tracker = SignalTracker(metrics, engine.model_facts)
-            background.append(loop.create_task(run_alerting(settings.alerting, tracker.snapshots, stop_alerting)))
+            background.append(loop.create_task(run_alerting(settings.alerting, tracker.snapshots, stop)))
 
     async def shutdown() -> None:
         if grpc_listener is not None:
             await grpc_listener.stop(GRPC_DRAIN_S)  # calls in flight finish on a still-serving engine
-        stop_alerting.set()
+        stop.set()
         for task in background:
             if not task.done():
                 task.cancel()
@@ -131,12 +149,14 @@ def build_app(settings: ServerConfig) -> FastAPI:
         pool.shutdown(wait=False)
         tracing.shutdown()
 
-    return create_app(AppState(engine, plane, settings, metrics), startup, shutdown, tracing)
+    state = AppState(engine, plane, settings, metrics, access, knobs, reloader.report)
+    return create_app(state, startup, shutdown, tracing)
 
 
-def serve(settings: ServerConfig) -> None:
-    """Run the server until SIGINT/SIGTERM; in-flight requests finish before exit."""
-    app = build_app(settings)
+def serve(settings: ServerConfig, source: ConfigSource | None = None) -> None:
+    """Run the server until SIGINT/SIGTERM; in-flight requests finish before exit. SIGHUP (and
+    every `config_poll_s`) re-reads the configuration files."""
+    app = build_app(settings, source)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, access_log=False,
         timeout_graceful_shutdown=30, lifespan="on",

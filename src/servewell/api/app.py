@@ -10,6 +10,7 @@ from fastapi import FastAPI
 import servewell
 from servewell.api import routes_admin, routes_metrics, routes_simple, routes_v2
 from servewell.api.errors import install_error_handlers
+from servewell.api.key_middleware import ApiKeyMiddleware
 from servewell.api.middleware import RequestContextMiddleware
 from servewell.api.state import AppState
 from servewell.observability.tracing import Tracing
@@ -49,6 +50,7 @@ def create_app(
     app.include_router(routes_admin.router)
     app.include_router(routes_admin.repository_router)
     app.include_router(routes_metrics.router)
-    app.add_middleware(RequestContextMiddleware, metrics=state.metrics, tracing=tracing,
-                       slow_request_s=state.settings.slow_request_ms / 1000.0)
+    # Added last runs first: the request context (id, metrics, logs) wraps the key check.
+    app.add_middleware(ApiKeyMiddleware, access=state.access, knobs=state.knobs)
+    app.add_middleware(RequestContextMiddleware, knobs=state.knobs, metrics=state.metrics, tracing=tracing)
     return app

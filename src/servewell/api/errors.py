@@ -19,10 +19,11 @@ log = logging.getLogger("servewell.api")
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized", 400: "bad_request"}
 
 
-def error_response(status: int, code: str, message: str, retry_after_s: float | None = None) -> Response:
+def error_response(status: int, code: str, message: str, retry_after_s: float | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
     """A JSON error response carrying the current request id."""
     body = {"error": {"code": code, "message": message, "request_id": request_id_var.get()}}
-    headers = {}
+    headers = dict(headers or {})
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
     return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
@@ -32,8 +33,8 @@ def serve_error_response(exc: ServeError) -> Response:
     """Response for a `ServeError`, logged once (4xx at info, 5xx at warning)."""
     level = logging.WARNING if exc.status >= 500 else logging.INFO
     log.log(level, "request failed: %s", exc.message, extra={"status": exc.status, "code": exc.code})
-    retry = exc.retry_after_s if exc.status == 503 else None
-    return error_response(exc.status, exc.code, exc.message, retry)
+    retry = exc.retry_after_s if exc.status in (429, 503) else None
+    return error_response(exc.status, exc.code, exc.message, retry, exc.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

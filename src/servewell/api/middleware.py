@@ -17,6 +17,7 @@ from opentelemetry.trace import Span
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servewell.api.errors import error_response
+from servewell.api.state import LiveKnobs
 from servewell.observability.context import model_var, request_id_var, request_trace_var, stages_var
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.tracing import SpanKind, Tracing, extract_context
@@ -34,12 +35,12 @@ class RequestContextMiddleware:
     """Assigns (or accepts a safe client-supplied) `X-Request-ID`, continues a W3C trace,
     times the request, and records it in metrics and (when slow or failed) in the log."""
 
-    def __init__(self, app: ASGIApp, metrics: ServeMetrics | None = None, tracing: Tracing | None = None,
-                 slow_request_s: float = 0.3) -> None:
+    def __init__(self, app: ASGIApp, knobs: LiveKnobs, metrics: ServeMetrics | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.app = app
         self.metrics = metrics
         self.tracing = tracing if tracing is not None and tracing.enabled else None
-        self.slow_request_s = slow_request_s
+        self.knobs = knobs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -125,7 +126,7 @@ class RequestContextMiddleware:
             return
         if self.metrics is not None:
             self.metrics.observe_request(model, template, status, elapsed)
-        if elapsed > self.slow_request_s:
+        if elapsed > self.knobs.slow_request_s:
             stages = {k: round(v * 1000, 3) for k, v in (stages_var.get() or {}).items()}
             log.warning("slow request: %.1f ms on %s (status %d)", elapsed * 1000, template, status,
                         extra={"route": template, "status": status, "total_ms": round(elapsed * 1000, 3),

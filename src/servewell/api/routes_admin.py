@@ -26,6 +26,13 @@ def require_admin(request: Request, state: AppState = Depends(app_state)) -> App
     return state
 
 
+@router.get("/config", summary="Active configuration")
+async def active_config(state: AppState = Depends(require_admin)) -> Response:
+    """The server settings, API key ids and every model's config in force, when each was loaded
+    (Unix time), admin overrides, and file changes that wait for a restart. Secrets are left out."""
+    return Response(orjson.dumps(state.config_report()), media_type="application/json")
+
+
 @router.get("/models/{name}/batching", summary="Live batching settings")
 async def get_batching(name: str, state: AppState = Depends(require_admin)) -> Response:
     """The model's current batching settings."""

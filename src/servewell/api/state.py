@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from fastapi import Request
 
 from servewell.api.dataplane import DataPlane
+from servewell.api.keys import InferenceAccess
 from servewell.config.server import ServerConfig
 from servewell.engine.protocol import ServingEngine
 from servewell.observability.metrics import ServeMetrics
+
+
+@dataclass(slots=True)
+class LiveKnobs:
+    """Settings a config reload changes while serving; read per request."""
+
+    slow_request_s: float
+    metrics_need_key: bool
 
 
 @dataclass(slots=True, frozen=True)
@@ -20,6 +30,9 @@ class AppState:
     plane: DataPlane
     settings: ServerConfig
     metrics: ServeMetrics | None
+    access: InferenceAccess
+    knobs: LiveKnobs
+    config_report: Callable[[], dict[str, Any]]
 
 
 def app_state(request: Request) -> AppState:

@@ -7,6 +7,7 @@ config file (YAML) > defaults. Field descriptions are the CLI's help text.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,6 +52,23 @@ class ServerConfig(BaseModel):
     admin_token: str | None = Field(
         None, description="Bearer token for /admin endpoints; when unset they answer loopback clients only."
     )
+    api_keys_file: Path | None = Field(
+        None, description="File of API keys for inference, one per line ('<key>', '<id>:<key>' or "
+        "'<id>:sha256:<hex>', optionally ' rate=<n>'); watched and reloaded. Unset and no api_keys: inference is open.",
+    )
+    api_keys: list[str] = Field(
+        default_factory=list, description="API keys in the same format, from SERVEWELL_API_KEYS (comma separated) "
+        "or the config file; never a command-line flag (it would show in ps).",
+    )
+    api_key_rate_per_s: float | None = Field(
+        None, gt=0, description="Requests per second each API key may make (429 + Retry-After above); a key's own "
+        "'rate=' wins. Unset: no limit.",
+    )
+    metrics_require_key: bool = Field(False, description="Whether /metrics needs an API key (when keys are configured).")
+    config_poll_s: float = Field(
+        2.0, ge=0, description="How often the --config file, the API keys file and every model.yaml are checked for "
+        "changes (0: only on SIGHUP).",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
     log_format: Literal["json", "console"] = Field("json", description="JSON lines, or human-readable console lines.")
     metrics_enabled: bool = Field(True, description="Serve Prometheus metrics at /metrics and record them.")
@@ -79,6 +97,26 @@ class ConfigFileError(ValueError):
     """The config file or an environment variable holds an invalid value."""
 
 
+#: Settings a running server takes from a changed --config file (or keys file) without a restart.
+LIVE_FIELDS = frozenset((
+    "log_level", "trace_sample_ratio", "slow_request_ms", "api_keys", "api_keys_file", "api_key_rate_per_s",
+    "metrics_require_key", "config_poll_s",
+))
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where a server's settings came from, so a reload merges them the same way: the file is read
+    again; command-line flags and environment variables keep their precedence over it."""
+
+    file: Path | None
+    overrides: dict[str, Any]
+
+    def load(self) -> ServerConfig:
+        """The settings as the file says now (`ConfigFileError` when it is invalid)."""
+        return load_server_config(self.file, self.overrides)
+
+
 def _from_env(environ: dict[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name in ServerConfig.model_fields:
@@ -86,7 +124,8 @@ def _from_env(environ: dict[str, str]) -> dict[str, Any]:
         if key in environ:
             raw = environ[key]
             # List settings come as comma-separated values in the environment.
-            values[name] = raw.split(",") if name == "latency_buckets_s" else raw
+            values[name] = [part.strip() for part in raw.split(",") if part.strip()] \
+                if name in ("latency_buckets_s", "api_keys") else raw
     return values
 
 

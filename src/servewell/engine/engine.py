@@ -200,8 +200,48 @@ class InferenceEngine:
         return self._valid(name).scheduler.settings()
 
     def update_batching(self, name: str, changes: Mapping[str, Any]) -> dict[str, Any]:
-        """Change a model's batching settings while it serves (all or nothing)."""
-        return self._valid(name).scheduler.update(changes)
+        """Change a model's batching settings while it serves (all or nothing). The change lasts
+        until model.yaml next changes (the file then wins) or the server restarts."""
+        entry = self._valid(name)
+        settings = entry.scheduler.update(changes)
+        entry.overrides.update(changes)
+        return settings
+
+    async def reconfigure_model(self, name: str) -> str:
+        """Apply a changed `model.yaml` of a loaded model: live when only batching settings changed,
+        else through a zero-failure reload. Returns what happened (for the log); an invalid file
+        raises `LoadFailed` and the running version keeps serving unchanged."""
+        slot = self._slot(name, None)
+        async with slot.lock:
+            try:
+                config = read_model_config(self.repository / name)
+            except ValueError as exc:
+                raise LoadFailed(str(exc)) from None
+            entry = slot.entry
+            if isinstance(entry, ModelEntry) and entry.state == "unloaded":
+                return "not applied: the model was unloaded by an operator (load it through the repository API)"
+            if isinstance(entry, ModelEntry) and entry.state in ("ready", "restarting") and config == entry.config:
+                return "unchanged"
+            if isinstance(entry, ModelEntry) and entry.state == "ready" and entry.live_changes_only(config):
+                dropped = entry.apply_batching(config)
+                return "applied live" + (f"; admin overrides {sorted(dropped)} replaced by the file" if dropped else "")
+        await self.load_model(name)
+        return "reloaded (new workers warmed up before traffic moved)"
+
+    def config_report(self) -> dict[str, Any]:
+        """Per model: the active config, when it was read, and admin overrides in force."""
+        report: dict[str, Any] = {}
+        for name, slot in self._slots.items():
+            entry = slot.entry
+            if isinstance(entry, InvalidModel):
+                report[name] = {"state": "invalid", "reason": entry.reason}
+                continue
+            report[name] = {
+                "state": entry.state, "version": entry.version, "file": str(entry.directory / "model.yaml"),
+                "loaded_at": entry.configured_at, "overrides": dict(entry.overrides),
+                "batching": entry.scheduler.settings(), "config": entry.config.model_dump(mode="json"),
+            }
+        return report
 
     async def stop(self) -> None:
         """Stop admitting, finish what was admitted, stop every worker."""

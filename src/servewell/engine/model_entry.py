@@ -68,6 +68,8 @@ class ModelEntry:
         self.state: ModelState = "unloaded"
         self.reason: str | None = None
         self.load_s: float | None = None
+        self.configured_at = time.time()  # when `config` was read from model.yaml (wall clock)
+        self.overrides: dict[str, object] = {}  # batching settings an admin PATCH changed since then
         self._services = services
         metrics = services.metrics
         tracing = services.tracing if services.tracing is not None and services.tracing.enabled else None
@@ -94,6 +96,27 @@ class ModelEntry:
     def label(self) -> str:
         """How log lines and errors name this model version."""
         return f"model '{self.name}' version '{self.version}'"
+
+    def apply_batching(self, config: ModelConfig) -> dict[str, object]:
+        """Take a new model.yaml whose only changes are live batching settings (and a max batch size
+        within what warm-up proved): the file's values apply, admin overrides end. Returns the
+        overrides that were dropped."""
+        self.scheduler.update({**config.batching.model_dump(exclude={"lanes"}),
+                               "max_batch_size": max(1, config.max_batch_size)})
+        dropped, self.overrides = self.overrides, {}
+        self.config, self.configured_at = config, time.time()
+        return dropped
+
+    def live_changes_only(self, config: ModelConfig) -> bool:
+        """Whether `config` differs from the serving one only in what applies without new workers:
+        batching settings other than lanes, and a max batch size within the proven maximum."""
+        if config.batching.lanes != self.config.batching.lanes:
+            return False
+        if config.max_batch_size > self.scheduler.proven_max_batch_size or (config.max_batch_size == 0) != (
+                self.config.max_batch_size == 0):
+            return False
+        same = {"batching", "max_batch_size"}
+        return config.model_dump(exclude=same) == self.config.model_dump(exclude=same)
 
     def _set_state(self, state: ModelState, reason: str | None = None) -> None:
         """The one place the state changes."""

@@ -6,6 +6,8 @@ from contextvars import ContextVar
 
 #: Id of the request being handled ("" outside a request).
 request_id_var: ContextVar[str] = ContextVar("servewell_request_id", default="")
+#: Id of the API key the current request presented ("" without keys); never the key itself.
+client_var: ContextVar[str] = ContextVar("servewell_client", default="")
 #: Model the current request is for ("" when unknown).
 model_var: ContextVar[str] = ContextVar("servewell_model", default="")
 

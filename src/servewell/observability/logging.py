@@ -12,7 +12,7 @@ import sys
 import orjson
 from opentelemetry import trace
 
-from servewell.observability.context import model_var, request_id_var
+from servewell.observability.context import client_var, model_var, request_id_var
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
@@ -33,6 +33,9 @@ class JsonLineFormatter(logging.Formatter):
         model = getattr(record, "model", None) or model_var.get()
         if model:
             event["model"] = model
+        client = client_var.get()
+        if client:
+            event["client"] = client
         span_context = trace.get_current_span().get_span_context()
         if span_context.is_valid:
             event["trace_id"] = f"{span_context.trace_id:032x}"

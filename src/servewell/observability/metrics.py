@@ -191,6 +191,11 @@ class ServeMetrics:
         self.worker_restarts = LoopCounter(
             "servewell_worker_restarts", "Worker processes replaced, by reason (crash, memory).",
             ["model", "reason"], registry=r)
+        self.api_key_requests = LoopCounter(
+            "servewell_api_key_requests", "Requests that presented a valid API key, by key id and result "
+            "(allowed, rate_limited).", ["key", "result"], registry=r)
+        self.auth_failures = LoopCounter(
+            "servewell_auth_failures", "Requests refused for a missing or invalid API key.", ["reason"], registry=r)
         self.trace_steps = LoopHistogram(
             "servewell_trace_step_seconds", "Durations of trace_step() blocks in model code.",
             ["step"], buckets=latency_buckets, registry=r)

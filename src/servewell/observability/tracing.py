@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -87,6 +87,11 @@ class Tracing:
     def enabled(self) -> bool:
         """Whether spans are recorded."""
         return self._provider is not None
+
+    def set_sample_ratio(self, ratio: float) -> None:
+        """Record this share of new traces from now on (config reload). Turning tracing on or off
+        needs a restart: the exporter is set up at start."""
+        self.settings = replace(self.settings, sample_ratio=ratio)
 
     def sample_root(self) -> bool:
         """Whether to record a request that arrives without a trace (the configured ratio)."""

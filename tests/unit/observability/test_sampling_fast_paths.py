@@ -9,6 +9,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 
 from servewell.api.middleware import RequestContextMiddleware
+from servewell.api.state import LiveKnobs
 from servewell.observability.steps import set_step_sink, trace_step
 from servewell.observability.tracing import Tracing, TracingSettings
 
@@ -52,7 +53,7 @@ def test_unsampled_requests_and_their_steps_make_no_span():
     steps: list[str] = []
     set_step_sink(lambda name, seconds: steps.append(name), tracing.tracer)
     try:
-        middleware = RequestContextMiddleware(None, tracing=tracing)
+        middleware = RequestContextMiddleware(None, LiveKnobs(0.3, False), tracing=tracing)
         serve(middleware, [])  # no traceparent: the ratio says no
         serve(middleware, [(b"traceparent", UNSAMPLED.encode())])  # the caller says no
         assert exporter.get_finished_spans() == ()
@@ -71,7 +72,7 @@ def test_unsampled_requests_and_their_steps_make_no_span():
 def test_roots_are_recorded_at_the_configured_ratio():
     tracing, exporter = recording_tracing(ratio=1.0)
     try:
-        middleware = RequestContextMiddleware(None, tracing=tracing)
+        middleware = RequestContextMiddleware(None, LiveKnobs(0.3, False), tracing=tracing)
         for _ in range(3):
             serve(middleware, [])
         assert [s.name for s in exporter.get_finished_spans()].count("http") == 3

@@ -3,7 +3,7 @@ context, timing, metrics, the slow/failed-request log, and servewell errors as g
 
 Status codes follow the HTTP ones: 4xx input errors are INVALID_ARGUMENT, 404 NOT_FOUND, 503
 refusals UNAVAILABLE (a deadline that passed DEADLINE_EXCEEDED), 401 UNAUTHENTICATED, 403
-PERMISSION_DENIED, 409 ABORTED, 413 RESOURCE_EXHAUSTED, a bug INTERNAL. The stable servewell
+PERMISSION_DENIED, 409 ABORTED, 413 and 429 RESOURCE_EXHAUSTED, a bug INTERNAL. The stable servewell
 error code and the request id travel in the trailing metadata (`servewell-error-code`,
 `x-request-id`), so a gRPC client can tell `overloaded` from `model_not_ready`.
 """
@@ -22,8 +22,10 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from servewell.api.grpc.codec import metadata_value
+from servewell.api.keys import InferenceAccess
+from servewell.api.state import LiveKnobs
 from servewell.errors import ServeError
-from servewell.observability.context import model_var, request_id_var, request_trace_var, stages_var
+from servewell.observability.context import client_var, model_var, request_id_var, request_trace_var, stages_var
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.tracing import Tracing, begin_server_span
 
@@ -39,7 +41,8 @@ _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
     403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.ABORTED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED, 415: grpc.StatusCode.INVALID_ARGUMENT,
-    422: grpc.StatusCode.INVALID_ARGUMENT, 499: grpc.StatusCode.CANCELLED, 503: grpc.StatusCode.UNAVAILABLE,
+    422: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
+    503: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -53,14 +56,18 @@ def status_code(error: ServeError) -> grpc.StatusCode:
 class RpcScope:
     """Runs gRPC handlers inside a request context, as the HTTP middleware does for routes."""
 
-    def __init__(self, metrics: ServeMetrics | None, tracing: Tracing | None, slow_request_s: float) -> None:
+    def __init__(self, metrics: ServeMetrics | None, tracing: Tracing | None, access: InferenceAccess,
+                 knobs: LiveKnobs) -> None:
         self._metrics = metrics
         self._tracing = tracing if tracing is not None and tracing.enabled else None
-        self._slow_request_s = slow_request_s
+        self._access = access
+        self._knobs = knobs
 
     async def run(self, method: str, context: RpcContext, handler: Callable[[], Awaitable[T]],
-                  probe: bool = False) -> T:
-        """Run `handler` for the RPC `method`; probes are neither timed nor traced as roots."""
+                  probe: bool = False, admin: bool = False) -> T:
+        """Run `handler` for the RPC `method`. Probes are neither timed nor traced as roots; every
+        call but probes and admin calls (which check the admin token) needs an API key when keys
+        are configured."""
         started = time.perf_counter()
         metadata = context.invocation_metadata()
         given = metadata_value(metadata, "x-request-id")
@@ -77,7 +84,12 @@ class RpcScope:
                 trace_token = request_trace_var.set(span_context)
         status = 200
         context.set_trailing_metadata((("x-request-id", request_id),))
+        client_token = None
         try:
+            if not probe and not admin and self._access.enabled:
+                client = self._access.check(metadata_value(metadata, "authorization"),
+                                            metadata_value(metadata, "x-api-key"))
+                client_token = client_var.set(client or "")
             return await handler()
         except ServeError as exc:
             status = exc.status
@@ -99,6 +111,8 @@ class RpcScope:
         finally:
             elapsed = time.perf_counter() - started
             self._finish(method, status, elapsed, span, probe)
+            if client_token is not None:
+                client_var.reset(client_token)
             if trace_token is not None:
                 request_trace_var.reset(trace_token)
             if otel_token is not None:
@@ -121,7 +135,7 @@ class RpcScope:
         route = f"grpc {method}"
         if self._metrics is not None:
             self._metrics.observe_request(model, route, status, elapsed)
-        if elapsed > self._slow_request_s:
+        if elapsed > self._knobs.slow_request_s:
             stages = {k: round(v * 1000, 3) for k, v in (stages_var.get() or {}).items()}
             log.warning("slow request: %.1f ms on %s (status %d)", elapsed * 1000, route, status,
                         extra={"route": route, "status": status, "total_ms": round(elapsed * 1000, 3),

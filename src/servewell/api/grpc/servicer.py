@@ -133,7 +133,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             self._plane.note_model(request.model_name)
             await self._engine.load_model(request.model_name)
             return pb.RepositoryModelLoadResponse()
-        return await self._scope.run("RepositoryModelLoad", context, handle)
+        return await self._scope.run("RepositoryModelLoad", context, handle, admin=True)
 
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,  # noqa: N802
                                     context: RpcContext) -> pb.RepositoryModelUnloadResponse:
@@ -142,7 +142,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             self._plane.note_model(request.model_name)
             await self._engine.unload_model(request.model_name)
             return pb.RepositoryModelUnloadResponse()
-        return await self._scope.run("RepositoryModelUnload", context, handle)
+        return await self._scope.run("RepositoryModelUnload", context, handle, admin=True)
 
     def _require_admin(self, context: RpcContext) -> None:
         check_admin(self._admin_token, metadata_value(context.invocation_metadata(), "authorization"),

@@ -1,0 +1,220 @@
+"""API keys for inference: who may call, and how often.
+
+Keys come from a file (`--api-keys-file`, one per line) and/or `SERVEWELL_API_KEYS` (comma
+separated), in the same entry format:
+
+    <key>                          a key; its id is derived from its hash (key-1a2b3c4d)
+    <id>:<key>                     a key with an id (letters, digits, '-', '_', '.')
+    <id>:sha256:<64 hex digits>    only the key's SHA-256 is stored, not the key
+    ... rate=<n>                   optional: this key's request rate limit, per second
+
+`#` starts a comment. Only SHA-256 digests are kept in memory; a presented key is hashed once
+and compared with every stored digest in constant time. Ids (never keys) appear in logs and as
+a metric label, so their number is bounded by the configuration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from servewell.errors import RateLimited, Unauthorized
+from servewell.observability.metrics import ServeMetrics
+
+_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+#: Shortest key accepted: shorter ones are guessable.
+MIN_KEY_LENGTH = 16
+#: Longest credential read from a request (a header of megabytes costs no hashing).
+MAX_PRESENTED_LENGTH = 512
+
+
+class KeyFormatError(ValueError):
+    """An entry of the keys file or variable cannot be used (the message names where and why)."""
+
+
+@dataclass(slots=True, frozen=True)
+class ApiKey:
+    """One accepted key: its id, the SHA-256 of the key, and its own rate limit if any."""
+
+    id: str
+    digest: bytes
+    rate_per_s: float | None = None
+
+
+def parse_keys(lines: Iterable[str], source: str) -> list[ApiKey]:
+    """Keys from `lines` (a file's lines or the variable's entries); `KeyFormatError` naming the
+    source and line for anything malformed. The message never contains the key itself."""
+    keys: list[ApiKey] = []
+    seen: set[str] = set()
+    for number, raw in enumerate(lines, 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{source}: entry {number}"
+        fields = line.split()
+        rate: float | None = None
+        for extra in fields[1:]:
+            if not extra.startswith("rate="):
+                raise KeyFormatError(f"{where}: unexpected field (only 'rate=<requests per second>' may follow a key)")
+            try:
+                rate = float(extra[5:])
+            except ValueError:
+                rate = -1.0
+            if not (rate > 0 and math.isfinite(rate)):
+                raise KeyFormatError(f"{where}: rate must be a positive number of requests per second")
+        key = _parse_entry(fields[0], where, rate)
+        if key.id in seen:
+            raise KeyFormatError(f"{where}: key id '{key.id}' appears twice")
+        seen.add(key.id)
+        keys.append(key)
+    return keys
+
+
+def _parse_entry(entry: str, where: str, rate: float | None) -> ApiKey:
+    if entry.count(":") >= 2 and entry.split(":", 2)[1] == "sha256":
+        key_id, _, hex_digest = entry.split(":", 2)
+        if not _ID.match(key_id):
+            raise KeyFormatError(f"{where}: key id must be 1-64 letters, digits, '-', '_' or '.'")
+        if not _HEX.match(hex_digest.lower()):
+            raise KeyFormatError(f"{where}: sha256 must be 64 hexadecimal digits")
+        return ApiKey(key_id, bytes.fromhex(hex_digest), rate)
+    key_id, sep, secret = entry.partition(":")
+    if not sep:
+        key_id, secret = "", entry
+    elif not _ID.match(key_id):
+        raise KeyFormatError(f"{where}: key id must be 1-64 letters, digits, '-', '_' or '.'")
+    if len(secret) < MIN_KEY_LENGTH:
+        raise KeyFormatError(f"{where}: keys must be at least {MIN_KEY_LENGTH} characters")
+    digest = hashlib.sha256(secret.encode()).digest()
+    return ApiKey(key_id or f"key-{digest.hex()[:8]}", digest, rate)
+
+
+def key_digest(secret: str) -> str:
+    """The `sha256:` form of a key, for writing hashed entries (`servewell keys hash`)."""
+    return "sha256:" + hashlib.sha256(secret.encode()).hexdigest()
+
+
+class KeyRing:
+    """The accepted keys; swapped whole when the configuration is reloaded."""
+
+    def __init__(self, keys: Iterable[ApiKey] = ()) -> None:
+        self._keys = tuple(keys)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any key is configured (without keys, inference is open)."""
+        return bool(self._keys)
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        """Ids of the accepted keys."""
+        return tuple(k.id for k in self._keys)
+
+    def identify(self, presented: str) -> ApiKey | None:
+        """The key `presented` matches, or None. Every stored digest is compared, whichever matches."""
+        if not presented or len(presented) > MAX_PRESENTED_LENGTH:
+            return None
+        digest = hashlib.sha256(presented.encode()).digest()
+        found: ApiKey | None = None
+        for key in self._keys:
+            if hmac.compare_digest(digest, key.digest):
+                found = key
+        return found
+
+
+class RateLimiter:
+    """A token bucket per key id: `rate` requests per second on average, bursts up to `burst`."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[str, tuple[float, float]] = {}  # id -> (tokens, last refill time)
+
+    def take(self, key_id: str, rate_per_s: float, burst: float, now: float) -> float:
+        """Spend one token for `key_id`: 0.0 when allowed, else seconds until a token is available."""
+        tokens, last = self._buckets.get(key_id, (burst, now))
+        tokens = min(burst, tokens + (now - last) * rate_per_s)
+        if tokens >= 1.0:
+            self._buckets[key_id] = (tokens - 1.0, now)
+            return 0.0
+        self._buckets[key_id] = (tokens, now)
+        return (1.0 - tokens) / rate_per_s
+
+    def forget_except(self, ids: Iterable[str]) -> None:
+        """Drop the buckets of keys that are no longer configured."""
+        keep = set(ids)
+        for key_id in [k for k in self._buckets if k not in keep]:
+            del self._buckets[key_id]
+
+
+class InferenceAccess:
+    """The API-key check every protocol runs before inference and model queries.
+
+    `check` answers with the caller's key id, or raises `Unauthorized` (401, with the
+    `WWW-Authenticate` challenge) or `RateLimited` (429, with `Retry-After`). `replace` swaps
+    the keys and limits live (config reload); buckets of removed keys are dropped.
+    """
+
+    def __init__(self, ring: KeyRing, default_rate_per_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic, metrics: ServeMetrics | None = None) -> None:
+        self._ring = ring
+        self._default_rate = default_rate_per_s
+        self._clock = clock
+        self._limiter = RateLimiter()
+        self._metrics = metrics
+
+    @property
+    def enabled(self) -> bool:
+        """Whether keys are required (any configured)."""
+        return self._ring.enabled
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        """Ids of the keys in force."""
+        return self._ring.ids
+
+    def replace(self, ring: KeyRing, default_rate_per_s: float | None) -> None:
+        """Use new keys and limits from now on (a removed key is refused at its next request)."""
+        self._ring, self._default_rate = ring, default_rate_per_s
+        self._limiter.forget_except(ring.ids)
+
+    def check(self, authorization: str | None, api_key: str | None) -> str | None:
+        """The key id of a caller presenting `Authorization: Bearer <key>` or `X-API-Key: <key>`;
+        None when no keys are configured."""
+        ring = self._ring
+        if not ring.enabled:
+            return None
+        presented = api_key
+        if presented is None and authorization is not None:
+            scheme, _, credential = authorization.partition(" ")
+            presented = credential.strip() if scheme.lower() == "bearer" else None
+        if not presented:
+            self._count_failure("missing")
+            raise Unauthorized("this endpoint needs an API key: 'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
+                               challenge='Bearer realm="servewell"')
+        key = ring.identify(presented)
+        if key is None:
+            self._count_failure("invalid")
+            raise Unauthorized("the API key is not valid",
+                               challenge='Bearer realm="servewell", error="invalid_token"')
+        rate = key.rate_per_s or self._default_rate
+        if rate is not None:
+            wait_s = self._limiter.take(key.id, rate, max(1.0, rate), self._clock())
+            if wait_s > 0:
+                self._count(key.id, "rate_limited")
+                raise RateLimited(f"API key '{key.id}' is over its limit of {rate:g} requests per second",
+                                  retry_after_s=wait_s)
+        self._count(key.id, "allowed")
+        return key.id
+
+    def _count(self, key_id: str, result: str) -> None:
+        if self._metrics is not None:
+            self._metrics.api_key_requests.labels(key_id, result).inc()
+
+    def _count_failure(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.auth_failures.labels(reason).inc()

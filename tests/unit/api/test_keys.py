@@ -1,0 +1,89 @@
+"""API keys: parsing, constant-time identification, per-key rate limits, and the access check."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from servewell.api.keys import InferenceAccess, KeyFormatError, KeyRing, RateLimiter, key_digest, parse_keys
+from servewell.errors import RateLimited, Unauthorized
+
+SECRET_A = "a" * 20
+SECRET_B = "b-secret-key-0123456789"
+
+
+def test_entries_in_every_form() -> None:
+    keys = parse_keys([
+        "# a comment",
+        "",
+        SECRET_A,
+        f"team-b:{SECRET_B}  rate=5   # trailing comment",
+        f"ci:{key_digest('c' * 32)}",
+    ], "keys.txt")
+    assert [k.id for k in keys] == [f"key-{hashlib.sha256(SECRET_A.encode()).hexdigest()[:8]}", "team-b", "ci"]
+    assert keys[1].rate_per_s == 5.0 and keys[0].rate_per_s is None
+    ring = KeyRing(keys)
+    assert ring.identify(SECRET_B).id == "team-b"
+    assert ring.identify("c" * 32).id == "ci"  # only the hash was configured
+    assert ring.identify("wrong-key-of-enough-length") is None
+    assert ring.identify("x" * 100_000) is None  # an oversized credential is not even hashed
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("short", "at least 16"),
+    ("bad!id:" + "k" * 20, "key id"),
+    ("x:sha256:1234", "64 hexadecimal"),
+    ("k" * 20 + " rate=0", "positive"),
+    ("k" * 20 + " colour=blue", "unexpected field"),
+])
+def test_malformed_entries_name_the_line_but_never_the_key(line: str, problem: str) -> None:
+    with pytest.raises(KeyFormatError) as info:
+        parse_keys(["# header", line], "keys.txt")
+    assert "keys.txt: entry 2" in str(info.value) and problem in str(info.value)
+    assert "k" * 20 not in str(info.value)
+
+
+def test_duplicate_ids_are_refused() -> None:
+    with pytest.raises(KeyFormatError, match="twice"):
+        parse_keys([f"a:{SECRET_A}", f"a:{SECRET_B}"], "keys.txt")
+
+
+def test_token_bucket() -> None:
+    limiter = RateLimiter()
+    assert [limiter.take("k", 2.0, 2.0, 0.0) for _ in range(2)] == [0.0, 0.0]  # the burst
+    assert limiter.take("k", 2.0, 2.0, 0.0) == pytest.approx(0.5)  # empty: one token in 0.5 s
+    assert limiter.take("k", 2.0, 2.0, 0.5) == 0.0
+    assert limiter.take("other", 2.0, 2.0, 0.5) == 0.0  # buckets are per key
+
+
+def test_access_check() -> None:
+    now = [100.0]
+    access = InferenceAccess(KeyRing(parse_keys([f"a:{SECRET_A} rate=1", f"b:{SECRET_B}"], "k")),
+                             default_rate_per_s=None, clock=lambda: now[0])
+    assert access.check(f"Bearer {SECRET_B}", None) == "b"
+    assert access.check(None, SECRET_B) == "b"
+    with pytest.raises(Unauthorized) as missing:
+        access.check(None, None)
+    assert missing.value.headers == {"WWW-Authenticate": 'Bearer realm="servewell"'}
+    with pytest.raises(Unauthorized) as wrong:
+        access.check("Bearer nope-nope-nope-nope", None)
+    assert 'error="invalid_token"' in wrong.value.headers["WWW-Authenticate"]
+    with pytest.raises(Unauthorized):
+        access.check(f"Basic {SECRET_B}", None)  # only bearer credentials
+    assert access.check(None, SECRET_A) == "a"
+    with pytest.raises(RateLimited) as limited:
+        access.check(None, SECRET_A)
+    assert limited.value.retry_after_s == pytest.approx(1.0)
+    now[0] += 1.0
+    assert access.check(None, SECRET_A) == "a"
+
+
+def test_without_keys_everything_is_allowed_and_keys_can_be_revoked_live() -> None:
+    access = InferenceAccess(KeyRing())
+    assert access.check(None, None) is None
+    access.replace(KeyRing(parse_keys([f"a:{SECRET_A}"], "k")), None)
+    assert access.check(None, SECRET_A) == "a"
+    access.replace(KeyRing(parse_keys([f"b:{SECRET_B}"], "k")), None)  # a rotated out
+    with pytest.raises(Unauthorized):
+        access.check(None, SECRET_A)
