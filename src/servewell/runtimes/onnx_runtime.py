@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 import onnxruntime as ort
 
-from servewell.config.model import ModelConfig, TensorSpec
+from servewell.config.model import ModelConfig, OnnxSettings, TensorSpec
 from servewell.runtimes.base import ModelLoadError, ProgressFn
 
 #: onnxruntime's element type names mapped to numpy; types numpy lacks (bfloat16, ...) are absent.
@@ -115,8 +115,6 @@ def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> OnnxRunt
         # need; measured in bench/: 58% more CPU per image than offline with spinning on 2 cores.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     providers = _providers(config.device, progress)
-    if config.gpu_memory_fraction is not None and config.device.startswith("cuda"):
-        progress("gpu_memory_fraction is not applied by the onnx runtime (torch runtimes only)")
     progress("read and optimize graph")
     def make_session(session_options: ort.SessionOptions) -> ort.InferenceSession:
         return ort.InferenceSession(str(path), sess_options=session_options, providers=providers)
@@ -134,9 +132,10 @@ def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> OnnxRunt
 
 
 def spin_wait(config: ModelConfig) -> bool:
-    """Whether idle intra-op threads may spin: as configured, else only when a core stays free."""
-    if config.spin_wait is not None:
-        return config.spin_wait
+    """Whether idle intra-op threads may spin: as `onnx.spin_wait` says, else only when a core stays free."""
+    settings = config.onnx or OnnxSettings()
+    if settings.spin_wait is not None:
+        return settings.spin_wait
     return config.instances * config.threads < (os.cpu_count() or 1)
 
 

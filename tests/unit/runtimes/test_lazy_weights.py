@@ -88,14 +88,13 @@ def test_lazy_weights_are_ordinary_tensors_usable_outside_inference_mode() -> No
         assert torch.allclose(model(x), reference(x))
 
 
-def test_unknown_and_nested_names_are_load_errors() -> None:
+def test_unknown_names_are_load_errors() -> None:
+    # Nested and malformed names are refused when model.yaml loads (tests/unit/config).
     with torch.device("meta"):
         model = Model()
     state = Model().state_dict()
     with pytest.raises(ModelLoadError, match=r"\['head'\] are not submodules.*body, blocks"):
         split_lazy(model, ["head"], state, "w.safetensors")
-    with pytest.raises(ModelLoadError, match="'blocks.0' is inside 'blocks'"):
-        split_lazy(model, ["blocks", "blocks.0"], state, "w.safetensors")
 
 
 def test_a_lazy_part_that_does_not_match_the_file_fails_at_load() -> None:

@@ -68,19 +68,17 @@ class ModelDir:
         torch.manual_seed(0)
         return self.module.build(hidden=hidden).eval()
 
-    def config(self, artifact: str, **overrides: Any) -> ModelConfig:
-        fields: dict[str, Any] = {
+    def config(self, artifact: str, **settings: Any) -> ModelConfig:
+        """A config for `artifact`; `settings` change fields of its `pytorch:` section."""
+        return ModelConfig.model_validate({
             "name": "toy",
             "runtime": "pytorch",
             "artifact": artifact,
-            "factory": f"{self.module_name}:build",
-            "factory_kwargs": {"hidden": 8},
+            "pytorch": {"factory": f"{self.module_name}:build", "factory_kwargs": {"hidden": 8}, **settings},
             "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
             "outputs": [{"name": "y", "datatype": "FP32", "shape": [3]}],
             "max_batch_size": 4,
-        }
-        fields.update(overrides)
-        return ModelConfig(**fields)
+        })
 
 
 @pytest.fixture
