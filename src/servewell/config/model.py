@@ -59,7 +59,8 @@ class ModelConfig(StrictModel):
     inputs: list[TensorSpec] = Field(min_length=1, description="Input tensors (shape without the batch dimension).")
     outputs: list[TensorSpec] = Field(min_length=1, description="Output tensors (shape without the batch dimension).")
     max_batch_size: int = Field(
-        16, ge=0, description="Largest batch; 0 means the model takes no batch dimension and runs one request at a time."
+        16, ge=0,
+        description="Largest batch; 0 means the model takes no batch dimension and runs one request at a time.",
     )
     batching: BatchingConfig = Field(default_factory=BatchingConfig, description="Dynamic batching settings.")
     instances: int = Field(1, ge=1, le=64, description="Worker processes serving this model.")
@@ -174,7 +175,8 @@ class ModelConfig(StrictModel):
         if self.postprocess is not None:
             self._check_postprocess(self.postprocess, problems)
         if self.batching.reserve_instance_for_high and self.instances < 2:
-            problems.add(("batching", "reserve_instance_for_high"), f"needs instances >= 2; instances is {self.instances}")
+            problems.add(("batching", "reserve_instance_for_high"),
+                         f"needs instances >= 2; instances is {self.instances}")
         if self.cpu_affinity and isinstance(self.cpu_affinity[0], list) and len(self.cpu_affinity) != self.instances:
             problems.add(("cpu_affinity",), f"has {len(self.cpu_affinity)} per-instance lists; instances is "
                          f"{self.instances}, so give one list per instance (or one flat list for every instance)")
@@ -208,7 +210,8 @@ class ModelConfig(StrictModel):
             problems.add(("preprocess",), f"produces pixel values, which input {tensor.name!r} "
                          f"({tensor.datatype}) cannot hold")
         produced = spec.tensor_shape
-        fits = len(tensor.shape) == len(produced) and all(d in (-1, p) for d, p in zip(tensor.shape, produced))
+        fits = len(tensor.shape) == len(produced) and all(
+            d in (-1, p) for d, p in zip(tensor.shape, produced, strict=True))
         if not fits:
             problems.add(("preprocess",), f"produces images of shape {produced} (layout {spec.layout}: channels "
                          f"{spec.channels}, size {list(spec.size)}), but input {tensor.name!r} declares {tensor.shape}")

@@ -13,10 +13,9 @@ import yaml
 from pydantic import ValidationError
 
 from servewell.config.model import ModelConfig
-from servewell.config.problems import FieldProblem, field_problems
+from servewell.config.problems import TOP_LEVEL, FieldProblem, field_problems
 
 CONFIG_FILE = "model.yaml"
-_TOP = "(top level)"
 
 
 class ModelConfigError(ValueError):
@@ -28,8 +27,7 @@ class ModelConfigError(ValueError):
     def __init__(self, path: Path, problems: list[FieldProblem]) -> None:
         self.path = path
         self.problems = tuple(problems)
-        details = "; ".join(str(p) if p.field != _TOP else p.reason for p in self.problems)
-        super().__init__(f"{path}: {details}")
+        super().__init__(f"{path}: " + "; ".join(str(p) for p in self.problems))
 
 
 def read_model_yaml(directory: Path) -> ModelConfig:
@@ -39,13 +37,14 @@ def read_model_yaml(directory: Path) -> ModelConfig:
     """
     path = directory / CONFIG_FILE
     if not path.is_file():
-        raise ModelConfigError(path, [FieldProblem(_TOP, f"missing (each model directory needs a {CONFIG_FILE})")])
+        raise ModelConfigError(path, [FieldProblem(TOP_LEVEL, f"missing (each model directory needs a {CONFIG_FILE})")])
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ModelConfigError(path, [FieldProblem(_TOP, f"not valid YAML: {exc}")]) from None
+        raise ModelConfigError(path, [FieldProblem(TOP_LEVEL, f"not valid YAML: {exc}")]) from None
     if not isinstance(raw, dict):
-        raise ModelConfigError(path, [FieldProblem(_TOP, f"expected a mapping of fields, got {type(raw).__name__}")])
+        got = type(raw).__name__
+        raise ModelConfigError(path, [FieldProblem(TOP_LEVEL, f"expected a mapping of fields, got {got}")])
     raw.setdefault("name", directory.name)
     try:
         config = ModelConfig.model_validate(raw)

@@ -15,11 +15,13 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 #: Where a problem is: field names and list indices, outermost first.
 Location = tuple[str | int, ...]
+#: How the location of a problem with the file as a whole reads.
+TOP_LEVEL = "(top level)"
 
 
 def dotted(location: Location) -> str:
     """`('preprocess', 'mean')` as `preprocess.mean`; the empty location as `(top level)`."""
-    return ".".join(str(part) for part in location) or "(top level)"
+    return ".".join(str(part) for part in location) or TOP_LEVEL
 
 
 def config_error(reason: str) -> PydanticCustomError:
@@ -60,7 +62,7 @@ class FieldProblem:
     reason: str
 
     def __str__(self) -> str:
-        return f"field '{self.field}': {self.reason}"
+        return self.reason if self.field == TOP_LEVEL else f"field '{self.field}': {self.reason}"
 
 
 def field_problems(error: ValidationError) -> list[FieldProblem]:

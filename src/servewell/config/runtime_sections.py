@@ -131,7 +131,7 @@ def moved_field_reason(field: str, runtime: object) -> str:
     """Why the flat key `field` is refused: where it lives now, for this model's `runtime`."""
     owners = runtimes_with(field)
     if runtime in owners:
-        return f"moved to '{runtime}.{field}' (settings of one runtime live in the section named after it)"
+        return f"moved to '{runtime}.{field}'"
     places = " or ".join(f"'{owner}.{field}'" for owner in owners)
     runtime_note = f"; this model's runtime is {runtime}" if isinstance(runtime, str) and runtime in RUNTIMES else ""
     return f"moved to {places} (a setting of the {' and '.join(owners)} runtime{'s' if len(owners) > 1 else ''} only" \
