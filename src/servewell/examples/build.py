@@ -15,11 +15,10 @@ import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from servewell.config.model import ModelConfig
 from servewell.examples.artifacts import ProgressFn

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -66,7 +66,7 @@ class OnnxRuntime:
         results = self._session.run(self._output_names, feeds)
         return {
             name: np.asarray(result).astype(dtype, copy=False)
-            for name, result, dtype in zip(self._output_names, results, self._output_dtypes)
+            for name, result, dtype in zip(self._output_names, results, self._output_dtypes, strict=True)
         }
 
     def start_profiling(self, directory: str) -> None:
@@ -88,9 +88,9 @@ class OnnxRuntime:
 
     def stop_profiling(self) -> str:
         """End profiling; the path of the Chrome trace file onnxruntime wrote."""
-        if self._serving_session is None:
+        if self._serving_session is None or self._session is None:
             raise RuntimeError("no profile is being captured")
-        path = self._session.end_profiling()
+        path: str = self._session.end_profiling()
         self._session, self._serving_session = self._serving_session, None
         return path
 
@@ -181,7 +181,7 @@ def _check_input_shape(spec: TensorSpec, graph_shape: list[int | str | None], ma
             f"but batches hold 1 to max_batch_size {max_batch_size} items; export with a dynamic "
             "batch axis, or set max_batch_size: 1 for a graph fixed to 1"
         )
-    for index, (want, got) in enumerate(zip(declared, graph_shape)):
+    for index, (want, got) in enumerate(zip(declared, graph_shape, strict=True)):
         if want != -1 and isinstance(got, int) and want != got:
             raise ModelLoadError(
                 f"input {spec.name!r}: dimension {index} is {got} in the ONNX graph {graph_shape}, "

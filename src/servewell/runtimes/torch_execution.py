@@ -305,7 +305,7 @@ def outputs_to_numpy(result: object, outputs: list[TensorSpec]) -> dict[str, np.
     else:
         raise ValueError(f"the model returned {type(result).__name__}; expected a tensor, tuple, list or dict")
     arrays: dict[str, np.ndarray] = {}
-    for spec, value in zip(outputs, values):
+    for spec, value in zip(outputs, values, strict=True):
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"output {spec.name!r} is a {type(value).__name__}, not a tensor")
         tensor = value.detach().cpu()

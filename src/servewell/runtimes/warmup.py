@@ -163,7 +163,8 @@ def _check_precision(
         say(f"{check.checked_dtype} differs from fp32 by {check.max_relative_difference:.3g} "
             f"(dtype_tolerance {tolerance:g}): serving in fp32")
     else:
-        say(f"{check.checked_dtype} within {check.max_relative_difference:.3g} of fp32: serving in {check.checked_dtype}")
+        say(f"{check.checked_dtype} within {check.max_relative_difference:.3g} of fp32: "
+            f"serving in {check.checked_dtype}")
     return check
 
 
@@ -183,7 +184,7 @@ def _check_output(spec: TensorSpec, outputs: dict[str, np.ndarray], batched: boo
         )
     expected = ([batch_size] if batched else []) + list(spec.shape)
     fits = len(array.shape) == len(expected) and all(
-        want == -1 or want == got for want, got in zip(expected, array.shape)
+        want == -1 or want == got for want, got in zip(expected, array.shape, strict=True)
     )
     if not fits:
         batch_note = f" (a batch of {batch_size}, then {spec.shape})" if batched else ""
