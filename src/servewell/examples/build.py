@@ -60,7 +60,8 @@ def _build_resnet50(model_dir: Path, progress: ProgressFn, runtime: str) -> Mode
 #: The example models, by name.
 BUILDERS: dict[str, ExampleBuilder] = {
     "digits": ExampleBuilder("digits", 1, ("onnx",), _build_digits),
-    "resnet50": ExampleBuilder("resnet50", 1, ("onnx", "torchscript", "pytorch"), _build_resnet50),
+    # Version 2: the pytorch build's model.yaml names its factory in the `pytorch:` section.
+    "resnet50": ExampleBuilder("resnet50", 2, ("onnx", "torchscript", "pytorch"), _build_resnet50),
 }
 
 
