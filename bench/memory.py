@@ -94,9 +94,12 @@ def run_child(case: str, model_dir: Path) -> None:
             model(torch.zeros(1, 3, 224, 224))
     else:
         dtype = "bf16" if case == "layered_bf16" else "fp32"
-        config = ModelConfig(**resnet50_config_dict("pytorch")).model_copy(
-            update={"dtype": dtype, "threads": THREADS, "max_batch_size": 1}
-        )
+        base = ModelConfig.model_validate(resnet50_config_dict("pytorch"))
+        assert base.pytorch is not None
+        config = ModelConfig.model_validate({
+            **base.model_dump(), "threads": THREADS, "max_batch_size": 1,
+            "pytorch": {**base.pytorch.model_dump(), "dtype": dtype},
+        })
         runtime = load_runtime(config, model_dir, lambda stage: None)
         _say(f"LOADED {time.perf_counter() - started}")
         report = warm_up(runtime, config)

@@ -5,30 +5,37 @@ from __future__ import annotations
 import argparse
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
 
+from servewell.config.fields import list_item_type, split_items, strip_optional
 from servewell.config.server import ConfigFileError, ConfigSource, ServerConfig
 
-#: Nested settings that only a --config file sets.
+#: Settings that only a --config file (or the environment) sets: nested ones, and secrets that
+#: would show in `ps` as flags.
 _FILE_ONLY = ("alerting", "api_keys")
-_FLAG_TYPES = {int: int, float: float, str: str, Path: Path}
+_FLAG_TYPES: dict[object, Callable[[str], object]] = {int: int, float: float, str: str, Path: Path}
 
 
-def _float_list(text: str) -> list[float]:
-    """Comma-separated numbers, for list-valued settings."""
-    return [float(part) for part in text.split(",") if part.strip()]
-
-
-def _flag_type(annotation: object):  # noqa: ANN202 - a callable argparse uses as type
-    if typing.get_origin(annotation) is list:
-        return _float_list
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) is typing.Literal:
-        return str
-    base = args[0] if args else annotation
+def _scalar_type(annotation: object) -> Callable[[str], object]:
+    base = strip_optional(annotation)
     if typing.get_origin(base) is typing.Literal:
-        return str
-    return _FLAG_TYPES.get(base, str)  # type: ignore[arg-type]
+        return str  # argparse checks the choices
+    return _FLAG_TYPES.get(base, str)
+
+
+def _list_of(item: Callable[[str], object]) -> Callable[[str], list[object]]:
+    def parse(text: str) -> list[object]:
+        return [item(part) for part in split_items(text)]
+
+    parse.__name__ = f"comma-separated {getattr(item, '__name__', 'value')}"  # argparse's "invalid ... value"
+    return parse
+
+
+def _flag_type(annotation: object) -> Callable[[str], object]:
+    """How argparse reads a setting's flag: by its type annotation; list settings take comma-separated items."""
+    item = list_item_type(annotation)
+    return _list_of(_scalar_type(item)) if item is not None else _scalar_type(annotation)
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
@@ -75,7 +82,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from servewell.engine.repository import scan_repository
+    from servewell.engine.memory_budget import machine_memory_budget
+    from servewell.repository_report import available_cpus, render, report_repository
     from servewell.server import builtin_repository
 
     settings = _settings(args)
@@ -85,16 +93,12 @@ def _cmd_models(args: argparse.Namespace) -> int:
               + ("" if settings.model_repository else " (the built-in model is built by the first `servewell serve`)"),
               file=sys.stderr)
         return 2
-    sources = scan_repository(repository)
-    print(f"model repository {repository}: {len(sources)} model(s)")
-    for source in sources:
-        if source.config is None:
-            print(f"  {source.name:<20} INVALID  {source.error}")
-        else:
-            c = source.config
-            print(f"  {source.name:<20} ok       version {c.version}, runtime {c.runtime}, {c.artifact}, "
-                  f"max_batch_size {c.max_batch_size}, instances {c.instances}, device {c.device}")
-    return 1 if any(s.config is None for s in sources) else 0
+    # The budget the server would start with: the setting, else its share of the memory available now.
+    budget = settings.memory_budget_bytes or machine_memory_budget()
+    source = "--memory-budget-bytes" if settings.memory_budget_bytes else "default: a share of the memory available now"
+    reports = report_repository(repository, budget, available_cpus(), check_factories=not args.no_factory_check)
+    print(render(repository, budget, source, reports))
+    return 1 if any(report.status != "ok" for report in reports) else 0
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
@@ -126,10 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, default=None, help="YAML file with any of the settings below.")
     _add_config_flags(serve)
     serve.set_defaults(run=_cmd_serve)
-    models = sub.add_parser("models", help="list a repository's models and why any is invalid",
-                            description="List the models of a repository; exit code 1 if any is invalid.")
+    models = sub.add_parser(
+        "models", help="check a repository's models: problems, memory against the budget, settings",
+        description="Check every model of a repository as the server would load it: each problem of its "
+        "model.yaml (file, field, reason), its CPU affinity on this machine, a pytorch factory built on the meta "
+        "device, and its estimated memory against the memory budget; shows the effective settings. "
+        "Exit code 1 if any model is invalid or would be refused.")
     models.add_argument("--config", type=Path, default=None, help="YAML file with settings.")
-    _add_config_flags(models, only=("model_repository", "cache_dir"))
+    models.add_argument("--no-factory-check", action="store_true",
+                        help="do not import pytorch factories (each check starts a process that imports torch)")
+    _add_config_flags(models, only=("model_repository", "cache_dir", "memory_budget_bytes"))
     models.set_defaults(run=_cmd_models)
     keys = sub.add_parser("keys", help="make API keys and the hashed lines of a keys file",
                           description="new: print a fresh random key and its hashed line for --api-keys-file; "

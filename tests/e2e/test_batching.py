@@ -9,6 +9,7 @@ import httpx
 import pytest
 from slow_models import slow_model
 
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, start_server):
     root = tmp_path_factory.mktemp("slow-repo")

@@ -110,7 +110,7 @@ def test_a_change_that_needs_new_workers_reloads_with_zero_failures_under_load(l
         stop = asyncio.Event()
         traffic = asyncio.create_task(load(stop))
         await asyncio.sleep(0.5)
-        edit_yaml(live.root / "slow" / "model.yaml", lambda d: d["factory_kwargs"].update(delay_ms=5))
+        edit_yaml(live.root / "slow" / "model.yaml", lambda d: d["pytorch"]["factory_kwargs"].update(delay_ms=5))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             health = httpx.get(live.url + "/healthz").json()["models"]["slow"]

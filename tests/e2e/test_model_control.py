@@ -68,7 +68,7 @@ def factory_model(root, name: str, source: str, **fields) -> None:
     save_file({"scale": torch.ones(1)} if "scale" in source else {"weight": torch.zeros(1, 1), "bias": torch.zeros(1)},
               str(directory / "model.safetensors"))
     (directory / "model.yaml").write_text(yaml.safe_dump({
-        "runtime": "pytorch", "artifact": "model.safetensors", "factory": "factory:build",
+        "runtime": "pytorch", "artifact": "model.safetensors", "pytorch": {"factory": "factory:build"},
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
         "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}], **fields,
     }))

@@ -92,7 +92,8 @@ def stepped_model(root) -> None:
     (directory / "stepped_factory.py").write_text(STEPPED)
     save_file({"scale": torch.ones(1)}, str(directory / "model.safetensors"))
     (directory / "model.yaml").write_text(yaml.safe_dump({
-        "runtime": "pytorch", "artifact": "model.safetensors", "factory": "stepped_factory:build", "max_batch_size": 8,
+        "runtime": "pytorch", "artifact": "model.safetensors", "pytorch": {"factory": "stepped_factory:build"},
+        "max_batch_size": 8,
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
         "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
     }))

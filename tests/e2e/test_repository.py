@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -63,23 +64,30 @@ def repository(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     torch.onnx.export(module, (example,), str(onnx_dir / "model.onnx"), dynamo=False, input_names=["x"],
                       output_names=["y"], dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}})
 
+    # Two instances, each pinned to its own CPU (the same one where the machine has only one).
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned_dir = root / "pinned_onnx"
+    write_config(pinned_dir, runtime="onnx", artifact="model.onnx", threads=1, instances=2,
+                 cpu_affinity=[[cpus[0]], [cpus[-1]]])
+    (pinned_dir / "model.onnx").symlink_to(onnx_dir / "model.onnx")
+
     ts_dir = root / "tiny_ts"
-    write_config(ts_dir, runtime="torchscript", artifact="model.pt", freeze=True)
+    write_config(ts_dir, runtime="torchscript", artifact="model.pt", torchscript={"freeze": True})
     torch.jit.trace(module, example).save(str(ts_dir / "model.pt"))
 
     pt_dir = root / "tiny_pt"
-    write_config(pt_dir, runtime="pytorch", artifact="model.safetensors", factory="tiny_factory:build",
-                 factory_kwargs={"hidden": 8})
+    write_config(pt_dir, runtime="pytorch", artifact="model.safetensors",
+                 pytorch={"factory": "tiny_factory:build", "factory_kwargs": {"hidden": 8}})
     (pt_dir / "tiny_factory.py").write_text(FACTORY_SOURCE)
     save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(pt_dir / "model.safetensors"))
 
     state_dir = root / "tiny_pt_statedict"
-    write_config(state_dir, runtime="pytorch", artifact="weights.pt", factory="tiny_factory:build")
+    write_config(state_dir, runtime="pytorch", artifact="weights.pt", pytorch={"factory": "tiny_factory:build"})
     (state_dir / "tiny_factory.py").write_text(FACTORY_SOURCE)
     torch.save(module.state_dict(), state_dir / "weights.pt")
 
     pickled_dir = root / "pickled"
-    write_config(pickled_dir, runtime="pytorch", artifact="model.pt", factory="tiny_factory:build")
+    write_config(pickled_dir, runtime="pytorch", artifact="model.pt", pytorch={"factory": "tiny_factory:build"})
     (pickled_dir / "tiny_factory.py").write_text(FACTORY_SOURCE)
     whole = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     torch.save(whole, pickled_dir / "model.pt")  # a whole pickled module: refused by default
@@ -92,7 +100,7 @@ def repository(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     return root, module
 
 
-GOOD = ("tiny_onnx", "tiny_ts", "tiny_pt", "tiny_pt_statedict")
+GOOD = ("tiny_onnx", "pinned_onnx", "tiny_ts", "tiny_pt", "tiny_pt_statedict")
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +163,12 @@ def test_requests_to_a_model_that_is_not_ready_get_503_with_retry_after(server):
     assert httpx.get(server.url + "/v2/models/tiny_onnx/ready").status_code == 200
 
 
+def test_each_instance_runs_on_the_cpus_its_affinity_entry_names(server):
+    cpus = sorted(os.sched_getaffinity(0))
+    instances = httpx.get(server.url + "/healthz").json()["models"]["pinned_onnx"]["instances"]
+    assert [os.sched_getaffinity(i["pid"]) for i in instances] == [{cpus[0]}, {cpus[-1]}]
+
+
 def test_predict_on_a_tensor_model_says_to_use_infer(server):
     r = httpx.post(server.url + "/predict", json={"image_base64": "aGVsbG8=", "model": "tiny_onnx"})
     assert r.status_code == 422 and "/v2/models/tiny_onnx/infer" in r.json()["error"]["message"]
@@ -165,9 +179,10 @@ def test_models_command_lists_the_repository_and_why_models_are_invalid(reposito
     done = subprocess.run([sys.executable, "-m", "servewell", "models", "--model-repository", str(root)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1  # some model is invalid
-    lines = {line.split()[0]: line for line in done.stdout.splitlines()[1:]}
-    assert "INVALID" in lines["broken_yaml"] and "field 'max_batch_size'" in lines["broken_yaml"]
-    assert "ok" in lines["tiny_pt"] and "runtime pytorch" in lines["tiny_pt"]
+    heads = {line.split()[0]: line for line in done.stdout.splitlines()[1:] if not line.startswith(" " * 4)}
+    assert "INVALID" in heads["broken_yaml"] and "broken_yaml/model.yaml" in heads["broken_yaml"]
+    assert "field 'max_batch_size'" in done.stdout
+    assert heads["tiny_pt"].split()[1] == "ok" and "pytorch model.safetensors" in heads["tiny_pt"]
 
 
 def test_profile_of_an_onnx_worker_is_onnxruntime_s_own_trace(server):

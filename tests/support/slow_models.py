@@ -43,8 +43,8 @@ def slow_model(root: Path, name: str, delay_ms: float, **fields: Any) -> None:
     (directory / "slow_factory.py").write_text(SLOW_FACTORY)
     save_file({"scale": torch.ones(1)}, str(directory / "model.safetensors"))
     config = {
-        "runtime": "pytorch", "artifact": "model.safetensors", "factory": "slow_factory:build",
-        "factory_kwargs": {"delay_ms": delay_ms},
+        "runtime": "pytorch", "artifact": "model.safetensors",
+        "pytorch": {"factory": "slow_factory:build", "factory_kwargs": {"delay_ms": delay_ms}},
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
         "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
         **fields,

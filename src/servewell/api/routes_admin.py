@@ -7,10 +7,13 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from pydantic import ValidationError
 
 from servewell.api.access import check_admin
 from servewell.api.body import check_content_type, read_body
 from servewell.api.state import AppState, app_state
+from servewell.config.batching import BatchingPatch
+from servewell.config.problems import field_problems
 from servewell.engine.protocol import ModelView
 from servewell.errors import BadRequest, InvalidInput
 
@@ -42,22 +45,23 @@ async def get_batching(name: str, state: AppState = Depends(require_admin)) -> R
 @router.patch(
     "/models/{name}/batching",
     summary="Change batching settings while serving",
-    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": {
-        "type": "object",
-        "properties": {k: {} for k in ("policy", "max_batch_size", "max_wait_ms", "latency_slo_ms", "max_queue_size",
-                                       "default_timeout_ms", "max_consecutive_high", "reserve_instance_for_high")},
-    }}}}},
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+        "schema": BatchingPatch.model_json_schema()}}}},
 )
 async def patch_batching(name: str, request: Request, state: AppState = Depends(require_admin)) -> Response:
-    """Apply the given fields, all or none; queued and running requests are kept."""
+    """Apply the given fields, all or none; queued and running requests are kept. The change lasts
+    until the model's model.yaml next changes or the server restarts."""
     check_content_type(request, ("application/json",))
     try:
-        changes: Any = orjson.loads(await read_body(request, state.settings.max_body_bytes))
+        raw: Any = orjson.loads(await read_body(request, state.settings.max_body_bytes))
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(changes, dict) or not changes:
-        raise InvalidInput("send a JSON object with the settings to change")
-    return Response(orjson.dumps(state.engine.update_batching(name, changes)), media_type="application/json")
+    try:
+        patch = BatchingPatch.model_validate(raw)
+    except ValidationError as exc:
+        # Field names come from the client: each problem is cut short, and only the first few are echoed.
+        raise InvalidInput("; ".join(str(p)[:200] for p in field_problems(exc)[:5])) from None
+    return Response(orjson.dumps(state.engine.update_batching(name, patch.changes())), media_type="application/json")
 
 
 @router.post("/models/{name}/profile", summary="Profile a model worker (Chrome/Perfetto trace)")

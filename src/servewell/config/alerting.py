@@ -15,7 +15,9 @@ class AlertThresholds(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    p99_latency_s: float = Field(0.5, gt=0, description="p99 request latency, in seconds, above which latency_p99 fires.")
+    p99_latency_s: float = Field(
+        0.5, gt=0, description="p99 request latency, in seconds, above which latency_p99 fires."
+    )
     error_ratio: float = Field(0.05, gt=0, le=1, description="Share of 5xx responses above which error_ratio fires.")
     rejected_ratio: float = Field(
         0.01, gt=0, le=1, description="Share of requests refused by a full queue above which rejected_ratio fires."
@@ -42,7 +44,9 @@ class AlertingConfig(BaseModel):
     format: AlertFormat = Field(
         "generic", description="Message shape: generic JSON, Slack ({'text'}) or WeCom group bot (markdown)."
     )
-    source: str = Field("servewell", min_length=1, description="Name of this server in messages, e.g. host or deployment.")
+    source: str = Field(
+        "servewell", min_length=1, description="Name of this server in messages, e.g. host or deployment."
+    )
     thresholds: AlertThresholds = Field(default_factory=AlertThresholds, description="When each alert fires.")
     min_interval_s: float = Field(
         600.0, ge=0, description="Least time between two notifications of the same alert for the same model."

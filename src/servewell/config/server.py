@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from servewell.config.alerting import AlertingConfig
+from servewell.config.fields import values_from_env
 
 ENV_PREFIX = "SERVEWELL_"
 
@@ -42,9 +43,12 @@ class ServerConfig(BaseModel):
     )
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest request body accepted (413 above).")
     max_image_pixels: int = Field(
-        16_000_000, ge=1, description="Largest decoded image, in pixels, accepted (413 above; stops decompression bombs)."
+        16_000_000, ge=1,
+        description="Largest decoded image, in pixels, accepted (413 above; stops decompression bombs).",
     )
-    load_timeout_s: float = Field(30.0, gt=0, description="A model whose load and warm-up take longer is killed and marked failed.")
+    load_timeout_s: float = Field(
+        30.0, gt=0, description="A model whose load and warm-up take longer is killed and marked failed."
+    )
     memory_budget_bytes: int | None = Field(
         None, ge=1, description="Host memory all models together may use (estimated before loading); "
         "default: 90% of the memory available at start.",
@@ -72,19 +76,23 @@ class ServerConfig(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
     log_format: Literal["json", "console"] = Field("json", description="JSON lines, or human-readable console lines.")
     metrics_enabled: bool = Field(True, description="Serve Prometheus metrics at /metrics and record them.")
-    slow_request_ms: float = Field(300.0, gt=0, description="Requests slower than this log a warning with their stage breakdown.")
+    slow_request_ms: float = Field(
+        300.0, gt=0, description="Requests slower than this log a warning with their stage breakdown."
+    )
     latency_buckets_s: list[float] = Field(
         default_factory=lambda: [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
         min_length=1, description="Bucket bounds (seconds) of the latency histograms.",
     )
     otlp_endpoint: str | None = Field(
-        None, description="OTLP collector for traces (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT); unset: tracing off.",
+        None,
+        description="OTLP collector for traces (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT); unset: tracing off.",
     )
     otlp_protocol: Literal["http/protobuf", "grpc"] | None = Field(
         None, description="OTLP transport (default: OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf).",
     )
     trace_sample_ratio: float | None = Field(
-        None, ge=0, le=1, description="Share of traces recorded (default: OTEL_TRACES_SAMPLER_ARG, else 0.01; a sampled incoming "
+        None, ge=0, le=1,
+        description="Share of traces recorded (default: OTEL_TRACES_SAMPLER_ARG, else 0.01; a sampled incoming "
         "traceparent is always followed).",
     )
     alerting: AlertingConfig = Field(
@@ -117,18 +125,6 @@ class ConfigSource:
         return load_server_config(self.file, self.overrides)
 
 
-def _from_env(environ: dict[str, str]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for name in ServerConfig.model_fields:
-        key = ENV_PREFIX + name.upper()
-        if key in environ:
-            raw = environ[key]
-            # List settings come as comma-separated values in the environment.
-            values[name] = [part.strip() for part in raw.split(",") if part.strip()] \
-                if name in ("latency_buckets_s", "api_keys") else raw
-    return values
-
-
 def load_server_config(
     config_file: Path | None, overrides: dict[str, Any], environ: dict[str, str] | None = None
 ) -> ServerConfig:
@@ -142,7 +138,7 @@ def load_server_config(
         if not isinstance(raw, dict):
             raise ConfigFileError(f"{config_file}: expected a mapping of fields")
         merged.update(raw)
-    merged.update(_from_env(dict(os.environ) if environ is None else environ))
+    merged.update(values_from_env(ServerConfig, os.environ if environ is None else environ, ENV_PREFIX))
     merged.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return ServerConfig.model_validate(merged)

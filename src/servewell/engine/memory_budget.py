@@ -42,12 +42,13 @@ class MemoryEstimate:
 def estimate_model_memory(config: ModelConfig, model_dir: Path) -> MemoryEstimate:
     """Estimate the resident memory of all instances of a model before loading it."""
     path = model_dir / config.artifact
+    dtype = config.torch_settings.dtype if config.torch_settings is not None else "fp32"  # onnx: as exported
     if path.suffix == ".safetensors":
-        weights = _safetensors_bytes(path, config.dtype)
-        basis = f"safetensors header, {config.dtype}"
+        weights = _safetensors_bytes(path, dtype)
+        basis = f"safetensors header, {dtype}"
     else:
         weights = path.stat().st_size
-        if config.runtime != "onnx" and config.dtype in ("fp16", "bf16"):
+        if dtype in ("fp16", "bf16"):
             weights //= 2
         basis = f"file size of {path.name}"
     per_instance = int(weights * WORKING_SET_FACTOR) + RUNTIME_BASE_BYTES[config.runtime]

@@ -8,12 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-from pydantic import ValidationError
-
 from servewell.config.model import ModelConfig
-
-CONFIG_FILE = "model.yaml"
+from servewell.config.model_file import read_model_yaml
 
 
 @dataclass(slots=True, frozen=True)
@@ -28,30 +24,7 @@ class ModelSource:
 
 def read_model_config(directory: Path) -> ModelConfig:
     """Parse and check `<directory>/model.yaml`; raises `ValueError` naming file, field and reason."""
-    path = directory / CONFIG_FILE
-    if not path.is_file():
-        raise ValueError(f"{path}: missing (each model directory needs a {CONFIG_FILE})")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a mapping of fields, got {type(raw).__name__}")
-    raw.setdefault("name", directory.name)
-    try:
-        config = ModelConfig.model_validate(raw)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            problems.append(f"field '{where}': {err['msg']}")
-        raise ValueError(f"{path}: " + "; ".join(problems)) from None
-    if config.name != directory.name:
-        raise ValueError(f"{path}: field 'name': '{config.name}' must match the directory name '{directory.name}'")
-    artifact = directory / config.artifact
-    if not artifact.is_file():
-        raise ValueError(f"{path}: field 'artifact': file {artifact} does not exist")
-    return config
+    return read_model_yaml(directory)
 
 
 def scan_repository(root: Path) -> list[ModelSource]:

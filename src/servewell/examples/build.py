@@ -15,11 +15,10 @@ import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from servewell.config.model import ModelConfig
 from servewell.examples.artifacts import ProgressFn
@@ -61,7 +60,8 @@ def _build_resnet50(model_dir: Path, progress: ProgressFn, runtime: str) -> Mode
 #: The example models, by name.
 BUILDERS: dict[str, ExampleBuilder] = {
     "digits": ExampleBuilder("digits", 1, ("onnx",), _build_digits),
-    "resnet50": ExampleBuilder("resnet50", 1, ("onnx", "torchscript", "pytorch"), _build_resnet50),
+    # Version 2: the pytorch build's model.yaml names its factory in the `pytorch:` section.
+    "resnet50": ExampleBuilder("resnet50", 2, ("onnx", "torchscript", "pytorch"), _build_resnet50),
 }
 
 

@@ -99,7 +99,7 @@ def render_varied(x8x8: np.ndarray, rng: np.random.Generator) -> Image.Image:
 def training_set(x: np.ndarray, y: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Preprocessed items for every sample: its plain rendering plus `VARIANTS_PER_SAMPLE` varied ones."""
     items, labels = [], []
-    for grid, label in zip(x, y):
+    for grid, label in zip(x, y, strict=True):
         items.append(preprocess(render_digit(grid)))
         items.extend(preprocess(render_varied(grid, rng)) for _ in range(VARIANTS_PER_SAMPLE))
         labels.extend([int(label)] * (1 + VARIANTS_PER_SAMPLE))

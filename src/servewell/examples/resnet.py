@@ -156,6 +156,5 @@ def resnet50_config_dict(runtime: str) -> dict[str, object]:
         },
     }
     if runtime == "pytorch":
-        config["factory"] = "servewell.examples.resnet:resnet50"
-        config["factory_kwargs"] = {"num_classes": 1000}
+        config["pytorch"] = {"factory": "servewell.examples.resnet:resnet50", "factory_kwargs": {"num_classes": 1000}}
     return config

@@ -30,10 +30,6 @@ def load_runtime(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> 
         raise ModelLoadError(
             f"artifact {config.artifact!r} named in model.yaml is not a file in {model_dir}"
         )
-    if config.lazy_submodules and config.runtime != "pytorch":
-        raise ModelLoadError(
-            f"lazy_submodules works with runtime pytorch only; runtime {config.runtime} loads the whole model"
-        )
     return _loader(config.runtime)(config, model_dir, progress)
 
 

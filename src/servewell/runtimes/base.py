@@ -6,8 +6,9 @@ warm-up and the worker use when a runtime has them (the torch runtimes have all 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 

@@ -1,7 +1,7 @@
 """Submodules whose weights stay on the meta device until their first forward call.
 
 For parts of a model that many requests never reach (a rarely used head, a second decoder),
-`lazy_submodules` in model.yaml keeps their weights in the memory-mapped file until a forward
+`pytorch.lazy_submodules` in model.yaml keeps their weights in the memory-mapped file until a forward
 call needs them. Warm-up runs the whole model, so it loads them too; set `warmup: false` for a
 model whose lazy parts should wait for the first real request.
 """
@@ -69,18 +69,13 @@ def split_lazy(
 ) -> tuple[StateDict, dict[str, StateDict]]:
     """Split `state` into the eagerly assigned part and one part per lazy submodule.
 
-    Checks at load what can be checked without reading weights: that each name is a submodule,
-    that the names do not nest, and that the file has exactly the submodule's keys and shapes.
+    Checks what needs the module: that each name is a submodule, and that the file has exactly
+    the submodule's keys and shapes. The names themselves (well-formed, unique, not nested) were
+    checked when model.yaml loaded.
     """
-    unknown = [name for name in names if not _is_submodule(module, name)]
-    if unknown:
-        children = ", ".join(name for name, _ in module.named_children())
-        raise ModelLoadError(
-            f"lazy_submodules {unknown} are not submodules of the model; its top-level submodules are: {children}"
-        )
-    nested = [(a, b) for a in names for b in names if a != b and b.startswith(a + ".")]
-    if nested:
-        raise ModelLoadError(f"lazy_submodules nest: {nested[0][1]!r} is inside {nested[0][0]!r}; list only the outer one")
+    problem = unknown_submodules_problem(module, names)
+    if problem is not None:
+        raise ModelLoadError(problem)
     eager = dict(state)
     lazy: dict[str, StateDict] = {}
     for name in names:
@@ -89,6 +84,15 @@ def split_lazy(
         _check_part(module.get_submodule(name), name, part, artifact)
         lazy[name] = part
     return eager, lazy
+
+
+def unknown_submodules_problem(module: torch.nn.Module, names: list[str]) -> str | None:
+    """Why some of `names` cannot be lazy (they are not submodules of `module`), or None."""
+    unknown = [name for name in names if not _is_submodule(module, name)]
+    if not unknown:
+        return None
+    children = ", ".join(name for name, _ in module.named_children())
+    return f"lazy_submodules {unknown} are not submodules of the model; its top-level submodules are: {children}"
 
 
 def is_lazy(name: str, lazy_names: list[str]) -> bool:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnxruntime as ort
 
-from servewell.config.model import ModelConfig, TensorSpec
+from servewell.config.model import ModelConfig, OnnxSettings, TensorSpec
 from servewell.runtimes.base import ModelLoadError, ProgressFn
 
 #: onnxruntime's element type names mapped to numpy; types numpy lacks (bfloat16, ...) are absent.
@@ -66,7 +66,7 @@ class OnnxRuntime:
         results = self._session.run(self._output_names, feeds)
         return {
             name: np.asarray(result).astype(dtype, copy=False)
-            for name, result, dtype in zip(self._output_names, results, self._output_dtypes)
+            for name, result, dtype in zip(self._output_names, results, self._output_dtypes, strict=True)
         }
 
     def start_profiling(self, directory: str) -> None:
@@ -88,9 +88,9 @@ class OnnxRuntime:
 
     def stop_profiling(self) -> str:
         """End profiling; the path of the Chrome trace file onnxruntime wrote."""
-        if self._serving_session is None:
+        if self._serving_session is None or self._session is None:
             raise RuntimeError("no profile is being captured")
-        path = self._session.end_profiling()
+        path: str = self._session.end_profiling()
         self._session, self._serving_session = self._serving_session, None
         return path
 
@@ -115,8 +115,6 @@ def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> OnnxRunt
         # need; measured in bench/: 58% more CPU per image than offline with spinning on 2 cores.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     providers = _providers(config.device, progress)
-    if config.gpu_memory_fraction is not None and config.device.startswith("cuda"):
-        progress("gpu_memory_fraction is not applied by the onnx runtime (torch runtimes only)")
     progress("read and optimize graph")
     def make_session(session_options: ort.SessionOptions) -> ort.InferenceSession:
         return ort.InferenceSession(str(path), sess_options=session_options, providers=providers)
@@ -134,9 +132,10 @@ def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> OnnxRunt
 
 
 def spin_wait(config: ModelConfig) -> bool:
-    """Whether idle intra-op threads may spin: as configured, else only when a core stays free."""
-    if config.spin_wait is not None:
-        return config.spin_wait
+    """Whether idle intra-op threads may spin: as `onnx.spin_wait` says, else only when a core stays free."""
+    settings = config.onnx or OnnxSettings()
+    if settings.spin_wait is not None:
+        return settings.spin_wait
     return config.instances * config.threads < (os.cpu_count() or 1)
 
 
@@ -182,7 +181,7 @@ def _check_input_shape(spec: TensorSpec, graph_shape: list[int | str | None], ma
             f"but batches hold 1 to max_batch_size {max_batch_size} items; export with a dynamic "
             "batch axis, or set max_batch_size: 1 for a graph fixed to 1"
         )
-    for index, (want, got) in enumerate(zip(declared, graph_shape)):
+    for index, (want, got) in enumerate(zip(declared, graph_shape, strict=True)):
         if want != -1 and isinstance(got, int) and want != got:
             raise ModelLoadError(
                 f"input {spec.name!r}: dimension {index} is {got} in the ONNX graph {graph_shape}, "

@@ -4,7 +4,7 @@ Layered loading keeps peak memory near one copy of the weights: the module is bu
 meta device (no storage), the weights are memory-mapped, each floating tensor is converted to
 the serving dtype on the CPU and then copied to its device (one tensor at a time, so the host
 never holds a second full copy), and assigned into the module as it is (`assign=True`, no copy).
-Submodules named in `lazy_submodules` stay on meta until their first forward call (see
+Submodules named in `pytorch.lazy_submodules` stay on meta until their first forward call (see
 `lazy_weights`).
 """
 
@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
 
-from servewell.config.model import ModelConfig
+from servewell.config.model import ModelConfig, PyTorchSettings
 from servewell.runtimes.base import ModelLoadError, ProgressFn
 from servewell.runtimes.lazy_weights import LazySubmoduleWeights, is_lazy, split_lazy
 from servewell.runtimes.torch_execution import TorchModuleRuntime, dtype_name, prepare_torch
@@ -33,7 +33,7 @@ _PICKLE_REFUSED = (
     "{artifact} is not a plain state dict: it holds pickled Python objects (likely a whole "
     "nn.Module saved with torch.save(model)). Loading a pickled model runs arbitrary code from "
     "the file, so it is refused. Save weights with safetensors or torch.save(model.state_dict()), "
-    "or set `unsafe_allow_pickle: true` in model.yaml for a file you trust."
+    "or set `pytorch: {{unsafe_allow_pickle: true}}` in model.yaml for a file you trust."
 )
 
 
@@ -42,9 +42,10 @@ def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> TorchMod
 
     The model directory goes first on `sys.path`, so a factory module shipped beside the weights
     imports (a worker process serves one model, so its module names cannot clash with another's).
-    With `dtype: auto` resolved to a reduced dtype, the runtime can rebuild the model in fp32
-    from the same files, for warm-up's precision check.
+    With `pytorch.dtype: auto` resolved to a reduced dtype, the runtime can rebuild the model in
+    fp32 from the same files, for warm-up's precision check.
     """
+    settings = pytorch_settings(config)
     device, dtype = prepare_torch(config)
     model_path = str(model_dir.resolve())
     if model_path not in sys.path:
@@ -52,33 +53,41 @@ def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> TorchMod
         importlib.invalidate_caches()
     module = build_module(config, model_dir, device, dtype, progress)
     reference = None
-    if config.dtype == "auto" and dtype != torch.float32:
+    if settings.dtype == "auto" and dtype != torch.float32:
         reference = functools.partial(build_module, config, model_dir, device, torch.float32, _quiet)
     return TorchModuleRuntime(module, config, device, dtype, fp32_reference=reference)
+
+
+def pytorch_settings(config: ModelConfig) -> PyTorchSettings:
+    """The `pytorch:` section; a config that passed validation always has one for runtime pytorch."""
+    if config.pytorch is None:
+        raise ModelLoadError("runtime pytorch needs a 'pytorch' section with 'factory: module:callable'")
+    return config.pytorch
 
 
 def build_module(
     config: ModelConfig, model_dir: Path, device: torch.device, dtype: torch.dtype, progress: ProgressFn
 ) -> torch.nn.Module:
     """The model of `config` in `dtype` on `device`, in eval mode and without gradients."""
-    loaded = _read_weights(model_dir / config.artifact, config, progress)
+    settings = pytorch_settings(config)
+    loaded = _read_weights(model_dir / config.artifact, config.artifact, settings.unsafe_allow_pickle, progress)
     if isinstance(loaded, torch.nn.Module):
-        if config.lazy_submodules:
+        if settings.lazy_submodules:
             raise ModelLoadError(
                 "lazy_submodules needs a weights file (safetensors or a state dict); "
                 f"{config.artifact} holds a whole pickled module, which loads all at once"
             )
-        progress(f"use the pickled module; factory {config.factory} is not called")
+        progress(f"use the pickled module; factory {settings.factory} is not called")
         module = loaded
         progress(f"convert to {dtype_name(dtype)}")
         module.to(dtype)
         progress(f"move to {device}")
         module.to(device)
     else:
-        factory = _import_factory(str(config.factory), model_dir)
+        factory = import_factory(settings.factory, model_dir)
         progress("build graph on meta device")
-        module = build_on_meta(factory, config.factory_kwargs)
-        eager, lazy = split_lazy(module, config.lazy_submodules, loaded, config.artifact)
+        module = build_on_meta(factory, settings.factory_kwargs)
+        eager, lazy = split_lazy(module, settings.lazy_submodules, loaded, config.artifact)
         del loaded
         steps = []
         converting = any(t.is_floating_point() and t.dtype != dtype for t in eager.values())
@@ -94,7 +103,7 @@ def build_module(
         # One tensor at a time: each converted CPU copy is freed once it is on the device.
         prepared = {key: prepare(eager.pop(key)) for key in list(eager)}
         progress("assign weights")
-        _assign(module, prepared, config.artifact, config.lazy_submodules)
+        _assign(module, prepared, config.artifact, settings.lazy_submodules)
         for name, tensors in lazy.items():
             LazySubmoduleWeights(module.get_submodule(name), tensors, prepare)
     module.eval()
@@ -161,25 +170,25 @@ class _SkipInitOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _read_weights(path: Path, config: ModelConfig, progress: ProgressFn) -> StateDict | torch.nn.Module:
-    """Memory-map a weights file; a pickled module only with `unsafe_allow_pickle`."""
+def _read_weights(path: Path, artifact: str, allow_pickle: bool, progress: ProgressFn) -> StateDict | torch.nn.Module:
+    """Memory-map a weights file; a pickled module only with `pytorch.unsafe_allow_pickle`."""
     progress("map weights")
     if path.suffix == ".safetensors":
         try:
             with safe_open(str(path), framework="pt", device="cpu") as weights:
                 return {key: weights.get_tensor(key) for key in weights.keys()}
         except Exception as exc:  # safetensors raises its own error type for a bad header
-            raise ModelLoadError(f"cannot read safetensors file {config.artifact}: {exc}") from exc
+            raise ModelLoadError(f"cannot read safetensors file {artifact}: {exc}") from exc
     try:
-        loaded = _torch_load(path, config.artifact, weights_only=True)
+        loaded = _torch_load(path, artifact, weights_only=True)
     except pickle.UnpicklingError as exc:
-        if not config.unsafe_allow_pickle:
-            raise ModelLoadError(_PICKLE_REFUSED.format(artifact=config.artifact)) from exc
+        if not allow_pickle:
+            raise ModelLoadError(_PICKLE_REFUSED.format(artifact=artifact)) from exc
         progress("unpickle (unsafe_allow_pickle)")
-        loaded = _torch_load(path, config.artifact, weights_only=False)
+        loaded = _torch_load(path, artifact, weights_only=False)
         if isinstance(loaded, torch.nn.Module):
             return loaded
-    return _as_state_dict(loaded, config.artifact)
+    return _as_state_dict(loaded, artifact)
 
 
 def _torch_load(path: Path, artifact: str, *, weights_only: bool) -> object:
@@ -203,7 +212,9 @@ def _as_state_dict(loaded: object, artifact: str) -> StateDict:
     return {str(key): value for key, value in loaded.items()}
 
 
-def _import_factory(spec: str, model_dir: Path) -> Callable[..., object]:
+def import_factory(spec: str, model_dir: Path) -> Callable[..., object]:
+    """The callable `spec` ('module:callable') names, imported with `model_dir` first on `sys.path`
+    (the caller puts it there); `ModelLoadError` when it cannot be imported or called."""
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from servewell.config.model import ModelConfig, ServingDtype, TensorSpec
+from servewell.config.model import ModelConfig, ServingDtype, TensorSpec, TorchSettings
 from servewell.runtimes.base import DeviceUnusableError, ModelLoadError, PeakMemoryProbe
 from servewell.runtimes.memory_probe import ProcessPeakMemory
 from servewell.runtimes.precision import PrecisionCheck, max_relative_difference
@@ -91,10 +91,11 @@ def limit_device_memory(
 
 def prepare_torch(config: ModelConfig) -> tuple[torch.device, torch.dtype]:
     """Resolve device and serving dtype, set the thread count and the device memory cap."""
+    settings = config.torch_settings or TorchSettings()
     device = resolve_device(config.device)
-    dtype = resolve_serving_dtype(config.dtype, device)
+    dtype = resolve_serving_dtype(settings.dtype, device)
     torch.set_num_threads(config.threads)
-    limit_device_memory(device, config.gpu_memory_fraction)
+    limit_device_memory(device, settings.gpu_memory_fraction)
     return device, dtype
 
 
@@ -304,7 +305,7 @@ def outputs_to_numpy(result: object, outputs: list[TensorSpec]) -> dict[str, np.
     else:
         raise ValueError(f"the model returned {type(result).__name__}; expected a tensor, tuple, list or dict")
     arrays: dict[str, np.ndarray] = {}
-    for spec, value in zip(outputs, values):
+    for spec, value in zip(outputs, values, strict=True):
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"output {spec.name!r} is a {type(value).__name__}, not a tensor")
         tensor = value.detach().cpu()

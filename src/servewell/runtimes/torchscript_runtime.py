@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from servewell.config.model import ModelConfig
+from servewell.config.model import ModelConfig, TorchScriptSettings
 from servewell.runtimes.base import ModelLoadError, ProgressFn
 from servewell.runtimes.torch_execution import TorchModuleRuntime, dtype_name, prepare_torch
 
@@ -15,13 +15,14 @@ from servewell.runtimes.torch_execution import TorchModuleRuntime, dtype_name, p
 def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> TorchModuleRuntime:
     """Load `model_dir / config.artifact` in the serving dtype, then freeze and optimize it if asked.
 
-    With `dtype: auto` resolved to a reduced dtype, the runtime can load the archive again in
-    fp32, for warm-up's precision check.
+    With `torchscript.dtype: auto` resolved to a reduced dtype, the runtime can load the archive
+    again in fp32, for warm-up's precision check.
     """
+    settings = config.torchscript or TorchScriptSettings()
     device, dtype = prepare_torch(config)
     module = load_scripted(config, model_dir, device, dtype, progress)
     reference = None
-    if config.dtype == "auto" and dtype != torch.float32:
+    if settings.dtype == "auto" and dtype != torch.float32:
         reference = functools.partial(load_scripted, config, model_dir, device, torch.float32, lambda stage: None)
     return TorchModuleRuntime(module, config, device, dtype, fp32_reference=reference)
 
@@ -29,7 +30,8 @@ def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> TorchMod
 def load_scripted(
     config: ModelConfig, model_dir: Path, device: torch.device, dtype: torch.dtype, progress: ProgressFn
 ) -> torch.jit.ScriptModule:
-    """The archive's module in `dtype` on `device`, frozen and optimized as model.yaml asks."""
+    """The archive's module in `dtype` on `device`, frozen and optimized as model.yaml's `torchscript:` asks."""
+    settings = config.torchscript or TorchScriptSettings()
     progress("read TorchScript archive")
     try:
         # Load to the CPU so a dtype conversion happens before the device copy, not after.
@@ -46,10 +48,10 @@ def load_scripted(
         progress(f"move to {device}")
         module.to(device)
     try:
-        if config.freeze or config.optimize_for_inference:
+        if settings.freeze or settings.optimize_for_inference:
             progress("freeze")
             module = torch.jit.freeze(module)
-        if config.optimize_for_inference:
+        if settings.optimize_for_inference:
             progress("optimize for inference")
             module = torch.jit.optimize_for_inference(module)
     except Exception as exc:

@@ -1,11 +1,11 @@
 """Warm-up: prove a loaded model answers in the declared shapes, and learn what it can afford.
 
 `warm_up` runs dummy batches of 1, 2, 4, ... up to `max_batch_size` items, measures the peak
-memory of each, and stops growing where `memory_limit_bytes` would be exceeded. With
-`dtype: auto` on a runtime that chose bf16 or fp16, it first compares the outputs with an fp32
+memory of each, and stops growing where `memory_limit_bytes` would be exceeded. With a torch
+runtime's `dtype: auto` resolved to bf16 or fp16, it first compares the outputs with an fp32
 reference and falls back to fp32 when they differ by more than `dtype_tolerance`.
 
-Warm-up runs the whole model, so it also loads `lazy_submodules`; a model whose lazy parts
+Warm-up runs the whole model, so it also loads `pytorch.lazy_submodules`; a model whose lazy parts
 should wait for the first real request needs `warmup: false`.
 """
 
@@ -106,8 +106,10 @@ def warm_up(runtime: ModelRuntime, config: ModelConfig, progress: ProgressFn | N
     say = progress or _ignore
     started = time.perf_counter()
     check = None
-    if config.dtype == "auto" and isinstance(runtime, PrecisionChecking) and runtime.serving_dtype != "fp32":
-        check = _check_precision(runtime, config, say)
+    precision = config.torch_settings
+    if precision is not None and precision.dtype == "auto" and isinstance(runtime, PrecisionChecking) \
+            and runtime.serving_dtype != "fp32":
+        check = _check_precision(runtime, config, precision.dtype_tolerance, say)
     probe: PeakMemoryProbe = runtime.peak_memory_probe() if isinstance(runtime, MemoryProbing) else ProcessPeakMemory()
     batched = config.max_batch_size > 0
     limit = config.memory_limit_bytes
@@ -145,10 +147,12 @@ def warm_up(runtime: ModelRuntime, config: ModelConfig, progress: ProgressFn | N
     )
 
 
-def _check_precision(runtime: PrecisionChecking, config: ModelConfig, say: ProgressFn) -> PrecisionCheck:
+def _check_precision(
+    runtime: PrecisionChecking, config: ModelConfig, tolerance: float, say: ProgressFn
+) -> PrecisionCheck:
     say(f"compare {runtime.serving_dtype} outputs with fp32")
     try:
-        check = runtime.check_against_fp32(precision_probe_batch(config), config.dtype_tolerance)
+        check = runtime.check_against_fp32(precision_probe_batch(config), tolerance)
     except ModelLoadError:
         raise
     except Exception as exc:
@@ -157,9 +161,10 @@ def _check_precision(runtime: PrecisionChecking, config: ModelConfig, say: Progr
         say(f"kept {check.serving_dtype} unchecked: {check.skipped_reason}")
     elif check.fell_back_to_fp32:
         say(f"{check.checked_dtype} differs from fp32 by {check.max_relative_difference:.3g} "
-            f"(dtype_tolerance {config.dtype_tolerance:g}): serving in fp32")
+            f"(dtype_tolerance {tolerance:g}): serving in fp32")
     else:
-        say(f"{check.checked_dtype} within {check.max_relative_difference:.3g} of fp32: serving in {check.checked_dtype}")
+        say(f"{check.checked_dtype} within {check.max_relative_difference:.3g} of fp32: "
+            f"serving in {check.checked_dtype}")
     return check
 
 
@@ -179,7 +184,7 @@ def _check_output(spec: TensorSpec, outputs: dict[str, np.ndarray], batched: boo
         )
     expected = ([batch_size] if batched else []) + list(spec.shape)
     fits = len(array.shape) == len(expected) and all(
-        want == -1 or want == got for want, got in zip(expected, array.shape)
+        want == -1 or want == got for want, got in zip(expected, array.shape, strict=True)
     )
     if not fits:
         batch_note = f" (a batch of {batch_size}, then {spec.shape})" if batched else ""

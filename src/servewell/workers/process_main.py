@@ -52,7 +52,7 @@ def worker_main(
         os.nice(config.nice)
     if config.cpu_affinity:
         try:
-            os.sched_setaffinity(0, config.cpu_affinity)
+            os.sched_setaffinity(0, config.affinity_of(instance) or [])
         except (OSError, ValueError) as exc:
             conn.send(WorkerLoadFailed(f"cpu_affinity {config.cpu_affinity} cannot be applied: {exc}"))
             conn.close()

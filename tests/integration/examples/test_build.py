@@ -153,4 +153,6 @@ def test_resnet50_config_is_valid_for_every_runtime(runtime: str) -> None:
     config = ModelConfig.model_validate(resnet50_config_dict(runtime))
     assert config.runtime == runtime and config.max_batch_size == 32
     assert "NOT trained" in config.metadata["weights"]
-    assert (config.factory is not None) == (runtime == "pytorch")
+    assert (config.pytorch is not None) == (runtime == "pytorch")
+    if config.pytorch is not None:
+        assert config.pytorch.factory == "servewell.examples.resnet:resnet50"

@@ -11,14 +11,14 @@ from servewell.runtimes import ModelLoadError, load_runtime
 
 
 def make_config(runtime: str = "onnx", artifact: str = "model.onnx") -> ModelConfig:
-    return ModelConfig(
-        name="m",
-        runtime=runtime,  # type: ignore[arg-type]
-        artifact=artifact,
-        factory="net:build" if runtime == "pytorch" else None,
-        inputs=[{"name": "x", "datatype": "FP32", "shape": [4]}],  # type: ignore[list-item]
-        outputs=[{"name": "y", "datatype": "FP32", "shape": [3]}],  # type: ignore[list-item]
-    )
+    return ModelConfig.model_validate({
+        "name": "m",
+        "runtime": runtime,
+        "artifact": artifact,
+        **({"pytorch": {"factory": "net:build"}} if runtime == "pytorch" else {}),
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [3]}],
+    })
 
 
 def test_missing_model_directory(tmp_path: Path) -> None:
@@ -37,10 +37,3 @@ def test_artifact_that_is_a_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="is not a file"):
         load_runtime(make_config(), tmp_path, lambda stage: None)
 
-
-@pytest.mark.parametrize("runtime", ["onnx", "torchscript"])
-def test_lazy_submodules_need_the_pytorch_runtime(tmp_path: Path, runtime: str) -> None:
-    (tmp_path / "model.onnx").write_bytes(b"")
-    config = make_config(runtime).model_copy(update={"lazy_submodules": ["head"]})
-    with pytest.raises(ModelLoadError, match="lazy_submodules works with runtime pytorch only"):
-        load_runtime(config, tmp_path, lambda stage: None)

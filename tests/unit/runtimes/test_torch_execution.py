@@ -4,6 +4,7 @@ ways a device fails (out of memory, device-side errors), injected by small modul
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ CPU = torch.device("cpu")
 
 
 def spec(name: str, datatype: str = "FP32") -> TensorSpec:
-    return TensorSpec(name=name, datatype=datatype, shape=[-1])  # type: ignore[arg-type]
+    return TensorSpec(name=name, datatype=datatype, shape=[-1])
 
 
 def test_cpuinfo_flags_decide_native_bf16(tmp_path: Path) -> None:
@@ -81,15 +82,16 @@ def test_results_that_do_not_fit_are_explained(result: object, message: str) -> 
         outputs_to_numpy(result, [spec("first"), spec("second")])
 
 
-def batched_config(max_batch_size: int = 8) -> ModelConfig:
-    return ModelConfig(
-        name="tiny",
-        runtime="torchscript",
-        artifact="model.pt",
-        inputs=[{"name": "x", "datatype": "FP32", "shape": [2]}],
-        outputs=[{"name": "y", "datatype": "FP32", "shape": [2]}],
-        max_batch_size=max_batch_size,
-    )
+def batched_config(max_batch_size: int = 8, **torchscript: Any) -> ModelConfig:
+    return ModelConfig.model_validate({
+        "name": "tiny",
+        "runtime": "torchscript",
+        "artifact": "model.pt",
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [2]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [2]}],
+        "max_batch_size": max_batch_size,
+        "torchscript": torchscript,
+    })
 
 
 class OutOfMemoryAbove(torch.nn.Module):
@@ -205,7 +207,7 @@ def test_reduced_precision_within_tolerance_is_kept_and_checked_once() -> None:
 def test_warm_up_with_dtype_auto_reports_the_fallback() -> None:
     builds: list[str] = []
     runtime = bf16_runtime_with_fp32_reference(builds)
-    config = batched_config(max_batch_size=2).model_copy(update={"dtype": "auto", "dtype_tolerance": 1e-12})
+    config = batched_config(max_batch_size=2, dtype="auto", dtype_tolerance=1e-12)
     stages: list[str] = []
 
     report = warm_up(runtime, config, stages.append)

@@ -76,7 +76,7 @@ def reference(module: torch.nn.Module, inputs: dict[str, np.ndarray]) -> list[np
 def test_scripted_tuple_output_matches_eager(tmp_path: Path, freeze: bool, optimize: bool) -> None:
     module = TwoHeads().eval()
     torch.jit.save(torch.jit.script(module), str(tmp_path / "model.pt"))
-    config = make_config(freeze=freeze, optimize_for_inference=optimize)
+    config = make_config(torchscript={"freeze": freeze, "optimize_for_inference": optimize})
     stages: list[str] = []
     runtime = load_runtime(config, tmp_path, stages.append)
 
@@ -98,7 +98,7 @@ def test_bf16_serving_gives_float32_close_to_eager(tmp_path: Path) -> None:
     example = batch()
     torch.jit.save(torch.jit.script(module), str(tmp_path / "model.pt"))
     stages: list[str] = []
-    runtime = load_runtime(make_config(dtype="bf16"), tmp_path, stages.append)
+    runtime = load_runtime(make_config(torchscript={"dtype": "bf16"}), tmp_path, stages.append)
 
     outputs = runtime.run(example)
 

@@ -1,0 +1,138 @@
+"""Per-runtime sections of model.yaml: `onnx:`, `torchscript:`, `pytorch:`.
+
+Each section holds every knob its runtime has, so a model.yaml shows at a glance what applies
+to it, and a knob of another runtime is an error instead of being silently ignored. The serving
+precision (`dtype`, `dtype_tolerance`) and the CUDA memory cap belong to the two torch runtimes
+only (an ONNX graph computes in the dtypes it was exported with), so both torch sections
+inherit them from `TorchSettings` rather than sharing a fourth section: one model, one section.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from servewell.config.problems import Problems, config_error
+from servewell.config.strict import StrictModel
+
+RuntimeName = Literal["onnx", "torchscript", "pytorch"]
+ServingDtype = Literal["fp32", "fp16", "bf16", "auto"]
+RUNTIMES: tuple[RuntimeName, ...] = ("onnx", "torchscript", "pytorch")
+
+
+class OnnxSettings(StrictModel):
+    """Settings of the onnx runtime (onnxruntime)."""
+
+    spin_wait: bool | None = Field(
+        None, description="Let idle intra-op threads spin between batches (lower latency, burns CPU); "
+        "default: only when instances x threads leave a core free.",
+    )
+
+
+class TorchSettings(StrictModel):
+    """What both torch runtimes (torchscript, pytorch) share: serving precision and the CUDA memory cap."""
+
+    dtype: ServingDtype = Field(
+        "fp32", description="Serving dtype of the weights: fp32, fp16, bf16, or auto (fp16 on CUDA, bf16 on a "
+        "CPU with native bf16, else fp32; checked against fp32 at warm-up).",
+    )
+    dtype_tolerance: float = Field(
+        0.05, gt=0, description="dtype auto: largest relative difference from fp32 outputs on the warm-up batch "
+        "that still allows reduced precision (bf16/fp16); above it the model serves in fp32.",
+    )
+    gpu_memory_fraction: float | None = Field(
+        None, gt=0, le=1, description="CUDA devices only: hard cap on each instance's share of device memory "
+        "(torch.cuda.set_per_process_memory_fraction).",
+    )
+
+
+class TorchScriptSettings(TorchSettings):
+    """Settings of the torchscript runtime (`torch.jit.load`)."""
+
+    freeze: bool = Field(False, description="torch.jit.freeze the module after loading.")
+    optimize_for_inference: bool = Field(
+        False, description="Apply torch.jit.optimize_for_inference (implies freeze)."
+    )
+
+
+def _dotted_identifiers(text: str) -> bool:
+    """`pkg.mod` or `Cls.build`: Python identifiers joined by dots."""
+    return all(part.isidentifier() for part in text.split("."))
+
+
+def _submodule_path(text: str) -> bool:
+    """A dotted submodule name as `get_submodule` takes it; a ModuleList's children are numbers."""
+    return all(part.isidentifier() or part.isdigit() for part in text.split("."))
+
+
+class PyTorchSettings(TorchSettings):
+    """Settings of the pytorch runtime: a factory builds the module, the artifact holds its weights."""
+
+    factory: str = Field(
+        description="'module:callable' that builds the nn.Module (the model directory is importable)."
+    )
+    factory_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the factory.")
+    unsafe_allow_pickle: bool = Field(
+        False, description="Allow loading a fully pickled model. Unpickling runs arbitrary code; only for files "
+        "you built yourself.",
+    )
+    lazy_submodules: list[str] = Field(
+        default_factory=list, description="Submodules (dotted names) whose weights load on first use instead of "
+        "at start (at most once, even under concurrency); none inside another.",
+    )
+
+    @field_validator("factory")
+    @classmethod
+    def _factory_spec(cls, factory: str) -> str:
+        module, colon, attribute = factory.partition(":")
+        if not colon or not _dotted_identifiers(module) or not _dotted_identifiers(attribute):
+            raise config_error(f"{factory!r} must look like 'module:callable' (e.g. 'my_model:build')")
+        return factory
+
+    @field_validator("lazy_submodules")
+    @classmethod
+    def _lazy_names(cls, names: list[str]) -> list[str]:
+        problems = Problems(cls.__name__)
+        for index, name in enumerate(names):
+            if not name or not _submodule_path(name):
+                problems.add((index,), f"{name!r} is not a dotted submodule name such as 'head' or 'blocks.3'", name)
+            elif names.index(name) != index:
+                problems.add((index,), f"{name!r} is listed twice", name)
+        for index, name in enumerate(names):
+            outer = next((other for other in names if name.startswith(other + ".")), None)
+            if outer is not None:
+                problems.add((index,), f"{name!r} is inside {outer!r}, which is lazy already; list only the outer "
+                             "one", name)
+        problems.raise_if_any()
+        return names
+
+
+#: The section class of each runtime.
+SECTIONS: dict[str, type[StrictModel]] = {
+    "onnx": OnnxSettings,
+    "torchscript": TorchScriptSettings,
+    "pytorch": PyTorchSettings,
+}
+
+
+def runtimes_with(field: str) -> list[str]:
+    """The runtimes whose section has `field`, in the order of `RUNTIMES`."""
+    return [name for name in RUNTIMES if field in SECTIONS[name].model_fields]
+
+
+#: Flat top-level keys of model.yaml from before the per-runtime sections, now fields of a section.
+MOVED_TO_SECTIONS: tuple[str, ...] = tuple(
+    sorted({name for section in SECTIONS.values() for name in section.model_fields})
+)
+
+
+def moved_field_reason(field: str, runtime: object) -> str:
+    """Why the flat key `field` is refused: where it lives now, for this model's `runtime`."""
+    owners = runtimes_with(field)
+    if runtime in owners:
+        return f"moved to '{runtime}.{field}'"
+    places = " or ".join(f"'{owner}.{field}'" for owner in owners)
+    runtime_note = f"; this model's runtime is {runtime}" if isinstance(runtime, str) and runtime in RUNTIMES else ""
+    return f"moved to {places} (a setting of the {' and '.join(owners)} runtime{'s' if len(owners) > 1 else ''} only" \
+        f"{runtime_note})"

@@ -1,0 +1,201 @@
+"""What `servewell models` says about a repository: would the server serve each model, and with what.
+
+For every model directory, in the order the server loads them: every problem of its model.yaml
+(file, field, reason); its CPU affinity against the CPUs of this machine; for the pytorch
+runtime, the factory built on the meta device in a child process (the lazy submodules must
+exist); and the memory estimate against the budget, reserved model after model exactly as the
+server reserves them (`engine.memory_budget`), so a model the server would refuse is reported as
+refused, not `ok`. Valid models show their effective settings in two or three short lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from servewell.config.model import ModelConfig, TensorSpec
+from servewell.config.model_file import CONFIG_FILE, ModelConfigError, read_model_yaml
+from servewell.engine.memory_budget import MiB, estimate_model_memory
+from servewell.engine.repository import scan_repository
+
+#: A factory that takes longer than this to import and build on meta would also stall a load.
+FACTORY_CHECK_TIMEOUT_S = 60.0
+_IO_FIELDS = {"name", "version", "runtime", "artifact", "inputs", "outputs", "max_batch_size", "instances",
+              "threads", "device", "preprocess", "postprocess", "metadata"}
+
+
+@dataclass(slots=True)
+class ModelReport:
+    """One model: its model.yaml and problems in it (each naming its field), whether the budget
+    refuses it, its effective settings."""
+
+    name: str
+    file: Path
+    problems: list[str] = field(default_factory=list)
+    refused: str | None = None
+    settings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        """ok, INVALID (a problem in the config or on this machine) or REFUSED (over the memory budget)."""
+        if self.problems:
+            return "INVALID"
+        return "REFUSED" if self.refused else "ok"
+
+
+def report_repository(
+    root: Path, budget_bytes: int, available_cpus: set[int], check_factories: bool = True
+) -> list[ModelReport]:
+    """A report per model directory of `root`, in the server's load order."""
+    reports = []
+    reserved = 0
+    for source in scan_repository(root):
+        report = ModelReport(source.name, source.directory / CONFIG_FILE)
+        reports.append(report)
+        if source.config is None:
+            report.problems.extend(_config_problems(source.directory, source.error))
+            continue
+        config = source.config
+        report.problems.extend(affinity_problems(config, available_cpus))
+        if config.runtime == "pytorch":
+            if check_factories:
+                found, note = check_factory(config, source.directory)
+                report.problems.extend(found)
+                if note:
+                    report.notes.append(note)
+            else:
+                report.notes.append("factory not checked (--no-factory-check)")
+        # The server reserves every valid model's estimate before any load finishes, in this order.
+        try:
+            estimate = estimate_model_memory(config, source.directory)
+        except (OSError, ValueError) as exc:
+            report.refused = f"would be refused before loading: {exc}"
+            continue
+        left = budget_bytes - reserved
+        if estimate.total_bytes > left:
+            report.refused = (
+                f"would be refused: needs {_mib(estimate.total_bytes)}, budget {_mib(budget_bytes)}"
+                + (f" ({_mib(max(left, 0))} left after the models before it)" if reserved else "")
+                + f"; estimate from the {estimate.basis}"
+            )
+        else:
+            reserved += estimate.total_bytes
+        report.settings = effective_settings(config, f"~{_mib(estimate.total_bytes)} ({estimate.basis})")
+    return reports
+
+
+def _config_problems(directory: Path, error: str | None) -> list[str]:
+    try:
+        read_model_yaml(directory)
+    except ModelConfigError as exc:
+        return [str(problem) for problem in exc.problems]
+    return [error or "invalid"]
+
+
+def affinity_problems(config: ModelConfig, available_cpus: set[int]) -> list[str]:
+    """`cpu_affinity` entries naming CPUs this process cannot run on (the worker would fail to pin)."""
+    problems = []
+    for instance in range(config.instances):
+        cpus = config.affinity_of(instance) or []
+        missing = sorted(set(cpus) - available_cpus)
+        if missing:
+            problems.append(f"field 'cpu_affinity': instance {instance} names CPU(s) {missing}, which this machine "
+                            f"does not offer (available: {_ranges(available_cpus)})")
+        if cpus and config.cpu_affinity and not isinstance(config.cpu_affinity[0], list):
+            break  # one list for every instance: said once
+    return problems
+
+
+def check_factory(config: ModelConfig, directory: Path) -> tuple[list[str], str | None]:
+    """Problems of a pytorch model's factory, from a child process; and a note when it could not run."""
+    command = [sys.executable, "-m", "servewell.runtimes.factory_check", str(directory)]
+    try:
+        done = subprocess.run(command, input=config.model_dump_json(), capture_output=True, text=True,
+                              timeout=FACTORY_CHECK_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return [f"field 'pytorch.factory': building the module on the meta device took over "
+                f"{FACTORY_CHECK_TIMEOUT_S:.0f} s (a load would stall the same way)"], None
+    try:
+        answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        if "No module named 'torch'" in done.stderr:
+            return [], "factory not checked: torch is not installed here"
+        return [f"field 'pytorch.factory': the check exited with code {done.returncode}: {tail[0]}"], None
+    return [f"field '{p['field']}': {p['reason']}" for p in answer.get("problems", [])], None
+
+
+def effective_settings(config: ModelConfig, memory: str) -> list[str]:
+    """Two or three lines: what runs where, the tensors, and every setting that is not its default."""
+    instances = f"{config.instances} instance{'s' if config.instances > 1 else ''}"
+    lines = [
+        f"version {config.version}, {config.runtime} {config.artifact}, {instances} x {config.threads} "
+        f"thread{'s' if config.threads > 1 else ''} on {config.device}, max_batch_size {config.max_batch_size}, "
+        f"memory {memory}",
+        "tensors: " + ", ".join(_tensor(t) for t in config.inputs) + " -> "
+        + ", ".join(_tensor(t) for t in config.outputs)
+        + (f"; images {list(config.preprocess.size)} x{config.preprocess.channels} into '{config.image_input}'"
+           if config.preprocess else ""),
+    ]
+    changed = _flatten(config.model_dump(mode="json", exclude_defaults=True, exclude=_IO_FIELDS))
+    if changed:
+        lines.append("settings: " + ", ".join(f"{key}={value}" for key, value in changed))
+    return lines
+
+
+def _tensor(spec: TensorSpec) -> str:
+    return f"{spec.name} {spec.datatype}{spec.shape}".replace(", ", ",")
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    flat: list[tuple[str, str]] = []
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            flat.extend(_flatten(value, f"{prefix}{key}."))
+        elif value != {}:
+            flat.append((prefix + key, json.dumps(value, separators=(",", ":"))))
+    return flat
+
+
+def _mib(value: int) -> str:
+    return f"{value / MiB:,.0f} MiB"
+
+
+def _ranges(cpus: Iterable[int]) -> str:
+    """{0, 1, 2, 5} as `0-2,5`."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][-1] + 1:
+            runs[-1].append(cpu)
+        else:
+            runs.append([cpu])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs) or "none"
+
+
+def available_cpus() -> set[int]:
+    """CPUs this process (and so a worker it starts) may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
+def render(root: Path, budget_bytes: int, budget_source: str, reports: list[ModelReport]) -> str:
+    """The text `servewell models` prints."""
+    width = max([20] + [len(r.name) for r in reports])
+    lines = [f"model repository {root}: {len(reports)} model(s); memory budget {_mib(budget_bytes)} ({budget_source})"]
+    for report in reports:
+        head = f"  {report.name:<{width}} {report.status:<8} "
+        body = report.problems + ([report.refused] if report.refused else []) + report.settings + report.notes
+        if report.problems:
+            body.insert(0, f"{report.file}:")  # the file once, then each problem with its field
+        lines.append(head + (body[0] if body else ""))
+        lines.extend(" " * len(head) + ("  " if report.problems and 0 < i <= len(report.problems) else "") + line
+                     for i, line in enumerate(body[1:], start=1))
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""What `servewell models` reports: problems by field, affinity on this machine, the memory budget, settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from servewell.engine.memory_budget import RUNTIME_BASE_BYTES, WORKING_SET_FACTOR
+from servewell.repository_report import render, report_repository
+
+MiB = 1 << 20
+
+
+def onnx_model(root: Path, name: str, size_bytes: int = 1000, **changes: Any) -> None:
+    directory = root / name
+    directory.mkdir(parents=True)
+    (directory / "model.onnx").write_bytes(b"\0" * size_bytes)
+    (directory / "model.yaml").write_text(yaml.safe_dump({
+        "runtime": "onnx", "artifact": "model.onnx",
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [3]}], **changes,
+    }))
+
+
+def need(size_bytes: int, instances: int = 1) -> int:
+    """What engine.memory_budget estimates for an onnx file of `size_bytes`."""
+    return (int(size_bytes * WORKING_SET_FACTOR) + RUNTIME_BASE_BYTES["onnx"]) * instances
+
+
+def test_a_valid_model_is_ok_with_its_effective_settings(tmp_path: Path) -> None:
+    onnx_model(tmp_path, "tiny", batching={"policy": "window", "max_wait_ms": 5})
+    (report,) = report_repository(tmp_path, 1 << 40, {0, 1})
+    assert report.status == "ok" and not report.problems
+    assert report.settings[0].startswith("version 1, onnx model.onnx, 1 instance x 1 thread on cpu, max_batch_size 16")
+    assert report.settings[1] == "tensors: x FP32[4] -> y FP32[3]"
+    assert report.settings[2] == 'settings: batching.policy="window", batching.max_wait_ms=5.0'
+
+
+def test_models_over_the_budget_are_refused_in_load_order(tmp_path: Path) -> None:
+    onnx_model(tmp_path, "a_first", size_bytes=8 * MiB)
+    onnx_model(tmp_path, "b_second", size_bytes=8 * MiB)
+    onnx_model(tmp_path, "c_small", size_bytes=1000)
+    budget = need(8 * MiB) + need(1000)  # room for the first and the small one, not for both big ones
+    first, second, small = report_repository(tmp_path, budget, {0})
+    assert first.status == "ok" and small.status == "ok"
+    assert second.status == "REFUSED" and second.refused is not None
+    assert second.refused.startswith(f"would be refused: needs {need(8 * MiB) / MiB:,.0f} MiB, budget "
+                                     f"{budget / MiB:,.0f} MiB")
+    assert "file size of model.onnx" in second.refused
+
+
+def test_every_validation_problem_is_listed_with_file_and_field(tmp_path: Path) -> None:
+    onnx_model(tmp_path, "old", spin_wait=True, max_batch_size="lots")
+    (report,) = report_repository(tmp_path, 1 << 40, {0})
+    assert report.status == "INVALID"
+    assert report.problems == ["field 'spin_wait': moved to 'onnx.spin_wait'",
+                               "field 'max_batch_size': Input should be a valid integer, unable to parse string as an "
+                               "integer"]
+    text = render(tmp_path, 1 << 40, "test", [report])
+    assert f"old                  INVALID  {tmp_path / 'old' / 'model.yaml'}:" in text
+    lines = text.splitlines()
+    assert lines[2] == " " * 34 + "field 'spin_wait': moved to 'onnx.spin_wait'"  # under the file, indented
+
+
+def test_cpus_this_machine_lacks_are_a_problem(tmp_path: Path) -> None:
+    onnx_model(tmp_path, "pinned", instances=2, cpu_affinity=[[0], [3]])
+    (report,) = report_repository(tmp_path, 1 << 40, {0, 1})
+    assert report.problems == ["field 'cpu_affinity': instance 1 names CPU(s) [3], which this machine does not offer "
+                               "(available: 0-1)"]
+
+
+def test_pytorch_factories_can_be_left_unchecked(tmp_path: Path) -> None:
+    directory = tmp_path / "pt"
+    directory.mkdir()
+    (directory / "model.pt").write_bytes(b"\0" * 100)
+    (directory / "model.yaml").write_text(yaml.safe_dump({
+        "runtime": "pytorch", "artifact": "model.pt", "pytorch": {"factory": "absent:build"},
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [3]}],
+    }))
+    (report,) = report_repository(tmp_path, 1 << 40, {0}, check_factories=False)
+    assert report.status == "ok" and report.notes == ["factory not checked (--no-factory-check)"]
