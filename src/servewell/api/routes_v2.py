@@ -117,7 +117,7 @@ async def model_config(name: str, version: str | None = None, state: AppState = 
             "policy": config.batching.policy,
             "max_queue_delay_microseconds": int(config.batching.max_wait_ms * 1000),
         },
-        "servewell": config.model_dump(mode="json"),
+        "servewell": config.model_dump(mode="json", exclude_none=True),
     })
 
 
