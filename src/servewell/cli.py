@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 
+from servewell import __version__
 from servewell.config.server import ConfigFileError, ServerConfig, load_server_config
 
 #: Nested settings that only a --config file sets.
 _FILE_ONLY = ("alerting",)
-_FLAG_TYPES = {int: int, float: float, str: str, Path: Path}
+#: How argparse turns a flag's text into a value, by the field's type.
+_FLAG_TYPES: dict[object, Callable[[str], object]] = {int: int, float: float, str: str, Path: Path}
 
 
 def _float_list(text: str) -> list[float]:
@@ -19,16 +23,22 @@ def _float_list(text: str) -> list[float]:
     return [float(part) for part in text.split(",") if part.strip()]
 
 
-def _flag_type(annotation: object):  # noqa: ANN202 - a callable argparse uses as type
-    if typing.get_origin(annotation) is list:
+def _without_none(annotation: object) -> object:
+    """`X` for `X | None`; any other annotation as it is."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _flag_type(annotation: object) -> Callable[[str], object]:
+    base = _without_none(annotation)
+    if typing.get_origin(base) is list:
         return _float_list
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) is typing.Literal:
-        return str
-    base = args[0] if args else annotation
     if typing.get_origin(base) is typing.Literal:
         return str
-    return _FLAG_TYPES.get(base, str)  # type: ignore[arg-type]
+    return _FLAG_TYPES.get(base, str)  # anything else (bool) is parsed by the config model
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
@@ -38,13 +48,13 @@ def _add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | N
         if name in _FILE_ONLY:
             continue
         flag = "--" + name.replace("_", "-")
-        choices = None
-        inner = [a for a in typing.get_args(field.annotation) if a is not type(None)] or [field.annotation]
-        if typing.get_origin(inner[0]) is typing.Literal:
-            choices = list(typing.get_args(inner[0]))
-        default = field.default if field.default is not None else "none"
-        if field.default_factory is not None:
-            default = ",".join(str(v) for v in field.default_factory())
+        base = _without_none(field.annotation)
+        choices = list(typing.get_args(base)) if typing.get_origin(base) is typing.Literal else None
+        default = field.get_default(call_default_factory=True)
+        if default is None:
+            default = "none"
+        elif isinstance(default, list):
+            default = ",".join(str(v) for v in default)
         parser.add_argument(
             flag, dest=name, type=_flag_type(field.annotation), choices=choices, default=None,
             help=f"{field.description} (default: {default})".replace("%", "%%"),
@@ -94,7 +104,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (also used to render `--help`)."""
-    parser = argparse.ArgumentParser(prog="servewell", description="Serve ONNX, TorchScript and PyTorch models over HTTP.")
+    parser = argparse.ArgumentParser(prog="servewell",
+                                     description="Serve ONNX, TorchScript and PyTorch models over HTTP.")
+    parser.add_argument("--version", action="version", version=f"servewell {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser("serve", help="start the server", description="Start the HTTP server; without "
                            "--model-repository it serves the built-in digits model.")
@@ -112,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `servewell` command."""
     args = build_parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
     try:
-        return args.run(args)
+        return run(args)
     except ConfigFileError as exc:
         print(f"servewell: {exc}", file=sys.stderr)
         return 2
