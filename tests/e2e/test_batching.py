@@ -4,69 +4,24 @@ reach the model (counted by the worker), a full queue refuses at once, settings 
 from __future__ import annotations
 
 import asyncio
-import textwrap
+
 import httpx
 import pytest
-import torch
-import yaml
-from safetensors.torch import save_file
 
-SLOW_FACTORY = textwrap.dedent('''
-    import time
-
-    import torch
-    from torch import nn
-
-
-    class Slow(nn.Module):
-        """Echoes its input after a fixed delay per batch: a stand-in for a heavy model."""
-
-        def __init__(self, delay_ms: float = 100.0):
-            super().__init__()
-            self.delay_s = delay_ms / 1000.0
-            self.scale = nn.Parameter(torch.ones(1))
-
-        def forward(self, x):
-            time.sleep(self.delay_s)
-            return x * self.scale
-
-
-    def build(delay_ms: float = 100.0):
-        return Slow(delay_ms)
-''')
-
-
-def slow_model(root, name: str, delay_ms: float, **fields) -> None:
-    directory = root / name
-    directory.mkdir(parents=True)
-    (directory / "slow_factory.py").write_text(SLOW_FACTORY)
-    save_file({"scale": torch.ones(1)}, str(directory / "model.safetensors"))
-    config = {
-        "runtime": "pytorch", "artifact": "model.safetensors", "factory": "slow_factory:build",
-        "factory_kwargs": {"delay_ms": delay_ms},
-        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
-        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
-        **fields,
-    }
-    (directory / "model.yaml").write_text(yaml.safe_dump(config))
+from model_dirs import infer_body as body
+from model_dirs import slow_model
+from waiting import eventually_async
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, start_server):
+def server(tmp_path_factory, start_module_server):
     root = tmp_path_factory.mktemp("slow-repo")
     slow_model(root, "slow", 100, max_batch_size=4)
     slow_model(root, "tiny_queue", 150, max_batch_size=1, batching={"max_queue_size": 2})
     slow_model(root, "one_at_a_time", 200, max_batch_size=1)
-    srv = start_server(["--model-repository", str(root)])
+    srv = start_module_server(["--model-repository", str(root)])
     srv.wait_ready()
     return srv
-
-
-def body(value: float, **parameters) -> dict:
-    doc = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [value]}]}
-    if parameters:
-        doc["parameters"] = parameters
-    return doc
 
 
 def rows_computed(url: str, model: str) -> int:
@@ -85,8 +40,11 @@ def test_urgent_request_overtakes_a_full_normal_queue(server):
                 order.append(tag)
 
             normal = [asyncio.create_task(send(f"n{i}", i)) for i in range(24)]
-            while (await c.get("/healthz")).json()["models"]["slow"]["queue_depth"] < 12:
-                await asyncio.sleep(0.01)
+
+            async def queue_filled() -> bool:
+                return (await c.get("/healthz")).json()["models"]["slow"]["queue_depth"] >= 12
+
+            await eventually_async(queue_filled, 30, "12 normal requests never queued")
             urgent = asyncio.create_task(send("urgent", 99.0, priority=1))
             await asyncio.gather(urgent, *normal)
         # 24 normal requests make 6 batches of 4; the urgent one waits only for the running batch.

@@ -208,11 +208,11 @@ def test_lazy_submodule_stays_on_meta_until_first_use(model_dir: ModelDir) -> No
     config = model_dir.config("model.safetensors", lazy_submodules=["fc2"])
 
     module = build_module(config, model_dir.path, torch.device("cpu"), torch.float32, lambda stage: None)
-    assert module.fc2.weight.is_meta and not module.fc1.weight.is_meta
+    assert module.get_parameter("fc2.weight").is_meta and not module.get_parameter("fc1.weight").is_meta
     runtime = TorchModuleRuntime(module, config, torch.device("cpu"), torch.float32)
 
     np.testing.assert_allclose(runtime.run({"x": x_batch()})["y"], expected(reference, x_batch()), rtol=1e-6)
-    assert not module.fc2.weight.is_meta
+    assert not module.get_parameter("fc2.weight").is_meta
 
 
 def test_lazy_submodule_under_eight_concurrent_first_requests(model_dir: ModelDir) -> None:
@@ -262,7 +262,7 @@ def test_warm_up_loads_lazy_submodules_and_reports(model_dir: ModelDir) -> None:
 
     report = warm_up(TorchModuleRuntime(module, config, torch.device("cpu"), torch.float32), config)
 
-    assert not module.fc2.weight.is_meta
+    assert not module.get_parameter("fc2.weight").is_meta
     assert report.effective_max_batch_size == 4 and report.serving_dtype == "fp32"
     assert [size for size, _ in report.peak_bytes_by_batch] == [1, 2, 4]
 
@@ -274,7 +274,10 @@ def test_fp32_rebuild_from_the_weights_file_takes_over_when_bf16_is_off(model_di
     config = model_dir.config("model.safetensors", dtype="auto", dtype_tolerance=1e-12, lazy_submodules=["fc2"])
     cpu = torch.device("cpu")
     reduced = build_module(config, model_dir.path, cpu, torch.bfloat16, lambda stage: None)
-    rebuild = lambda: build_module(config, model_dir.path, cpu, torch.float32, lambda stage: None)  # noqa: E731
+
+    def rebuild() -> torch.nn.Module:
+        return build_module(config, model_dir.path, cpu, torch.float32, lambda stage: None)
+
     runtime = TorchModuleRuntime(reduced, config, cpu, torch.bfloat16, fp32_reference=rebuild)
 
     report = warm_up(runtime, config)
@@ -319,7 +322,8 @@ def test_converted_weights_let_go_of_the_mapped_file(model_dir: ModelDir) -> Non
     path = model_dir.path / "model.safetensors"
     save_file(state, str(path))
     source = FACTORY_SOURCE.replace(
-        'self.register_buffer("scale"', 'self.register_buffer("steps", torch.tensor(0))\n        self.register_buffer("scale"'
+        'self.register_buffer("scale"',
+        'self.register_buffer("steps", torch.tensor(0))\n        self.register_buffer("scale"',
     )
     (model_dir.path / f"{model_dir.module_name}.py").write_text(source)
     sys.modules.pop(model_dir.module_name, None)

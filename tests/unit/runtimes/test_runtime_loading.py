@@ -13,11 +13,11 @@ from servewell.runtimes import ModelLoadError, load_runtime
 def make_config(runtime: str = "onnx", artifact: str = "model.onnx") -> ModelConfig:
     return ModelConfig(
         name="m",
-        runtime=runtime,  # type: ignore[arg-type]
+        runtime=runtime,
         artifact=artifact,
         factory="net:build" if runtime == "pytorch" else None,
-        inputs=[{"name": "x", "datatype": "FP32", "shape": [4]}],  # type: ignore[list-item]
-        outputs=[{"name": "y", "datatype": "FP32", "shape": [3]}],  # type: ignore[list-item]
+        inputs=[{"name": "x", "datatype": "FP32", "shape": [4]}],
+        outputs=[{"name": "y", "datatype": "FP32", "shape": [3]}],
     )
 
 

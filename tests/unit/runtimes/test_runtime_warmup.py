@@ -108,7 +108,8 @@ def test_precision_probe_batch_fills_floating_inputs_only_and_is_the_same_each_t
 
 
 @pytest.mark.parametrize(
-    ("max_batch_size", "sizes"), [(0, [1]), (1, [1]), (2, [1, 2]), (4, [1, 2, 4]), (6, [1, 2, 4, 6]), (16, [1, 2, 4, 8, 16])]
+    ("max_batch_size", "sizes"),
+    [(0, [1]), (1, [1]), (2, [1, 2]), (4, [1, 2, 4]), (6, [1, 2, 4, 6]), (16, [1, 2, 4, 8, 16])],
 )
 def test_warm_up_batch_sizes_double_up_to_the_max(max_batch_size: int, sizes: list[int]) -> None:
     assert warm_up_batch_sizes(max_batch_size) == sizes

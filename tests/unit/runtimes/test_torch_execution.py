@@ -26,7 +26,7 @@ CPU = torch.device("cpu")
 
 
 def spec(name: str, datatype: str = "FP32") -> TensorSpec:
-    return TensorSpec(name=name, datatype=datatype, shape=[-1])  # type: ignore[arg-type]
+    return TensorSpec(name=name, datatype=datatype, shape=[-1])
 
 
 def test_cpuinfo_flags_decide_native_bf16(tmp_path: Path) -> None:
