@@ -4,15 +4,17 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.servewell-installed
+# Every runtime, the built-in models, and what the tests, benchmarks and `make lint` use.
+EXTRAS ?= all,test,bench,dev
 # Machines of this kind keep the CPU build of torch in /opt/wheels; elsewhere pip's index serves it.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test test-deps lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test,bench]'
+	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -20,11 +22,20 @@ install: $(STAMP)
 serve: install
 	$(VENV)/bin/servewell serve --host 127.0.0.1 --port 8000 --log-format console
 
-test: install
+# Programs some tests run (promtool, prometheus, ...): installed where possible, else named.
+test-deps:
+	scripts/install-test-deps.sh
+
+test: install test-deps
 	$(VENV)/bin/pytest -q
+
+# ruff (lint rules in pyproject.toml) and mypy (strict on the serving path).
+lint: install
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
 
 bench: install
 	$(PY) -m bench.run
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -30,7 +30,8 @@ class HttpResponse:
     timings: dict[str, float] | None  # Server-Timing entries in ms (preprocess, queue, compute, total), if sent
 
 
-def encode_request(method: str, host: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> bytes:
+def encode_request(method: str, host: str, path: str, body: bytes = b"",
+                   headers: dict[str, str] | None = None) -> bytes:
     """The complete HTTP/1.1 request as bytes, ready to be written as is."""
     lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}"]
     if body:
@@ -70,10 +71,11 @@ class HttpConnection:
         """Whether a socket is open."""
         return self._writer is not None
 
-    async def connect(self) -> None:
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """Open the socket (called lazily by `request`)."""
         self._reader, self._writer = await asyncio.open_connection(self.host, self.port, limit=MAX_HEADER_BYTES)
         self._last_used = asyncio.get_running_loop().time()
+        return self._reader, self._writer
 
     async def request(self, raw: bytes) -> HttpResponse:
         """Send one pre-encoded request and read the whole response.
@@ -96,14 +98,15 @@ class HttpConnection:
             return await self._exchange(raw)
 
     async def _exchange(self, raw: bytes) -> HttpResponse:
-        if self._writer is None:
-            await self.connect()
+        reader, writer = self._reader, self._writer
+        if reader is None or writer is None:
+            reader, writer = await self.connect()
         try:
-            self._writer.write(raw)
-            await self._writer.drain()
-            head = await self._reader.readuntil(b"\r\n\r\n")
+            writer.write(raw)
+            await writer.drain()
+            head = await reader.readuntil(b"\r\n\r\n")
             status, length, timings, close = _parse_head(head)
-            body = await self._reader.readexactly(length) if length else b""
+            body = await reader.readexactly(length) if length else b""
         except BaseException:
             self.close()
             raise
@@ -143,7 +146,8 @@ def _parse_head(head: bytes) -> tuple[int, int, dict[str, float] | None, bool]:
     return status, length, timings, close
 
 
-async def fetch(host: str, port: int, method: str, path: str, body: bytes = b"", timeout_s: float = 10.0) -> HttpResponse:
+async def fetch(host: str, port: int, method: str, path: str, body: bytes = b"",
+                timeout_s: float = 10.0) -> HttpResponse:
     """One request on a fresh connection (for health checks and admin calls)."""
     connection = HttpConnection(host, port)
     try:

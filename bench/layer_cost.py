@@ -27,7 +27,7 @@ from servewell.api.middleware import RequestContextMiddleware
 from servewell.observability.logging import JsonLineFormatter
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.otlp import encode_spans
-from servewell.observability.tracing import DEFAULT_SAMPLE_RATIO, Link, Tracing, TracingSettings, _provider
+from servewell.observability.tracing import DEFAULT_SAMPLE_RATIO, Link, Tracing, TracingSettings
 
 RESULTS = Path(__file__).parent / "results"
 REQUESTS = 3000
@@ -39,7 +39,7 @@ class EncodeOnlyExporter(SpanExporter):
     """Encodes spans as servewell's OTLP/HTTP exporter does (protobuf), then drops them: the CPU
     of export is counted, a network's latency is not."""
 
-    def export(self, spans):  # noqa: ANN001, ANN201
+    def export(self, spans):
         encode_spans(spans)
         return SpanExportResult.SUCCESS
 
@@ -51,20 +51,17 @@ def tracing_to_nowhere(ratio: float = 1.0) -> Tracing:
     """The frontend's tracing (its provider, resource, sampler and batch processor), exporting to
     `EncodeOnlyExporter`. The middleware decides root sampling (`sample_root`, at `ratio`)."""
     os.environ.setdefault("OTEL_BSP_MAX_QUEUE_SIZE", "200000")  # one repeat's spans, none dropped
-    tracing = Tracing(TracingSettings(None, "http/protobuf", ratio))
-    tracing._provider = _provider(tracing.settings, decides_roots=True, exporter=EncodeOnlyExporter())  # noqa: SLF001
-    tracing.tracer = tracing._provider.get_tracer("servewell")  # noqa: SLF001
-    return tracing
+    return Tracing(TracingSettings(None, "http/protobuf", ratio), decides_roots=True, exporter=EncodeOnlyExporter())
 
 
-async def app(scope, receive, send) -> None:  # noqa: ANN001 - a bare ASGI app: the baseline
+async def app(scope, receive, send) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": b"{}"})
 
 
-def app_doing(*works):  # noqa: ANN001, ANN201
+def app_doing(*works):
     """A bare app that does the per-request `works` inside the request, as routes and the scheduler do."""
-    async def handler(scope, receive, send) -> None:  # noqa: ANN001
+    async def handler(scope, receive, send) -> None:
         for work in works:
             work()
         await app(scope, receive, send)
@@ -72,35 +69,37 @@ def app_doing(*works):  # noqa: ANN001, ANN201
     return handler
 
 
-SCOPE = {"type": "http", "method": "POST", "path": "/v2/models/m/infer", "headers": [(b"content-type", b"application/json")]}
+SCOPE = {"type": "http", "method": "POST", "path": "/v2/models/m/infer",
+         "headers": [(b"content-type", b"application/json")]}
 
 
-async def _drive(handler, n: int, tracing: Tracing | None) -> float:  # noqa: ANN001
-    async def receive():  # noqa: ANN202
+async def _drive(handler, n: int, tracing: Tracing | None) -> float:
+    async def receive():
         return {"type": "http.request", "body": b"", "more_body": False}
 
-    async def send(message) -> None:  # noqa: ANN001
+    async def send(message) -> None:
         pass
 
     started = time.perf_counter()
     for _ in range(n):
         await handler(dict(SCOPE), receive, send)
     if tracing is not None:
-        tracing._provider.force_flush()  # noqa: SLF001 - the export of these spans is part of their cost
+        tracing.force_flush()  # the export of these spans is part of their cost
     return (time.perf_counter() - started) / n
 
 
-def per_request_us(handler, tracing: Tracing | None = None) -> float:  # noqa: ANN001
+def per_request_us(handler, tracing: Tracing | None = None) -> float:
     """Median µs per request of `handler` (with the export of its spans, when `tracing` is given)."""
     samples = [asyncio.run(_drive(handler, REQUESTS, tracing)) for _ in range(REPEATS)]
     return statistics.median(samples) * 1e6
 
 
-def metrics_work(metrics: ServeMetrics):  # noqa: ANN201
+def metrics_work(metrics: ServeMetrics):
     """What the route and the scheduler record per request, and per batch amortized."""
     pre, post = metrics.preprocess.labels("m"), metrics.postprocess.labels("m")
     wait, ok = metrics.queue_wait.labels("m", "normal"), metrics.requests.labels("m", "normal", "success")
-    compute, transport, size = metrics.compute.labels("m"), metrics.transport.labels("m"), metrics.batch_size.labels("m")
+    compute, transport = metrics.compute.labels("m"), metrics.transport.labels("m")
+    size = metrics.batch_size.labels("m")
     counter = [0]
 
     def work() -> None:
@@ -117,7 +116,7 @@ def metrics_work(metrics: ServeMetrics):  # noqa: ANN201
     return work
 
 
-def tracing_work(tracing: Tracing):  # noqa: ANN201
+def tracing_work(tracing: Tracing):
     """The spans the route and scheduler make per request (preprocess, queue) and per batch, only
     for sampled requests, as servewell does."""
     tracer = tracing.tracer

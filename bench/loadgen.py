@@ -292,7 +292,8 @@ def summarize(spec: LoadSpec, recorder: Recorder) -> dict:
         # What the server says each answered request spent where: compute is the batch's run
         # time on the worker; client latency minus the server's total is HTTP + event-loop wait.
         for stage in SERVER_STAGES:
-            classes[kind][f"{stage}_ms"] = summarize_ms(o.timings[stage] for o in ok if o.timings and stage in o.timings)
+            classes[kind][f"{stage}_ms"] = summarize_ms(o.timings[stage] for o in ok
+                                                        if o.timings and stage in o.timings)
         classes[kind]["outside_server_ms"] = summarize_ms(
             (o.done - o.arrival) * 1000.0 - o.timings["total"] for o in ok if o.timings and "total" in o.timings
         )
@@ -333,7 +334,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[LoadSpec, Path | None]:
     p = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000 (loopback only)")
     p.add_argument("--path", default="/predict", help="request path")
-    p.add_argument("--body-file", action="append", required=True, type=Path, help="request body (repeatable; used in turn)")
+    p.add_argument("--body-file", action="append", required=True, type=Path,
+                   help="request body (repeatable; used in turn)")
     p.add_argument("--mode", choices=("closed", "open"), required=True)
     p.add_argument("--concurrency", type=int, default=8, help="closed loop: clients")
     p.add_argument("--rate", type=float, default=10.0, help="open loop: mean arrivals per second")

@@ -8,8 +8,8 @@ fresh child process per case while this process samples the child's private memo
 memory-mapped file). The samples read `RssAnon:` of /proc/<pid>/status, the kernel's counter,
 rather than `Anonymous:` of /proc/<pid>/smaps_rollup: smaps_rollup walks the child's page
 tables under its memory-map lock, and sampling it every 5 ms markedly slowed the child's first
-forward pass on a 2-core machine (0.35 s unsampled, 0.85 s and more sampled). The child reports both figures once, when ready,
-as a cross-check (`private_after_ready_bytes` vs `private_after_ready_smaps_bytes`).
+forward pass on a 2-core machine (0.35 s unsampled, 0.85 s and more sampled). The child reports
+both figures once, when ready, as a cross-check (`private_after_ready_bytes` vs `private_after_ready_smaps_bytes`).
 
 - layered fp32: `load_runtime` (pytorch runtime) from safetensors; weights stay memory-mapped.
 - layered bf16: the same, converted to bf16; the converted weights are private memory.
@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 CASES = ("layered_fp32", "layered_bf16", "naive_pickle")
 SAMPLE_INTERVAL_S = 0.005
@@ -73,11 +74,11 @@ def run_child(case: str, model_dir: Path) -> None:
     import numpy as np
     import torch
 
-    import servewell.examples.resnet  # noqa: F401 - the factory (and the pickle's classes), before the baseline
+    import servewell.examples.resnet  # the factory (and the pickle's classes), before the baseline
+    import servewell.runtimes.pytorch_runtime  # noqa: F401 - imported before the baseline
     from servewell.config.model import ModelConfig
     from servewell.examples.resnet import resnet50_config_dict
     from servewell.runtimes import load_runtime
-    from servewell.runtimes import pytorch_runtime  # noqa: F401 - imported before the baseline
     from servewell.runtimes.warmup import dummy_batch, warm_up
 
     torch.set_num_threads(THREADS)
@@ -138,7 +139,7 @@ def write_artifacts(model_dir: Path) -> dict[str, int]:
     return {"fp32": fp32, "bf16": bf16}
 
 
-def measure(case: str, model_dir: Path) -> dict[str, object]:
+def measure(case: str, model_dir: Path) -> dict[str, Any]:
     """Run one case in a child process, sampling its private memory until it is ready."""
     command = [sys.executable, str(Path(__file__).resolve()), "--child", case, str(model_dir)]
     child = subprocess.Popen(
@@ -146,7 +147,13 @@ def measure(case: str, model_dir: Path) -> dict[str, object]:
     )
     assert child.stdin is not None and child.stdout is not None
     lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in child.stdout], daemon=True)  # type: ignore[union-attr]
+    stdout = child.stdout
+
+    def pump() -> None:
+        for line in stdout:
+            lines.put(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     try:
         base = _expect(lines, "BASE", child)
@@ -244,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(document, indent=2) + "\n")
     print(format_table(results))
-    print("baseline private memory after imports: " + ", ".join(f"{r['case']} {r['baseline_private_bytes'] / MIB:.0f} MiB" for r in results))
+    print("baseline private memory after imports: "
+          + ", ".join(f"{r['case']} {r['baseline_private_bytes'] / MIB:.0f} MiB" for r in results))
     print("private after ready, status counter vs smaps_rollup: " + ", ".join(
         f"{r['case']} {r['private_after_ready_bytes'] / MIB:.1f}/{r['private_after_ready_smaps_bytes'] / MIB:.1f} MiB"
         for r in results))
@@ -252,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def format_table(results: list[dict[str, object]]) -> str:
+def format_table(results: list[dict[str, Any]]) -> str:
     """One row per case: MiB above the child's baseline, ratios, seconds."""
     header = (f"{'case':<14}{'dtype':>6}{'weights':>9}{'peak priv load':>15}{'ratio':>7}"
               f"{'peak priv ready':>16}{'ratio':>7}{'rss load':>9}{'load s':>8}{'ready s':>8}")

@@ -66,7 +66,8 @@ def build_mlp(out_dir: Path) -> None:
 
 def build_resnet50(build_root: Path) -> None:
     """ResNet-50 (random seeded weights, ONNX) from servewell's example builder, into `build_root/resnet50`."""
-    command = [sys.executable, "-m", "servewell.examples.build", "resnet50", "--out", str(build_root), "--runtime", "onnx"]
+    command = [sys.executable, "-m", "servewell.examples.build", "resnet50", "--out", str(build_root),
+               "--runtime", "onnx"]
     done = subprocess.run(command, check=False)
     if done.returncode != 0 or not (build_root / "resnet50" / "model.yaml").is_file():
         raise SystemExit(f"building resnet50 failed (exit code {done.returncode}): {' '.join(command)}")

@@ -62,14 +62,14 @@ class SpanSink:
         sink = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 sink.requests += 1
                 self.send_response(200)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
-            def log_message(self, *args):  # noqa: ANN002
+            def log_message(self, *args):
                 pass
 
         self.server = ThreadingHTTPServer((HOST, 0), Handler)
@@ -80,7 +80,8 @@ class SpanSink:
 def server_pids(server: ServerProcess) -> list[int]:
     """The frontend and its worker processes."""
     _, health = http_json(server.port, "GET", "/healthz")
-    return [server.pid] + [i["pid"] for m in (health or {}).get("models", {}).values() for i in m["instances"] if i["pid"]]
+    models = (health or {}).get("models", {}).values()
+    return [server.pid] + [i["pid"] for m in models for i in m["instances"] if i["pid"]]
 
 
 def run_load(url: str, workload: str, bodies: list[Path], seconds: float, warmup: float, name: str) -> dict:
@@ -150,7 +151,7 @@ def measure(servers: dict[str, ServerProcess], workload: str, bodies: list[Path]
 
 def round_ratios(samples: dict[str, list[dict]], config: str, key: str, inverse: bool = False) -> list[float]:
     """Per-round ratio of `config` to `off` (of `off` to `config` when `inverse`: a cost)."""
-    pairs = zip(samples[config], samples["off"])
+    pairs = zip(samples[config], samples["off"], strict=True)
     return [(o[key] / c[key]) if inverse else (c[key] / o[key]) for c, o in pairs]
 
 
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "mlp_full_vs_off": round_ratios(mlp, "full", "rps"),
         "mlp_default_cpu_vs_off": round_ratios(mlp, "default", "server_cpu_us", inverse=True),
         "mlp_full_cpu_vs_off": round_ratios(mlp, "full", "server_cpu_us", inverse=True),
-        "mlp_unreachable_vs_full": [u["rps"] / f["rps"] for u, f in zip(mlp["unreachable"], mlp["full"])],
+        "mlp_unreachable_vs_full": [u["rps"] / f["rps"] for u, f in zip(mlp["unreachable"], mlp["full"], strict=True)],
     }
     ratios = {k: statistics.median(v) for k, v in per_round.items()}
     medians = {w: {c: {k: statistics.median(s[k] for s in runs) for k in runs[0]} for c, runs in samples.items()}
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, key, limit in checks:
         value, spread = ratios[key], f"{min(per_round[key]):.3f}-{max(per_round[key]):.3f}"
         verdict = "report" if limit is None else ("PASS" if value >= limit else "FAIL")
-        print(f"{name:<56} {value:>8.3f}x {('>= ' + format(limit, '.2f')) if limit else '':>7}  {spread:>13}  {verdict}")
+        bound = ('>= ' + format(limit, '.2f')) if limit else ''
+        print(f"{name:<56} {value:>8.3f}x {bound:>7}  {spread:>13}  {verdict}")
     print(f"(spans exported to the sink in {sink.requests} OTLP requests)")
     print()
     layer_cost.main()

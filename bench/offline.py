@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 
-def _load(model_dir: Path, threads: int):  # noqa: ANN202 - a ModelRuntime, and its config
+def _load(model_dir: Path, threads: int):
     # Thread pools read these when the framework is first imported (as the worker does).
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(threads)

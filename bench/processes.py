@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 HOST = "127.0.0.1"
 
@@ -52,13 +52,15 @@ class ServerProcess:
         self.argv = argv
         self.port = port
         self.log_path = log_path
-        self._process: subprocess.Popen | None = None
-        self._log = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log: BinaryIO | None = None
 
     @property
-    def pid(self) -> int | None:
-        """Process id, once started."""
-        return self._process.pid if self._process else None
+    def pid(self) -> int:
+        """Process id (once started)."""
+        if self._process is None:
+            raise RuntimeError(f"{self.name} is not started")
+        return self._process.pid
 
     @property
     def url(self) -> str:
@@ -68,7 +70,8 @@ class ServerProcess:
     def start(self) -> None:
         """Start the process (returns at once; see `wait_ready`)."""
         self._log = open(self.log_path, "ab")
-        self._process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
 
     def alive(self) -> bool:
         """Whether the process is still running."""
@@ -78,8 +81,9 @@ class ServerProcess:
         """Poll `path` until it answers 200; returns the seconds waited. Raises when it dies or times out."""
         started = time.monotonic()
         while time.monotonic() - started < timeout_s:
-            if not self.alive():
-                raise RuntimeError(f"{self.name} exited with code {self._process.returncode}; see {self.log_path}")
+            if self._process is None or self._process.poll() is not None:
+                code = None if self._process is None else self._process.returncode
+                raise RuntimeError(f"{self.name} exited with code {code}; see {self.log_path}")
             try:
                 status, _ = http_json(self.port, "GET", path, timeout_s=2.0)
                 if status == 200:
@@ -110,7 +114,8 @@ def run_module(module: str, args: list[str], timeout_s: float, log_path: Path | 
     """Run `python -m module args` to completion (killed after `timeout_s`); raises on failure."""
     log = open(log_path, "ab") if log_path else None
     try:
-        process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log or None, stderr=subprocess.STDOUT if log else None)
+        process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log or None,
+                                   stderr=subprocess.STDOUT if log else None)
         try:
             code = process.wait(timeout_s)
         except subprocess.TimeoutExpired:

@@ -25,9 +25,9 @@ class TargetRow:
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
     out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(out)
 
 
@@ -61,7 +61,8 @@ def runs_table(runs: dict[str, dict]) -> str:
             f"{_ms(urgent.get('p99'))} (n={urgent.get('n', 0)})" if urgent else "-",
             "-" if doc.get("mean_batch_size") is None else f"{doc['mean_batch_size']:.2f}", errors,
         ])
-    return _table(["run", "load", "ok/s", "p50 ms", "p95 ms", "p99 ms", "max ms", "urgent p99 ms", "batch", "errors"], body)
+    return _table(["run", "load", "ok/s", "p50 ms", "p95 ms", "p99 ms", "max ms", "urgent p99 ms", "batch", "errors"],
+                  body)
 
 
 def plot_latency_vs_load(sweep: dict[str, list[dict]], saturation_rps: float | None, title: str, path: Path) -> None:

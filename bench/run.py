@@ -76,12 +76,13 @@ class Plan:
     offline_min_time_s: float = 10.0  # per model and timing: round-robin passes over the batch sizes
 
 
-QUICK = Plan(saturation_s=10, saturation_warmup_s=4, sweep_s=3, sweep_fractions=(0.5, 0.9), mixed_s=4, mlp_s=3, mlp_reps=1,
-             overload_s=3, warmup_s=0.5, offline_min_time_s=2.0)
+QUICK = Plan(saturation_s=10, saturation_warmup_s=4, sweep_s=3, sweep_fractions=(0.5, 0.9), mixed_s=4, mlp_s=3,
+             mlp_reps=1, overload_s=3, warmup_s=0.5, offline_min_time_s=2.0)
 
 SERVED = [
     ServedModel(MLP, "mlp", {"threads": 1, "instances": 1, "max_batch_size": MAX_BATCH}),
-    ServedModel(RESNET, "resnet50", {"threads": SERVED_THREADS, "instances": SERVED_INSTANCES, "max_batch_size": MAX_BATCH,
+    ServedModel(RESNET, "resnet50", {"threads": SERVED_THREADS, "instances": SERVED_INSTANCES,
+                                     "max_batch_size": MAX_BATCH,
                                      "batching": {"policy": "idle", "reserve_instance_for_high": False}}),
     # Both instances get both cores: the reserved one idles except for urgent requests, so the
     # normal lane keeps the capacity of the single-instance configuration.
@@ -98,7 +99,8 @@ class BenchRun:
         self.started = started
         self.results: dict[str, Any] = {"plan": asdict(plan), "runs": {}, "offline": {}, "skipped": [],
                                         "settings": {"resnet50_threads": RESNET_THREADS, "max_batch_size": MAX_BATCH,
-                                                     "served": f"{SERVED_INSTANCES} instances x {SERVED_THREADS} thread"}}
+                                                     "served": f"{SERVED_INSTANCES} instances x "
+                                                               f"{SERVED_THREADS} thread"}}
         (RESULTS / "runs").mkdir(parents=True, exist_ok=True)
         (RESULTS / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -256,7 +258,8 @@ class BenchRun:
         self.say("MLP: servewell vs naive FastAPI (alternating closed-loop runs)")
         port = free_port()
         naive = ServerProcess("naive", [sys.executable, "-m", "bench.naive_server", "--model",
-                                        str(WORK / "build" / "mlp" / "mlp.onnx"), "--port", str(port), "--threads", "1"],
+                                        str(WORK / "build" / "mlp" / "mlp.onnx"), "--port", str(port),
+                                        "--threads", "1"],
                               port, RESULTS / "logs" / "naive.log")
         naive.start()
         compare: dict[str, Any] = {"servewell": [], "naive": [], "concurrency": plan.mlp_clients}
@@ -274,7 +277,8 @@ class BenchRun:
             naive.stop()
         compare["cpu_us_per_request"] = {
             label: {role: round(sum(self.results["runs"][n]["cpu_us_per_answer"][role] for n in compare[label])
-                                / len(compare[label])) for role in self.results["runs"][compare[label][0]]["cpu_us_per_answer"]}
+                                / len(compare[label]))
+                    for role in self.results["runs"][compare[label][0]]["cpu_us_per_answer"]}
             for label in ("servewell", "naive")
         }
         self.results["mlp_compare"] = compare
@@ -332,7 +336,8 @@ class BenchRun:
         self.say(f"overload: {3 * saturation_rps:.1f} req/s for {plan.overload_s:g} s, deadline "
                  f"{plan.overload_deadline_ms:g} ms, max_queue_size {queue}")
         self.load("overload_3x", server, RESNET, "/predict", workspace.bodies[RESNET], "open", plan.overload_s,
-                  rate=3 * saturation_rps, timeout_ms=plan.overload_deadline_ms, watch={"frontend": [server.pid], "workers": pids_before})
+                  rate=3 * saturation_rps, timeout_ms=plan.overload_deadline_ms,
+                  watch={"frontend": [server.pid], "workers": pids_before})
         time.sleep(2.0)
         alive = server.alive()
         status, health = http_json(server.port, "GET", "/healthz") if alive else (0, None)
@@ -359,7 +364,8 @@ def write_outputs(bench: BenchRun) -> list:
     sweep = {p: [results["runs"][n] for n in names] for p, names in results.get("sweep", {}).items()}
     if sweep:
         plot_latency_vs_load(sweep, results.get("saturation", {}).get("rps"),
-                             f"resnet50 /predict (640x480 JPEG), {SERVED_INSTANCES} instances x {SERVED_THREADS} thread, max batch "
+                             f"resnet50 /predict (640x480 JPEG), {SERVED_INSTANCES} instances x {SERVED_THREADS} "
+                             f"thread, max batch "
                              f"{results['settings'].get('served_max_batch_size')}, {os.cpu_count()}-core CPU",
                              RESULTS / "latency_vs_load.png")
     text = json.dumps(results, indent=2) + "\n"

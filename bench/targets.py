@@ -7,7 +7,8 @@ latencies from `bench.offline`, batch durations from the `compute` entry of the
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from bench.report import TargetRow
 
@@ -18,6 +19,14 @@ def _p(doc: dict | None, kind: str, q: str, field: str = "latency_ms") -> float 
     if doc is None:
         return None
     return doc["classes"].get(kind, {}).get(field, {}).get(q)
+
+
+def _need(doc: dict, kind: str, q: str, field: str = "latency_ms") -> float:
+    """A figure that a target is computed from; KeyError (the target reads "not measured") when absent."""
+    value = _p(doc, kind, q, field)
+    if value is None:
+        raise KeyError(f"{kind} {field} {q}")
+    return value
 
 
 def _stages(doc: dict, kind: str, q: str = "p50") -> str:
@@ -48,7 +57,8 @@ def saturation_vs_offline(r: Results) -> TargetRow:
         pre = offline.get("preprocess_ms_per_image")
         runs = offline.get("limits_measured", [offline["limit_items_per_s"]])
         note = (f"offline best batch {offline['best_batch_size']} at {offline['limit_items_per_s']:.1f} img/s "
-                f"({offline['threads']} threads; served as {r['settings'].get('served')}; timed before and after the saturation run: "
+                f"({offline['threads']} threads; served as {r['settings'].get('served')}; "
+                f"timed before and after the saturation run: "
                 f"{', '.join(f'{x:.1f}' for x in runs)} img/s, the better one is the limit); "
                 f"frontend decode+preprocess {pre} ms/img on one core")
         cpu = r["runs"][r["saturation"]["run"]].get("cpu_us_per_answer")
@@ -56,7 +66,8 @@ def saturation_vs_offline(r: Results) -> TargetRow:
             best_row = next(row for row in offline["batch_sizes"] if row["batch_size"] == offline["best_batch_size"])
             note += (f"; CPU ms per image: served frontend {cpu['frontend'] / 1000:.1f} + worker "
                      f"{cpu['workers'] / 1000:.1f}, offline {best_row.get('cpu_ms_per_item')}; served max batch "
-                     f"{r['settings'].get('served_max_batch_size')}, mean batch {r['runs'][r['saturation']['run']]['mean_batch_size']}")
+                     f"{r['settings'].get('served_max_batch_size')}, "
+                     f"mean batch {r['runs'][r['saturation']['run']]['mean_batch_size']}")
         return TargetRow("1", name, f"{served:.1f} img/s ({served / offline['limit_items_per_s']:.2f}x)",
                          f">= {limit:.1f} (0.9 x {offline['limit_items_per_s']:.1f})", served >= limit, note)
 
@@ -90,8 +101,8 @@ def urgent_shared(r: Results) -> TargetRow:
 
     def build() -> TargetRow:
         run = r["runs"][r["mixed"]["shared"]]
-        urgent = _p(run, "urgent", "p99")
-        batch_p99 = _p(run, "normal", "p99", "compute_ms")
+        urgent = _need(run, "urgent", "p99")
+        batch_p99 = _need(run, "normal", "p99", "compute_ms")
         b1 = r["offline"]["resnet50"]["batch1_latency_ms"]
         limit = batch_p99 + 2 * b1 + 10
         n = run["classes"]["urgent"]["latency_ms"]["n"]
@@ -109,14 +120,15 @@ def urgent_reserved(r: Results) -> TargetRow:
 
     def build() -> TargetRow:
         run = r["runs"][r["mixed"]["reserved"]]
-        urgent = _p(run, "urgent", "p99")
+        urgent = _need(run, "urgent", "p99")
         b1 = r["offline"]["resnet50"]["batch1_latency_ms"]
         limit = 2 * b1 + 10
         n = run["classes"]["urgent"]["latency_ms"]["n"]
         b1_served = _p(run, "urgent", "p50", "compute_ms")
         return TargetRow("3b", name, f"{urgent:.1f} ms (n={n})", f"<= {limit:.1f} (2x{b1:.1f} + 10)",
                          urgent <= limit, f"instances 2 x {r['settings']['resnet50_threads']} threads, reserve on; "
-                         f"urgent compute p50 while the other instance runs: {b1_served} ms; {_stages(run, 'urgent', 'p99')}")
+                         f"urgent compute p50 while the other instance runs: {b1_served} ms; "
+                         f"{_stages(run, 'urgent', 'p99')}")
 
     return _guard("3b", name, build)
 
@@ -128,8 +140,8 @@ def normal_unharmed(key: str, variant: str) -> Callable[[Results], TargetRow]:
         name = f"mixed 90%: normal p99 vs no urgent, {variant} instance"
 
         def build() -> TargetRow:
-            mixed = _p(r["runs"][r["mixed"][variant]], "normal", "p99")
-            base = _p(r["runs"][r["mixed"][f"{variant}_baseline"]], "normal", "p99")
+            mixed = _need(r["runs"][r["mixed"][variant]], "normal", "p99")
+            base = _need(r["runs"][r["mixed"][f"{variant}_baseline"]], "normal", "p99")
             return TargetRow(key, name, f"{mixed:.1f} vs {base:.1f} ms ({mixed / base:.2f}x)", "<= 1.10x",
                              mixed <= 1.1 * base)
 
@@ -144,8 +156,8 @@ def window_bound(r: Results) -> TargetRow:
 
     def build() -> TargetRow:
         run = r["runs"][r["half_load"]["window"]]
-        p99 = _p(run, "normal", "p99")
-        batch = _p(run, "normal", "p99", "compute_ms")
+        p99 = _need(run, "normal", "p99")
+        batch = _need(run, "normal", "p99", "compute_ms")
         wait = r["settings"]["max_wait_ms"]
         limit = wait + 2 * batch
         return TargetRow("4a", name, f"{p99:.1f} ms", f"<= {limit:.1f} ({wait:g} + 2x{batch:.1f})", p99 <= limit,
@@ -161,8 +173,8 @@ def lower_than_window(key: str, policy: str) -> Callable[[Results], TargetRow]:
         name = f"open 50%: {policy} p99 below window p99"
 
         def build() -> TargetRow:
-            mine = _p(r["runs"][r["half_load"][policy]], "normal", "p99")
-            window = _p(r["runs"][r["half_load"]["window"]], "normal", "p99")
+            mine = _need(r["runs"][r["half_load"][policy]], "normal", "p99")
+            window = _need(r["runs"][r["half_load"]["window"]], "normal", "p99")
             return TargetRow(key, name, f"{mine:.1f} ms", f"< {window:.1f} (window)", mine < window)
 
         return _guard(key, name, build)
@@ -178,7 +190,7 @@ def overload_targets(r: Results) -> list[TargetRow]:
         o = r["overload"]
         run = r["runs"][o["run"]]
     except (KeyError, TypeError):
-        return [_na(f"5{c}", n, "not measured in this run") for c, n in zip("abcd", names)]
+        return [_na(f"5{c}", n, "not measured in this run") for c, n in zip("abcd", names, strict=True)]
     statuses = run["status_counts"]
     server_errors = sum(v for k, v in statuses.items() if k.startswith("5") and k != "503")
     client_errors = statuses.get("0", 0)
@@ -195,7 +207,8 @@ def overload_targets(r: Results) -> list[TargetRow]:
                           "<= 10.0", None if refusal is None else refusal <= 10.0,
                           "from scheduled arrival to the 503 'overloaded' answer; refusals come after the body is "
                           f"read and parsed, before image decoding (admitted requests: preprocess p50/p99 "
-                          f"{_p(run, 'normal', 'p50', 'preprocess_ms')}/{_p(run, 'normal', 'p99', 'preprocess_ms')} ms)"))
+                          f"{_p(run, 'normal', 'p50', 'preprocess_ms')}/"
+                          f"{_p(run, 'normal', 'p99', 'preprocess_ms')} ms)"))
     over = run["classes"]["normal"].get("ok_over_deadline")
     ok = run["classes"]["normal"]["ok"]
     expired = run["error_codes"].get("deadline_exceeded", 0)
@@ -208,7 +221,8 @@ def overload_targets(r: Results) -> list[TargetRow]:
     rows.append(TargetRow("5d", names[3], f"{before / 2**20:.0f} -> {after / 2**20:.0f} MiB "
                           f"({growth * 100:+.1f}%)" if growth is not None else "-", "<= +10%",
                           None if growth is None else growth <= 0.10,
-                          f"frontend {o['frontend_rss_before'] / 2**20:.0f} -> {o['frontend_rss_after'] / 2**20:.0f} MiB"))
+                          f"frontend {o['frontend_rss_before'] / 2**20:.0f} -> "
+                          f"{o['frontend_rss_after'] / 2**20:.0f} MiB"))
     return rows
 
 

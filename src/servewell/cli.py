@@ -8,6 +8,7 @@ import typing
 from collections.abc import Callable
 from pathlib import Path
 
+from servewell import __version__
 from servewell.config.fields import list_item_type, split_items, strip_optional
 from servewell.config.server import ConfigFileError, ConfigSource, ServerConfig
 
@@ -45,13 +46,13 @@ def _add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | N
         if name in _FILE_ONLY:
             continue
         flag = "--" + name.replace("_", "-")
-        choices = None
-        inner = [a for a in typing.get_args(field.annotation) if a is not type(None)] or [field.annotation]
-        if typing.get_origin(inner[0]) is typing.Literal:
-            choices = list(typing.get_args(inner[0]))
-        default = field.default if field.default is not None else "none"
-        if field.default_factory is not None:
-            default = ",".join(str(v) for v in field.default_factory())
+        base = strip_optional(field.annotation)
+        choices = list(typing.get_args(base)) if typing.get_origin(base) is typing.Literal else None
+        default = field.get_default(call_default_factory=True)
+        if default is None:
+            default = "none"
+        elif isinstance(default, list):
+            default = ",".join(str(v) for v in default)
         parser.add_argument(
             flag, dest=name, type=_flag_type(field.annotation), choices=choices, default=None,
             help=f"{field.description} (default: {default})".replace("%", "%%"),
@@ -123,7 +124,9 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (also used to render `--help`)."""
-    parser = argparse.ArgumentParser(prog="servewell", description="Serve ONNX, TorchScript and PyTorch models over HTTP.")
+    parser = argparse.ArgumentParser(prog="servewell",
+                                     description="Serve ONNX, TorchScript and PyTorch models over HTTP.")
+    parser.add_argument("--version", action="version", version=f"servewell {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser("serve", help="start the server", description="Start the HTTP server; without "
                            "--model-repository it serves the built-in digits model.")
@@ -153,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `servewell` command."""
     args = build_parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
     try:
-        return args.run(args)
+        return run(args)
     except ConfigFileError as exc:
         print(f"servewell: {exc}", file=sys.stderr)
         return 2

@@ -22,10 +22,10 @@ IMAGE = (Path(__file__).parents[2] / "src/servewell/examples/images/digit-3-200p
 
 
 @pytest.fixture(scope="module")
-def keyed(tmp_path_factory, start_server, servewell_cache):
+def keyed(tmp_path_factory, start_module_server, servewell_cache):
     keys_file = tmp_path_factory.mktemp("keys") / "api-keys.txt"
     keys_file.write_text(f"# servewell keys\nteam-a:{TEAM_A}\nteam-b:{key_digest(TEAM_B)} rate=2\n")
-    server = start_server(["--cache-dir", str(servewell_cache), "--api-keys-file", str(keys_file),
+    server = start_module_server(["--cache-dir", str(servewell_cache), "--api-keys-file", str(keys_file),
                            "--admin-token", ADMIN, "--config-poll-s", "0.3"],
                           env={"SERVEWELL_API_KEYS": f"from-env:{ENV_KEY}"})
     server.wait_ready()

@@ -7,25 +7,21 @@ import asyncio
 
 import httpx
 import pytest
-from slow_models import slow_model
+
+from model_dirs import infer_body as body
+from model_dirs import slow_model
+from waiting import eventually_async
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, start_server):
+def server(tmp_path_factory, start_module_server):
     root = tmp_path_factory.mktemp("slow-repo")
     slow_model(root, "slow", 100, max_batch_size=4)
     slow_model(root, "tiny_queue", 150, max_batch_size=1, batching={"max_queue_size": 2})
     slow_model(root, "one_at_a_time", 200, max_batch_size=1)
-    srv = start_server(["--model-repository", str(root)])
+    srv = start_module_server(["--model-repository", str(root)])
     srv.wait_ready()
     return srv
-
-
-def body(value: float, **parameters) -> dict:
-    doc = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [value]}]}
-    if parameters:
-        doc["parameters"] = parameters
-    return doc
 
 
 def rows_computed(url: str, model: str) -> int:
@@ -44,8 +40,11 @@ def test_urgent_request_overtakes_a_full_normal_queue(server):
                 order.append(tag)
 
             normal = [asyncio.create_task(send(f"n{i}", i)) for i in range(24)]
-            while (await c.get("/healthz")).json()["models"]["slow"]["queue_depth"] < 12:
-                await asyncio.sleep(0.01)
+
+            async def queue_filled() -> bool:
+                return (await c.get("/healthz")).json()["models"]["slow"]["queue_depth"] >= 12
+
+            await eventually_async(queue_filled, 30, "12 normal requests never queued")
             urgent = asyncio.create_task(send("urgent", 99.0, priority=1))
             await asyncio.gather(urgent, *normal)
         # 24 normal requests make 6 batches of 4; the urgent one waits only for the running batch.

@@ -63,7 +63,8 @@ def test_accuracy_through_oip_infer_with_tensors(digits_server, test_split):
             chunk = tensors[start : start + 32]
             r = client.post("/v2/models/digits/infer", json={
                 "id": f"chunk-{start}",
-                "inputs": [{"name": "input", "shape": list(chunk.shape), "datatype": "FP32", "data": chunk.ravel().tolist()}],
+                "inputs": [{"name": "input", "shape": list(chunk.shape), "datatype": "FP32",
+                            "data": chunk.ravel().tolist()}],
             })
             assert r.status_code == 200, r.text
             doc = r.json()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
-from slow_models import slow_model
+from model_dirs import slow_model
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -27,11 +27,11 @@ def client(digits_server):
 
 
 @pytest.fixture(scope="module")
-def slow_server(tmp_path_factory, start_server):
+def slow_server(tmp_path_factory, start_module_server):
     root = tmp_path_factory.mktemp("grpc-slow")
     slow_model(root, "slow", 100, max_batch_size=4)
     slow_model(root, "one_at_a_time", 200, max_batch_size=1)
-    server = start_server(["--model-repository", str(root), "--admin-token", "s3cret"])
+    server = start_module_server(["--model-repository", str(root), "--admin-token", "s3cret"])
     server.wait_ready()
     return server
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import httpx
 import pytest
 import yaml
-from slow_models import slow_model
+from model_dirs import slow_model
 
 
 def eventually(check: Callable[[], Any], timeout_s: float = 15.0, what: str = "") -> Any:
@@ -37,7 +37,7 @@ def body(value: float) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory, start_server):
+def live(tmp_path_factory, start_module_server):
     root = tmp_path_factory.mktemp("reload-repo")
     slow_model(root, "slow", 20, max_batch_size=4)
     # kubelet's ConfigMap layout: config.yaml -> ..data/config.yaml, ..data -> ..<version>/
@@ -47,7 +47,7 @@ def live(tmp_path_factory, start_server):
     (first / "config.yaml").write_text(yaml.safe_dump({"config_poll_s": 0.3, "slow_request_ms": 10_000}))
     (conf_dir / "..data").symlink_to("..v1")
     (conf_dir / "config.yaml").symlink_to("..data/config.yaml")
-    server = start_server(["--model-repository", str(root), "--config", str(conf_dir / "config.yaml")])
+    server = start_module_server(["--model-repository", str(root), "--config", str(conf_dir / "config.yaml")])
     server.wait_ready()
     server.root, server.conf_dir = root, conf_dir
     return server

@@ -4,31 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
-import time
 
 import httpx
 
-import pytest
-import torch
-import yaml
-from safetensors.torch import save_file
-
-from test_batching import body, slow_model
-
-
-def onnx_model(root, name: str, version: str = "1") -> None:
-    directory = root / name
-    directory.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    module = torch.nn.Linear(1, 1)
-    torch.onnx.export(module, (torch.zeros(2, 1),), str(directory / "model.onnx"), dynamo=False,
-                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}})
-    (directory / "model.yaml").write_text(yaml.safe_dump({
-        "runtime": "onnx", "artifact": "model.onnx", "version": version, "max_batch_size": 8,
-        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
-        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
-    }))
-
+from model_dirs import factory_model, slow_model
+from model_dirs import infer_body as body
+from model_dirs import onnx_linear_model as onnx_model
+from waiting import eventually
 
 HANGING = textwrap.dedent('''
     import time
@@ -61,27 +43,13 @@ LEAKY = textwrap.dedent('''
 ''')
 
 
-def factory_model(root, name: str, source: str, **fields) -> None:
-    directory = root / name
-    directory.mkdir(parents=True)
-    (directory / "factory.py").write_text(source)
-    save_file({"scale": torch.ones(1)} if "scale" in source else {"weight": torch.zeros(1, 1), "bias": torch.zeros(1)},
-              str(directory / "model.safetensors"))
-    (directory / "model.yaml").write_text(yaml.safe_dump({
-        "runtime": "pytorch", "artifact": "model.safetensors", "pytorch": {"factory": "factory:build"},
-        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
-        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}], **fields,
-    }))
-
-
 def wait_settled(url: str, names: list[str], timeout_s: float = 90) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    """The models of /healthz once each of `names` is ready, failed or invalid."""
+    def settled() -> dict | None:
         models = httpx.get(url + "/healthz").json()["models"]
-        if all(models[n]["state"] in ("ready", "failed", "invalid") for n in names):
-            return models
-        time.sleep(0.2)
-    raise TimeoutError(models)
+        return models if all(models[n]["state"] in ("ready", "failed", "invalid") for n in names) else None
+
+    return eventually(settled, timeout_s, f"{names} did not finish loading")
 
 
 def test_model_over_the_memory_budget_is_refused_while_another_serves(tmp_path, start_server):
@@ -105,7 +73,9 @@ def test_a_hanging_load_is_killed_at_the_timeout(tmp_path, start_server):
     server.wait_live()
     models = wait_settled(server.url, ["small", "hangs"])
     assert models["hangs"]["state"] == "failed" and "within 15 s" in models["hangs"]["reason"]
-    assert models["hangs"]["instances"][0]["alive"] is False
+    # The kill is a signal: the frontend sees the process gone when its pipe closes, just after.
+    eventually(lambda: server.health()["models"]["hangs"]["instances"][0]["alive"] is False, 10,
+               "the hanging worker was not killed")
     assert httpx.post(server.url + "/v2/models/small/infer", json=body(1.0)).status_code == 200
 
 
@@ -117,13 +87,14 @@ def test_worker_over_its_memory_limit_is_drained_and_replaced(tmp_path, start_se
     codes = [httpx.post(server.url + "/v2/models/leaky/infer", json=body(1.0), timeout=60).status_code
              for _ in range(12)]
     assert set(codes) == {200}  # draining loses nothing
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        model = httpx.get(server.url + "/healthz").json()["models"]["leaky"]
-        if model["recycles"] >= 1 and model["state"] == "ready" and model["instances"][0]["pid"] != first_pid:
-            break
-        time.sleep(0.2)
-    assert model["recycles"] >= 1 and model["restarts"] == 0, model
+
+    def replaced() -> dict | None:
+        model = server.health()["models"]["leaky"]
+        return model if model["recycles"] >= 1 and model["state"] == "ready" \
+            and model["instances"][0]["pid"] != first_pid else None
+
+    model = eventually(replaced, 60, "the leaky worker was not recycled")
+    assert model["restarts"] == 0, model
     assert httpx.post(server.url + "/v2/models/leaky/infer", json=body(0.0)).status_code == 200
     assert "exceeds memory_limit_bytes" in server.log()
 

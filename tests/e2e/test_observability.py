@@ -23,7 +23,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
-from test_batching import body
+from model_dirs import infer_body as body
+from waiting import eventually
 
 STEPPED = textwrap.dedent('''
     import torch
@@ -57,7 +58,7 @@ class Collector:
         collector = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's name
+            def do_POST(self):
                 raw = self.rfile.read(int(self.headers["Content-Length"]))
                 if self.headers.get("Content-Encoding") == "gzip":
                     raw = gzip.decompress(raw)
@@ -100,11 +101,11 @@ def stepped_model(root) -> None:
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory, start_server):
+def traced(tmp_path_factory, start_module_server):
     root = tmp_path_factory.mktemp("traced")
     stepped_model(root)
     collector = Collector()
-    server = start_server(["--model-repository", str(root), "--slow-request-ms", "0.001"],
+    server = start_module_server(["--model-repository", str(root), "--slow-request-ms", "0.001"],
                           env={"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url, "OTEL_TRACES_SAMPLER_ARG": "1.0"})
     server.wait_ready()
     yield server, collector
@@ -137,13 +138,12 @@ def test_spans_http_queue_preprocess_batch_with_links_and_compute_in_the_worker(
             )
 
     assert all(r.status_code == 200 for r in asyncio.run(burst()))
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+
+    def exported() -> list | None:
         mine = [s for s in collector.named("http") if s.trace_id.hex() == TRACEPARENT[3:35]]
-        if mine and collector.named("compute") and collector.named("custom_post"):
-            break
-        time.sleep(0.2)
-    http = mine[0]
+        return mine if mine and collector.named("compute") and collector.named("custom_post") else None
+
+    http = eventually(exported, 20, "the request's http, compute and custom_post spans were not exported")[0]
     assert http.parent_span_id.hex() == TRACEPARENT[36:52]  # continued the caller's trace
     attributes = {a.key: a.value.string_value or a.value.int_value for a in http.attributes}
     assert attributes["http.route"] == "/v2/models/{name}/infer" and attributes["servewell.model"] == "stepped"
@@ -174,8 +174,13 @@ def test_json_logs_carry_ids_and_never_payloads(traced):
     bad = httpx.post(server.url + "/v2/models/stepped/infer", headers={"X-Request-ID": "bad-one-1"},
                      json={"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [0.5, 987654.25]}]})
     assert bad.status_code == 422
-    time.sleep(0.3)
-    events = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+
+    def logged() -> list[dict] | None:
+        events = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+        ids = {e.get("request_id") for e in events}
+        return events if {"log-me-1", "bad-one-1"} <= ids else None
+
+    events = eventually(logged, 10, "the slow and the failed request were not logged")
     assert all({"ts", "level", "logger", "message"} <= set(e) for e in events)
     slow = [e for e in events if e.get("request_id") == "log-me-1" and e["message"].startswith("slow request")]
     assert slow and set(slow[0]["stages_ms"]) == {"preprocess", "queue", "compute", "postprocess"}
@@ -198,12 +203,11 @@ def test_sampling_follows_the_caller_and_records_nothing_for_unsampled_requests(
     try:
         for i in range(20):  # no traceparent: recorded at the ratio, here never
             assert infer(server.url, float(i)).status_code == 200
-        assert infer(server.url, 1.0, headers={"traceparent": UNSAMPLED, "X-Request-ID": "not-sampled"}).status_code == 200
+        unsampled = infer(server.url, 1.0, headers={"traceparent": UNSAMPLED, "X-Request-ID": "not-sampled"})
+        assert unsampled.status_code == 200
         assert infer(server.url, 2.0, headers={"traceparent": TRACEPARENT}).status_code == 200  # sampled by the caller
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not collector.named("custom_post"):
-            time.sleep(0.1)
-        time.sleep(0.5)  # anything else queued for export arrives by now
+        eventually(lambda: collector.named("custom_post"), 20, "the sampled request's spans were not exported")
+        time.sleep(0.5)  # anything else queued for export (it must not be) would arrive by now
         assert {s.trace_id.hex() for s in collector.spans} == {TRACEPARENT[3:35]}
         assert {s.name for s in collector.spans} >= {"http", "queue", "preprocess", "batch", "compute", "custom_post"}
         assert len(collector.named("http")) == 1 and len(collector.named("custom_post")) == 1
@@ -288,7 +292,7 @@ def test_otlp_grpc_export_from_frontend_and_worker(tmp_path, start_server):
     received: list = []
 
     class TraceService(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request, context):  # noqa: N802 - the generated service's name
+        def Export(self, request, context):
             for resource_spans in request.resource_spans:
                 for scope_spans in resource_spans.scope_spans:
                     received.extend(scope_spans.spans)
@@ -306,11 +310,9 @@ def test_otlp_grpc_export_from_frontend_and_worker(tmp_path, start_server):
                                    "OTEL_BSP_SCHEDULE_DELAY": "100"})
         server.wait_ready()
         assert infer(server.url, 1.0, headers={"traceparent": TRACEPARENT}).status_code == 200
-        deadline = time.monotonic() + 20
         wanted = {"http", "queue", "preprocess", "batch", "compute", "custom_post"}
-        while time.monotonic() < deadline and not wanted <= {s.name for s in received}:
-            time.sleep(0.1)
-        assert wanted <= {s.name for s in received}
+        eventually(lambda: wanted <= {s.name for s in received}, 20,
+                   lambda: f"spans received over gRPC: {sorted({s.name for s in received})}, wanted {sorted(wanted)}")
         assert {s.trace_id.hex() for s in received} == {TRACEPARENT[3:35]}
     finally:
         grpc_server.stop(0)

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,8 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import save_file
+
+from waiting import eventually
 
 FACTORY_SOURCE = textwrap.dedent('''
     import torch
@@ -104,21 +105,18 @@ GOOD = ("tiny_onnx", "pinned_onnx", "tiny_ts", "tiny_pt", "tiny_pt_statedict")
 
 
 @pytest.fixture(scope="module")
-def server(repository, start_server):
+def server(repository, start_module_server):
     root, _ = repository
-    srv = start_server(["--model-repository", str(root)])
+    srv = start_module_server(["--model-repository", str(root)])
     srv.wait_live()
-    deadline = time.monotonic() + 180
-    with httpx.Client(base_url=srv.url, timeout=10) as client:
-        while time.monotonic() < deadline:
-            index = client.post("/v2/repository/index").json()
-            states = {m["name"]: m["state"] for m in index}
-            if all(states.get(n) == "READY" for n in GOOD) and states.get("corrupt_onnx") == "UNAVAILABLE" \
-                    and states.get("pickled") == "UNAVAILABLE":
-                break
-            time.sleep(0.3)
-        else:
-            raise AssertionError(f"models not settled: {index}\n{srv.log()[-3000:]}")
+
+    def settled() -> bool:
+        srv.check_running()
+        states = {m["name"]: m["state"] for m in httpx.post(srv.url + "/v2/repository/index", timeout=10).json()}
+        return all(states.get(n) == "READY" for n in GOOD) and states.get("corrupt_onnx") == "UNAVAILABLE" \
+            and states.get("pickled") == "UNAVAILABLE"
+
+    eventually(settled, 180, lambda: f"models not settled:\n{srv.log()[-3000:]}")
     return srv
 
 

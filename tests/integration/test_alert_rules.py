@@ -1,62 +1,39 @@
 """The monitoring files in deploy/: Prometheus rules checked and unit-tested by promtool (a
 subprocess), and the Grafana dashboard checked against servewell's metric names and the alerts.
 
-promtool comes with Debian's `prometheus` package, which .ci/run installs; without it these tests
-fail rather than skip, so a CI machine that lacks it cannot pass silently.
+promtool comes with Debian's `prometheus` package, which `make test` installs
+(scripts/install-test-deps.sh); without it these tests fail rather than skip, so a machine that
+lacks it cannot pass silently.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 import subprocess
-from pathlib import Path
 
-import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
-ALERTS = PROMETHEUS_DIR / "alerts.yml"
-DASHBOARD = ROOT / "deploy" / "grafana" / "servewell-dashboard.json"
-
-#: Metric families servewell exposes at /metrics (observability/metrics.py), by type.
-HISTOGRAMS = (
-    "servewell_request_duration_seconds", "servewell_queue_wait_seconds", "servewell_preprocess_seconds",
-    "servewell_batch_compute_seconds", "servewell_batch_transport_seconds", "servewell_postprocess_seconds",
-    "servewell_batch_size", "servewell_trace_step_seconds",
+from monitoring import (
+    COUNTERS,
+    GAUGES,
+    GPU_GAUGES,
+    HISTOGRAMS,
+    METRIC_NAME,
+    PROMETHEUS_DIR,
+    RECORDED_NAME,
+    ROOT,
+    SERIES,
+    alerts,
+    dashboard,
+    panels,
+    rules,
 )
-COUNTERS = ("servewell_requests", "servewell_model_loads", "servewell_worker_restarts")
-GAUGES = (
-    "servewell_queue_depth", "servewell_inflight_requests", "servewell_model_state", "servewell_worker_up",
-    "servewell_effective_max_batch_size", "servewell_worker_resident_memory_bytes",
-    "servewell_worker_private_memory_bytes", "servewell_worker_cpu_seconds", "servewell_worker_threads",
-    "servewell_memory_budget_bytes",
-)
-GPU_GAUGES = (
-    "servewell_gpu_utilization_ratio", "servewell_gpu_memory_used_bytes", "servewell_gpu_memory_total_bytes",
-    "servewell_gpu_power_watts", "servewell_gpu_temperature_celsius",
-)
-#: Series names as Prometheus stores them.
-SERIES = frozenset(
-    [f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")]
-    + [f"{c}_total" for c in COUNTERS] + list(GAUGES) + list(GPU_GAUGES)
-)
-METRIC_NAME = re.compile(r"\bservewell_[a-z0-9_]+")
-RECORDED_NAME = re.compile(r"\bservewell:[a-z0-9_:]+")
-
-
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.fail("promtool is not installed: .ci/run installs it (Debian package `prometheus`); "
-                    "locally: sudo apt-get install prometheus")
-    return path
+from processes import require_program
 
 
 def run_promtool(*args: str) -> str:
-    result = subprocess.run([promtool(), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    promtool = require_program("promtool", "prometheus")
+    result = subprocess.run([promtool, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"promtool {' '.join(args)} failed:\n{output}"
     return output
@@ -72,14 +49,6 @@ def test_promtool_unit_tests_of_the_rules_pass():
 
 def test_promtool_checks_the_example_config():
     assert "SUCCESS" in run_promtool("check", "config", "deploy/prometheus/prometheus.yml")
-
-
-def rules() -> list[dict]:
-    return [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
-
-
-def alerts() -> list[dict]:
-    return [rule for rule in rules() if "alert" in rule]
 
 
 def test_every_alert_has_severity_summary_description_and_action():
@@ -100,14 +69,6 @@ def test_rules_use_only_exposed_metrics_and_recorded_names():
     for rule in rules():
         assert set(METRIC_NAME.findall(rule["expr"])) <= SERIES, rule
         assert set(RECORDED_NAME.findall(rule["expr"])) <= recorded, rule
-
-
-def dashboard() -> dict:
-    return json.loads(DASHBOARD.read_text())
-
-
-def panels() -> list[dict]:
-    return [p for p in dashboard()["panels"] if p["type"] != "row"]
 
 
 def test_dashboard_has_what_grafana_needs_to_import_it():

@@ -9,7 +9,9 @@ import logging
 import socket
 import time
 
-from servewell.observability.alerting import AlertingConfig, SignalSnapshot, run_alerting
+from servewell.config.alerting import AlertingConfig
+from servewell.observability.alerting import SignalSnapshot, run_alerting
+from waiting import eventually_async
 
 
 class HttpReceiver:
@@ -27,8 +29,9 @@ class HttpReceiver:
         return f"http://127.0.0.1:{port}"
 
     async def __aexit__(self, *exc) -> None:
-        self._server.close()
-        await self._server.wait_closed()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -92,9 +95,11 @@ def test_a_receiver_that_is_down_is_logged_and_the_loop_goes_on(caplog):
         config = AlertingConfig(webhook_url=f"http://127.0.0.1:{closed_port()}/hook", evaluation_interval_s=0.02)
         stop = asyncio.Event()
         task = asyncio.create_task(run_alerting(config, snapshots, stop))
-        deadline = time.monotonic() + 10
-        while rounds < 3 and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+
+        async def three_rounds() -> bool:
+            return rounds >= 3
+
+        await eventually_async(three_rounds, 10, "the alerting loop stopped after a failed POST")
         stop.set()
         await asyncio.wait_for(task, 10)
 
@@ -119,7 +124,10 @@ def test_a_hanging_receiver_times_out_without_blocking_the_event_loop(caplog):
                 before = time.monotonic()
                 await asyncio.sleep(0.01)
                 worst_lag = max(worst_lag, time.monotonic() - before - 0.01)
-            await asyncio.sleep(0.7)  # past timeout_s
+            async def timed_out() -> bool:
+                return "ReadTimeout" in caplog.text
+
+            await eventually_async(timed_out, 10, "the hanging POST was not given up at timeout_s")
             stop.set()
             await asyncio.wait_for(task, 10)
         return worst_lag

@@ -14,8 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk_encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export import SpanExportResult
-from otlp_spans import make_spans
 
+from otlp_spans import make_spans
 from servewell.observability.otlp import OtlpHttpSpanExporter
 
 
@@ -30,7 +30,7 @@ class Receiver:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 raw = self.rfile.read(int(self.headers["Content-Length"]))
                 receiver.bodies.append(raw)
                 receiver.headers.append(dict(self.headers))
@@ -39,7 +39,7 @@ class Receiver:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
-            def log_message(self, *args):  # noqa: ANN002
+            def log_message(self, *args):
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -94,7 +94,7 @@ def test_failures_are_logged_once_a_minute_with_what_was_dropped(caplog):
         receiver.server.shutdown()
 
 
-def self_signed_certificate(directory):  # noqa: ANN001, ANN201
+def self_signed_certificate(directory):
     """A certificate for 127.0.0.1 and its key, as PEM files."""
     import datetime
     import ipaddress
@@ -106,7 +106,7 @@ def self_signed_certificate(directory):  # noqa: ANN001, ANN201
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     certificate = (
         x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -136,7 +136,7 @@ def test_https_collector_configured_by_the_standard_variables(tmp_path, monkeypa
     exporter = OtlpHttpSpanExporter.from_environment(url)
     spans = make_spans()
     try:
-        assert exporter._timeout_s == 3.0  # noqa: SLF001
+        assert exporter.timeout_s == 3.0  # OTEL_EXPORTER_OTLP_TIMEOUT is in milliseconds
         assert exporter.export(spans) == SpanExportResult.SUCCESS
         assert receiver.headers[-1]["x-scope-orgid"] == "tenant 1"
         assert ExportTraceServiceRequest.FromString(gzip.decompress(receiver.bodies[-1])) == sdk_encode_spans(spans)

@@ -2,45 +2,30 @@
 arrives, the rules load and evaluate without error, a healthy server fires nothing, and every
 dashboard query parses and the core panels have data.
 
-Needs `prometheus` on PATH (Debian package `prometheus`, installed by .ci/run); the test fails
-without it. Traffic stays on 127.0.0.1.
+Needs `prometheus` on PATH (Debian package `prometheus`, installed by `make test`); the test
+fails without it. Traffic stays on 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 import threading
-import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import httpx
 import pytest
-import torch
 import yaml
 
-from processes import ChildProcess as Process
-from processes import free_port
-from test_alert_rules import DASHBOARD, GAUGES, PROMETHEUS_DIR, SERIES, alerts
+from model_dirs import onnx_linear_model
+from monitoring import DASHBOARD, GAUGES, PROMETHEUS_DIR, SERIES, alerts
+from processes import ChildProcess, free_port, require_program
+from servers import ServerProcess
+from waiting import eventually
 
 MODEL = "tiny"
 BODY = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1.0]}]}
 BAD_BODY = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1.0, 2.0, 3.0]}]}
 SCRAPE_INTERVAL = "1s"
-
-
-def onnx_model(root: Path, name: str) -> None:
-    directory = root / name
-    directory.mkdir(parents=True)
-    torch.manual_seed(0)
-    torch.onnx.export(torch.nn.Linear(1, 1), (torch.zeros(2, 1),), str(directory / "model.onnx"), dynamo=False,
-                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}})
-    (directory / "model.yaml").write_text(yaml.safe_dump({
-        "runtime": "onnx", "artifact": "model.onnx", "max_batch_size": 8,
-        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
-        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
-    }))
 
 
 def prometheus_config(servewell_port: int) -> dict:
@@ -67,13 +52,7 @@ class PrometheusApi:
         return self.get("/api/v1/query", query=expr)["result"]
 
     def wait_for(self, expr: str, timeout_s: float = 60) -> list[dict]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            result = self.query(expr)
-            if result:
-                return result
-            time.sleep(0.5)
-        raise TimeoutError(f"no data for {expr} after {timeout_s} s")
+        return eventually(lambda: self.query(expr), timeout_s, f"no data for {expr}", interval_s=0.5)
 
 
 def send_load(url: str, stop: threading.Event) -> None:
@@ -88,29 +67,26 @@ def send_load(url: str, stop: threading.Event) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory):
-    if shutil.which("prometheus") is None:
-        pytest.fail("prometheus is not installed: .ci/run installs it (Debian package `prometheus`); "
-                    "locally: sudo apt-get install prometheus")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusApi]:
+    prometheus = require_program("prometheus", "prometheus")
     root = tmp_path_factory.mktemp("prometheus-stack")
-    onnx_model(root / "repo", MODEL)
-    serve_port, prom_port = free_port(), free_port()
-    started: list[Process] = []
+    onnx_linear_model(root / "repo", MODEL)
+    prom_port = free_port()
+    started: list[ChildProcess] = []
     stop_load = threading.Event()
     load: threading.Thread | None = None
     try:
-        server = Process([sys.executable, "-m", "servewell", "serve", "--grpc-port", "0", "--host", "127.0.0.1", "--port", str(serve_port),
-                          "--model-repository", str(root / "repo")], root / "servewell.log")
+        server = ServerProcess(["--model-repository", str(root / "repo")], root / "servewell.log")
         started.append(server)
-        serve_url = f"http://127.0.0.1:{serve_port}"
-        server.wait_http_ok(serve_url + "/healthz", 180)
+        server.wait_ready()
+        serve_url = server.url
         for _ in range(50):
             assert httpx.post(f"{serve_url}/v2/models/{MODEL}/infer", json=BODY, timeout=30).status_code == 200
 
         config_path = root / "prometheus.yml"
-        config_path.write_text(yaml.safe_dump(prometheus_config(serve_port)))
-        prom = Process(["prometheus", f"--config.file={config_path}", f"--storage.tsdb.path={root / 'tsdb'}",
-                        f"--web.listen-address=127.0.0.1:{prom_port}"], root / "prometheus.log")
+        config_path.write_text(yaml.safe_dump(prometheus_config(server.port)))
+        prom = ChildProcess([prometheus, f"--config.file={config_path}", f"--storage.tsdb.path={root / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"], root / "prometheus.log")
         started.append(prom)
         prom_url = f"http://127.0.0.1:{prom_port}"
         prom.wait_http_ok(prom_url + "/-/ready", 60)
@@ -158,14 +134,14 @@ def test_worker_index_is_labelled_worker(stack: PrometheusApi):
 
 def test_rules_load_and_evaluate_without_errors(stack: PrometheusApi):
     expected = {a["alert"] for a in alerts()}
-    deadline = time.monotonic() + 60
-    while True:
+
+    def evaluated() -> list[dict] | None:
         groups = stack.get("/api/v1/rules")["groups"]
         rules = [rule for group in groups for rule in group["rules"]]
-        evaluated = all(r.get("lastEvaluation", "").startswith("20") for r in rules)
-        if (evaluated and rules) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+        return groups if rules and all(r.get("lastEvaluation", "").startswith("20") for r in rules) else None
+
+    groups = eventually(evaluated, 60, "Prometheus did not evaluate every rule", interval_s=0.5)
+    rules = [rule for group in groups for rule in group["rules"]]
     assert {g["name"] for g in groups} == {"servewell-recording", "servewell-alerts"}
     assert {r["name"] for r in rules if r["type"] == "alerting"} == expected
     broken = {r["name"]: r.get("lastError") for r in rules if r["health"] != "ok"}

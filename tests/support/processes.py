@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
+import pytest
+
+from waiting import eventually
+
+
+def require_program(name: str, debian_package: str) -> str:
+    """The path of program `name`; fails the test (never skips it) when it is not installed."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: `make test` installs it (scripts/install-test-deps.sh), "
+                    f"or: sudo apt-get install {debian_package}")
+    return path
 
 
 def free_port() -> int:
@@ -22,8 +34,9 @@ class ChildProcess:
     """A process whose output goes to a log file; `stop` ends it (terminate, then kill)."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.program = args[0]
         self.log_path = log_path
-        self._log = open(log_path, "wb")
+        self._log = open(log_path, "wb")  # closed by stop()
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
 
@@ -32,19 +45,25 @@ class ChildProcess:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
 
+    def exited(self) -> bool:
+        """Whether the process has ended."""
+        return self.proc.poll() is not None
+
+    def check_running(self) -> None:
+        """Raise at once (with the log's tail) when the process has ended."""
+        if self.exited():
+            raise RuntimeError(f"{self.program} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+
     def wait_http_ok(self, url: str, timeout_s: float) -> None:
         """Wait until `url` answers 200; fail at once if the process exits."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.proc.args[0]} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+        def answers_200() -> bool:
+            self.check_running()
             try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    return
+                return httpx.get(url, timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{url} not 200 after {timeout_s} s:\n{self.log()[-4000:]}")
+                return False
+
+        eventually(answers_200, timeout_s, lambda: f"{url} did not answer 200:\n{self.log()[-4000:]}")
 
     def stop(self) -> int:
         """End the process by its pid; its exit status."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import time
 
 import numpy as np
 import pytest
@@ -89,8 +88,8 @@ def test_ink_bbox_centres_an_off_centre_digit() -> None:
 def test_ink_bbox_ignores_grey_unevenly_lit_paper_and_noise() -> None:
     clean = transform_image(ink_sheet((200, 150), (60, 30, 130, 120)), DIGITS)
     rng = np.random.default_rng(1)
-    photo = np.asarray(ink_sheet((200, 150), (60, 30, 130, 120), paper=190, ink=60), dtype=np.float32)
-    photo = photo + np.linspace(-25, 25, 200)[None, :] + rng.normal(0, 4, photo.shape)
+    sheet = np.asarray(ink_sheet((200, 150), (60, 30, 130, 120), paper=190, ink=60), dtype=np.float32)
+    photo = sheet + np.linspace(-25, 25, 200)[None, :] + rng.normal(0, 4, sheet.shape)
     noisy = encoded(Image.fromarray(np.clip(photo, 0, 255).astype(np.uint8)), "JPEG", quality=75)
     out = transform_image(noisy, DIGITS)
     assert out[0, :, 0].max() < 2.0 and out[0, :, -1].max() < 2.0  # margins stay blank
@@ -136,15 +135,15 @@ def test_exif_orientation_is_applied() -> None:
     np.testing.assert_allclose(transform_image(tagged, spec), transform_image(upright, spec), atol=0.05)
 
 
-def test_photo_sized_jpeg_is_fast_and_matches_the_lossless_result() -> None:
+def test_photo_sized_jpeg_is_decoded_at_a_reduced_scale_and_matches_the_lossless_result() -> None:
+    """Draft decoding (libjpeg at 1/2, 1/4 or 1/8 scale) is what keeps a photo cheap for an 8x8
+    model; `bench` measures the time, this checks that it happens and changes nothing that matters."""
     sheet = ink_sheet((640, 480), (250, 140, 390, 340), paper=215, ink=40).convert("RGB")
     data = io.BytesIO()
     sheet.save(data, "JPEG", quality=90)
     reference = transform_image(sheet, DIGITS)
-    started = time.perf_counter()
-    for _ in range(10):
-        out = transform_image(Image.open(io.BytesIO(data.getvalue())), DIGITS)
-    per_image_s = (time.perf_counter() - started) / 10
+    photo = Image.open(io.BytesIO(data.getvalue()))
+    out = transform_image(photo, DIGITS)
+    assert photo.size[0] <= 640 // 2 and photo.size[1] <= 480 // 2  # decoded at half the size or less
     assert out.shape == (1, 8, 8)
     assert np.abs(out - reference).mean() < 1.0
-    assert per_image_s < 0.05  # about 3 ms on a slow core; generous for noisy machines

@@ -20,8 +20,9 @@ import asyncio
 import logging
 import operator
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Literal, Sequence
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
@@ -269,7 +270,7 @@ async def run_alerting(
                 pass
             try:
                 snapshots = snapshot_fn()
-            except Exception:  # noqa: BLE001 - a broken producer must not end alerting
+            except Exception:  # a broken producer must not end alerting
                 log.warning("alert signals could not be read; skipping this evaluation", exc_info=True)
                 continue
             due = evaluator.evaluate(snapshots, clock())

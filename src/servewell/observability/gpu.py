@@ -1,8 +1,11 @@
-"""GPU facts through NVML (nvidia-ml-py); an empty list, quietly, on machines without a GPU."""
+"""GPU facts through NVML (nvidia-ml-py, the `servewell[gpu]` extra); an empty list, quietly, on
+machines without a GPU."""
 
 from __future__ import annotations
 
 import logging
+import os
+from types import ModuleType
 
 log = logging.getLogger("servewell.observability")
 
@@ -11,29 +14,33 @@ class GpuProbe:
     """Reads utilization, memory, power and temperature of every GPU at scrape time."""
 
     def __init__(self) -> None:
-        self._nvml = None
+        self._nvml: ModuleType | None = None
         self._unavailable = False
 
-    def _init(self) -> bool:
-        if self._nvml is not None:
-            return True
-        if self._unavailable:
-            return False
+    def _init(self) -> ModuleType | None:
+        """pynvml, initialised; None where NVML cannot be used (remembered)."""
+        if self._nvml is not None or self._unavailable:
+            return self._nvml
         try:
             import pynvml
-
-            pynvml.nvmlInit()
-        except Exception:  # no driver, no library, no device: absent, not an error
+        except ImportError:
             self._unavailable = True
-            return False
+            if os.path.exists("/proc/driver/nvidia"):  # an NVIDIA driver is loaded: say what is missing
+                log.info("GPU metrics need nvidia-ml-py: pip install 'servewell[gpu]'")
+            return None
+        try:
+            pynvml.nvmlInit()
+        except Exception:  # no driver, no device: absent, not an error
+            self._unavailable = True
+            return None
         self._nvml = pynvml
-        return True
+        return self._nvml
 
     def read(self) -> list[dict[str, float]]:
         """One dict per GPU; [] without NVML."""
-        if not self._init():
+        nvml = self._init()
+        if nvml is None:
             return []
-        nvml = self._nvml
         gpus: list[dict[str, float]] = []
         try:
             for index in range(nvml.nvmlDeviceGetCount()):

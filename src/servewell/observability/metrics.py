@@ -16,8 +16,9 @@ thread only, where a list increment after a C bisect is enough.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, GCCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -83,23 +84,27 @@ class _CounterSeries:
         self.value += amount
 
 
-class _LoopFamily(Collector):
+SeriesT = TypeVar("SeriesT")
+FamilyT = TypeVar("FamilyT", bound=Metric)
+
+
+class _LoopFamily(Collector, Generic[SeriesT, FamilyT]):
     """A labelled metric family updated from one thread (the frontend's event loop) without locks,
     registered with (and exposed by) a prometheus-client registry. Scrapes run on the same loop;
     a scrape from another thread would read each series consistently enough (a list copy under
     the GIL), as prometheus-client's own metrics do."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry,
-                 new_series: Callable[[], object], family_type: type) -> None:
+                 new_series: Callable[[], SeriesT], family_type: Callable[..., FamilyT]) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
-        self._series: dict[tuple[str, ...], object] = {}
+        self._series: dict[tuple[str, ...], SeriesT] = {}
         self._new_series = new_series
         self._family_type = family_type
         registry.register(self)
 
-    def labels(self, *values: str):  # noqa: ANN201 - the series type of the family
+    def labels(self, *values: str) -> SeriesT:
         """The series of these label values (created at first use)."""
         series = self._series.get(values)
         if series is None:
@@ -113,11 +118,11 @@ class _LoopFamily(Collector):
     def describe(self) -> Iterable[Metric]:
         return [self._family()]
 
-    def _family(self) -> Metric:
+    def _family(self) -> FamilyT:
         return self._family_type(self.name, self.documentation, labels=self.labelnames)
 
 
-class LoopHistogram(_LoopFamily):
+class LoopHistogram(_LoopFamily[_HistogramSeries, HistogramMetricFamily]):
     """A Prometheus histogram (cumulative `le` buckets, `_sum`, `_count`)."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
@@ -134,14 +139,14 @@ class LoopHistogram(_LoopFamily):
         for values, series in list(self._series.items()):
             counts, total, running = list(series.counts), series.sum, 0
             buckets = []
-            for le, count in zip(self._le, counts):
+            for le, count in zip(self._le, counts, strict=True):
                 running += count
                 buckets.append((le, running))
             family.add_metric(list(values), buckets, total)
         yield family
 
 
-class LoopCounter(_LoopFamily):
+class LoopCounter(_LoopFamily[_CounterSeries, CounterMetricFamily]):
     """A Prometheus counter (exposed as `<name>_total`)."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
@@ -231,7 +236,8 @@ class StateCollector(Collector):
         depth = GaugeMetricFamily("servewell_queue_depth", "Requests waiting, per lane.", labels=["model", "lane"])
         inflight = GaugeMetricFamily("servewell_inflight_requests", "Requests admitted and not yet answered.",
                                      labels=["model"])
-        state = GaugeMetricFamily("servewell_model_state", "1 for the model's current state.", labels=["model", "state"])
+        state = GaugeMetricFamily("servewell_model_state", "1 for the model's current state.",
+                                  labels=["model", "state"])
         up = GaugeMetricFamily("servewell_worker_up", "1 when the worker process is alive.", labels=["model", "worker"])
         max_batch = GaugeMetricFamily("servewell_effective_max_batch_size", "Largest batch the scheduler forms now.",
                                       labels=["model"])
@@ -261,16 +267,20 @@ class StateCollector(Collector):
         yield from (depth, inflight, state, up, max_batch, rss, private, cpu, threads)
         if self._budget is not None:
             total, reserved = self._budget()
-            budget = GaugeMetricFamily("servewell_memory_budget_bytes", "Host memory budget for models.", labels=["kind"])
+            budget = GaugeMetricFamily("servewell_memory_budget_bytes", "Host memory budget for models.",
+                                       labels=["kind"])
             budget.add_metric(["total"], total)
             budget.add_metric(["reserved"], reserved)
             yield budget
         gpus = self._gpus() if self._gpus is not None else []
         if gpus:  # absent on machines without a GPU: no fake zeros
             families = {
-                "utilization_ratio": GaugeMetricFamily("servewell_gpu_utilization_ratio", "GPU busy share.", labels=["gpu"]),
-                "memory_used_bytes": GaugeMetricFamily("servewell_gpu_memory_used_bytes", "GPU memory used.", labels=["gpu"]),
-                "memory_total_bytes": GaugeMetricFamily("servewell_gpu_memory_total_bytes", "GPU memory.", labels=["gpu"]),
+                "utilization_ratio": GaugeMetricFamily("servewell_gpu_utilization_ratio", "GPU busy share.",
+                                                       labels=["gpu"]),
+                "memory_used_bytes": GaugeMetricFamily("servewell_gpu_memory_used_bytes", "GPU memory used.",
+                                                       labels=["gpu"]),
+                "memory_total_bytes": GaugeMetricFamily("servewell_gpu_memory_total_bytes", "GPU memory.",
+                                                        labels=["gpu"]),
                 "power_watts": GaugeMetricFamily("servewell_gpu_power_watts", "GPU power draw.", labels=["gpu"]),
                 "temperature_celsius": GaugeMetricFamily("servewell_gpu_temperature_celsius", "GPU temperature.",
                                                          labels=["gpu"]),

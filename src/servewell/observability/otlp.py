@@ -30,6 +30,8 @@ from urllib.parse import unquote, urlsplit
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext
 
 log = logging.getLogger("servewell.tracing")
 
@@ -102,14 +104,13 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
     return b"".join(parts)
 
 
-def _flags(parent) -> bytes:  # noqa: ANN001 - SpanContext | None
+def _flags(parent: SpanContext | None) -> bytes:
     flags = _HAS_IS_REMOTE | (_IS_REMOTE if parent is not None and parent.is_remote else 0)
     return struct.pack("<I", flags)
 
 
-def _span(span: ReadableSpan) -> bytes:
-    """A Span message's payload."""
-    context = span.get_span_context()
+def _span(span: ReadableSpan, context: SpanContext) -> bytes:
+    """A Span message's payload (`context`: the span's own)."""
     parts = [b"\x0a\x10" + context.trace_id.to_bytes(16, "big"), b"\x12\x08" + context.span_id.to_bytes(8, "big")]
     if context.trace_state:
         parts.append(_field(b"\x1a", ",".join(f"{k}={v}" for k, v in context.trace_state.items()).encode()))
@@ -149,7 +150,7 @@ def _span(span: ReadableSpan) -> bytes:
     return b"".join(parts)
 
 
-def _scope(scope) -> bytes:  # noqa: ANN001 - InstrumentationScope | None
+def _scope(scope: InstrumentationScope | None) -> bytes:
     """An InstrumentationScope message's payload."""
     if scope is None:
         return b""
@@ -164,11 +165,14 @@ def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
     groups: dict[Any, dict[Any, list[bytes]]] = {}
     by_id: dict[tuple[int, int], list[bytes]] = {}  # equal resources and scopes hash once per call
     for span in spans:
+        context = span.get_span_context()
+        if context is None:  # only a hand-made ReadableSpan lacks one: it belongs to no trace
+            continue
         key = (id(span.resource), id(span.instrumentation_scope))
         bucket = by_id.get(key)
         if bucket is None:
             bucket = by_id[key] = groups.setdefault(span.resource, {}).setdefault(span.instrumentation_scope, [])
-        bucket.append(_field(b"\x12", _span(span)))
+        bucket.append(_field(b"\x12", _span(span, context)))
     out = []
     for resource, scopes in groups.items():
         payload = _field(b"\x0a", _attributes(b"\x0a", resource.attributes))
@@ -224,6 +228,11 @@ class OtlpHttpSpanExporter(SpanExporter):
         self._shutdown = threading.Event()
         self._dropped = self._failures = 0
         self._last_report_at = -FAILURE_REPORT_INTERVAL_S
+
+    @property
+    def timeout_s(self) -> float:
+        """The longest one export may take, retries included."""
+        return self._timeout_s
 
     @classmethod
     def from_environment(cls, url: str, timeout_s: float = 2.0) -> OtlpHttpSpanExporter:

@@ -6,11 +6,15 @@ snapshot covers exactly the time since the last one; no I/O, cheap enough for th
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from servewell.observability.alerting import SignalSnapshot
 from servewell.observability.metrics import ServeMetrics
+
+#: (kind, model, detail): ("bucket", model, le), ("count", model, status class),
+#: ("outcome", model, outcome), ("restarts", model, "").
+_Key = tuple[str, str, str]
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,7 +33,7 @@ class SignalTracker:
     def __init__(self, metrics: ServeMetrics, facts: Callable[[], Iterable[ModelFacts]]) -> None:
         self._metrics = metrics
         self._facts = facts
-        self._previous: dict[tuple, float] = {}
+        self._previous: dict[_Key, float] = {}
 
     def snapshots(self) -> list[SignalSnapshot]:
         """One snapshot per model, covering the time since the previous call."""
@@ -38,7 +42,7 @@ class SignalTracker:
         self._previous = current
         out = []
         for model in self._facts():
-            restarts_key = ("restarts", model.name)
+            restarts_key = ("restarts", model.name, "")
             restarts = model.restarts - int(self._previous.get(restarts_key, model.restarts))
             self._previous[restarts_key] = float(model.restarts)
             out.append(SignalSnapshot(
@@ -53,13 +57,13 @@ class SignalTracker:
             ))
         return out
 
-    def _read(self) -> dict[tuple, float]:
-        values: dict[tuple, float] = {k: v for k, v in self._previous.items() if k[0] == "restarts"}
+    def _read(self) -> dict[_Key, float]:
+        values: dict[_Key, float] = {k: v for k, v in self._previous.items() if k[0] == "restarts"}
         for family in self._metrics.request_latency.collect():
             for sample in family.samples:
                 model = sample.labels.get("model", "")
                 if sample.name.endswith("_bucket"):
-                    key = ("bucket", model, float(sample.labels["le"]))
+                    key = ("bucket", model, sample.labels["le"])
                     values[key] = values.get(key, 0.0) + sample.value
                 elif sample.name.endswith("_count"):
                     key = ("count", model, sample.labels["status_class"])
@@ -72,7 +76,7 @@ class SignalTracker:
         return values
 
 
-def _total(delta: dict[tuple, float], model: str) -> float:
+def _total(delta: dict[_Key, float], model: str) -> float:
     return sum(v for k, v in delta.items() if k[0] == "count" and k[1] == model)
 
 
@@ -80,8 +84,8 @@ def _ratio(part: float, whole: float) -> float | None:
     return part / whole if whole > 0 else None
 
 
-def _quantile(delta: dict[tuple, float], model: str, q: float) -> float | None:
-    buckets = sorted((k[2], v) for k, v in delta.items() if k[0] == "bucket" and k[1] == model)
+def _quantile(delta: dict[_Key, float], model: str, q: float) -> float | None:
+    buckets = sorted((float(k[2]), v) for k, v in delta.items() if k[0] == "bucket" and k[1] == model)
     if not buckets or buckets[-1][1] <= 0:
         return None
     target = q * buckets[-1][1]

@@ -12,8 +12,8 @@ Inside a worker, durations travel back with the batch and land in the frontend's
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager, nullcontext
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from opentelemetry import trace
 
@@ -37,6 +37,7 @@ def trace_step(name: str) -> Iterator[None]:
     (a child of the current span)."""
     started = time.perf_counter()
     # A span only inside a recorded trace: an unsampled request's steps cost no span.
+    span: AbstractContextManager[object]
     if trace.get_current_span().is_recording():
         tracer = _tracer if _tracer is not None else trace.get_tracer("servewell.steps")
         span = tracer.start_as_current_span(name)

@@ -15,11 +15,16 @@ import logging
 import os
 import random
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+if TYPE_CHECKING:  # the SDK is imported only when tracing is on
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 log = logging.getLogger("servewell.tracing")
 
@@ -70,12 +75,15 @@ class Tracing:
     20 us per request). The provider then records every root span it is asked for.
     """
 
-    def __init__(self, settings: TracingSettings, make_global: bool = False, decides_roots: bool = False) -> None:
+    def __init__(self, settings: TracingSettings, make_global: bool = False, decides_roots: bool = False,
+                 exporter: SpanExporter | None = None) -> None:
+        """`exporter` replaces the OTLP exporter of `settings` and turns tracing on by itself
+        (tests and benchmarks keep spans in memory or only encode them)."""
         self.settings = settings
-        self._provider = None
+        self._provider: TracerProvider | None = None
         self.tracer: Tracer = trace.NoOpTracer()
-        if settings.enabled:
-            self._provider = _provider(settings, decides_roots)
+        if settings.enabled or exporter is not None:
+            self._provider = _provider(settings, decides_roots, exporter)
             self.tracer = self._provider.get_tracer("servewell")
             if make_global:
                 # In workers, so model code using OpenTelemetry directly joins the same traces. Not in
@@ -97,13 +105,18 @@ class Tracing:
         """Whether to record a request that arrives without a trace (the configured ratio)."""
         return random.random() < self.settings.sample_ratio
 
+    def force_flush(self) -> None:
+        """Export every span queued so far, now (tests and benchmarks that read or time the export)."""
+        if self._provider is not None:
+            self._provider.force_flush()
+
     def shutdown(self) -> None:
         """Flush what is queued (bounded by the exporter timeout) and stop exporting."""
         if self._provider is not None:
             self._provider.shutdown()
 
 
-def _provider(settings: TracingSettings, decides_roots: bool, exporter=None):  # noqa: ANN001, ANN202 - TracerProvider
+def _provider(settings: TracingSettings, decides_roots: bool, exporter: SpanExporter | None = None) -> TracerProvider:
     """The tracer provider: resource, parent-based sampler, bounded batch export to `exporter`
     (by default the OTLP exporter of `settings`; benchmarks pass their own)."""
     from opentelemetry.sdk.resources import Resource
@@ -129,7 +142,10 @@ def _provider(settings: TracingSettings, decides_roots: bool, exporter=None):  #
     return provider
 
 
-def _otlp_exporter(settings: TracingSettings):  # noqa: ANN202 - an OTLP SpanExporter
+def _otlp_exporter(settings: TracingSettings) -> SpanExporter:
+    if not settings.endpoint:
+        raise ValueError("OTLP export needs an endpoint")
+    exporter: SpanExporter
     if settings.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 

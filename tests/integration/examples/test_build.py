@@ -145,7 +145,8 @@ def test_resnet50_matches_the_torchvision_layout() -> None:
     for key in ("conv1.weight", "layer1.0.downsample.0.weight", "layer4.2.bn3.running_var", "fc.bias"):
         assert key in state
     with torch.device("meta"):
-        assert resnet50(num_classes=10).fc.out_features == 10
+        head = resnet50(num_classes=10).fc
+        assert isinstance(head, torch.nn.Linear) and head.out_features == 10
 
 
 @pytest.mark.parametrize("runtime", sorted(ARTIFACTS))

@@ -19,14 +19,16 @@ def body(doc) -> bytes:
     ("UINT32", [1, 2], np.uint32), ("UINT64", [1, 2], np.uint64), ("BOOL", [True, False], np.bool_),
 ])
 def test_json_tensors_of_every_numeric_datatype(datatype, values, dtype):
-    parsed = parse_infer_request(body({"inputs": [{"name": "x", "shape": [1, 2], "datatype": datatype, "data": values}]}), None)
+    parsed = parse_infer_request(
+        body({"inputs": [{"name": "x", "shape": [1, 2], "datatype": datatype, "data": values}]}), None)
     array = parsed.inputs[0].array
     assert array.dtype == dtype and array.shape == (1, 2)
     np.testing.assert_array_equal(array, np.array(values, dtype=dtype).reshape(1, 2))
 
 
 def test_nested_json_data_is_accepted():
-    parsed = parse_infer_request(body({"inputs": [{"name": "x", "shape": [2, 2], "datatype": "INT32", "data": [[1, 2], [3, 4]]}]}), None)
+    parsed = parse_infer_request(
+        body({"inputs": [{"name": "x", "shape": [2, 2], "datatype": "INT32", "data": [[1, 2], [3, 4]]}]}), None)
     assert parsed.inputs[0].array.tolist() == [[1, 2], [3, 4]]
 
 

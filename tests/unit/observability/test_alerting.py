@@ -11,17 +11,17 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from servewell.config.alerting import AlertingConfig, AlertThresholds
 from servewell.observability.alerting import (
     WECOM_MAX_BYTES,
     AlertEvaluator,
-    AlertingConfig,
     AlertNotifier,
-    AlertThresholds,
     SignalSnapshot,
     firing_alerts,
     render_payload,
     run_alerting,
 )
+from waiting import eventually_async
 
 HEALTHY = SignalSnapshot("digits", p99_latency_s=0.05, error_ratio=0.0, rejected_ratio=0.0, queue_fill_ratio=0.1,
                          worker_restarts=0, memory_headroom_ratio=0.6)
@@ -220,8 +220,11 @@ def test_run_alerting_notifies_rate_limited_and_survives_broken_snapshots(caplog
         stop = asyncio.Event()
         async with receiver.client() as client:
             task = asyncio.create_task(run_alerting(config, snapshots, stop, client=client))
-            while rounds < 6:
-                await asyncio.sleep(0.005)
+
+            async def six_rounds() -> bool:
+                return rounds >= 6
+
+            await eventually_async(six_rounds, 10, "the alerting loop stopped")
             stop.set()
             await asyncio.wait_for(task, 1)
 

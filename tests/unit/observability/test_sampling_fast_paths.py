@@ -3,10 +3,8 @@ the frontend decides root sampling itself, and trace_step follows the current tr
 
 import asyncio
 
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 
 from servewell.api.middleware import RequestContextMiddleware
 from servewell.api.state import LiveKnobs
@@ -18,29 +16,32 @@ SAMPLED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 def recording_tracing(ratio: float) -> tuple[Tracing, InMemorySpanExporter]:
-    """A frontend-style Tracing whose provider records every root it is asked to start."""
+    """The frontend's Tracing (it decides root sampling, at `ratio`; its provider records every root
+    it is asked to start), exporting to memory instead of OTLP."""
     exporter = InMemorySpanExporter()
-    provider = TracerProvider(sampler=ParentBased(ALWAYS_ON))
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing = Tracing(TracingSettings(None, "http/protobuf", ratio))
-    tracing._provider = provider  # noqa: SLF001 - an in-memory exporter instead of OTLP
-    tracing.tracer = provider.get_tracer("test")
+    tracing = Tracing(TracingSettings(None, "http/protobuf", ratio), decides_roots=True, exporter=exporter)
     return tracing, exporter
+
+
+def exported(tracing: Tracing, exporter: InMemorySpanExporter) -> tuple[ReadableSpan, ...]:
+    """Every span finished so far (export runs in a background thread: flush it first)."""
+    tracing.force_flush()
+    return exporter.get_finished_spans()
 
 
 def serve(middleware: RequestContextMiddleware, headers: list[tuple[bytes, bytes]],
           path: str = "/v2/models/m/infer") -> None:
     """One request through the middleware, to an app that runs a trace_step."""
-    async def app(scope, receive, send):  # noqa: ANN001
+    async def app(scope, receive, send):
         with trace_step("custom"):
             pass
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
-    async def receive():  # noqa: ANN202
+    async def receive():
         return {"type": "http.request", "body": b"", "more_body": False}
 
-    async def send(message):  # noqa: ANN001
+    async def send(message):
         pass
 
     middleware.app = app
@@ -56,11 +57,11 @@ def test_unsampled_requests_and_their_steps_make_no_span():
         middleware = RequestContextMiddleware(None, LiveKnobs(0.3, False), tracing=tracing)
         serve(middleware, [])  # no traceparent: the ratio says no
         serve(middleware, [(b"traceparent", UNSAMPLED.encode())])  # the caller says no
-        assert exporter.get_finished_spans() == ()
+        assert exported(tracing, exporter) == ()
         assert steps == ["custom", "custom"]  # the histogram still gets every step
 
         serve(middleware, [(b"traceparent", SAMPLED.encode())])  # the caller says yes
-        spans = {s.name: s for s in exporter.get_finished_spans()}
+        spans = {s.name: s for s in exported(tracing, exporter)}
         assert set(spans) == {"http", "custom"}
         assert spans["custom"].parent.span_id == spans["http"].context.span_id
         assert spans["http"].context.trace_id == int(SAMPLED.split("-")[1], 16)
@@ -75,11 +76,11 @@ def test_roots_are_recorded_at_the_configured_ratio():
         middleware = RequestContextMiddleware(None, LiveKnobs(0.3, False), tracing=tracing)
         for _ in range(3):
             serve(middleware, [])
-        assert [s.name for s in exporter.get_finished_spans()].count("http") == 3
+        assert [s.name for s in exported(tracing, exporter)].count("http") == 3
         for probe in ("/healthz", "/v2/health/ready", "/metrics"):  # probes and scrapes start no trace
             serve(middleware, [], path=probe)
         serve(middleware, [(b"traceparent", SAMPLED.encode())], path="/healthz")  # a caller's trace is followed
-        assert [s.name for s in exporter.get_finished_spans()].count("http") == 4
+        assert [s.name for s in exported(tracing, exporter)].count("http") == 4
     finally:
         tracing.shutdown()
 

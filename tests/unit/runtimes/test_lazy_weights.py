@@ -62,7 +62,7 @@ def test_weights_load_once_under_eight_concurrent_first_calls() -> None:
         try:
             with torch.inference_mode():
                 results.append(model(x))
-        except BaseException as exc:
+        except BaseException as exc:  # reported by the assertion below
             errors.append(exc)
 
     threads = [threading.Thread(target=first_call) for _ in range(8)]

@@ -272,7 +272,10 @@ def test_fp32_rebuild_from_the_weights_file_takes_over_when_bf16_is_off(model_di
     config = model_dir.config("model.safetensors", dtype="auto", dtype_tolerance=1e-12, lazy_submodules=["fc2"])
     cpu = torch.device("cpu")
     reduced = build_module(config, model_dir.path, cpu, torch.bfloat16, lambda stage: None)
-    rebuild = lambda: build_module(config, model_dir.path, cpu, torch.float32, lambda stage: None)  # noqa: E731
+
+    def rebuild() -> torch.nn.Module:
+        return build_module(config, model_dir.path, cpu, torch.float32, lambda stage: None)
+
     runtime = TorchModuleRuntime(reduced, config, cpu, torch.bfloat16, fp32_reference=rebuild)
 
     report = warm_up(runtime, config)

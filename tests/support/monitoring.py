@@ -1,0 +1,63 @@
+"""What the monitoring files in deploy/ contain, and what servewell exposes, for the tests of
+the rules, the dashboard and a real Prometheus."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
+ALERTS = PROMETHEUS_DIR / "alerts.yml"
+DASHBOARD = ROOT / "deploy" / "grafana" / "servewell-dashboard.json"
+
+#: Metric families servewell exposes at /metrics (observability/metrics.py), by type.
+HISTOGRAMS = (
+    "servewell_request_duration_seconds", "servewell_queue_wait_seconds", "servewell_preprocess_seconds",
+    "servewell_batch_compute_seconds", "servewell_batch_transport_seconds", "servewell_postprocess_seconds",
+    "servewell_batch_size", "servewell_trace_step_seconds",
+)
+COUNTERS = ("servewell_requests", "servewell_model_loads", "servewell_worker_restarts")
+GAUGES = (
+    "servewell_queue_depth", "servewell_inflight_requests", "servewell_model_state", "servewell_worker_up",
+    "servewell_effective_max_batch_size", "servewell_worker_resident_memory_bytes",
+    "servewell_worker_private_memory_bytes", "servewell_worker_cpu_seconds", "servewell_worker_threads",
+    "servewell_memory_budget_bytes",
+)
+GPU_GAUGES = (
+    "servewell_gpu_utilization_ratio", "servewell_gpu_memory_used_bytes", "servewell_gpu_memory_total_bytes",
+    "servewell_gpu_power_watts", "servewell_gpu_temperature_celsius",
+)
+#: Series names as Prometheus stores them.
+SERIES = frozenset(
+    [f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")]
+    + [f"{c}_total" for c in COUNTERS] + list(GAUGES) + list(GPU_GAUGES)
+)
+METRIC_NAME = re.compile(r"\bservewell_[a-z0-9_]+")
+RECORDED_NAME = re.compile(r"\bservewell:[a-z0-9_:]+")
+
+
+
+def rules() -> list[dict[str, Any]]:
+    """Every rule of deploy/prometheus/alerts.yml (recording and alerting)."""
+    return [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+
+
+def alerts() -> list[dict[str, Any]]:
+    """The alerting rules."""
+    return [rule for rule in rules() if "alert" in rule]
+
+
+def dashboard() -> dict[str, Any]:
+    """The Grafana dashboard's JSON model."""
+    doc: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return doc
+
+
+def panels() -> list[dict[str, Any]]:
+    """The dashboard's panels, without its row headers."""
+    return [p for p in dashboard()["panels"] if p["type"] != "row"]

@@ -1,0 +1,97 @@
+"""Shared-memory transport: what one side writes the other reads back exactly, the arena grows
+for a larger batch, and closing leaves no segment behind in /dev/shm."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from servewell.workers.shm import SegmentReader, SharedArena
+
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture()
+def arena():
+    arena = SharedArena(initial_bytes=4096)
+    yield arena
+    arena.close()
+
+
+@pytest.fixture()
+def reader():
+    reader = SegmentReader()
+    yield reader
+    reader.close()
+
+
+def test_written_arrays_read_back_exactly_with_dtype_and_shape(arena, reader):
+    arrays = {
+        "pixels": np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4),
+        "ids": np.array([[7], [-9]], dtype=np.int64),
+        "mask": np.array([True, False]),
+        "half": np.linspace(0, 1, 5, dtype=np.float16),
+    }
+    refs = arena.write(arrays)
+    assert [r.name for r in refs] == list(arrays)
+    assert all(r.offset % 64 == 0 for r in refs)  # each tensor starts on a cache line
+    back = reader.arrays(arena.name, refs, copy=True)
+    assert list(back) == list(arrays)
+    for name, array in arrays.items():
+        assert back[name].dtype == array.dtype and back[name].shape == array.shape
+        np.testing.assert_array_equal(back[name], array)
+
+
+def test_views_filled_in_place_are_described_by_refs_of(arena, reader):
+    views = arena.views({"x": ((3, 2), np.dtype(np.float32)), "n": ((3,), np.dtype(np.int32))})
+    views["x"][:] = [[1, 2], [3, 4], [5, 6]]
+    views["n"][:] = [10, 20, 30]
+    refs = arena.refs_of(views)
+    back = reader.arrays(arena.name, refs, copy=True)
+    np.testing.assert_array_equal(back["x"], [[1, 2], [3, 4], [5, 6]])
+    np.testing.assert_array_equal(back["n"], [10, 20, 30])
+
+
+def test_a_copy_is_detached_from_later_writes(arena, reader):
+    refs = arena.write({"x": np.ones(4, dtype=np.float32)})
+    kept = reader.arrays(arena.name, refs, copy=True)["x"]
+    arena.write({"x": np.zeros(4, dtype=np.float32)})
+    np.testing.assert_array_equal(kept, np.ones(4))
+
+
+def test_the_arena_grows_for_a_larger_batch_and_the_reader_follows(arena, reader):
+    small = {"x": np.full((4,), 1.0, dtype=np.float64)}
+    reader.arrays(arena.name, arena.write(small), copy=True)
+    first_name = arena.name
+    big = {"x": np.arange(100_000, dtype=np.float64)}  # 800 KB, far beyond the 4 KB start
+    refs = arena.write(big)
+    assert arena.name != first_name  # a new, larger segment
+    assert not (SHM / first_name).exists()  # the outgrown one is unlinked at once
+    np.testing.assert_array_equal(reader.arrays(arena.name, refs, copy=True)["x"], big["x"])
+    # and back to a small batch: the larger segment is reused
+    np.testing.assert_array_equal(reader.arrays(arena.name, arena.write(small), copy=True)["x"], small["x"])
+
+
+def test_close_and_unlink_leave_nothing_in_dev_shm(reader):
+    arena = SharedArena(initial_bytes=1024)
+    names = [arena.name]
+    for size in (10_000, 100_000, 1_000_000):
+        refs = arena.write({"x": np.zeros(size, dtype=np.uint8)})
+        reader.arrays(arena.name, refs, copy=True)
+        names.append(arena.name)
+    assert (SHM / names[-1]).exists()
+    arena.close()
+    reader.close()
+    assert [name for name in names if (SHM / name).exists()] == []
+    arena.close()  # closing twice is harmless
+
+
+def test_without_copy_the_reader_returns_views_into_the_segment(arena, reader):
+    refs = arena.write({"x": np.arange(8, dtype=np.int32)})
+    view = reader.arrays(arena.name, refs, copy=False)["x"]
+    assert view.tolist() == list(range(8))
+    arena.write({"x": np.zeros(8, dtype=np.int32)})  # the same segment, overwritten in place
+    assert view.tolist() == [0] * 8
+    del view  # a view must not outlive the reader's close(): it would point at unmapped memory
