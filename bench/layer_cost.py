@@ -24,6 +24,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from servewell.api.middleware import RequestContextMiddleware
+from servewell.api.state import LiveKnobs
 from servewell.observability.logging import JsonLineFormatter
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.otlp import encode_spans
@@ -154,18 +155,22 @@ def log_line_us() -> float:
     return statistics.median(samples) * 1e6
 
 
+#: The middleware's live settings: the default slow-request threshold, as a server starts with.
+KNOBS = LiveKnobs(slow_request_s=0.3, metrics_need_key=False)
+
+
 def main() -> int:
     metrics = ServeMetrics()
     tracing = tracing_to_nowhere()
     bare = per_request_us(app)
-    context_only = per_request_us(RequestContextMiddleware(app))
-    with_metrics = per_request_us(RequestContextMiddleware(app_doing(metrics_work(metrics)), metrics=metrics))
-    traced = RequestContextMiddleware(app_doing(metrics_work(metrics), tracing_work(tracing)), metrics=metrics,
+    context_only = per_request_us(RequestContextMiddleware(app, KNOBS))
+    with_metrics = per_request_us(RequestContextMiddleware(app_doing(metrics_work(metrics)), KNOBS, metrics=metrics))
+    traced = RequestContextMiddleware(app_doing(metrics_work(metrics), tracing_work(tracing)), KNOBS, metrics=metrics,
                                       tracing=tracing)
     with_tracing = per_request_us(traced, tracing)
     tracing.shutdown()
     default_tracing = tracing_to_nowhere(DEFAULT_SAMPLE_RATIO)
-    default = RequestContextMiddleware(app_doing(metrics_work(metrics), tracing_work(default_tracing)),
+    default = RequestContextMiddleware(app_doing(metrics_work(metrics), tracing_work(default_tracing)), KNOBS,
                                        metrics=metrics, tracing=default_tracing)
     with_default = per_request_us(default, default_tracing)
     default_tracing.shutdown()

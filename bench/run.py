@@ -200,7 +200,8 @@ class BenchRun:
 
     def start_server(self, workspace: Workspace) -> ServerProcess:
         port = free_port()
-        server = ServerProcess("servewell", [sys.executable, "-m", "servewell", "serve", "--grpc-port", "0", "--model-repository",
+        server = ServerProcess("servewell", [sys.executable, "-m", "servewell", "serve", "--grpc-port", "0",
+                                             "--model-repository",
                                              str(workspace.repository), "--host", HOST, "--port", str(port),
                                              "--log-format", "json", "--load-timeout-s", "180"],
                                port, RESULTS / "logs" / "servewell.log")

@@ -84,7 +84,7 @@ class ConfigReloader:
             poll_s = self.settings.config_poll_s
             try:
                 await asyncio.wait_for(stop.wait(), poll_s if poll_s > 0 else None)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await self.check()
 
     async def check(self) -> None:

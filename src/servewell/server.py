@@ -20,8 +20,7 @@ from servewell.api.grpc.listener import GrpcListener
 from servewell.api.grpc.scope import RpcScope
 from servewell.api.grpc.servicer import InferenceServicer
 from servewell.api.keys import InferenceAccess, KeyFormatError
-from servewell.api.state import LiveKnobs
-from servewell.api.state import AppState
+from servewell.api.state import AppState, LiveKnobs
 from servewell.config.server import ConfigFileError, ConfigSource, ServerConfig
 from servewell.engine.engine import InferenceEngine
 from servewell.live_config import ConfigReloader, load_keys
@@ -108,7 +107,8 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> Fas
     if metrics is not None:
         set_step_sink(lambda name, seconds: metrics.trace_steps.labels(name).observe(seconds), tracing.tracer)
         gpus = GpuProbe()
-        metrics.registry.register(StateCollector(engine.samples, process_facts, gpus.read, lambda: engine.memory_budget))
+        metrics.registry.register(StateCollector(engine.samples, process_facts, gpus.read,
+                                                 lambda: engine.memory_budget))
     pool = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
     plane = DataPlane(engine, pool, settings.max_image_pixels, metrics, tracing)
     access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import tritonclient.http as triton
 
-from servewell.imaging import transform_image
 from servewell.examples.digits import DIGITS_PREPROCESS, load_split, render_digit
+from servewell.imaging import transform_image
 
 EXAMPLES = Path(__file__).parents[2] / "src" / "servewell" / "examples" / "images"
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
-from model_dirs import slow_model
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from model_dirs import slow_model
 from servewell.examples.digits import DIGITS_PREPROCESS, load_split, render_digit
 from servewell.imaging import transform_image
 
@@ -193,7 +193,8 @@ def test_deadlines_from_the_timeout_parameter_and_the_grpc_deadline(slow_server)
 
 def test_a_cancelled_call_is_dropped_before_compute(slow_server):
     before = rows_computed(slow_server.url, "one_at_a_time")
-    cancelled_before = httpx.get(slow_server.url + "/healthz").json()["models"]["one_at_a_time"]["scheduler"]["cancelled"]
+    health = httpx.get(slow_server.url + "/healthz").json()
+    cancelled_before = health["models"]["one_at_a_time"]["scheduler"]["cancelled"]
 
     async def main() -> None:
         request = pb.ModelInferRequest(model_name="one_at_a_time")

@@ -6,12 +6,14 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import pytest
 import yaml
+
 from model_dirs import slow_model
 
 

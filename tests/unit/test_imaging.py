@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from servewell.imaging import transform_image
 from servewell.config.model import ImagePreprocess
+from servewell.imaging import transform_image
 
 DIGITS = ImagePreprocess(size=(8, 8), channels=1, invert=True, fit="ink_bbox", scale=16 / 255, layout="CHW")
 

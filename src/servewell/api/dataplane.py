@@ -199,7 +199,8 @@ class InferenceCall:
         )
 
 
-def select_outputs(model: str, outputs: dict[str, np.ndarray], requested: Sequence[str] | None) -> dict[str, np.ndarray]:
+def select_outputs(model: str, outputs: dict[str, np.ndarray],
+                   requested: Sequence[str] | None) -> dict[str, np.ndarray]:
     """The outputs a request asked for, in its order (all when it named none)."""
     if requested is None:
         return outputs

@@ -20,8 +20,8 @@ import hmac
 import math
 import re
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from servewell.errors import RateLimited, Unauthorized
 from servewell.observability.metrics import ServeMetrics

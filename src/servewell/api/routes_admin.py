@@ -65,7 +65,8 @@ async def patch_batching(name: str, request: Request, state: AppState = Depends(
 
 
 @router.post("/models/{name}/profile", summary="Profile a model worker (Chrome/Perfetto trace)")
-async def profile(name: str, seconds: float = 5.0, instance: int = 0, state: AppState = Depends(require_admin)) -> Response:
+async def profile(name: str, seconds: float = 5.0, instance: int = 0,
+                  state: AppState = Depends(require_admin)) -> Response:
     """Capture `seconds` (at most 60) of one instance's batches with torch.profiler or onnxruntime
     profiling; returns a trace file that chrome://tracing and ui.perfetto.dev open."""
     if not 0 < seconds <= 60:

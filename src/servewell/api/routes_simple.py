@@ -51,7 +51,8 @@ def _json(doc: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 @router.post(
     "/predict",
     response_model=PredictResponse,
-    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": PredictRequest.model_json_schema()}}}},
+    openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": PredictRequest.model_json_schema()}}}},
     summary="Classify one image",
 )
 async def predict(request: Request) -> Response:

@@ -101,7 +101,8 @@ async def model_config(name: str, version: str | None = None, state: AppState = 
         raise InvalidInput(f"model '{name}' is invalid: {view.reason}")
 
     def tensor(t: TensorSpec) -> dict[str, Any]:
-        return {"name": t.name, "data_type": "TYPE_STRING" if t.datatype == "BYTES" else f"TYPE_{t.datatype}", "dims": t.shape}
+        data_type = "TYPE_STRING" if t.datatype == "BYTES" else f"TYPE_{t.datatype}"
+        return {"name": t.name, "data_type": data_type, "dims": t.shape}
 
     kind = "KIND_GPU" if config.device.startswith("cuda") else "KIND_CPU"
     return _json({
@@ -138,18 +139,21 @@ _INFER_BODY = {
     "content": {
         "application/json": {"schema": {"type": "object", "required": ["inputs"], "properties": {
             "id": {"type": "string"},
-            "parameters": {"type": "object", "description": "priority (1 = high lane), timeout (microseconds), binary_data_output"},
+            "parameters": {"type": "object",
+                           "description": "priority (1 = high lane), timeout (microseconds), binary_data_output"},
             "inputs": {"type": "array", "items": {"type": "object", "required": ["name", "shape", "datatype"]}},
             "outputs": {"type": "array", "items": {"type": "object", "required": ["name"]}},
         }}},
         "application/octet-stream": {"schema": {"type": "string", "format": "binary",
-                                                 "description": "JSON header + binary tensors (Inference-Header-Content-Length)"}},
+                                                 "description": "JSON header + binary tensors "
+                                                                "(Inference-Header-Content-Length)"}},
     },
 }
 
 
 @router.post("/models/{name}/infer", summary="Inference", openapi_extra={"requestBody": _INFER_BODY})
-@router.post("/models/{name}/versions/{version}/infer", summary="Inference (version)", openapi_extra={"requestBody": _INFER_BODY})
+@router.post("/models/{name}/versions/{version}/infer", summary="Inference (version)",
+             openapi_extra={"requestBody": _INFER_BODY})
 async def infer(name: str, request: Request, version: str | None = None) -> Response:
     """Run the model on JSON (or binary-extension) tensors."""
     state = app_state(request)

@@ -68,7 +68,8 @@ class ServerConfig(BaseModel):
         None, gt=0, description="Requests per second each API key may make (429 + Retry-After above); a key's own "
         "'rate=' wins. Unset: no limit.",
     )
-    metrics_require_key: bool = Field(False, description="Whether /metrics needs an API key (when keys are configured).")
+    metrics_require_key: bool = Field(
+        False, description="Whether /metrics needs an API key (when keys are configured).")
     config_poll_s: float = Field(
         2.0, ge=0, description="How often the --config file, the API keys file and every model.yaml are checked for "
         "changes (0: only on SIGHUP).",

@@ -45,7 +45,8 @@ def _from_urgency(lanes: Sequence[str], urgency: str) -> int:
         return default_lane(lanes)
     if value == "low":
         return len(lanes) - 1
-    raise InvalidInput(f"urgency {quote(urgency)} is not one of {list(URGENCIES)} or a lane of this model {list(lanes)}")
+    raise InvalidInput(f"urgency {quote(urgency)} is not one of {list(URGENCIES)} or a lane of this model "
+                       f"{list(lanes)}")
 
 
 def _from_priority(lanes: Sequence[str], priority: object) -> int:

@@ -58,7 +58,8 @@ class SchedulerStats:
 class ModelScheduler:
     """Queues requests for one model and runs them in batches on its runners."""
 
-    def __init__(self, config: ModelConfig, telemetry: BatchTelemetry | None = None, clock: Clock | None = None) -> None:
+    def __init__(self, config: ModelConfig, telemetry: BatchTelemetry | None = None,
+                 clock: Clock | None = None) -> None:
         self.config = config
         self.lanes: tuple[str, ...] = tuple(config.batching.lanes)
         self.batching: BatchingConfig = config.batching
@@ -358,7 +359,7 @@ class ModelScheduler:
         self.stats.batches += 1
         self.stats.rows += rows
         self._telemetry.batch_finished(rows, elapsed, outcome.compute_s, outcome.steps)
-        for item, outputs in zip(batch, results):
+        for item, outputs in zip(batch, results, strict=True):
             future = item.payload.future
             if future.done():  # the client went away while the batch ran
                 self._telemetry.count(item.lane, "cancelled")
@@ -373,7 +374,8 @@ class ModelScheduler:
         total = sum(item.rows for item in batch)
         for name, array in outputs.items():
             if array.ndim == 0 or array.shape[0] != total:
-                raise ModelError(f"output '{name}' has {array.shape[0] if array.ndim else 0} rows for a batch of {total}")
+                got = array.shape[0] if array.ndim else 0
+                raise ModelError(f"output '{name}' has {got} rows for a batch of {total}")
         results: list[dict[str, np.ndarray]] = []
         start = 0
         for item in batch:

@@ -30,7 +30,7 @@ def check_inputs(config: ModelConfig, inputs: dict[str, np.ndarray]) -> int:
                 f"input '{spec.name}' has dtype {array.dtype}, model '{config.name}' expects {spec.datatype}"
             )
         want = client_shape(config, spec)
-        if array.ndim != len(want) or any(w != -1 and w != g for w, g in zip(want, array.shape)):
+        if array.ndim != len(want) or any(w != -1 and w != g for w, g in zip(want, array.shape, strict=False)):
             raise InvalidInput(
                 f"input '{spec.name}' has shape {_shape_text(array.shape)}, model '{config.name}' expects "
                 f"{_shape_text(want)} (-1: any size)"
@@ -43,6 +43,7 @@ def check_inputs(config: ModelConfig, inputs: dict[str, np.ndarray]) -> int:
             rows = array.shape[0]
             if rows > config.max_batch_size:
                 raise InvalidInput(
-                    f"input '{spec.name}' has a batch of {rows}, above the model's max_batch_size {config.max_batch_size}"
+                    f"input '{spec.name}' has a batch of {rows}, above the model's max_batch_size "
+                    f"{config.max_batch_size}"
                 )
     return rows if rows is not None else 1

@@ -16,9 +16,9 @@ import torch
 from PIL import Image, ImageFilter
 from torch import nn
 
-from servewell.imaging import transform_image
 from servewell.examples.artifacts import ProgressFn
 from servewell.examples.digits import DIGITS_PREPROCESS, render_digit
+from servewell.imaging import transform_image
 
 SEED = 0
 #: Extra varied renderings of each training sample, on top of the plain `render_digit` one.

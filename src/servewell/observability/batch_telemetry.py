@@ -8,8 +8,8 @@ made only for requests whose `http` span is recording: unsampled work costs noth
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace

@@ -220,6 +220,7 @@ def context_from_traceparent(traceparent: str | None) -> Context | None:
 
 
 __all__ = [
-    "Link", "SpanKind", "Tracing", "TracingSettings", "begin_server_span", "context_from_traceparent", "extract_context",
+    "Link", "SpanKind", "Tracing", "TracingSettings", "begin_server_span", "context_from_traceparent",
+    "extract_context",
     "settings_from", "traceparent_of",
 ]

@@ -13,7 +13,6 @@ import pytest
 import yaml
 from PIL import Image
 
-from servewell.imaging import transform_image
 from servewell.config.model import ModelConfig
 from servewell.examples.build import build_model
 from servewell.examples.digits import load_split, render_digit
@@ -25,6 +24,7 @@ from servewell.examples.example_images import (
     write_example_images,
 )
 from servewell.examples.resnet import ARTIFACTS, resnet50, resnet50_config_dict
+from servewell.imaging import transform_image
 
 
 @pytest.fixture(scope="session")

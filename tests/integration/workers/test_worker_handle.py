@@ -93,9 +93,8 @@ def test_a_worker_that_dies_is_noticed_at_once_and_refuses_batches(tmp_path, lin
     directory = model_dir(tmp_path, linear)
 
     async def main() -> None:
-        handle = WorkerHandle(read_model_config(directory), directory)
         lost = asyncio.Event()
-        handle.on_lost = lambda worker: lost.set()
+        handle = WorkerHandle(read_model_config(directory), directory, on_lost=lambda worker: lost.set())
         try:
             await handle.start(timeout_s=120)
             handle.kill()

@@ -24,8 +24,8 @@ def test_entries_in_every_form() -> None:
     assert [k.id for k in keys] == [f"key-{hashlib.sha256(SECRET_A.encode()).hexdigest()[:8]}", "team-b", "ci"]
     assert keys[1].rate_per_s == 5.0 and keys[0].rate_per_s is None
     ring = KeyRing(keys)
-    assert ring.identify(SECRET_B).id == "team-b"
-    assert ring.identify("c" * 32).id == "ci"  # only the hash was configured
+    assert (found := ring.identify(SECRET_B)) is not None and found.id == "team-b"
+    assert (found := ring.identify("c" * 32)) is not None and found.id == "ci"  # only the hash was configured
     assert ring.identify("wrong-key-of-enough-length") is None
     assert ring.identify("x" * 100_000) is None  # an oversized credential is not even hashed
 

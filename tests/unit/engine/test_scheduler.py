@@ -4,12 +4,13 @@ future, and every timing rule holds without a single sleep."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import numpy as np
 import pytest
-from fake_clock import FakeClock
 
+from fake_clock import FakeClock
 from servewell.config.model import ModelConfig
 from servewell.engine.batch_runner import BatchOutcome
 from servewell.engine.protocol import RequestResult
@@ -64,7 +65,7 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-def run(test: Callable[[FakeClock], Awaitable[None]]) -> None:
+def run(test: Callable[[FakeClock], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(test(FakeClock()))
 
 

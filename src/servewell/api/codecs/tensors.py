@@ -112,7 +112,8 @@ def _decode_input(raw: Any, index: int, binary: memoryview) -> tuple[DecodedTens
     size = params.get("binary_data_size") if isinstance(params, dict) else None
     if size is not None:
         if not isinstance(size, int) or size < 0 or size > len(binary):
-            raise BadRequest(f"input '{name}': binary_data_size {size} exceeds the binary data left ({len(binary)} bytes)")
+            raise BadRequest(f"input '{name}': binary_data_size {size} exceeds the binary data left "
+                             f"({len(binary)} bytes)")
         return DecodedTensor(name, datatype, _from_binary(name, datatype, shape, count, binary[:size]), True), size
     if "data" not in raw:
         raise InvalidInput(f"input '{name}' has neither 'data' nor parameters.binary_data_size")

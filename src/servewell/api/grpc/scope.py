@@ -15,7 +15,8 @@ import logging
 import re
 import time
 import uuid
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import context as otel_context

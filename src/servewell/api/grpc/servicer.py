@@ -10,7 +10,6 @@ UNIMPLEMENTED.
 
 from __future__ import annotations
 
-import grpc
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
@@ -41,18 +40,18 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
 
     # --- health and metadata ---------------------------------------------------------------
 
-    async def ServerLive(self, request: pb.ServerLiveRequest, context: RpcContext) -> pb.ServerLiveResponse:  # noqa: N802
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: RpcContext) -> pb.ServerLiveResponse:
         async def handle() -> pb.ServerLiveResponse:
             return pb.ServerLiveResponse(live=True)
         return await self._scope.run("ServerLive", context, handle, probe=True)
 
-    async def ServerReady(self, request: pb.ServerReadyRequest,  # noqa: N802
+    async def ServerReady(self, request: pb.ServerReadyRequest,
                           context: RpcContext) -> pb.ServerReadyResponse:
         async def handle() -> pb.ServerReadyResponse:
             return pb.ServerReadyResponse(ready=self._engine.ready)
         return await self._scope.run("ServerReady", context, handle, probe=True)
 
-    async def ModelReady(self, request: pb.ModelReadyRequest,  # noqa: N802
+    async def ModelReady(self, request: pb.ModelReadyRequest,
                          context: RpcContext) -> pb.ModelReadyResponse:
         async def handle() -> pb.ModelReadyResponse:
             self._plane.note_model(request.name)
@@ -60,13 +59,13 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             return pb.ModelReadyResponse(ready=view.state == "ready")
         return await self._scope.run("ModelReady", context, handle, probe=True)
 
-    async def ServerMetadata(self, request: pb.ServerMetadataRequest,  # noqa: N802
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest,
                              context: RpcContext) -> pb.ServerMetadataResponse:
         async def handle() -> pb.ServerMetadataResponse:
             return pb.ServerMetadataResponse(name="servewell", version=servewell.__version__, extensions=EXTENSIONS)
         return await self._scope.run("ServerMetadata", context, handle)
 
-    async def ModelMetadata(self, request: pb.ModelMetadataRequest,  # noqa: N802
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest,
                             context: RpcContext) -> pb.ModelMetadataResponse:
         async def handle() -> pb.ModelMetadataResponse:
             self._plane.note_model(request.name)
@@ -81,16 +80,17 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             return response
         return await self._scope.run("ModelMetadata", context, handle)
 
-    async def ModelConfig(self, request: pb.ModelConfigRequest,  # noqa: N802
+    async def ModelConfig(self, request: pb.ModelConfigRequest,
                           context: RpcContext) -> pb.ModelConfigResponse:
         async def handle() -> pb.ModelConfigResponse:
             self._plane.note_model(request.name)
-            return pb.ModelConfigResponse(config=_model_config(self._engine.model(request.name, request.version or None)))
+            view = self._engine.model(request.name, request.version or None)
+            return pb.ModelConfigResponse(config=_model_config(view))
         return await self._scope.run("ModelConfig", context, handle)
 
     # --- inference -------------------------------------------------------------------------
 
-    async def ModelInfer(self, request: pb.ModelInferRequest,  # noqa: N802
+    async def ModelInfer(self, request: pb.ModelInferRequest,
                          context: RpcContext) -> pb.ModelInferResponse:
         async def handle() -> pb.ModelInferResponse:
             call = self._plane.call()
@@ -114,7 +114,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
 
     # --- repository --------------------------------------------------------------------------
 
-    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest,  # noqa: N802
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
                               context: RpcContext) -> pb.RepositoryIndexResponse:
         async def handle() -> pb.RepositoryIndexResponse:
             response = pb.RepositoryIndexResponse()
@@ -126,7 +126,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             return response
         return await self._scope.run("RepositoryIndex", context, handle)
 
-    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,  # noqa: N802
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
                                   context: RpcContext) -> pb.RepositoryModelLoadResponse:
         async def handle() -> pb.RepositoryModelLoadResponse:
             self._require_admin(context)
@@ -135,7 +135,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             return pb.RepositoryModelLoadResponse()
         return await self._scope.run("RepositoryModelLoad", context, handle, admin=True)
 
-    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,  # noqa: N802
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
                                     context: RpcContext) -> pb.RepositoryModelUnloadResponse:
         async def handle() -> pb.RepositoryModelUnloadResponse:
             self._require_admin(context)
