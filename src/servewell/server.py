@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import logging
 import signal
 import subprocess
@@ -50,6 +51,10 @@ def ensure_builtin_repository(cache_dir: Path) -> Path:
     Building imports torch, so it runs in a child process: the frontend never imports it.
     """
     repository = builtin_repository(cache_dir)
+    missing = [name for name in ("torch", "onnx", "sklearn", "onnxruntime") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigFileError(f"the built-in model needs {', '.join(missing)}, which are not installed: "
+                              "pip install 'servewell[examples]', or serve your own models with --model-repository")
     if not (repository / BUILTIN_MODEL / "model.yaml").is_file():
         log.info("building the built-in model '%s' into %s (first run only)", BUILTIN_MODEL, repository)
     command = [sys.executable, "-m", "servewell.examples.build", BUILTIN_MODEL, "--out", str(repository)]

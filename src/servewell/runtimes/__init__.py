@@ -15,6 +15,8 @@ __all__ = ["DeviceUnusableError", "ModelLoadError", "ModelRuntime", "ProgressFn"
 
 #: Python package each runtime needs, named in the error when it is missing.
 _RUNTIME_PACKAGE = {"onnx": "onnxruntime", "torchscript": "torch", "pytorch": "torch"}
+#: The servewell extra that installs it.
+_RUNTIME_EXTRA = {"onnx": "onnx", "torchscript": "torch", "pytorch": "torch"}
 
 
 def load_runtime(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> ModelRuntime:
@@ -49,6 +51,7 @@ def _loader(runtime: str) -> RuntimeLoader:
             return pytorch_runtime.load
     except ImportError as exc:
         raise ModelLoadError(
-            f"runtime {runtime} needs the {_RUNTIME_PACKAGE[runtime]} package, which cannot be imported: {exc}"
+            f"runtime {runtime} needs the {_RUNTIME_PACKAGE[runtime]} package, which cannot be imported ({exc}); "
+            f"install it with: pip install 'servewell[{_RUNTIME_EXTRA[runtime]}]'"
         ) from exc
     raise ModelLoadError(f"unknown runtime {runtime!r}; use onnx, torchscript or pytorch")
