@@ -26,6 +26,7 @@ from servewell.config.server import ConfigFileError, ConfigSource, ServerConfig
 from servewell.engine.engine import InferenceEngine
 from servewell.live_config import ConfigReloader, load_keys
 from servewell.observability.alerting import run_alerting
+from servewell.observability.console_feed import ConsoleFeed
 from servewell.observability.gpu import GpuProbe
 from servewell.observability.metrics import ServeMetrics, StateCollector
 from servewell.observability.process import process_facts
@@ -118,10 +119,11 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> Fas
     plane = DataPlane(engine, pool, settings.max_image_pixels, metrics, tracing)
     access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
     knobs = LiveKnobs(settings.slow_request_ms / 1000.0, settings.metrics_require_key)
+    console = ConsoleFeed(metrics)  # the console's chart series and recent slow/failed requests
     reloader = ConfigReloader(source or ConfigSource(None, {}), settings, engine, access, tracing, knobs)
     grpc_listener = None
     if settings.grpc_port:
-        scope = RpcScope(metrics, tracing, access, knobs)
+        scope = RpcScope(metrics, tracing, access, knobs, console.recent)
         grpc_listener = GrpcListener(InferenceServicer(engine, plane, scope, settings.admin_token), settings.host,
                                      settings.grpc_port, settings.max_body_bytes, settings.grpc_max_concurrent_rpcs)
     background: list[asyncio.Task[None]] = []
@@ -138,6 +140,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> Fas
             await grpc_listener.start()
         background.append(loop.create_task(start_engine_then_watch()))
         background.append(loop.create_task(reloader.run(stop)))
+        background.append(loop.create_task(console.run()))
         loop.add_signal_handler(signal.SIGHUP, lambda: background.append(loop.create_task(reloader.check())))
         if metrics is not None and settings.alerting.webhook_url is not None:
             tracker = SignalTracker(metrics, engine.model_facts)
@@ -154,7 +157,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> Fas
         pool.shutdown(wait=False)
         tracing.shutdown()
 
-    state = AppState(engine, plane, settings, metrics, access, knobs, reloader.report)
+    state = AppState(engine, plane, settings, metrics, access, knobs, reloader.report, console)
     return create_app(state, startup, shutdown, tracing)
 
 

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 import servewell
-from servewell.api import routes_admin, routes_metrics, routes_simple, routes_v2
+from servewell.api import routes_admin, routes_console, routes_metrics, routes_simple, routes_v2
 from servewell.api.errors import install_error_handlers
 from servewell.api.key_middleware import ApiKeyMiddleware
 from servewell.api.middleware import RequestContextMiddleware
@@ -50,7 +50,9 @@ def create_app(
     app.include_router(routes_admin.router)
     app.include_router(routes_admin.repository_router)
     app.include_router(routes_metrics.router)
+    app.include_router(routes_console.router)
     # Added last runs first: the request context (id, metrics, logs) wraps the key check.
     app.add_middleware(ApiKeyMiddleware, access=state.access, knobs=state.knobs)
-    app.add_middleware(RequestContextMiddleware, knobs=state.knobs, metrics=state.metrics, tracing=tracing)
+    app.add_middleware(RequestContextMiddleware, knobs=state.knobs, metrics=state.metrics, tracing=tracing,
+                       recent=state.console.recent)
     return app

@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from servewell.errors import ServeError
-from servewell.observability.context import request_id_var
+from servewell.observability.context import error_code_var, request_id_var
 
 log = logging.getLogger("servewell.api")
 
@@ -23,6 +23,7 @@ def error_response(status: int, code: str, message: str, retry_after_s: float | 
                    headers: dict[str, str] | None = None) -> Response:
     """A JSON error response carrying the current request id."""
     body = {"error": {"code": code, "message": message, "request_id": request_id_var.get()}}
+    error_code_var.set(code)  # each request runs in its own task (context), so this never leaks to the next
     headers = dict(headers or {})
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))

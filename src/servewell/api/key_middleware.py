@@ -1,5 +1,6 @@
-"""HTTP side of the API keys: every route but the probes, the docs, (configurably) /metrics and
-the admin endpoints (which take the admin token, never an API key) needs a valid key."""
+"""HTTP side of the API keys: every route but the probes, the docs, the console page and its
+files, (configurably) /metrics and the admin endpoints (which take the admin token, never an API
+key) needs a valid key. The console's data (`/console/api/state`) needs one like inference does."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from servewell.observability.context import client_var
 
 #: Answered without a key: what load balancers, kubelets and people reading the docs call.
 OPEN_PATHS = frozenset(("/healthz", "/v2/health/live", "/v2/health/ready", "/docs", "/docs/oauth2-redirect",
-                        "/openapi.json", "/redoc"))
+                        "/openapi.json", "/redoc", "/"))  # "/": the console page, which holds no data
 
 
 def needs_key(path: str, metrics_need_key: bool) -> bool:
     """Whether a request to `path` must present an API key (when keys are configured)."""
-    if path in OPEN_PATHS or path.startswith("/admin/"):
+    if path in OPEN_PATHS or path.startswith(("/admin/", "/console/assets/")):
         return False
     if path == "/metrics":
         return metrics_need_key

@@ -18,8 +18,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servewell.api.errors import error_response
 from servewell.api.state import LiveKnobs
-from servewell.observability.context import model_var, request_id_var, request_trace_var, stages_var
+from servewell.observability.context import error_code_var, model_var, request_id_var, request_trace_var, stages_var
 from servewell.observability.metrics import ServeMetrics
+from servewell.observability.recent_requests import RecentRequests, RequestRecord
 from servewell.observability.tracing import SpanKind, Tracing, extract_context
 
 log = logging.getLogger("servewell.api")
@@ -28,17 +29,20 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 # Probes, scrapes and docs: neither timed in the request histogram nor started as traces (a
 # kubelet probe or a Prometheus scrape every few seconds would otherwise fill both with noise);
 # a caller's sampled trace is still followed.
-_PLUMBING = frozenset(("/metrics", "/healthz", "/v2/health/live", "/v2/health/ready", "/docs", "/openapi.json"))
+_PLUMBING = frozenset(("/metrics", "/healthz", "/v2/health/live", "/v2/health/ready", "/docs", "/openapi.json",
+                       "/", "/console/api/state"))
 
 
 class RequestContextMiddleware:
     """Assigns (or accepts a safe client-supplied) `X-Request-ID`, continues a W3C trace,
-    times the request, and records it in metrics and (when slow or failed) in the log."""
+    times the request, and records it in metrics and (when slow or failed) in the log and in
+    `recent` (the console's list)."""
 
     def __init__(self, app: ASGIApp, knobs: LiveKnobs, metrics: ServeMetrics | None = None,
-                 tracing: Tracing | None = None) -> None:
+                 tracing: Tracing | None = None, recent: RecentRequests | None = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.recent = recent
         self.tracing = tracing if tracing is not None and tracing.enabled else None
         self.knobs = knobs
 
@@ -126,8 +130,14 @@ class RequestContextMiddleware:
             return
         if self.metrics is not None:
             self.metrics.observe_request(model, template, status, elapsed)
-        if elapsed > self.knobs.slow_request_s:
-            stages = {k: round(v * 1000, 3) for k, v in (stages_var.get() or {}).items()}
+        slow = elapsed > self.knobs.slow_request_s
+        if not slow and status < 400:
+            return
+        stages = {k: round(v * 1000, 3) for k, v in (stages_var.get() or {}).items()}
+        if slow:
             log.warning("slow request: %.1f ms on %s (status %d)", elapsed * 1000, template, status,
                         extra={"route": template, "status": status, "total_ms": round(elapsed * 1000, 3),
                                "stages_ms": stages})
+        if self.recent is not None:  # failed requests were logged where their error was built
+            self.recent.record(RequestRecord(request_id_var.get(), "http", template, model, status,
+                                             error_code_var.get(), round(elapsed * 1000, 3), slow, stages))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -12,6 +12,7 @@ from servewell.api.dataplane import DataPlane
 from servewell.api.keys import InferenceAccess
 from servewell.config.server import ServerConfig
 from servewell.engine.protocol import ServingEngine
+from servewell.observability.console_feed import ConsoleFeed
 from servewell.observability.metrics import ServeMetrics
 
 
@@ -34,6 +35,8 @@ class AppState:
     access: InferenceAccess
     knobs: LiveKnobs
     config_report: Callable[[], dict[str, Any]]
+    #: The console's chart series and recent slow/failed requests (see api/routes_console.py).
+    console: ConsoleFeed = field(default_factory=ConsoleFeed)
 
 
 def app_state(request: Request) -> AppState:

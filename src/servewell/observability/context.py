@@ -11,6 +11,10 @@ client_var: ContextVar[str] = ContextVar("servewell_client", default="")
 #: Model the current request is for ("" when unknown).
 model_var: ContextVar[str] = ContextVar("servewell_model", default="")
 
+#: Stable code of the error the current request was answered with ("" until one is), for the
+#: console's list of failed requests; set where the error response is built.
+error_code_var: ContextVar[str] = ContextVar("servewell_error_code", default="")
+
 #: Stage durations (seconds) of the current request, filled by the route, read by the middleware.
 stages_var: ContextVar[dict[str, float] | None] = ContextVar("servewell_stages", default=None)
 #: OpenTelemetry context holding the request's `http` span (None when tracing is off); the

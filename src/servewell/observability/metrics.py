@@ -130,9 +130,16 @@ class LoopHistogram(_LoopFamily[_HistogramSeries, HistogramMetricFamily]):
         bounds = tuple(sorted(float(b) for b in buckets if b != float("inf")))
         if not bounds:
             raise ValueError(f"{name}: at least one finite bucket bound is needed")
+        self.bounds = bounds  #: finite bucket upper bounds, ascending (a last bucket counts the rest: +Inf)
         self._le = [floatToGoString(b) for b in bounds] + ["+Inf"]
         super().__init__(name, documentation, labelnames, registry, lambda: _HistogramSeries(bounds),
                          HistogramMetricFamily)
+
+    def snapshot(self) -> list[tuple[tuple[str, ...], list[int], float]]:
+        """Every series now, as (label values, count per bucket (not cumulative; the last is +Inf),
+        sum): copies, without building Prometheus samples. The console samples this on the event
+        loop every 2 s, where `collect()` cost some 50x more."""
+        return [(values, list(series.counts), series.sum) for values, series in list(self._series.items())]
 
     def collect(self) -> Iterable[Metric]:
         family = self._family()
@@ -151,6 +158,10 @@ class LoopCounter(_LoopFamily[_CounterSeries, CounterMetricFamily]):
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
         super().__init__(name, documentation, labelnames, registry, _CounterSeries, CounterMetricFamily)
+
+    def snapshot(self) -> list[tuple[tuple[str, ...], float]]:
+        """Every series now, as (label values, value), without building Prometheus samples."""
+        return [(values, series.value) for values, series in list(self._series.items())]
 
     def collect(self) -> Iterable[Metric]:
         family = self._family()

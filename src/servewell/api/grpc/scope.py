@@ -28,6 +28,7 @@ from servewell.api.state import LiveKnobs
 from servewell.errors import ServeError
 from servewell.observability.context import client_var, model_var, request_id_var, request_trace_var, stages_var
 from servewell.observability.metrics import ServeMetrics
+from servewell.observability.recent_requests import RecentRequests, RequestRecord
 from servewell.observability.tracing import Tracing, begin_server_span
 
 log = logging.getLogger("servewell.api")
@@ -58,8 +59,9 @@ class RpcScope:
     """Runs gRPC handlers inside a request context, as the HTTP middleware does for routes."""
 
     def __init__(self, metrics: ServeMetrics | None, tracing: Tracing | None, access: InferenceAccess,
-                 knobs: LiveKnobs) -> None:
+                 knobs: LiveKnobs, recent: RecentRequests | None = None) -> None:
         self._metrics = metrics
+        self._recent = recent
         self._tracing = tracing if tracing is not None and tracing.enabled else None
         self._access = access
         self._knobs = knobs
@@ -83,7 +85,7 @@ class RpcScope:
             if span_context is not None:
                 otel_token = otel_context.attach(span_context)
                 trace_token = request_trace_var.set(span_context)
-        status = 200
+        status, code = 200, ""
         context.set_trailing_metadata((("x-request-id", request_id),))
         client_token = None
         try:
@@ -93,25 +95,25 @@ class RpcScope:
                 client_token = client_var.set(client or "")
             return await handler()
         except ServeError as exc:
-            status = exc.status
+            status, code = exc.status, exc.code
             level = logging.WARNING if exc.status >= 500 else logging.INFO
             log.log(level, "request failed: %s", exc.message, extra={"status": exc.status, "code": exc.code})
             context.set_trailing_metadata((("x-request-id", request_id), ("servewell-error-code", exc.code)))
             await context.abort(status_code(exc), exc.message)
             raise  # abort raises; this line only satisfies the type checker
         except asyncio.CancelledError:
-            status = 499  # the client cancelled or its deadline passed: not a server error
+            status, code = 499, "cancelled"  # the client cancelled or its deadline passed: not a server error
             raise
         except grpc.aio.AbortError:
             raise
         except Exception:
-            status = 500
+            status, code = 500, "internal"
             log.exception("unhandled error while serving gRPC %s", method)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal server error; request id {request_id}")
             raise
         finally:
             elapsed = time.perf_counter() - started
-            self._finish(method, status, elapsed, span, probe)
+            self._finish(method, status, code, elapsed, span, probe)
             if client_token is not None:
                 client_var.reset(client_token)
             if trace_token is not None:
@@ -122,7 +124,8 @@ class RpcScope:
             model_var.reset(tokens[1])
             stages_var.reset(tokens[2])
 
-    def _finish(self, method: str, status: int, elapsed: float, span: trace.Span | None, probe: bool) -> None:
+    def _finish(self, method: str, status: int, code: str, elapsed: float, span: trace.Span | None,
+                probe: bool) -> None:
         model = model_var.get()
         if span is not None:
             span.set_attribute("rpc.grpc.servewell_status", status)
@@ -136,8 +139,14 @@ class RpcScope:
         route = f"grpc {method}"
         if self._metrics is not None:
             self._metrics.observe_request(model, route, status, elapsed)
-        if elapsed > self._knobs.slow_request_s:
-            stages = {k: round(v * 1000, 3) for k, v in (stages_var.get() or {}).items()}
+        slow = elapsed > self._knobs.slow_request_s
+        if not slow and status < 400:
+            return
+        stages = {k: round(v * 1000, 3) for k, v in (stages_var.get() or {}).items()}
+        if slow:
             log.warning("slow request: %.1f ms on %s (status %d)", elapsed * 1000, route, status,
                         extra={"route": route, "status": status, "total_ms": round(elapsed * 1000, 3),
                                "stages_ms": stages})
+        if self._recent is not None:  # failed calls were logged where their error was caught
+            self._recent.record(RequestRecord(request_id_var.get(), "grpc", route, model, status, code,
+                                              round(elapsed * 1000, 3), slow, stages))

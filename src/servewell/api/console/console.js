@@ -1,0 +1,506 @@
+/* servewell console. Plain browser JavaScript, no build step: polls /console/api/state every 2 s
+ * and draws it; the charts are uPlot (vendored next to this file). Every value from the server is
+ * put on the page as text (textContent), never as HTML. */
+"use strict";
+(function () {
+  const POLL_MS = 2000;
+  const RECENT_ROWS = 100;
+  const OUTCOMES = ["success", "rejected", "deadline_exceeded", "cancelled", "error"];
+  const COLORS = {
+    success: "#1a7f37", rejected: "#d97706", deadline_exceeded: "#7c3aed", cancelled: "#9ca3af", error: "#c62828",
+    p50: "#2563eb", p99: "#c62828", mean: "#2563eb", rate: "#9ca3af",
+  };
+  const STAGES = ["preprocess", "queue", "compute", "postprocess"];
+  const CHARTS = [
+    // Success is drawn last, on top: when nothing fails, the zero lines of the others stay under it.
+    { id: "requests", unit: "/s", series: OUTCOMES.slice().reverse().map((o) => ({ key: o, label: o.replace("_", " "), stroke: COLORS[o] })) },
+    { id: "latency", unit: " ms", series: [
+      { key: "latency_p50_ms", label: "p50", stroke: COLORS.p50 }, { key: "latency_p99_ms", label: "p99", stroke: COLORS.p99 }] },
+    { id: "queue", unit: " ms", series: [
+      { key: "queue_p50_ms", label: "p50", stroke: COLORS.p50 }, { key: "queue_p99_ms", label: "p99", stroke: COLORS.p99 }] },
+    { id: "batch", unit: "", series: [
+      { key: "batch_mean", label: "mean rows", stroke: COLORS.mean },
+      { key: "batches_per_s", label: "batches/s", stroke: COLORS.rate, scale: "rate" }] },
+    { id: "compute", unit: " ms", series: [
+      { key: "compute_p50_ms", label: "p50", stroke: COLORS.p50 }, { key: "compute_p99_ms", label: "p99", stroke: COLORS.p99 }] },
+  ];
+
+  const $ = (id) => document.getElementById(id);
+  const store = window.sessionStorage;
+  const auth = { key: store.getItem("servewell.apiKey") || "", admin: store.getItem("servewell.adminToken") || "" };
+  const keysRequired = document.body.dataset.keysRequired === "true";
+  // What the page holds, for people poking around in the devtools and for the browser tests.
+  const page = (window.servewellConsole = { state: null, charts: {}, polls: 0, lastTry: null });
+  let chartModel = "*";
+  let waitingForKey = false;
+  let pollTimer = null;
+  let lastOk = 0;
+
+  /* ---------- small helpers ---------- */
+
+  function el(tag, className, text) {
+    const node = document.createElement(tag);
+    if (className) node.className = className;
+    if (text !== undefined && text !== null) node.textContent = String(text);
+    return node;
+  }
+  function clear(node) { while (node.firstChild) node.removeChild(node.firstChild); }
+  function bytes(n) {
+    if (n === null || n === undefined) return "–";
+    const units = ["B", "KB", "MB", "GB", "TB"];
+    let i = 0;
+    while (n >= 1000 && i < units.length - 1) { n /= 1000; i += 1; }
+    return (i ? n.toFixed(n >= 100 ? 0 : 1) : n) + " " + units[i];
+  }
+  function ms(v) {
+    if (v === null || v === undefined) return "–";
+    if (v >= 1000) return (v / 1000).toFixed(2) + " s";
+    return (v >= 100 ? v.toFixed(0) : v >= 10 ? v.toFixed(1) : v.toFixed(2)) + " ms";
+  }
+  function num(v) {
+    if (v === null || v === undefined) return "–";
+    const a = Math.abs(v);
+    return a >= 100 ? v.toFixed(0) : a >= 10 ? v.toFixed(1) : a >= 1 ? v.toFixed(2) : v.toPrecision(2);
+  }
+  function duration(s) {
+    s = Math.max(0, Math.floor(s));
+    const d = Math.floor(s / 86400), h = Math.floor((s % 86400) / 3600), m = Math.floor((s % 3600) / 60);
+    return d ? `${d}d ${h}h` : h ? `${h}h ${m}m` : m ? `${m}m ${s % 60}s` : `${s}s`;
+  }
+  function clock(unixS) { return new Date(unixS * 1000).toLocaleTimeString([], { hour12: false }); }
+  function headers() {
+    const h = {};
+    if (auth.key) h["X-API-Key"] = auth.key;
+    if (auth.admin) h.Authorization = "Bearer " + auth.admin;
+    return h;
+  }
+  async function errorMessage(response) {
+    try {
+      const doc = await response.json();
+      if (doc && doc.error) return `${response.status} ${doc.error.code}: ${doc.error.message}`;
+    } catch (e) { /* not our JSON error */ }
+    return `HTTP ${response.status}`;
+  }
+
+  /* ---------- access ---------- */
+
+  function showAuth(why) {
+    $("auth").hidden = false;
+    if (why) $("auth-why").textContent = why;
+  }
+  $("auth-open").addEventListener("click", () => { $("auth").hidden = !$("auth").hidden; });
+  $("auth-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    auth.key = $("auth-key").value.trim();
+    auth.admin = $("auth-admin").value.trim();
+    store.setItem("servewell.apiKey", auth.key);
+    store.setItem("servewell.adminToken", auth.admin);
+    $("auth").hidden = true;
+    waitingForKey = false;
+    pollNow();
+  });
+  $("auth-forget").addEventListener("click", () => {
+    auth.key = auth.admin = "";
+    store.removeItem("servewell.apiKey");
+    store.removeItem("servewell.adminToken");
+    $("auth-key").value = $("auth-admin").value = "";
+  });
+
+  /* ---------- polling ---------- */
+
+  function setLive(ok, text) {
+    const live = $("live");
+    live.textContent = text;
+    live.classList.toggle("stale", !ok);
+  }
+  function schedule() {
+    clearTimeout(pollTimer);
+    pollTimer = setTimeout(poll, POLL_MS);
+  }
+  function pollNow() { clearTimeout(pollTimer); poll(); }
+
+  async function poll() {
+    if (waitingForKey || (keysRequired && !auth.key)) {
+      // Asking without a key would only earn a 401 (and a console error) every 2 s.
+      waitingForKey = true;
+      showAuth("This server needs an API key for its data, as for inference.");
+      setLive(false, "needs an API key");
+      return;
+    }
+    const url = `/console/api/state?model=${encodeURIComponent(chartModel)}&recent=${RECENT_ROWS}`;
+    try {
+      const response = await fetch(url, { headers: headers(), cache: "no-store" });
+      if (response.status === 401 || response.status === 429) {
+        waitingForKey = response.status === 401;
+        showAuth(await errorMessage(response));
+        setLive(false, response.status === 401 ? "API key refused" : "rate limited");
+      } else if (response.status === 404 && chartModel !== "*") {
+        chartModel = "*"; // the model went away
+      } else if (!response.ok) {
+        setLive(false, await errorMessage(response));
+      } else {
+        const doc = await response.json();
+        page.state = doc;
+        page.polls += 1;
+        lastOk = Date.now();
+        render(doc);
+        setLive(true, "live · " + new Date().toLocaleTimeString([], { hour12: false }));
+      }
+    } catch (error) {
+      setLive(false, lastOk ? `server unreachable (last data ${clock(lastOk / 1000)})` : "server unreachable");
+      $("server-ready").className = "badge down";
+      $("server-ready").textContent = "unreachable";
+    }
+    if (!waitingForKey) schedule();
+  }
+
+  function render(doc) {
+    renderServer(doc.server);
+    renderModels(doc.models);
+    renderCharts(doc.series);
+    renderTryModels(doc.models);
+    renderRecent(doc);
+  }
+
+  /* ---------- server and models ---------- */
+
+  function renderServer(server) {
+    const badge = $("server-ready");
+    badge.className = "badge " + (server.ready ? "ready" : "not-ready");
+    badge.textContent = server.ready ? "ready" : "not ready";
+    const budget = server.memory_budget;
+    $("server-facts").textContent = [
+      "v" + server.version,
+      "up " + duration(Date.now() / 1000 - server.started_at),
+      "frontend " + bytes(server.frontend_rss_bytes),
+      `model memory budget ${bytes(budget.total_bytes)} (${bytes(budget.reserved_bytes)} reserved)`,
+      `slow > ${server.slow_request_ms} ms`,
+    ].join(" · ");
+  }
+
+  function renderModels(models) {
+    const body = $("models").tBodies[0];
+    clear(body);
+    if (!models.length) {
+      const row = body.insertRow();
+      const cell = el("td", "muted", "no models in the repository");
+      cell.colSpan = 8;
+      row.appendChild(cell);
+      return;
+    }
+    for (const m of models) {
+      const row = body.insertRow();
+      row.dataset.model = m.name;
+      const name = row.insertCell();
+      name.appendChild(el("strong", null, m.name));
+      name.appendChild(el("div", "muted small", [m.version && "v" + m.version, m.runtime].filter(Boolean).join(" · ")));
+      if (m.batching) {
+        const b = m.batching;
+        name.appendChild(el("div", "muted small", `${b.policy} · wait ${b.max_wait_ms} ms · queue ≤ ${b.max_queue_size}`));
+      }
+      const state = row.insertCell();
+      state.appendChild(el("span", "badge " + m.state, m.state));
+      if (m.reason) state.appendChild(el("div", "reason", m.reason));
+      if (m.load_s !== null) state.appendChild(el("div", "muted small", `loaded in ${m.load_s} s`));
+      const instances = row.insertCell();
+      if (!m.instances.length) instances.appendChild(el("span", "muted", "–"));
+      for (const i of m.instances) {
+        const line = el("div", "instance");
+        line.appendChild(el("span", "dot" + (i.alive ? " alive" : "")));
+        line.appendChild(document.createTextNode(`#${i.instance} pid ${i.pid === null ? "–" : i.pid} · ${bytes(i.rss_bytes)}`));
+        line.title = `${i.rows_computed} rows computed`;
+        instances.appendChild(line);
+      }
+      if (m.restarts || m.recycles) {
+        instances.appendChild(el("div", "muted small", `${m.restarts} restarts · ${m.recycles} recycled`));
+      }
+      const lanes = row.insertCell();
+      const names = Object.keys(m.lanes);
+      if (!names.length) lanes.appendChild(el("span", "muted", "–"));
+      for (const lane of names) lanes.appendChild(el("span", "lane", `${lane} ${m.lanes[lane]}`));
+      row.insertCell().textContent = String(m.running_rows);
+      const batch = row.insertCell();
+      batch.textContent = m.max_batch_size === null ? "–" : String(m.max_batch_size);
+      if (m.max_batch_size !== null && m.configured_max_batch_size !== null && m.max_batch_size !== m.configured_max_batch_size) {
+        batch.appendChild(el("div", "muted small", `of ${m.configured_max_batch_size} configured`));
+      }
+      const s = m.scheduler;
+      row.insertCell().textContent = s ? `${s.batches} · ${s.rows}` : "–";
+      row.insertCell().textContent = s ? `${s.rejected} · ${s.expired} · ${s.cancelled}` : "–";
+    }
+  }
+
+  /* ---------- charts ---------- */
+
+  function chartOptions(spec, width) {
+    const axis = { stroke: "#6b7280", grid: { stroke: "#eef0f3", width: 1 }, ticks: { stroke: "#e3e6eb", width: 1 } };
+    const scales = { x: { time: true }, y: { range: (u, min, max) => [0, max > 0 ? max * 1.15 : 1] } };
+    const xAxis = Object.assign({}, axis, { space: 70, values: (u, ticks, i, space, incr) => ticks.map((t) => timeTick(t, incr)) });
+    const axes = [xAxis, Object.assign({}, axis, { scale: "y", size: 52, values: (u, ticks) => ticks.map(num) })];
+    if (spec.series.some((s) => s.scale === "rate")) {
+      scales.rate = { range: (u, min, max) => [0, max > 0 ? max * 1.15 : 1] };
+      axes.push(Object.assign({}, axis, { scale: "rate", side: 1, size: 46, grid: { show: false },
+        values: (u, ticks) => ticks.map(num) }));
+    }
+    return {
+      width: width,
+      height: 190,
+      scales: scales,
+      axes: axes,
+      cursor: { drag: { x: false, y: false } },
+      series: [{}].concat(spec.series.map((s) => ({
+        label: s.label, stroke: s.stroke, width: 2, scale: s.scale || "y",
+        value: (u, v) => (v === null || v === undefined ? "–" : num(v) + (s.scale === "rate" ? "/s" : spec.unit)),
+      }))),
+    };
+  }
+
+  function timeTick(unixS, incrS) {
+    const d = new Date(unixS * 1000);
+    const two = (n) => String(n).padStart(2, "0");
+    const hm = `${two(d.getHours())}:${two(d.getMinutes())}`;
+    return incrS < 60 ? `${hm}:${two(d.getSeconds())}` : hm;
+  }
+
+  function chartData(spec, columns) {
+    return [columns.t].concat(spec.series.map((s) => columns[s.key]));
+  }
+
+  function renderCharts(series) {
+    const select = $("chart-model");
+    const wanted = ["*"].concat(series.models.filter((m) => m !== "*"));
+    const have = Array.from(select.options).map((o) => o.value);
+    if (wanted.join("\n") !== have.join("\n")) {
+      clear(select);
+      for (const name of wanted) select.appendChild(new Option(name === "*" ? "all models" : name, name));
+      select.value = chartModel;
+    }
+    const note = $("charts-note");
+    if (!series.enabled) note.textContent = "metrics are turned off on this server (--metrics-enabled false): no charts";
+    else if (!series.columns.t.length) note.textContent = `no traffic recorded yet; a point every ${series.interval_s} s`;
+    else note.textContent = `one point every ${series.interval_s} s, the last ${Math.round(series.window_s / 60)} min`;
+    for (const spec of CHARTS) {
+      const figure = $("chart-" + spec.id);
+      const data = chartData(spec, series.columns);
+      const chart = page.charts[spec.id];
+      if (chart) chart.setData(data);
+      else page.charts[spec.id] = new uPlot(chartOptions(spec, chartWidth(figure)), data, figure);
+    }
+  }
+
+  function chartWidth(figure) { return Math.max(280, Math.floor(figure.clientWidth)); }
+
+  let resizeTimer = null;
+  window.addEventListener("resize", () => {
+    clearTimeout(resizeTimer);
+    resizeTimer = setTimeout(() => {
+      for (const spec of CHARTS) {
+        const chart = page.charts[spec.id];
+        if (chart) chart.setSize({ width: chartWidth($("chart-" + spec.id)), height: 190 });
+      }
+    }, 150);
+  });
+  $("chart-model").addEventListener("change", (event) => { chartModel = event.target.value; pollNow(); });
+
+  /* ---------- recent slow and failed requests ---------- */
+
+  function stageBar(stages, total) {
+    const bar = el("div", "stack");
+    const known = STAGES.filter((s) => stages[s] !== undefined);
+    bar.title = known.length ? known.map((s) => `${s} ${ms(stages[s])}`).join(" · ") + ` · total ${ms(total)}`
+      : "no stages: the request stopped before its model ran";
+    for (const s of known) {
+      const part = el("span", s);
+      part.style.width = (100 * Math.min(1, stages[s] / Math.max(total, 1e-9))).toFixed(2) + "%";
+      bar.appendChild(part);
+    }
+    return bar;
+  }
+
+  function renderRecent(doc) {
+    const note = $("recent-note");
+    const body = $("recent-table").tBodies[0];
+    clear(body);
+    if (doc.recent === null) {
+      note.textContent = "Per-request records are operator data and follow the admin rule: " +
+        (doc.server.admin_reason || "") + " (enter the admin token under Keys).";
+      return;
+    }
+    note.textContent = `${doc.recent_recorded} recorded since the server started (slow: over ` +
+      `${doc.server.slow_request_ms} ms; failed: any 4xx/5xx); newest first; no payloads are kept.`;
+    const filter = $("recent-filter").value.trim().toLowerCase();
+    for (const r of doc.recent) {
+      const haystack = [r.request_id, r.route, r.model, r.code, String(r.status)].join(" ").toLowerCase();
+      if (filter && !haystack.includes(filter)) continue;
+      const row = body.insertRow();
+      row.dataset.requestId = r.request_id;
+      if (filter && r.request_id.toLowerCase() === filter) row.className = "highlight";
+      row.insertCell().textContent = clock(r.at);
+      row.insertCell().appendChild(el("code", null, r.request_id));
+      row.insertCell().textContent = r.route;
+      row.insertCell().textContent = r.model || "–";
+      const status = row.insertCell();
+      if (r.status >= 400) status.appendChild(el("span", "badge failed", `${r.status} ${r.code}`.trim()));
+      else status.appendChild(el("span", "badge ok", String(r.status)));
+      if (r.slow) status.appendChild(el("span", "badge slow", "slow"));
+      row.insertCell().textContent = ms(r.total_ms);
+      row.insertCell().appendChild(stageBar(r.stages_ms, r.total_ms));
+    }
+    if (!body.rows.length) {
+      const cell = el("td", "muted", filter ? "nothing matches the filter" : "none yet");
+      cell.colSpan = 7;
+      body.insertRow().appendChild(cell);
+    }
+  }
+  $("recent-filter").addEventListener("input", () => { if (page.state) renderRecent(page.state); });
+
+  /* ---------- try it ---------- */
+
+  function renderTryModels(models) {
+    const select = $("try-model");
+    const names = models.filter((m) => m.takes_images && m.state === "ready").map((m) => m.name);
+    $("try-none").hidden = names.length > 0;
+    $("try-body").hidden = names.length === 0;
+    const have = Array.from(select.options).map((o) => o.value);
+    if (names.join("\n") !== have.join("\n")) {
+      const previous = select.value;
+      clear(select);
+      for (const name of names) select.appendChild(new Option(name, name));
+      if (names.includes(previous)) select.value = previous;
+    }
+  }
+
+  function parseServerTiming(value) {
+    const stages = {};
+    for (const part of (value || "").split(",")) {
+      const [name, ...params] = part.trim().split(";");
+      const dur = params.map((p) => p.trim()).find((p) => p.startsWith("dur="));
+      if (name && dur) stages[name.trim()] = parseFloat(dur.slice(4));
+    }
+    return stages;
+  }
+
+  function renderWaterfall(stages, roundTripMs) {
+    const box = $("try-waterfall");
+    clear(box);
+    const total = stages.total !== undefined ? stages.total : 0;
+    const scale = Math.max(roundTripMs, total, 1e-9);
+    const rows = [];
+    let at = 0;
+    for (const s of STAGES) {
+      if (stages[s] === undefined) continue;
+      rows.push([s, s, at, stages[s]]); // the stages run one after another
+      at += stages[s];
+    }
+    if (stages.total !== undefined) rows.push(["server total", "total", 0, total]);
+    rows.push(["browser round trip", "network", 0, roundTripMs]);
+    for (const [label, kind, start, length] of rows) {
+      box.appendChild(el("span", null, label));
+      const track = el("div", "track");
+      const seg = el("div", "seg " + kind);
+      seg.style.left = (100 * start / scale).toFixed(2) + "%";
+      seg.style.width = (100 * length / scale).toFixed(2) + "%";
+      track.appendChild(seg);
+      box.appendChild(track);
+      box.appendChild(el("span", "ms", ms(length)));
+    }
+  }
+
+  function renderTopK(result) {
+    const list = $("try-topk");
+    clear(list);
+    if (!result || !Array.isArray(result.top_k)) {
+      list.appendChild(el("li", "mono", JSON.stringify(result).slice(0, 2000)));
+      return;
+    }
+    for (const item of result.top_k) {
+      const li = el("li");
+      li.appendChild(el("span", "label", item.label));
+      const bar = el("div", "bar");
+      const fill = el("span");
+      fill.style.width = (100 * Math.max(0, Math.min(1, item.score))).toFixed(1) + "%";
+      bar.appendChild(fill);
+      li.appendChild(bar);
+      li.appendChild(el("span", "score", item.score.toFixed(4)));
+      list.appendChild(li);
+    }
+  }
+
+  function readAsBase64(file) {
+    return new Promise((resolve, reject) => {
+      const reader = new FileReader();
+      reader.onload = () => resolve(String(reader.result).replace(/^data:[^,]*,/, ""));
+      reader.onerror = () => reject(reader.error);
+      reader.readAsDataURL(file);
+    });
+  }
+
+  async function tryImage(file) {
+    const model = $("try-model").value;
+    if (!file || !model) return;
+    const preview = $("try-preview");
+    if (preview.src.startsWith("blob:")) URL.revokeObjectURL(preview.src);
+    preview.src = URL.createObjectURL(file);
+    preview.hidden = false;
+    $("try-drop-text").textContent = file.name;
+    $("try-result").hidden = false;
+    const error = $("try-error");
+    error.hidden = true;
+    clear($("try-topk"));
+    clear($("try-waterfall"));
+    $("try-request-id").textContent = "…";
+    const limit = page.state ? page.state.server.max_body_bytes : Infinity;
+    if (file.size * 4 / 3 + 200 > limit) {
+      error.textContent = `${bytes(file.size)} is too large: base64 in JSON must fit the server's body limit of ${bytes(limit)}`;
+      error.hidden = false;
+      $("try-request-id").textContent = "–";
+      return;
+    }
+    const body = JSON.stringify({ image_base64: await readAsBase64(file), model: model });
+    const started = performance.now();
+    let response;
+    try {
+      response = await fetch("/predict", { method: "POST", headers: Object.assign({ "Content-Type": "application/json" }, headers()), body: body });
+    } catch (e) {
+      error.textContent = "the server did not answer";
+      error.hidden = false;
+      return;
+    }
+    const roundTrip = performance.now() - started;
+    const requestId = response.headers.get("X-Request-ID") || "";
+    $("try-request-id").textContent = requestId;
+    $("try-request-id").dataset.requestId = requestId;
+    const stages = parseServerTiming(response.headers.get("Server-Timing"));
+    page.lastTry = { status: response.status, requestId: requestId, stages: stages, roundTripMs: roundTrip };
+    if (!response.ok) {
+      error.textContent = await errorMessage(response);
+      error.hidden = false;
+    } else {
+      const doc = await response.json();
+      page.lastTry.result = doc.result;
+      renderTopK(doc.result);
+    }
+    renderWaterfall(stages, roundTrip);
+  }
+
+  const fileInput = $("try-file");
+  const drop = $("try-drop");
+  fileInput.addEventListener("change", () => { if (fileInput.files.length) tryImage(fileInput.files[0]); });
+  drop.addEventListener("dragover", (event) => { event.preventDefault(); drop.classList.add("over"); });
+  drop.addEventListener("dragleave", () => drop.classList.remove("over"));
+  drop.addEventListener("drop", (event) => {
+    event.preventDefault();
+    drop.classList.remove("over");
+    if (!event.dataTransfer.files.length) return;
+    fileInput.files = event.dataTransfer.files; // one path for dropped and chosen files
+    fileInput.dispatchEvent(new Event("change"));
+  });
+  $("try-request-id").addEventListener("click", (event) => {
+    const id = event.currentTarget.dataset.requestId;
+    if (!id) return;
+    $("recent-filter").value = id; // slow or failed ones are listed under Recent; others only in the logs
+    if (page.state) renderRecent(page.state);
+  });
+
+  poll();
+})();

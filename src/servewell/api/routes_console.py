@@ -1,0 +1,161 @@
+"""The live console: the page at `/`, its static assets, and the JSON it polls.
+
+Access follows the server's rules (the README's "Console" section):
+- the page and its assets hold no data and are open, like the docs;
+- `GET /console/api/state` follows the inference rule: with API keys configured it needs one
+  (`X-API-Key` or `Authorization: Bearer`), like `/predict`; it shows what `/healthz` and
+  `/metrics` show (model states, instances, queues, the charts);
+- the per-request records (recent slow and failed requests: request ids, key ids, error codes)
+  and the batching settings are operator data, so they follow the admin rule: the admin token
+  as `Authorization: Bearer`, or a loopback client when no token is set. Without it the JSON
+  leaves them out and says why, rather than refusing the whole document.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+from importlib import resources
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+
+import servewell
+from servewell.api.access import check_admin
+from servewell.api.state import AppState, app_state
+from servewell.engine.protocol import ModelView
+from servewell.errors import NotFound, ServeError
+from servewell.observability.console_feed import ALL_MODELS
+from servewell.observability.process import rss_bytes
+
+router = APIRouter(tags=["console"])
+
+#: The files the page may load, and their media types: nothing else under the package is served.
+ASSETS = {
+    "console.js": "text/javascript; charset=utf-8",
+    "console.css": "text/css; charset=utf-8",
+    "uPlot.iife.min.js": "text/javascript; charset=utf-8",
+    "uPlot.min.css": "text/css; charset=utf-8",
+}
+#: The page runs only its own files: no inline script, no other origin.
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; object-src 'none'; "
+                               "base-uri 'none'; frame-ancestors 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+_ASSET_REF = re.compile(r"\{\{asset:([A-Za-z0-9_.-]+)\}\}")
+_RECENT_LIMIT = 200
+
+
+@functools.cache
+def asset(name: str) -> bytes:
+    """The bytes of a packaged console file (read once)."""
+    return resources.files("servewell.api").joinpath("console", name).read_bytes()
+
+
+@functools.cache
+def _page_template() -> str:
+    """index.html with every asset reference turned into a URL carrying the file's hash, so a
+    browser may cache assets for a day and still gets new ones after an upgrade."""
+    def url(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in ASSETS:
+            raise KeyError(f"index.html refers to unknown asset {name}")
+        return f"/console/assets/{name}?v={hashlib.sha256(asset(name)).hexdigest()[:12]}"
+
+    return _ASSET_REF.sub(url, asset("index.html").decode())
+
+
+@router.get("/", include_in_schema=False)
+async def console_page(request: Request) -> Response:
+    """The console page (open: it holds no data, the JSON it polls follows the key rule)."""
+    keys = "true" if app_state(request).access.enabled else "false"
+    body = _page_template().replace("{{keys_required}}", keys)
+    return Response(body, media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
+
+
+@router.get("/console/assets/{name}", include_in_schema=False)
+async def console_asset(name: str) -> Response:
+    """One of the page's packaged files (`ASSETS`); 404 for any other name."""
+    media_type = ASSETS.get(name)
+    if media_type is None:
+        raise NotFound("no such console asset")
+    return Response(asset(name), media_type=media_type,
+                    headers={"Cache-Control": "public, max-age=86400", "X-Content-Type-Options": "nosniff"})
+
+
+@router.get("/console/api/state", summary="Everything the console shows")
+async def console_state(
+    request: Request,
+    model: str = Query(ALL_MODELS, max_length=200, description="Whose chart series: a model name, or * for all."),
+    recent: int = Query(50, ge=0, le=_RECENT_LIMIT, description="How many recent slow/failed requests."),
+) -> Response:
+    """Server facts, every model (state, reason, instances and their memory, queue per lane,
+    effective max batch size), the chart series of `model` over the last minutes, and (admin
+    only) the recent slow and failed requests and each model's batching settings. Needs an API
+    key when keys are configured."""
+    state = app_state(request)
+    if model != ALL_MODELS and not state.engine.knows(model):
+        raise NotFound("unknown model; use * or one of this server's models")
+    try:
+        check_admin(state.settings.admin_token, request.headers.get("authorization"),
+                    request.client.host if request.client is not None else None)
+        admin, admin_reason = True, None
+    except ServeError as exc:
+        admin, admin_reason = False, exc.message
+    feed = state.console
+    total, reserved = state.engine.memory_budget
+    doc: dict[str, Any] = {
+        "server": {
+            "version": servewell.__version__,
+            "ready": state.engine.ready,
+            "started_at": feed.started_at,
+            "frontend_rss_bytes": rss_bytes(),
+            "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
+            "keys_required": state.access.enabled,
+            "max_body_bytes": state.settings.max_body_bytes,
+            "slow_request_ms": round(state.knobs.slow_request_s * 1000, 3),
+            "admin": admin,
+            "admin_reason": admin_reason,
+        },
+        "models": [_model(view, state if admin else None) for view in state.engine.models()],
+        "series": {**feed.series(model), "models": feed.models()},
+        "recent": feed.recent.to_json(recent) if admin else None,
+        "recent_recorded": feed.recent.recorded if admin else None,
+    }
+    return Response(orjson.dumps(doc), media_type="application/json", headers={"Cache-Control": "no-store"})
+
+
+def _model(view: ModelView, admin_state: AppState | None) -> dict[str, Any]:
+    config, facts = view.config, view.scheduling
+    doc: dict[str, Any] = {
+        "name": view.name,
+        "version": view.version,
+        "state": view.state,
+        "reason": view.reason,
+        "load_s": round(view.load_s, 3) if view.load_s is not None else None,
+        "restarts": view.restarts,
+        "recycles": view.recycles,
+        "instances": [{"instance": i.instance, "pid": i.pid, "alive": i.alive, "rss_bytes": i.rss_bytes,
+                       "rows_computed": i.rows_computed} for i in view.instances],
+        "lanes": dict(facts.lane_depths) if facts else {},
+        "queue_depth": view.queue_depth,
+        "running_rows": facts.running_rows if facts else 0,
+        "max_batch_size": facts.max_batch_size if facts else None,
+        "configured_max_batch_size": config.max_batch_size if config else None,
+        "scheduler": ({"batches": facts.batches, "rows": facts.rows, "expired": facts.expired,
+                       "cancelled": facts.cancelled, "rejected": facts.rejected} if facts else None),
+        "takes_images": bool(config and config.preprocess is not None and config.image_input is not None),
+        "runtime": config.runtime if config else None,
+    }
+    if admin_state is not None and config is not None:
+        try:
+            doc["batching"] = admin_state.engine.batching(view.name)
+        except ServeError:
+            doc["batching"] = None  # unloaded or being replaced right now
+    return doc

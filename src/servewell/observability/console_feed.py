@@ -1,0 +1,239 @@
+"""The console's live charts: a bounded time series per model, sampled from `ServeMetrics` on a timer.
+
+Every `interval_s` the feed reads the cumulative histograms and counters servewell keeps anyway
+(so serving does no extra work per request), subtracts the previous reading and keeps one point
+per model, plus one for all models together: requests/s by outcome, p50/p99 latency of inference
+requests, p50/p99 queue wait and batch compute time, mean batch size and batches/s. Percentiles
+come from bucket deltas, interpolated inside a bucket as Prometheus's `histogram_quantile` does,
+so they are as fine as the buckets (`--latency-buckets-s`). Points older than `window_s` fall
+off, and at most `max_models` models are followed: memory is bounded by
+(window / interval) x models points of a few hundred bytes.
+
+The slow and failed requests the console lists live beside the series, in `RecentRequests`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any
+
+from servewell.observability.metrics import OUTCOMES, LoopHistogram, ServeMetrics
+from servewell.observability.recent_requests import RecentRequests
+
+log = logging.getLogger("servewell.console")
+
+#: Points of every series go under this name as well as under each model's.
+ALL_MODELS = "*"
+SAMPLE_INTERVAL_S = 2.0
+WINDOW_S = 300.0
+MAX_MODELS = 64
+#: The columns of a point, in order (times in milliseconds, rates per second).
+COLUMNS = ("t", *OUTCOMES, "latency_p50_ms", "latency_p99_ms", "queue_p50_ms", "queue_p99_ms",
+           "compute_p50_ms", "compute_p99_ms", "batch_mean", "batches_per_s")
+
+
+def is_inference_route(route: str) -> bool:
+    """Whether a `route` label of the request histogram is an inference call (the latency chart
+    leaves out metadata, health and console requests)."""
+    return route.endswith(("/infer", "/predict")) or route == "grpc ModelInfer"
+
+
+def quantile(bounds: Sequence[float], cumulative: Sequence[float], q: float) -> float | None:
+    """The `q`-quantile of a histogram: `bounds` are the finite bucket upper bounds, ascending;
+    `cumulative` the count at or below each bound, then the total (+Inf). Linear inside a bucket
+    (from the previous bound, 0 for the first); a quantile beyond the last finite bound is that
+    bound, the best the buckets know. None when the histogram is empty."""
+    if len(cumulative) != len(bounds) + 1:
+        raise ValueError("cumulative needs one count per bound plus the +Inf total")
+    total = cumulative[-1]
+    if total <= 0:
+        return None
+    target = q * total
+    lower, below = 0.0, 0.0
+    for bound, count in zip(bounds, cumulative, strict=False):  # the last count (+Inf) has no finite bound
+        if count >= target and count > below:
+            return lower + (bound - lower) * (target - below) / (count - below)
+        lower, below = bound, count
+    return lower
+
+
+def counter_increase(current: float, previous: float | None) -> float:
+    """How much a cumulative count rose since `previous`; a count that went down was reset (its
+    series started again), so all of `current` is new."""
+    if previous is None or current < previous:
+        return current
+    return current - previous
+
+
+@dataclass(slots=True)
+class HistogramReading:
+    """One histogram, summed over every series that counts: cumulative counts at each finite bound
+    then +Inf, and the sum of observed values."""
+
+    cumulative: list[float]
+    total: float
+
+    @property
+    def count(self) -> float:
+        """Observations."""
+        return self.cumulative[-1] if self.cumulative else 0.0
+
+    def since(self, earlier: HistogramReading | None) -> HistogramReading:
+        """What was observed after `earlier` (everything, when the histogram was reset since)."""
+        if earlier is None or len(earlier.cumulative) != len(self.cumulative) or self.count < earlier.count:
+            return self
+        deltas = [a - b for a, b in zip(self.cumulative, earlier.cumulative, strict=True)]
+        return HistogramReading(deltas, self.total - earlier.total)
+
+
+@dataclass(slots=True)
+class MetricsReading:
+    """The cumulative values the console charts, per model name and under `ALL_MODELS`."""
+
+    outcomes: dict[str, dict[str, float]] = field(default_factory=dict)
+    latency: dict[str, HistogramReading] = field(default_factory=dict)
+    queue_wait: dict[str, HistogramReading] = field(default_factory=dict)
+    compute: dict[str, HistogramReading] = field(default_factory=dict)
+    batch_size: dict[str, HistogramReading] = field(default_factory=dict)
+    latency_bounds: tuple[float, ...] = ()
+
+
+def read_metrics(metrics: ServeMetrics) -> MetricsReading:
+    """Read the families the console charts (their series' current values, copied)."""
+    reading = MetricsReading()
+    model_at, outcome_at = metrics.requests.labelnames.index("model"), metrics.requests.labelnames.index("outcome")
+    for values, count in metrics.requests.snapshot():
+        for key in _keys(values[model_at]):
+            per_outcome = reading.outcomes.setdefault(key, {})
+            per_outcome[values[outcome_at]] = per_outcome.get(values[outcome_at], 0.0) + count
+    route_at = metrics.request_latency.labelnames.index("route")
+    reading.latency_bounds = metrics.request_latency.bounds
+    reading.latency = _read_histogram(metrics.request_latency, lambda values: is_inference_route(values[route_at]))
+    reading.queue_wait = _read_histogram(metrics.queue_wait)
+    reading.compute = _read_histogram(metrics.compute)
+    reading.batch_size = _read_histogram(metrics.batch_size)
+    return reading
+
+
+def _keys(model: str) -> tuple[str, ...]:
+    # "-" and "" mark requests that named no model of this server: they count nowhere.
+    return (model, ALL_MODELS) if model and model not in ("-", ALL_MODELS) else ()
+
+
+def _read_histogram(family: LoopHistogram, counts: Callable[[tuple[str, ...]], bool] | None = None,
+                    ) -> dict[str, HistogramReading]:
+    model_at = family.labelnames.index("model")
+    buckets: dict[str, list[float]] = {}
+    sums: dict[str, float] = {}
+    for values, per_bucket, total in family.snapshot():
+        if counts is not None and not counts(values):
+            continue
+        for key in _keys(values[model_at]):
+            summed = buckets.get(key)
+            if summed is None:
+                buckets[key] = [float(c) for c in per_bucket]
+            else:
+                for i, count in enumerate(per_bucket):
+                    summed[i] += count
+            sums[key] = sums.get(key, 0.0) + total
+    return {key: HistogramReading(list(accumulate(summed)), sums[key]) for key, summed in buckets.items()}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 3)
+
+
+def point_between(before: MetricsReading, after: MetricsReading, model: str, elapsed_s: float,
+                  at: float) -> tuple[float | None, ...]:
+    """One point (`COLUMNS`) for `model` over the `elapsed_s` seconds between two readings."""
+    outcomes_now = after.outcomes.get(model, {})
+    outcomes_then = before.outcomes.get(model, {})
+    rates = [round(counter_increase(outcomes_now.get(o, 0.0), outcomes_then.get(o)) / elapsed_s, 3) for o in OUTCOMES]
+    bounds = after.latency_bounds
+
+    def window(now: dict[str, HistogramReading], then: dict[str, HistogramReading]) -> HistogramReading | None:
+        current = now.get(model)
+        return current.since(then.get(model)) if current is not None else None
+
+    def percentiles(now: dict[str, HistogramReading], then: dict[str, HistogramReading]) -> list[float | None]:
+        delta = window(now, then)
+        if delta is None or delta.count <= 0 or len(delta.cumulative) != len(bounds) + 1:
+            return [None, None]
+        return [_ms(quantile(bounds, delta.cumulative, 0.5)), _ms(quantile(bounds, delta.cumulative, 0.99))]
+
+    batches = window(after.batch_size, before.batch_size)
+    batch_mean = round(batches.total / batches.count, 3) if batches is not None and batches.count > 0 else None
+    batch_rate = round(batches.count / elapsed_s, 3) if batches is not None else 0.0
+    return (round(at, 3), *rates, *percentiles(after.latency, before.latency),
+            *percentiles(after.queue_wait, before.queue_wait), *percentiles(after.compute, before.compute),
+            batch_mean, batch_rate)
+
+
+class ConsoleFeed:
+    """What the console shows over time: per-model series sampled every `interval_s` (while `run`
+    runs on the event loop) and the ring of recent slow and failed requests."""
+
+    def __init__(self, metrics: ServeMetrics | None = None, interval_s: float = SAMPLE_INTERVAL_S,
+                 window_s: float = WINDOW_S, max_models: int = MAX_MODELS, recent: RecentRequests | None = None,
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+        if interval_s <= 0 or window_s < interval_s:
+            raise ValueError("need 0 < interval_s <= window_s")
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self.window_s = window_s
+        self.recent = recent if recent is not None else RecentRequests()
+        self._max_models = max_models
+        self._points_kept = int(window_s // interval_s)
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._series: dict[str, deque[tuple[float | None, ...]]] = {}
+        self._previous: tuple[float, MetricsReading] | None = None
+        self.started_at = wall_clock()
+
+    def sample(self) -> None:
+        """Take one reading; from the second on, append a point per model seen so far."""
+        if self.metrics is None:
+            return
+        now, reading = self._clock(), read_metrics(self.metrics)
+        previous, self._previous = self._previous, (now, reading)
+        if previous is None or now <= previous[0]:
+            return
+        at, elapsed_s = self._wall_clock(), now - previous[0]
+        models = set(reading.outcomes) | set(reading.latency) | set(reading.batch_size)
+        for model in sorted(models, key=lambda m: (m != ALL_MODELS, m)):  # all-models first: never crowded out
+            points = self._series.get(model)
+            if points is None:
+                if len(self._series) > self._max_models:
+                    continue
+                points = self._series[model] = deque(maxlen=self._points_kept)
+            points.append(point_between(previous[1], reading, model, elapsed_s, at))
+
+    async def run(self) -> None:
+        """Sample every `interval_s` until cancelled; a failed sample is logged and skipped."""
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            try:
+                self.sample()
+            except Exception:  # the console must never take the server down
+                log.exception("console sample failed")
+            next_at = max(next_at + self.interval_s, loop.time())
+            await asyncio.sleep(next_at - loop.time())
+
+    def models(self) -> list[str]:
+        """Names with a series (`ALL_MODELS` first once anything was sampled)."""
+        return sorted(self._series, key=lambda m: (m != ALL_MODELS, m))
+
+    def series(self, model: str = ALL_MODELS) -> dict[str, Any]:
+        """The model's points as columns (`COLUMNS`: each a list, oldest first; None where the
+        interval saw nothing to measure), ready for a chart."""
+        points = list(self._series.get(model, ()))
+        columns: dict[str, Any] = {name: [p[i] for p in points] for i, name in enumerate(COLUMNS)}
+        return {"model": model, "interval_s": self.interval_s, "window_s": self.window_s,
+                "enabled": self.metrics is not None, "columns": columns}

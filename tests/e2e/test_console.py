@@ -1,0 +1,198 @@
+"""The live console at `/`, in a real headless Chromium against the real server: it loads without
+console errors, its charts draw live data, failed requests are listed by request id, the try-it
+panel reads the example 3, and the page and its JSON follow the API-key and admin rules."""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+from tritonclient.utils import InferenceServerException
+
+from browser import console_problems, headless_chromium
+
+IMAGE_PATH = Path(__file__).parents[2] / "src/servewell/examples/images/digit-3-200px.jpg"
+IMAGE_B64 = base64.b64encode(IMAGE_PATH.read_bytes()).decode()
+KEY = "console-key-0123456789abcdef"
+ADMIN = "console-admin-token-0123456789"
+SUCCESS_RGB = (0x1A, 0x7F, 0x37)  # console.js COLORS.success
+P50_RGB = (0x25, 0x63, 0xEB)  # console.js COLORS.p50
+
+MAX_SUCCESS_RATE = """
+const u = window.servewellConsole.charts.requests;
+if (!u) return null;
+const i = u.series.findIndex((s) => s.label === 'success');
+return Math.max(0, ...u.data[i].filter((v) => v !== null));
+"""
+# Pixels of one colour on a chart's canvas, above a y value (the rate 0 line: only a rate above 0
+# puts the success colour there).
+PIXELS_ABOVE = """
+const [chart, rgb, above] = arguments;
+const u = window.servewellConsole.charts[chart];
+const canvas = u.ctx.canvas;
+const limit = above === null ? canvas.height : Math.round(u.valToPos(above, 'y', true)) - 3;
+const d = u.ctx.getImageData(0, 0, canvas.width, canvas.height).data;
+let n = 0;
+for (let y = 0; y < limit; y++) {
+  for (let x = 0; x < canvas.width; x++) {
+    const k = (y * canvas.width + x) * 4;
+    if (Math.abs(d[k] - rgb[0]) <= 12 && Math.abs(d[k + 1] - rgb[1]) <= 12 && Math.abs(d[k + 2] - rgb[2]) <= 12
+        && d[k + 3] > 200) n++;
+  }
+}
+return n;
+"""
+
+
+@pytest.fixture
+def browser(tmp_path):
+    driver = headless_chromium(tmp_path / "chromium-profile")
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def predict(url: str, headers: dict[str, str] | None = None, body: dict | None = None) -> httpx.Response:
+    return httpx.post(url + "/predict", json=body or {"image_base64": IMAGE_B64}, headers=headers, timeout=30)
+
+
+def wait(driver, condition, timeout_s: float = 30):
+    return WebDriverWait(driver, timeout_s, poll_frequency=0.25).until(condition)
+
+
+def test_console_shows_models_live_charts_and_failed_requests(digits_server, browser):
+    url = digits_server.url
+    bad_id = f"console-e2e-{uuid.uuid4().hex[:12]}"
+    assert predict(url, {"X-Request-ID": bad_id}, {"image_base64": "not base64!"}).status_code == 400
+    browser.get(url + "/")
+    wait(browser, lambda d: d.execute_script("return window.servewellConsole.polls") >= 1)
+    for _ in range(30):  # live traffic while the page watches, spread over more than one sample
+        assert predict(url).status_code == 200
+        time.sleep(0.05)
+
+    # The chart's data (what the page holds) shows the requests, and the canvas drew them.
+    wait(browser, lambda d: (d.execute_script(MAX_SUCCESS_RATE) or 0) > 0)
+    assert browser.execute_script(PIXELS_ABOVE, "requests", SUCCESS_RGB, 0) > 10
+    assert browser.execute_script(PIXELS_ABOVE, "latency", P50_RGB, None) > 10
+    latency = browser.execute_script("return window.servewellConsole.charts.latency.data[1]")
+    assert any(v is not None and 0 < v < 30_000 for v in latency)
+
+    model_row = browser.find_element(By.CSS_SELECTOR, '#models tr[data-model="digits"]')
+    assert "ready" in model_row.text and re.search(r"#0 pid \d+ · [\d.]+ MB", model_row.text)
+    assert re.search(r"high \d+", model_row.text) and re.search(r"normal \d+", model_row.text)  # queue per lane
+
+    # The failed request is listed with its code, found by its request id.
+    browser.find_element(By.ID, "recent-filter").send_keys(bad_id)
+    row = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, f'#recent-table tr[data-request-id="{bad_id}"]'))
+    assert "400 bad_request" in row.text and "/predict" in row.text
+    assert console_problems(browser) == []
+
+
+def test_try_it_reads_the_example_digit(digits_server, browser, tmp_path):
+    browser.get(digits_server.url + "/")
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, '#try-model option[value="digits"]'))
+    browser.find_element(By.ID, "try-file").send_keys(str(IMAGE_PATH))  # the input the drop zone feeds too
+    top = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#try-topk li:first-child .label"))
+    wait(browser, lambda d: top.text != "")
+    assert top.text == "3"
+    request_id = browser.find_element(By.ID, "try-request-id").text
+    assert re.fullmatch(r"[0-9a-f]{32}", request_id)
+    last = browser.execute_script("return window.servewellConsole.lastTry")
+    assert last["status"] == 200 and last["requestId"] == request_id and last["result"]["label"] == "3"
+    waterfall = browser.find_element(By.ID, "try-waterfall").text
+    for stage in ("preprocess", "queue", "compute", "postprocess", "server total", "browser round trip"):
+        assert stage in waterfall
+    assert set(last["stages"]) == {"preprocess", "queue", "compute", "postprocess", "total"}
+    assert console_problems(browser) == []
+    shot = tmp_path / "console.png"
+    browser.execute_script("window.scrollTo(0, 0)")
+    assert browser.save_screenshot(str(shot))
+    if os.environ.get("SERVEWELL_CONSOLE_SCREENSHOT"):  # how docs/console.png is made
+        shutil.copy(shot, os.environ["SERVEWELL_CONSOLE_SCREENSHOT"])
+
+
+def test_grpc_failures_reach_the_console_list(digits_server):
+    with triton.InferenceServerClient(digits_server.grpc_url) as client:
+        x = triton.InferInput("input", [1, 1, 8, 8], "FP32")
+        x.set_data_from_numpy(np.zeros((1, 1, 8, 8), np.float32))
+        with pytest.raises(InferenceServerException):
+            client.infer("no-such-model", [x], headers={"x-request-id": "console-grpc-miss"})
+    recent = httpx.get(digits_server.url + "/console/api/state?recent=200").json()["recent"]
+    (record,) = [r for r in recent if r["request_id"] == "console-grpc-miss"]
+    assert (record["protocol"], record["route"], record["status"], record["code"]) == (
+        "grpc", "grpc ModelInfer", 404, "not_found")
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory, start_module_server, servewell_cache):
+    """Keys and an admin token; every request counts as slow (1 ms), so successes are listed too."""
+    server = start_module_server(["--cache-dir", str(servewell_cache), "--admin-token", ADMIN, "--slow-request-ms", "1"],
+                          env={"SERVEWELL_API_KEYS": f"console:{KEY}"})
+    server.wait_ready()
+    return server
+
+
+def test_console_json_follows_the_key_and_admin_rules(keyed):
+    url = keyed.url
+    page = httpx.get(url + "/")  # the page holds no data: open, like the docs
+    assert page.status_code == 200 and 'data-keys-required="true"' in page.text
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    for asset in re.findall(r'(?:src|href)="(/console/assets/[^"]+)"', page.text):
+        assert httpx.get(url + asset).status_code == 200
+    assert httpx.get(url + "/console/assets/..%2Fstate.py").status_code == 404
+    assert httpx.get(url + "/console/assets/index.html").status_code == 404  # only the listed files
+
+    assert httpx.get(url + "/console/api/state").status_code == 401  # the data: like inference
+    assert httpx.get(url + "/console/api/state", headers={"X-API-Key": "wrong"}).status_code == 401
+    ok = predict(url, {"X-API-Key": KEY, "X-Request-ID": "console-slow-ok"})
+    assert ok.status_code == 200
+
+    with_key = httpx.get(url + "/console/api/state", headers={"X-API-Key": KEY}).json()
+    assert with_key["server"]["keys_required"] is True and with_key["server"]["admin"] is False
+    assert "admin_token" in with_key["server"]["admin_reason"]
+    assert with_key["recent"] is None and "batching" not in with_key["models"][0]
+    (digits,) = [m for m in with_key["models"] if m["name"] == "digits"]
+    assert digits["state"] == "ready" and digits["takes_images"] and digits["instances"][0]["rss_bytes"] > 0
+
+    wrong_admin = {"X-API-Key": KEY, "Authorization": "Bearer not-the-token"}
+    assert httpx.get(url + "/console/api/state", headers=wrong_admin).json()["recent"] is None
+    admin = httpx.get(url + "/console/api/state", headers={"X-API-Key": KEY, "Authorization": f"Bearer {ADMIN}"}).json()
+    assert admin["server"]["admin"] is True and admin["models"][0]["batching"]["policy"]
+    (slow,) = [r for r in admin["recent"] if r["request_id"] == "console-slow-ok"]
+    assert slow["slow"] and slow["status"] == 200 and slow["route"] == "/predict" and slow["model"] == "digits"
+    assert set(slow["stages_ms"]) == {"preprocess", "queue", "compute", "postprocess"}
+    assert IMAGE_B64[:40] not in str(admin)  # no payloads
+
+    assert httpx.get(url + "/console/api/state?model=nope", headers={"X-API-Key": KEY}).status_code == 404
+    series = httpx.get(url + "/console/api/state?model=digits", headers={"X-API-Key": KEY}).json()["series"]
+    assert series["model"] == "digits" and series["enabled"] and "success" in series["columns"]
+
+
+def test_the_page_asks_for_the_key_and_then_shows_everything(keyed, browser):
+    browser.get(keyed.url + "/")
+    wait(browser, lambda d: d.find_element(By.ID, "auth").is_displayed())
+    assert "needs an API key" in browser.find_element(By.ID, "live").text
+    assert browser.execute_script("return window.servewellConsole.polls") == 0  # never asked without a key
+    browser.find_element(By.ID, "auth-key").send_keys(KEY)
+    browser.find_element(By.ID, "auth-admin").send_keys(ADMIN)
+    browser.find_element(By.CSS_SELECTOR, "#auth-form button[type=submit]").click()
+    row = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, '#models tr[data-model="digits"]'))
+    assert "ready" in row.text
+    browser.find_element(By.ID, "try-file").send_keys(str(IMAGE_PATH))  # the try-it panel sends the key too
+    wait(browser, lambda d: (d.execute_script("return window.servewellConsole.lastTry") or {}).get("result"))
+    request_id = browser.execute_script("return window.servewellConsole.lastTry.requestId")
+    # The admin token opens the list; every request here is slow (1 ms), so the try-it one is in it.
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, f'#recent-table tr[data-request-id="{request_id}"]'))
+    assert console_problems(browser) == []
