@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from servewell.api.app import create_app
 from servewell.api.context import ApiContext
+from servewell.api.http_limits import uvicorn_limit_options
 from servewell.config.server import ServerConfig
 from servewell.engine.engine import InferenceEngine
 from servewell.observability.alerting import run_alerting
@@ -134,7 +135,7 @@ def serve(settings: ServerConfig) -> None:
     app = build_app(settings)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-        timeout_graceful_shutdown=30, lifespan="on",
+        timeout_graceful_shutdown=30, lifespan="on", **uvicorn_limit_options(settings),
     )
     log.info("servewell listening on http://%s:%d", settings.host, settings.port)
     uvicorn.Server(config).run()
