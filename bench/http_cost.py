@@ -7,7 +7,8 @@ servewell ran before: no limits), and behind uvicorn's h11 protocol with its nat
 Three servers side by side, short windows in a rotating order, round after round (as
 `bench.observability`): the verdict is the median over rounds of each round's ratio, for the
 completion rate and for the server's CPU per request. Writes bench/results/http_cost.json and
-prints a table.
+prints a table. Then `bench.protocol_cost`: the same comparison in-process, without sockets, where
+what differs is exactly the limits' code (steadier than the end-to-end ratio on a busy machine).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench import protocol_cost
 from bench.processes import HOST, ServerProcess, closed_loop, cpu_seconds, free_port, run_module
 from bench.workspace import RESULTS, WORK, ServedModel, prepare
 
@@ -97,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     for key, values in ratios.items():
         unit = "x" if key.endswith("rps") else " us"
         print(f"{key:<28} median {medians[key]:>8.3f}{unit}  range {min(values):.3f} to {max(values):.3f}")
-    doc = {"samples": samples, "per_round": ratios, "medians": medians, "rounds": rounds, "quick": args.quick,
+    print()
+    in_process = protocol_cost.measure(rounds=rounds)
+    print(f"in-process protocol CPU per request: stock {in_process['median_us']['stock']:.2f} us, limited "
+          f"{in_process['median_us']['limited']:.2f} us, difference (median of rounds) {in_process['median_difference_us']:.2f} us")
+    doc = {"samples": samples, "in_process": in_process, "per_round": ratios, "medians": medians, "rounds": rounds, "quick": args.quick,
            "workload": {"path": PATH, "clients": CLIENTS, "window_s": WINDOW_S * scale},
            "wall_s": round(time.monotonic() - started, 1)}
     (RESULTS / "http_cost.json").write_text(json.dumps(doc, indent=2) + "\n")
