@@ -17,7 +17,8 @@ has arrived, which a slow client never sends.
   the idle time before), a body within `body_timeout_s` of its head (408 and closed; a
   connection that sent nothing is closed silently);
 - a slot in `ConnectionSlots` (bounded connections, eviction of waiting ones, a reserve that
-  serves only the probe paths), with the process's open-file limit raised to fit them all.
+  serves only the probe paths), with the process's open-file limit raised to fit them all (or,
+  where the hard limit is too low, `max_connections` lowered to fit it, with a warning).
 
 Refusals answer with the JSON error body where a response is still possible, and are counted
 into one aggregated log line per window (`LimitEventLog`), never one line per connection.
@@ -27,6 +28,7 @@ Malformed HTTP gets a JSON 400 instead of uvicorn's plain-text one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import resource
 import uuid
@@ -48,8 +50,7 @@ log = logging.getLogger("servewell.http")
 
 #: Paths a reserve connection may ask for: what keeps an orchestrator and Prometheus informed.
 PROBE_PATHS = frozenset((b"/healthz", b"/v2/health/live", b"/v2/health/ready", b"/metrics"))
-#: Listen backlog passed to uvicorn (its default). A burst can be accepted in one loop
-#: iteration before any refusal closes its socket, so the open-file budget covers it.
+#: Largest listen backlog passed to uvicorn (its default); smaller when fewer connections are allowed.
 LISTEN_BACKLOG = 2048
 #: Descriptors the frontend needs besides client sockets: listeners, worker pipes and shared
 #: memory, model files, logs, gRPC and OTLP exporters (about 60 with four models; room to spare).
@@ -330,33 +331,55 @@ def limited_protocol(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
     return BoundLimitedHttpToolsProtocol
 
 
-def ensure_fd_headroom(needed: int) -> int:
-    """Raise the soft open-file limit to `needed` if it is lower (up to the hard limit); the
-    resulting soft limit. A `ConfigFileError` says what to change when it cannot reach `needed`."""
+def raise_fd_limit(wanted: int) -> int:
+    """Raise the soft open-file limit towards `wanted` (never past the hard limit, never lower);
+    the soft limit that results (`wanted` when it is unlimited)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= needed:
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    if soft >= wanted:
         return soft
-    target = needed if hard == resource.RLIM_INFINITY else min(hard, needed)
+    target = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     except (ValueError, OSError):
-        target = soft
-    if target < needed:
-        raise ConfigFileError(f"max_connections + reserved_connections need about {needed} open files "
-                              f"(with the listen backlog and {FD_OVERHEAD} for the server itself) but the limit is "
-                              f"{target}: lower --max-connections or raise `ulimit -n`")
+        return soft
     return target
 
 
+def _descriptors_needed(connections: int) -> int:
+    # A burst as large as the backlog can be accepted in one loop iteration before any refusal
+    # closes its socket: the backlog's worth of descriptors must fit too.
+    return connections + min(LISTEN_BACKLOG, connections) + FD_OVERHEAD
+
+
+def fit_to_fd_limit(limits: HttpLimits) -> tuple[HttpLimits, int]:
+    """`limits` with `max_connections` lowered (with a warning) if the open-file limit cannot hold
+    them after raising it, and the listen backlog to use. Refuses to start (`ConfigFileError`)
+    when not even 16 connections fit."""
+    total = limits.max_connections + limits.reserved_connections
+    available = raise_fd_limit(_descriptors_needed(total))
+    if available >= _descriptors_needed(total):
+        return limits, min(LISTEN_BACKLOG, total)
+    fitting = (available - FD_OVERHEAD) // 2 - limits.reserved_connections  # below the backlog cap, both halves grow
+    if fitting < 16:
+        raise ConfigFileError(f"the open-file limit ({available}) leaves room for {max(fitting, 0)} connections "
+                              f"(each needs a descriptor, as does the listen backlog, plus {FD_OVERHEAD} for the server "
+                              "itself): raise `ulimit -n`")
+    log.warning("the open-file limit (%d) holds %d connections, not the configured %d: max_connections lowered; raise "
+                "`ulimit -n` to keep it", available, fitting, limits.max_connections,
+                extra={"fd_limit": available, "max_connections": fitting})
+    return dataclasses.replace(limits, max_connections=fitting), min(LISTEN_BACKLOG, fitting + limits.reserved_connections)
+
+
 def uvicorn_limit_options(settings: ServerConfig) -> dict[str, Any]:
-    """Keyword arguments for `uvicorn.Config` that enforce the limits in `settings` (and make
-    room for them in the open-file limit)."""
-    limits = HttpLimits.from_settings(settings)
-    ensure_fd_headroom(limits.max_connections + limits.reserved_connections + LISTEN_BACKLOG + FD_OVERHEAD)
+    """Keyword arguments for `uvicorn.Config` that enforce the limits in `settings` (raising the
+    open-file limit to fit them, or lowering `max_connections` to fit it)."""
+    limits, backlog = fit_to_fd_limit(HttpLimits.from_settings(settings))
     return {
         "http": limited_protocol(limits),
         "timeout_keep_alive": settings.keep_alive_timeout_s,  # uvicorn's own idle timer after a response
-        "backlog": LISTEN_BACKLOG,
+        "backlog": backlog,
         # servewell serves no WebSocket routes; an upgraded connection would leave the slot accounting.
         "ws": "none",
     }
