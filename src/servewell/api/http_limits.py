@@ -164,16 +164,19 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # Bytes in
     def data_received(self, data: bytes) -> None:
         self._unset_keepalive_if_required()
+        self._receive(data)
+
+    def _receive(self, data: bytes | memoryview) -> None:
         if self._phase != _BODY:
             # Counted before the parser sees them: httptools buffers an unfinished header value
             # (re-copying it per chunk), so the bound must hold before parsing, not after.
             self._head_bytes += len(data)
             if self._head_bytes > self.limits.max_header_bytes:
-                self._receive_past_head_budget(data)
+                self._receive_past_head_budget(memoryview(data))  # a view: a body in the same read is not copied
                 return
         self._feed(data)
 
-    def _receive_past_head_budget(self, data: bytes) -> None:
+    def _receive_past_head_budget(self, data: memoryview) -> None:
         within = len(data) - (self._head_bytes - self.limits.max_header_bytes)
         heads_before = self._heads_done
         if within > 0:
@@ -184,9 +187,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse(_Refusal(431, "header_too_large", f"the request head exceeds {self.limits.max_header_bytes} "
                                   "bytes", "header_too_large"))
             return
-        self.data_received(data[within:])  # the head ended within budget: the rest is body or the next request
+        self._receive(data[within:])  # the head ended within budget: the rest is body or the next request
 
-    def _feed(self, data: bytes) -> None:
+    def _feed(self, data: bytes | memoryview) -> None:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
