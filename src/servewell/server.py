@@ -20,6 +20,7 @@ from servewell.api.dataplane import DataPlane
 from servewell.api.grpc.listener import GrpcListener
 from servewell.api.grpc.scope import RpcScope
 from servewell.api.grpc.servicer import InferenceServicer
+from servewell.api.http_limits import uvicorn_limit_options
 from servewell.api.keys import InferenceAccess, KeyFormatError
 from servewell.api.state import AppState, LiveKnobs
 from servewell.config.server import ConfigFileError, ConfigSource, ServerConfig
@@ -167,7 +168,7 @@ def serve(settings: ServerConfig, source: ConfigSource | None = None) -> None:
     app = build_app(settings, source)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-        timeout_graceful_shutdown=30, lifespan="on",
+        timeout_graceful_shutdown=30, lifespan="on", **uvicorn_limit_options(settings),
     )
     log.info("servewell listening on http://%s:%d", settings.host, settings.port)
     uvicorn.Server(config).run()

@@ -138,7 +138,8 @@ def test_grpc_failures_reach_the_console_list(digits_server):
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory, start_module_server, servewell_cache):
     """Keys and an admin token; every request counts as slow (1 ms), so successes are listed too."""
-    server = start_module_server(["--cache-dir", str(servewell_cache), "--admin-token", ADMIN, "--slow-request-ms", "1"],
+    server = start_module_server(["--cache-dir", str(servewell_cache), "--admin-token", ADMIN,
+                                  "--slow-request-ms", "1"],
                           env={"SERVEWELL_API_KEYS": f"console:{KEY}"})
     server.wait_ready()
     return server

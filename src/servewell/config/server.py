@@ -100,6 +100,33 @@ class ServerConfig(BaseModel):
         default_factory=AlertingConfig, description="Optional alert webhook (config file only: nested settings)."
     )
     decode_threads: int = Field(2, ge=1, le=64, description="Threads that decode and resize images off the event loop.")
+    # Connection and request limits, enforced by the HTTP protocol (api/http_limits.py) before the app sees a request.
+    max_header_bytes: int = Field(
+        16_384, ge=1024, le=1_048_576,
+        description="Largest request head (request line and headers) read (431 and closed above).",
+    )
+    max_header_count: int = Field(
+        100, ge=8, le=10_000, description="Most header fields a request may carry (431 above).")
+    max_url_bytes: int = Field(
+        8192, ge=256, le=1_048_576, description="Longest URL a request line may carry (414 above).")
+    header_timeout_s: float = Field(
+        10.0, gt=0,
+        description="Time a connection has to send a request's head (408 and closed after; silently if it sent "
+        "nothing).",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="Time a request's body has to arrive after its head (408 and closed after).")
+    keep_alive_timeout_s: float = Field(
+        5.0, gt=0, description="An idle keep-alive connection is closed after this long.")
+    max_connections: int = Field(
+        1024, ge=1, le=1_000_000,
+        description="Client connections open at once; when full, the longest-waiting idle one is closed for a "
+        "newcomer, and with none idle the newcomer gets 503.",
+    )
+    reserved_connections: int = Field(
+        16, ge=0, le=10_000,
+        description="Connections beyond max_connections that may only ask for health probes and /metrics.",
+    )
 
 
 class ConfigFileError(ValueError):

@@ -1,0 +1,404 @@
+"""Hostile-traffic benchmark: a steady light load on the built-in digits model's /predict, and each
+attack in turn against the same server (`bench.attacks`).
+
+    python -m bench.hostile [--quick] [--attacks slowloris,heavy_decode,...]
+
+For each attack: the light load alone (open loop, 20 requests/s, seeded), then the same load
+while the attack runs; then the attack stops and the time until the server is fully serving
+again is measured. Reported against the issue's targets: light-load p99 under attack <= 2x
+without, 0 light-load errors, frontend RSS within +20%, fully serving within 5 s of the attack
+stopping. Also the frontend's open descriptors, the size of /metrics, and the server's log lines
+by level during the attack. Writes bench/results/hostile.json and prints a table.
+
+"Fully serving" is five light /predict requests in a row answered 200, each within 2x the
+baseline p99 (or +5 ms, whichever is larger), with the frontend's descriptors back within 32 of
+the baseline. The attacker runs on the same 2 cores as the server, paced (see bench/attacks.py),
+so some of its cost is the machine's, not the server's: compare within a row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import http.client
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+from PIL import Image
+
+from bench.processes import HOST, ServerProcess, cpu_seconds, free_port, run_module
+from bench.workspace import RESULTS, WORK
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "src" / "servewell" / "examples" / "images"
+# Label flooding last: the metric series it mints stay for the server's life and would weigh on the others.
+ATTACK_ORDER = ["oversized_headers", "slowloris", "heavy_decode", "mass_disconnects", "label_flood"]
+RATE = 20.0
+TARGETS = {"p99_ratio": 2.0, "errors": 0, "rss_ratio": 1.2, "recovery_s": 5.0}
+
+
+def write_bodies(out: Path) -> tuple[list[Path], Path]:
+    """Light /predict bodies (the example digit images) and one heavy body (a PNG of 4000x4000)."""
+    out.mkdir(parents=True, exist_ok=True)
+    light = []
+    for image in sorted(p for p in EXAMPLES.iterdir() if p.suffix in (".png", ".jpg")):
+        path = out / f"light_{image.stem}.json"
+        path.write_bytes(
+            orjson.dumps({"image_base64": base64.b64encode(image.read_bytes()).decode(), "model": "digits"})
+        )
+        light.append(path)
+    heavy = out / "heavy_4000x4000.json"
+    if not heavy.is_file():
+        picture = Image.linear_gradient("L").resize((4000, 4000))
+        buffer = io.BytesIO()
+        picture.save(buffer, format="PNG", optimize=True)
+        heavy.write_bytes(
+            orjson.dumps({"image_base64": base64.b64encode(buffer.getvalue()).decode(), "model": "digits"})
+        )
+    return light, heavy
+
+
+class ProcessSampler:
+    """Samples a process's RSS and open descriptors every 0.25 s, and /metrics every 5 s, in threads."""
+
+    def __init__(self, pid: int, port: int) -> None:
+        self.pid, self.port = pid, port
+        self.samples: list[tuple[float, int, int, float]] = []  # (time, rss bytes, fds, CPU seconds so far)
+        self.scrapes: list[tuple[float, int, float]] = []  # (time, bytes, seconds)
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._sample, daemon=True),
+            threading.Thread(target=self._scrape, daemon=True),
+        ]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(15)
+
+    def read(self) -> tuple[int, int]:
+        """(RSS bytes, open descriptors) now; (0, 0) once the process is gone."""
+        try:
+            with open(f"/proc/{self.pid}/status") as f:
+                rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+            return rss, len(os.listdir(f"/proc/{self.pid}/fd"))
+        except (OSError, StopIteration):
+            return 0, 0
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.25):
+            self.samples.append((time.monotonic(), *self.read(), cpu_seconds(self.pid)))
+
+    def _scrape(self) -> None:
+        while not self._stop.wait(5.0):
+            started = time.monotonic()
+            try:
+                connection = http.client.HTTPConnection(HOST, self.port, timeout=30)
+                connection.request("GET", "/metrics")
+                size = len(connection.getresponse().read())
+                connection.close()
+            except OSError:
+                size = -1
+            self.scrapes.append((started, size, time.monotonic() - started))
+
+    def between(self, start: float, end: float) -> dict[str, Any]:
+        """Median and max RSS and descriptors, and the largest and slowest scrape, in [start, end)."""
+        inside = [s for s in self.samples if start <= s[0] < end] or [(end, *self.read(), cpu_seconds(self.pid))]
+        scrapes = [s for s in self.scrapes if start <= s[0] < end]
+        span = inside[-1][0] - inside[0][0]
+        return {
+            "cpu_share": round((inside[-1][3] - inside[0][3]) / span, 3) if span > 0 else None,
+            "rss_median": statistics.median(s[1] for s in inside),
+            "rss_max": max(s[1] for s in inside),
+            "fds_median": statistics.median(s[2] for s in inside),
+            "fds_max": max(s[2] for s in inside),
+            "metrics_bytes_max": max((s[1] for s in scrapes), default=None),
+            "scrape_s_max": max((s[2] for s in scrapes), default=None),
+        }
+
+
+def light_load(url: str, bodies: list[Path], seconds: float, out: Path) -> dict[str, Any]:
+    """The light load: open loop of /predict at RATE, one summary."""
+    args = [
+        "--url",
+        url,
+        "--path",
+        "/predict",
+        "--mode",
+        "open",
+        "--rate",
+        f"{RATE:g}",
+        "--duration-s",
+        f"{seconds:g}",
+        "--warmup-s",
+        "1",
+        "--max-connections",
+        "64",
+        "--grace-s",
+        "15",
+        "--model",
+        "digits",
+        "--out",
+        str(out),
+    ]
+    for body in bodies:
+        args += ["--body-file", str(body)]
+    run_module("bench.loadgen", args, timeout_s=seconds + 90, log_path=RESULTS / "logs" / "loadgen.log")
+    doc = json.loads(out.read_text())
+    latency = doc["classes"]["normal"]["latency_ms"]
+    errors = sum(v for k, v in doc["status_counts"].items() if k != "200") + doc["unfinished"] + doc["client_saturated"]
+    return {
+        "p50_ms": latency["p50"],
+        "p99_ms": latency["p99"],
+        "ok": doc["classes"]["normal"]["ok"],
+        "errors": errors,
+        "status_counts": doc["status_counts"],
+        "error_codes": doc["error_codes"],
+        "keepalive_retries": doc["keepalive_retries"],
+    }
+
+
+def time_to_full_service(
+    port: int,
+    body: bytes,
+    p99_ms: float,
+    sampler: ProcessSampler,
+    fds_base: float,
+    started: float,
+    timeout_s: float = 30.0,
+) -> float | None:
+    """Seconds from `started` (the attack's end) until five light requests in a row are fast and
+    the descriptors are back (None: not within `timeout_s`)."""
+    bound_s = max(2 * p99_ms, p99_ms + 5.0) / 1000.0
+    streak_began: float | None = None
+    streak = 0
+    connection: http.client.HTTPConnection | None = None
+    while time.monotonic() - started < timeout_s:
+        sent = time.monotonic()
+        try:
+            if connection is None:
+                connection = http.client.HTTPConnection(HOST, port, timeout=10)
+            connection.request("POST", "/predict", body=body, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            response.read()
+            good = response.status == 200 and time.monotonic() - sent <= bound_s
+        except (OSError, http.client.HTTPException):
+            good, connection = False, None
+        good = good and sampler.read()[1] <= fds_base + 32
+        if good:
+            streak_began = sent if streak == 0 else streak_began
+            streak += 1
+            if streak == 5:
+                return round((streak_began or sent) - started, 3)
+        else:
+            streak = 0
+        time.sleep(0.05)
+    return None
+
+
+def log_levels(path: Path, skip_lines: int) -> tuple[dict[str, int], int]:
+    """Lines per level in the server's JSON log after its first `skip_lines` lines; and its line count."""
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    counts: dict[str, int] = {}
+    for line in lines[skip_lines:]:
+        try:
+            level = json.loads(line).get("level", "?")
+        except (json.JSONDecodeError, AttributeError):
+            level = "unstructured"
+        counts[level] = counts.get(level, 0) + 1
+    return counts, len(lines)
+
+
+def run_attack(
+    name: str,
+    server: ServerProcess,
+    sampler: ProcessSampler,
+    light: list[Path],
+    heavy: Path,
+    window_s: float,
+    ramp_s: float,
+) -> dict[str, Any]:
+    runs = RESULTS / "runs"
+    _, log_mark = log_levels(server.log_path, 0)
+    t0 = time.monotonic()
+    base = light_load(server.url, light, window_s, runs / f"hostile_{name}_baseline.json")
+    base_state = sampler.between(t0, time.monotonic())
+    stats = runs / f"hostile_{name}_attacker.json"
+    with open(RESULTS / "logs" / "attacks.log", "ab") as attacker_log:
+        attacker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.attacks",
+                name,
+                "--port",
+                str(server.port),
+                "--out",
+                str(stats),
+                "--heavy-body",
+                str(heavy),
+                "--light-body",
+                str(light[0]),
+                "--max-s",
+                str(window_s + ramp_s + 120),
+            ],
+            stdout=attacker_log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            time.sleep(ramp_s)
+            t1 = time.monotonic()
+            under = light_load(server.url, light, window_s, runs / f"hostile_{name}_attack.json")
+            attack_state = sampler.between(t1, time.monotonic())
+        finally:
+            stopped_at = time.monotonic()
+            attacker.terminate()
+            try:
+                attacker.wait(30)
+            except subprocess.TimeoutExpired:
+                attacker.kill()
+                attacker.wait(5)
+    recovery_s = time_to_full_service(
+        server.port, light[0].read_bytes(), base["p99_ms"], sampler, base_state["fds_median"], stopped_at
+    )
+    levels, _ = log_levels(server.log_path, log_mark)
+    attacker_stats = json.loads(stats.read_text()) if stats.is_file() else {}
+    row = {
+        "attack": name,
+        "baseline": base,
+        "under_attack": under,
+        "baseline_state": base_state,
+        "attack_state": attack_state,
+        "recovery_s": recovery_s,
+        "server_log_levels": levels,
+        "attacker": attacker_stats.get("counts", {}),
+        "server_alive": server.alive(),
+    }
+    row["p99_ratio"] = under["p99_ms"] / base["p99_ms"] if under["p99_ms"] and base["p99_ms"] else None
+    row["rss_ratio"] = attack_state["rss_max"] / base_state["rss_median"] if base_state["rss_median"] else None
+    row["verdicts"] = {
+        "p99_ratio": row["p99_ratio"] is not None and row["p99_ratio"] <= TARGETS["p99_ratio"],
+        "errors": under["errors"] <= TARGETS["errors"],
+        "rss_ratio": row["rss_ratio"] is not None and row["rss_ratio"] <= TARGETS["rss_ratio"],
+        "recovery_s": recovery_s is not None and recovery_s <= TARGETS["recovery_s"],
+    }
+    return row
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    def mark(ok: bool) -> str:
+        return "ok" if ok else "FAIL"
+
+    def share(state: dict[str, Any]) -> str:  # the frontend's CPU use, in cores
+        return "-" if state["cpu_share"] is None else f"{state['cpu_share']:.2f}"
+
+    print()
+    print(
+        f"{'attack':<18} {'p50 ms base>att':>16} {'p99 ms base>att (x)':>24} {'errors':>7} {'RSS MB base>max':>18} "
+        f"{'fds base>max':>13} {'back in s':>9} {'/metrics KB':>11} {'log w/e':>8} {'CPU base>att':>13}"
+    )
+    for row in rows:
+        b, u, bs, st = row["baseline"], row["under_attack"], row["baseline_state"], row["attack_state"]
+        v = row["verdicts"]
+        p99 = f"{b['p99_ms']:.0f}>{u['p99_ms'] or 0:.0f} ({row['p99_ratio'] or 0:.1f}x) {mark(v['p99_ratio'])}"
+        rss = f"{bs['rss_median'] / 2**20:.0f}>{st['rss_max'] / 2**20:.0f} {mark(v['rss_ratio'])}"
+        back = "never" if row["recovery_s"] is None else f"{row['recovery_s']:.1f}"
+        metrics_kb = "-" if st["metrics_bytes_max"] is None else f"{st['metrics_bytes_max'] / 1024:.0f}"
+        levels = row["server_log_levels"]
+        print(
+            f"{row['attack']:<18} {b['p50_ms']:>7.0f}>{u['p50_ms'] or 0:<8.0f} {p99:>24} "
+            f"{u['errors']:>4} {mark(v['errors']):>2} {rss:>18} {bs['fds_median']:>6.0f}>{st['fds_max']:<6.0f} "
+            f"{back:>5} {mark(v['recovery_s']):>3} {metrics_kb:>11} "
+            f"{levels.get('warning', 0):>4}/{levels.get('error', 0):<3} {share(bs):>6}>{share(st):<6}"
+        )
+    print(
+        "targets: p99 under attack <= 2x baseline, 0 errors, RSS max <= 1.2x baseline median, "
+        "fully serving <= 5 s after"
+    )
+    print(
+        "log w/e: server warning/error lines during the row; CPU: the frontend's CPU use in cores (baseline > attack)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.hostile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short windows, for trying the script")
+    parser.add_argument("--out", type=Path, default=RESULTS / "hostile.json", help="where the JSON goes")
+    parser.add_argument(
+        "--attacks", default=",".join(ATTACK_ORDER), help="comma-separated, from: " + ", ".join(ATTACK_ORDER)
+    )
+    args = parser.parse_args(argv)
+    attacks = [a for a in args.attacks.split(",") if a]
+    unknown = set(attacks) - set(ATTACK_ORDER)
+    if unknown:
+        parser.error(f"unknown attacks: {sorted(unknown)}")
+    window_s, ramp_s = (4.0, 1.0) if args.quick else (10.0, 2.0)
+    started = time.monotonic()
+    for folder in ("logs", "runs"):
+        (RESULTS / folder).mkdir(parents=True, exist_ok=True)
+    light, heavy = write_bodies(WORK / "hostile")
+    port = free_port()
+    server = ServerProcess(
+        "servewell-hostile",
+        [
+            sys.executable,
+            "-m",
+            "servewell",
+            "serve",
+            "--cache-dir",
+            str(WORK / "servewell-cache"),
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+        ],
+        port,
+        RESULTS / "logs" / "servewell-hostile.log",
+    )
+    server.log_path.unlink(missing_ok=True)
+    rows = []
+    try:
+        server.start()
+        server.wait_ready(300)
+        sampler = ProcessSampler(server.pid or 0, port)
+        sampler.start()
+        try:
+            for name in attacks:
+                print(f"  {name} ...", flush=True)
+                rows.append(run_attack(name, server, sampler, light, heavy, window_s, ramp_s))
+                if not server.alive():
+                    print(f"  the server died during {name}; stopping", flush=True)
+                    break
+        finally:
+            sampler.stop()
+    finally:
+        server.stop()
+    print_table(rows)
+    doc = {
+        "rows": rows,
+        "targets": TARGETS,
+        "rate_rps": RATE,
+        "window_s": window_s,
+        "ramp_s": ramp_s,
+        "quick": args.quick,
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wall time {doc['wall_s']} s; results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,156 @@
+"""The limited HTTP protocol fed bytes directly (a fake transport, a tiny ASGI app): the head
+budget never refuses what fits, and connections go back to waiting when they should."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+
+import orjson
+from starlette.types import Receive, Scope, Send
+from uvicorn.config import Config
+from uvicorn.server import ServerState
+
+from servewell.api.http_limits import HttpLimits, LimitedHttpToolsProtocol, limited_protocol
+
+LIMITS = HttpLimits(
+    max_header_bytes=1024,
+    max_header_count=10,
+    max_url_bytes=256,
+    header_timeout_s=0.2,
+    body_timeout_s=0.2,
+    max_connections=2,
+    reserved_connections=1,
+)
+
+
+class FakeTransport(asyncio.Transport):
+    """Collects what the server writes; `close` is recorded, as a socket's would be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+    def write(self, data: bytes) -> None:  # type: ignore[override]
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+async def app(scope: Scope, receive: Receive, send: Send) -> None:
+    """Answers 413 at once when asked to (before reading the body), else echoes the body length."""
+    if scope["path"] == "/early":
+        await send({"type": "http.response.start", "status": 413, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+        return
+    size = 0
+    while True:
+        message = await receive()
+        size += len(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    body = orjson.dumps({"size": size})
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]}
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def connect(limits: HttpLimits = LIMITS) -> tuple[LimitedHttpToolsProtocol, FakeTransport]:
+    config = Config(app=app, ws="none", log_config=None, timeout_keep_alive=0.2)  # type: ignore[arg-type]
+    config.load()
+    protocol = limited_protocol(limits)(config=config, server_state=ServerState(), app_state={})
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    return protocol, transport
+
+
+def statuses(transport: FakeTransport) -> list[int]:
+    return [int(status) for status in re.findall(rb"HTTP/1\.1 (\d{3}) ", bytes(transport.written))]
+
+
+async def settle() -> None:
+    await asyncio.sleep(0.05)  # the app's tasks run; a pipelined request starts once the one before is answered
+
+
+def test_two_pipelined_requests_in_one_chunk_over_the_head_budget_are_both_served():
+    async def run() -> None:
+        protocol, transport = connect()
+        one = b"GET /a HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 700 + b"\r\n\r\n"
+        protocol.data_received(one + one)  # 1.5 KB in one read: each head fits its 1 KB budget
+        await settle()
+        assert statuses(transport) == [200, 200] and not transport.closed
+
+    asyncio.run(run())
+
+
+def test_a_body_in_the_same_read_as_its_head_does_not_count_against_the_head():
+    async def run() -> None:
+        protocol, transport = connect()
+        body = b"b" * 5000
+        protocol.data_received(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n" + body)
+        await settle()
+        assert statuses(transport) == [200] and b'{"size":5000}' in transport.written
+
+    asyncio.run(run())
+
+
+def test_a_head_growing_past_the_budget_in_small_reads_gets_431():
+    async def run() -> None:
+        protocol, transport = connect()
+        protocol.data_received(b"GET /a HTTP/1.1\r\nHost: x\r\nX-Long: ")
+        for _ in range(20):
+            if transport.closed:
+                break
+            protocol.data_received(b"v" * 100)
+        assert statuses(transport) == [431] and transport.closed
+        assert b'"code":"header_too_large"' in transport.written
+
+    asyncio.run(run())
+
+
+def test_an_answer_before_the_body_ended_leaves_the_connection_waiting_not_stuck():
+    async def run() -> None:
+        protocol, transport = connect()
+        protocol.data_received(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
+        await settle()
+        assert statuses(transport) == [413]
+        protocol.data_received(b"0123456789")  # the rest of the body, after the answer
+        assert not transport.closed
+        await asyncio.sleep(0.5)
+        assert transport.closed  # closed by the 0.2 s keep-alive timer, not held forever
+
+    asyncio.run(run())
+
+
+def test_a_reserve_connection_serves_probes_only_and_closes_after_one_answer():
+    async def run() -> None:
+        limits = dataclasses.replace(LIMITS, max_connections=1)
+        busy, _ = connect(limits)
+        cls = type(busy)
+        config = busy.config
+        busy.data_received(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")  # holds its slot
+        probe = cls(config=config, server_state=ServerState(), app_state={})
+        probe_transport = FakeTransport()
+        probe.connection_made(probe_transport)
+        probe.data_received(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        await settle()
+        assert statuses(probe_transport) == [503] and probe_transport.closed
+        assert b'"code":"unavailable"' in probe_transport.written
+
+    asyncio.run(run())
