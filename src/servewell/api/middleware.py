@@ -14,9 +14,11 @@ import uuid
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servewell.api.errors import error_response
+from servewell.errors import quote
 from servewell.observability.context import model_var, request_id_var, request_trace_var, stages_var
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.tracing import SpanKind, Tracing, extract_context
@@ -95,8 +97,13 @@ class RequestContextMiddleware:
 
         try:
             await self.app(scope, receive, send_with_headers)
+        except ClientDisconnect:
+            # The client went away (a route that did not turn it into `ClientClosed`): its choice,
+            # not a server error, so no traceback and no 5xx sample.
+            status = status if response_started else 499
+            log.info("the client disconnected during %s %s", quote(scope.get("method")), quote(scope.get("path")))
         except Exception:
-            log.exception("unhandled error while serving %s %s", scope.get("method"), scope.get("path"))
+            log.exception("unhandled error while serving %s %s", quote(scope.get("method")), quote(scope.get("path")))
             if not response_started:
                 response = error_response(500, "internal", "internal server error; the request id is in this body")
                 await response(scope, receive, send_with_headers)

@@ -23,6 +23,9 @@ _LOOPBACK = ("127.", "::1", "localhost")
 
 def require_admin(request: Request, state: AppState = Depends(app_state)) -> AppState:
     """401 without the configured bearer token; with no token configured, loopback clients only."""
+    name = request.path_params.get("name")
+    if isinstance(name, str):
+        state.plane.note_model(name)  # model label and log field, for names of this server only
     token = state.settings.admin_token
     if token:
         given = request.headers.get("authorization", "")
