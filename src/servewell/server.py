@@ -14,7 +14,9 @@ import uvicorn
 from fastapi import FastAPI
 
 from servewell.api.app import create_app
+from servewell.api.codecs.image import ImageLimits
 from servewell.api.dataplane import DataPlane
+from servewell.api.decode_scheduler import DecodeScheduler
 from servewell.api.state import AppState
 from servewell.config.server import ServerConfig
 from servewell.engine.engine import InferenceEngine
@@ -116,7 +118,9 @@ def build_app(settings: ServerConfig) -> FastAPI:
         pool.shutdown(wait=False)
         tracing.shutdown()
 
-    plane = DataPlane(engine, pool, settings.max_image_pixels, metrics, tracing)
+    decoder = DecodeScheduler(pool, settings.decode_threads, settings.decode_queue_size)
+    limits = ImageLimits(settings.max_image_pixels, settings.max_image_side)
+    plane = DataPlane(engine, decoder, limits, metrics, tracing)
     return create_app(AppState(engine, plane, settings, metrics), startup, shutdown, tracing)
 
 

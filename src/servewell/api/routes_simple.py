@@ -17,7 +17,7 @@ from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
 from servewell.api.state import AppState, app_state
 from servewell.config.model import ModelConfig
 from servewell.engine.protocol import SchedulingFacts
-from servewell.errors import BadRequest, InvalidInput
+from servewell.errors import BadRequest, InvalidInput, quote
 from servewell.observability.context import request_id_var
 from servewell.observability.process import rss_bytes
 
@@ -59,6 +59,8 @@ async def predict(request: Request) -> Response:
     state = app_state(request)
     call = state.plane.call()
     check_content_type(request, ("application/json",))
+    urgency = urgency_of(request)
+    state.plane.check_decode(urgency == "high")  # a full decode queue refuses before the body is read
     body = await read_body(request, state.settings.max_body_bytes)
     try:
         raw = orjson.loads(body)
@@ -69,8 +71,8 @@ async def predict(request: Request) -> Response:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "(body)"
-        raise InvalidInput(f"field '{where}': {err['msg']}") from None
-    model = call.open(req.model or state.engine.default_model_name(), None, urgency_of(request) or req.urgency)
+        raise InvalidInput(f"field {quote(where)}: {err['msg']}") from None
+    model = call.open(req.model or state.engine.default_model_name(), None, urgency or req.urgency)
     config = model.config
     if config.image_input is None:
         raise InvalidInput(f"model '{model.name}' takes no images; call /v2/models/{model.name}/infer with tensors")

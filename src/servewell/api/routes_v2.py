@@ -76,6 +76,7 @@ def _metadata(view: ModelView) -> dict[str, Any]:
 @router.get("/models/{name}/versions/{version}", summary="Model metadata (version)")
 async def model_metadata(name: str, version: str | None = None, state: AppState = Depends(app_state)) -> Response:
     """Inputs, outputs, platform and versions of a model."""
+    state.plane.note_model(name)
     return _json(_metadata(state.engine.model(name, version)))
 
 
@@ -83,6 +84,7 @@ async def model_metadata(name: str, version: str | None = None, state: AppState 
 @router.get("/models/{name}/versions/{version}/ready", summary="Model readiness (version)")
 async def model_ready(name: str, version: str | None = None, state: AppState = Depends(app_state)) -> Response:
     """200 when the model is ready, 503 otherwise."""
+    state.plane.note_model(name)
     view = state.engine.model(name, version)
     ready = view.state == "ready"
     doc = {"name": name, "ready": ready, "state": view.state}
@@ -95,6 +97,7 @@ async def model_ready(name: str, version: str | None = None, state: AppState = D
 @router.get("/models/{name}/versions/{version}/config", summary="Model configuration (version)")
 async def model_config(name: str, version: str | None = None, state: AppState = Depends(app_state)) -> Response:
     """The model's configuration in Triton's field names, as `tritonclient.get_model_config` expects."""
+    state.plane.note_model(name)
     view = state.engine.model(name, version)
     config = view.config
     if config is None:
@@ -156,12 +159,13 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
     call = state.plane.call()
     model = call.open(name, version, urgency_of(request))  # 404/503 before reading and decoding the body
     check_content_type(request, ("application/json", "application/octet-stream"))
-    body = await read_body(request, state.settings.max_body_bytes)
+    with call.receiving():
+        body = await read_body(request, state.settings.max_body_bytes)
     limit = state.settings.max_body_bytes
     with call.preprocessing():
         body = _decompress(body, request.headers.get("content-encoding"), limit)
         parsed = parse_infer_request(body, _header_length(request))
-        inputs = await call.model_inputs(parsed.inputs)
+        inputs = await call.model_inputs(parsed.inputs, parsed.parameters.get("priority"))
     header_timeout = timeout_ms_of(request)
     result = await call.infer(
         inputs, priority=parsed.parameters.get("priority"),
@@ -194,7 +198,7 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
         return body
     wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding.lower())
     if wbits is None:
-        raise BadRequest(f"Content-Encoding '{encoding}' is not supported (gzip, deflate)")
+        raise BadRequest(f"Content-Encoding {quote(encoding)} is not supported (gzip, deflate)")
     decompressor = zlib.decompressobj(wbits)
     try:
         out = decompressor.decompress(body, limit + 1)
