@@ -11,6 +11,7 @@ import servewell
 from servewell.api import routes_admin, routes_metrics, routes_simple, routes_v2
 from servewell.api.errors import install_error_handlers
 from servewell.api.middleware import RequestContextMiddleware
+from servewell.api.openapi import truthful_openapi
 from servewell.api.state import AppState
 from servewell.observability.tracing import Tracing
 
@@ -49,6 +50,7 @@ def create_app(
     app.include_router(routes_admin.router)
     app.include_router(routes_admin.repository_router)
     app.include_router(routes_metrics.router)
+    app.openapi = truthful_openapi(app)  # type: ignore[method-assign]
     app.add_middleware(RequestContextMiddleware, metrics=state.metrics, tracing=tracing,
                        slow_request_s=state.settings.slow_request_ms / 1000.0)
     return app

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.routing import Match
 
 from servewell.errors import ServeError, Unavailable, quote
 from servewell.observability.context import model_var, request_id_var
@@ -42,6 +43,16 @@ def serve_error_response(exc: ServeError, refusals: RefusalDigest | None = None)
     return error_response(exc.status, exc.code, exc.message, retry)
 
 
+def allowed_methods(request: Request) -> list[str]:
+    """Methods of every route whose path matches this request's."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map framework and servewell exceptions onto the JSON error shape."""
     refusals = RefusalDigest(log)
@@ -50,12 +61,15 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, ServeError)
         return serve_error_response(exc, refusals)
 
-    async def on_http_error(_: Request, exc: Exception) -> Response:
+    async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         code = _HTTP_CODES.get(exc.status_code, "http_error")
         response = error_response(exc.status_code, code, str(exc.detail))
-        # Starlette puts `Allow` on its 405s (RFC 9110 requires it); keep what the exception carries.
         response.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            # RFC 9110: `Allow` lists every method of the resource. Starlette names only the first
+            # route whose path matched (GET of GET + PATCH /admin/.../batching).
+            response.headers["Allow"] = ", ".join(allowed_methods(request))
         return response
 
     async def on_validation_error(_: Request, exc: Exception) -> Response:

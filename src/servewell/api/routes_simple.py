@@ -12,7 +12,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from servewell.api.body import check_content_type, read_body
-from servewell.api.codecs.image import decode_base64
+from servewell.api.codecs.image import BASE64_PATTERN, decode_base64
+from servewell.api.openapi import INFERENCE_HEADERS, error_responses, not_ready_response
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
 from servewell.api.state import AppState, app_state
 from servewell.config.model import ModelConfig
@@ -29,7 +30,8 @@ class PredictRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    image_base64: str = Field(min_length=1, description="The image (PNG, JPEG, ...) encoded as base64.")
+    image_base64: str = Field(min_length=1, pattern=BASE64_PATTERN,
+                              description="The image (PNG, JPEG, ...) encoded as base64 (a data: URL prefix is allowed).")
     urgency: Literal["high", "normal", "low"] | None = Field(
         None, description="high: the model's first lane (skips the batching window, goes first); low: its last; "
         "default: its default lane. The X-Urgency header, when sent, wins.")
@@ -51,7 +53,9 @@ def _json(doc: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 @router.post(
     "/predict",
     response_model=PredictResponse,
-    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": PredictRequest.model_json_schema()}}}},
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": PredictRequest.model_json_schema()}}},
+                   "parameters": INFERENCE_HEADERS},
+    responses=error_responses(400, 404, 413, 415, 422, 503),
     summary="Classify one image",
 )
 async def predict(request: Request) -> Response:
@@ -104,7 +108,8 @@ def interpret(config: ModelConfig, outputs: dict[str, np.ndarray]) -> dict[str, 
     return {**top[0], "top_k": top}
 
 
-@router.get("/healthz", summary="Server and per-model health")
+@router.get("/healthz", summary="Server and per-model health",
+            responses=not_ready_response("The server is not ready (same document, ready: false)."))
 async def healthz(state: AppState = Depends(app_state)) -> Response:
     """200 when the server is ready, 503 otherwise; always with per-model state and memory."""
     models = {}

@@ -23,6 +23,8 @@ from servewell.errors import BadRequest, PayloadTooLarge
 from servewell.imaging import draft, transform_image
 
 ACCEPTED_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")
+#: What `decode_base64` accepts, for request schemas: padded standard base64, after an optional data: URL prefix.
+BASE64_PATTERN = r"^(?:data:[^,]*,)?(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 #: Longest side accepted by default: the most WebP can hold, and 4x a 16-megapixel square.
 DEFAULT_MAX_SIDE = 16_384
 

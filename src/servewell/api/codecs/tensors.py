@@ -98,10 +98,18 @@ def parse_infer_request(body: bytes, header_length: int | None) -> InferRequestB
             if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
                 raise InvalidInput(f"outputs[{index}] needs a string 'name'")
             requested.append(raw["name"])
-            if _object(raw.get("parameters"), f"outputs[{index}].parameters").get("binary_data"):
+            if _flag(_object(raw.get("parameters"), f"outputs[{index}].parameters"), "binary_data"):
                 binary_outputs.add(raw["name"])
     return InferRequestBody(request_id, parameters, inputs, requested, binary_outputs,
-                            bool(parameters.get("binary_data_output")))
+                            _flag(parameters, "binary_data_output"))
+
+
+def _flag(parameters: dict[str, Any], key: str) -> bool:
+    """A boolean parameter (absent: false); `InvalidInput` for anything but true/false."""
+    value = parameters.get(key, False)
+    if not isinstance(value, bool):
+        raise InvalidInput(f"parameter {key!r} must be true or false")
+    return value
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
