@@ -24,7 +24,7 @@ test: install
 	$(VENV)/bin/pytest -q
 
 # The fuzzing tests of `make test` with many more examples (hypothesis properties of the codecs and
-# image decoding, schemathesis against /openapi.json): about 15 minutes on 2 cores.
+# image decoding, schemathesis against /openapi.json); estimated at half an hour on 2 cores.
 fuzz: install
 	SERVEWELL_FUZZ=long $(VENV)/bin/pytest -q -p no:cacheprovider tests/unit/api/test_tensor_codec_properties.py \
 		tests/unit/test_imaging_properties.py tests/e2e/test_openapi_fuzz.py

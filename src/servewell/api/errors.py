@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
-from starlette.routing import Match
 
 from servewell.errors import ServeError, Unavailable, quote
 from servewell.observability.context import model_var, request_id_var
@@ -44,12 +44,15 @@ def serve_error_response(exc: ServeError, refusals: RefusalDigest | None = None)
 
 
 def allowed_methods(request: Request) -> list[str]:
-    """Methods of every route whose path matches this request's."""
+    """Methods /openapi.json documents for this request's path (empty when it documents none).
+
+    From the schema, because FastAPI keeps included routers behind private wrappers, and because
+    the documented methods are what a client (or schemathesis) holds `Allow` to."""
     methods: set[str] = set()
-    for route in request.app.router.routes:
-        match, _ = route.matches(request.scope)
-        if match != Match.NONE:
-            methods |= getattr(route, "methods", None) or set()
+    for template, operations in request.app.openapi().get("paths", {}).items():
+        pattern = re.sub(r"\\\{[^}]*\\\}", "[^/]+", re.escape(template))
+        if re.fullmatch(pattern, request.url.path):
+            methods |= {method.upper() for method in operations}
     return sorted(methods)
 
 
@@ -69,7 +72,9 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 405:
             # RFC 9110: `Allow` lists every method of the resource. Starlette names only the first
             # route whose path matched (GET of GET + PATCH /admin/.../batching).
-            response.headers["Allow"] = ", ".join(allowed_methods(request))
+            methods = allowed_methods(request)
+            if methods:
+                response.headers["Allow"] = ", ".join(methods)
         return response
 
     async def on_validation_error(_: Request, exc: Exception) -> Response:

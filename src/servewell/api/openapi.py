@@ -128,10 +128,15 @@ def truthful_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
         error_ref = {"$ref": "#/components/schemas/ErrorBody"}
         for operations in doc.get("paths", {}).values():
             for operation in operations.values():
-                response = operation.get("responses", {}).get("422")
+                responses = operation.get("responses", {})
+                response = responses.get("422")
                 if response is not None and "HTTPValidationError" in str(response):
-                    operation["responses"]["422"] = {"description": _WHEN[422],
-                                                     "content": {"application/json": {"schema": error_ref}}}
+                    responses["422"] = {"description": _WHEN[422], "content": {"application/json": {"schema": error_ref}}}
+                for response in responses.values():
+                    # Errors are JSON whatever the route's own media type (/metrics: text/plain).
+                    content = response.get("content", {})
+                    if {"schema": error_ref} in content.values() and "application/json" not in content:
+                        response["content"] = {"application/json": {"schema": error_ref}}
         schemas = doc.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)

@@ -30,7 +30,8 @@ class PredictRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    image_base64: str = Field(min_length=1, pattern=BASE64_PATTERN,
+    # The pattern is documented, not validated here: decode_base64 refuses bad base64 with a 400.
+    image_base64: str = Field(min_length=1, json_schema_extra={"pattern": BASE64_PATTERN},
                               description="The image (PNG, JPEG, ...) encoded as base64 (a data: URL prefix is allowed).")
     urgency: Literal["high", "normal", "low"] | None = Field(
         None, description="high: the model's first lane (skips the batching window, goes first); low: its last; "
