@@ -9,7 +9,7 @@ EXTRAS ?= all,test,bench,dev
 # Machines of this kind keep the CPU build of torch in /opt/wheels; elsewhere pip's index serves it.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: install serve test test-deps lint bench clean
+.PHONY: install serve test test-deps lint fuzz bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ test: install test-deps
 lint: install
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/mypy
+
+# The fuzzing tests of `make test` with many more examples (hypothesis properties of the codecs and
+# image decoding, schemathesis against /openapi.json); estimated at half an hour on 2 cores.
+fuzz: install
+	SERVEWELL_FUZZ=long $(VENV)/bin/pytest -q -p no:cacheprovider tests/unit/api/test_tensor_codec_properties.py \
+		tests/unit/test_imaging_properties.py tests/e2e/test_openapi_fuzz.py
 
 bench: install
 	$(PY) -m bench.run

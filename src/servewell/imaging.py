@@ -43,7 +43,7 @@ def transform_image(image: Image.Image, spec: ImagePreprocess) -> np.ndarray:
     cannot be turned into grayscale or RGB, or for mean/std lengths that do not match.
     """
     height, width = spec.size
-    _draft_jpeg(image, spec)
+    draft(image, spec)
     image = ImageOps.exif_transpose(image)
     image = _to_mode(image, "L" if spec.channels == 1 else "RGB")
     if spec.invert:
@@ -70,10 +70,13 @@ def transform_image(image: Image.Image, spec: ImagePreprocess) -> np.ndarray:
     return np.ascontiguousarray(pixels, dtype=np.float32)
 
 
-def _draft_jpeg(image: Image.Image, spec: ImagePreprocess) -> None:
+def draft(image: Image.Image, spec: ImagePreprocess) -> None:
     """Let libjpeg decode at 1/2, 1/4 or 1/8 scale when the target is far smaller (much faster).
 
-    Asks for a square so the guarantee survives an EXIF rotation. Non-JPEG images ignore it.
+    Call it before the pixels are loaded; afterwards `image.size` is the size that will be decoded
+    (what the decode costs). Asks for a square so the guarantee survives an EXIF rotation. Other
+    formats cannot decode at a reduced scale (PNG, GIF, ...), so only their pixel limits bound them;
+    a second call changes nothing.
     """
     if image.format != "JPEG" or image.mode not in ("RGB", "L"):
         return
@@ -157,12 +160,9 @@ def _ink_bbox(image: Image.Image, width: int, height: int) -> Image.Image:
     crop_w, crop_h = max(1, round(side * width)), max(1, round(side * height))
     x0 = round((left + right - crop_w) / 2)
     y0 = round((top + bottom - crop_h) / 2)
-    # Pixels outside the picture come back as 0 from crop(): below the paper, so "no ink".
-    cropped = image.crop((x0, y0, x0 + crop_w, y0 + crop_h))
     # A huge crop (a large PNG) is box-reduced first, so the float work below stays small.
     step = max(1, min(crop_w // (16 * width), crop_h // (16 * height)))
-    if step > 1:
-        cropped = cropped.reduce(step)
+    cropped = crop_reduced(image, (x0, y0, crop_w, crop_h), step)
     pixels = np.asarray(cropped, dtype=np.float32)
     p0, px, py = ink.paper
     xs = x0 + (np.arange(cropped.width, dtype=np.float32) + 0.5) * step - 0.5
@@ -174,6 +174,39 @@ def _ink_bbox(image: Image.Image, width: int, height: int) -> Image.Image:
     cropped = Image.fromarray(levels, image.mode)
     shrinking = cropped.width >= width and cropped.height >= height
     return cropped.resize((width, height), Image.Resampling.BOX if shrinking else Image.Resampling.BILINEAR)
+
+
+def crop_reduced(image: Image.Image, box: tuple[int, int, int, int], step: int) -> Image.Image:
+    """`image.crop((x, y, x + w, y + h)).reduce(step)`, pixel for pixel, without making the crop.
+
+    A box far outside the picture is mostly 0 (what crop() fills in): a 1x13000 image grown to a
+    square box would crop 169 megapixels (which Pillow refused as a "decompression bomb") to keep
+    13,000 of them. Only the reduce blocks that overlap the picture are cropped and reduced; they
+    start on block boundaries of the box and end on one or at the box's edge, so every block
+    averages exactly the pixels it would have averaged in the full crop, and the rest is 0.
+    """
+    x0, y0, crop_w, crop_h = box
+    out_w, out_h = -(-crop_w // step), -(-crop_h // step)
+    ax, bx = _overlap_blocks(x0, crop_w, image.width, step)
+    ay, by = _overlap_blocks(y0, crop_h, image.height, step)
+    if bx <= ax or by <= ay:
+        return Image.new(image.mode, (out_w, out_h), 0)
+    part = image.crop((x0 + ax, y0 + ay, x0 + bx, y0 + by))
+    if step > 1:
+        part = part.reduce(step)
+    if part.size == (out_w, out_h):
+        return part
+    canvas = Image.new(image.mode, (out_w, out_h), 0)
+    canvas.paste(part, (ax // step, ay // step))
+    return canvas
+
+
+def _overlap_blocks(start: int, length: int, extent: int, step: int) -> tuple[int, int]:
+    """[a, b) in box coordinates: the blocks of `step` pixels of a box at `start` that overlap
+    0..extent, from a block boundary to a block boundary or to the box's end."""
+    first = step * (max(0, -start) // step)
+    last = step * -(-max(0, extent - start) // step)
+    return min(first, length), min(last, length)
 
 
 def _find_ink(gray: Image.Image) -> _Ink:

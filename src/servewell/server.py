@@ -16,7 +16,9 @@ import uvicorn
 from fastapi import FastAPI
 
 from servewell.api.app import create_app
+from servewell.api.codecs.image import ImageLimits
 from servewell.api.dataplane import DataPlane
+from servewell.api.decode_scheduler import DecodeScheduler
 from servewell.api.grpc.listener import GrpcListener
 from servewell.api.grpc.scope import RpcScope
 from servewell.api.grpc.servicer import InferenceServicer
@@ -117,7 +119,9 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> Fas
         metrics.registry.register(StateCollector(engine.samples, process_facts, gpus.read,
                                                  lambda: engine.memory_budget))
     pool = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
-    plane = DataPlane(engine, pool, settings.max_image_pixels, metrics, tracing)
+    decoder = DecodeScheduler(pool, settings.decode_threads, settings.decode_queue_size)
+    plane = DataPlane(engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side), metrics,
+                      tracing)
     access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
     knobs = LiveKnobs(settings.slow_request_ms / 1000.0, settings.metrics_require_key)
     console = ConsoleFeed(metrics)  # the console's chart series and recent slow/failed requests

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import base64
 import io
-from pathlib import Path
 
 import httpx
 import pytest
 from PIL import Image
 
-EXAMPLES = Path(__file__).parents[2] / "src" / "servewell" / "examples" / "images"
-GOOD_IMAGE = base64.b64encode(sorted(p for p in EXAMPLES.iterdir() if p.suffix == ".png")[0].read_bytes()).decode()
+from example_images import GOOD_IMAGE
+
 PLANTED = "PLANTED-PAYLOAD-7f3a9c"
 
 

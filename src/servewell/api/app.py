@@ -12,6 +12,7 @@ from servewell.api import routes_admin, routes_console, routes_metrics, routes_s
 from servewell.api.errors import install_error_handlers
 from servewell.api.key_middleware import ApiKeyMiddleware
 from servewell.api.middleware import RequestContextMiddleware
+from servewell.api.openapi import truthful_openapi
 from servewell.api.state import AppState
 from servewell.observability.tracing import Tracing
 
@@ -51,6 +52,7 @@ def create_app(
     app.include_router(routes_admin.repository_router)
     app.include_router(routes_metrics.router)
     app.include_router(routes_console.router)
+    app.openapi = truthful_openapi(app)  # type: ignore[method-assign]
     # Added last runs first: the request context (id, metrics, logs) wraps the key check.
     app.add_middleware(ApiKeyMiddleware, access=state.access, knobs=state.knobs)
     app.add_middleware(RequestContextMiddleware, knobs=state.knobs, metrics=state.metrics, tracing=tracing,

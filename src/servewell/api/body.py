@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
-from servewell.errors import PayloadTooLarge, UnsupportedMediaType
+from servewell.errors import ClientClosed, PayloadTooLarge, UnsupportedMediaType, quote
 
 
 def check_content_type(request: Request, allowed: tuple[str, ...]) -> None:
@@ -14,19 +15,24 @@ def check_content_type(request: Request, allowed: tuple[str, ...]) -> None:
         return
     media = content_type.split(";", 1)[0].strip().lower()
     if media not in allowed:
-        raise UnsupportedMediaType(f"Content-Type '{media}' is not accepted here; send {' or '.join(allowed)}")
+        raise UnsupportedMediaType(f"Content-Type {quote(media)} is not accepted here; send {' or '.join(allowed)}")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refusing (413) one that declares or streams more than `limit` bytes."""
+    """The whole body, refusing (413) one that declares or streams more than `limit` bytes;
+    `ClientClosed` when the client goes away before the end."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The client's choice, not a server error: a 499 that nobody reads, logged at INFO.
+        raise ClientClosed(f"the client disconnected after sending {size} bytes of the body") from None
     return b"".join(chunks)

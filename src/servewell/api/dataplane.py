@@ -19,16 +19,16 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from opentelemetry import trace
 
-from servewell.api.codecs.image import decode_base64, image_to_array
+from servewell.api.codecs.image import ImageLimits, decode_base64, decode_planned, plan_decode
 from servewell.api.codecs.tensors import DecodedTensor
+from servewell.api.decode_scheduler import DecodeScheduler
 from servewell.config.model import ModelConfig
 from servewell.engine.protocol import RequestResult, ServedModel, ServingEngine
-from servewell.errors import ClientClosed, InvalidInput, quote
+from servewell.errors import ClientClosed, InvalidInput, Overloaded, quote
 from servewell.observability.context import model_var, request_id_var, stages_var
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.tracing import Tracing
@@ -37,11 +37,11 @@ from servewell.observability.tracing import Tracing
 class DataPlane:
     """Shared by every protocol of one server."""
 
-    def __init__(self, engine: ServingEngine, decode_pool: ThreadPoolExecutor, max_image_pixels: int,
+    def __init__(self, engine: ServingEngine, decoder: DecodeScheduler, image_limits: ImageLimits,
                  metrics: ServeMetrics | None, tracing: Tracing) -> None:
         self.engine = engine
-        self._decode_pool = decode_pool
-        self._max_image_pixels = max_image_pixels
+        self._decoder = decoder
+        self._image_limits = image_limits
         self._metrics = metrics
         self._tracing = tracing
 
@@ -55,17 +55,29 @@ class DataPlane:
         if self.engine.knows(name):
             model_var.set(name)
 
-    async def decode_images(self, config: ModelConfig, blobs: Sequence[bytes]) -> np.ndarray:
-        """Decode encoded images into one input batch for `config`, off the event loop."""
+    def check_decode(self, urgent: bool) -> None:
+        """Refuse (503 `overloaded`) now when an image decode could not even wait: for a route that
+        only takes images, before it reads the body."""
+        self._decoder.check(urgent)
+
+    async def decode_images(self, config: ModelConfig, blobs: Sequence[bytes], urgent: bool = False) -> np.ndarray:
+        """Decode encoded images into one input batch for `config`: headers checked here (limits,
+        cost), pixels decoded in the decode pool in `DecodeScheduler` order (urgent first)."""
         spec = config.preprocess
         if spec is None:
             raise InvalidInput(f"model '{config.name}' declares no image preprocessing, so it takes no images")
-        limit = self._max_image_pixels
+        planned = [plan_decode(blob, spec, self._image_limits) for blob in blobs]
 
         def work() -> np.ndarray:
-            return np.stack([image_to_array(blob, spec, limit) for blob in blobs])
+            return np.stack([decode_planned(p, spec) for p in planned])
 
-        return await asyncio.get_running_loop().run_in_executor(self._decode_pool, work)
+        return await self._decoder.run(work, pixels=sum(p.pixels for p in planned), urgent=urgent)
+
+    def count(self, model: ServedModel, lane: int, outcome: str) -> None:
+        """Count one request of `model` that ended in the data plane (before the scheduler)."""
+        if self._metrics is not None:
+            lanes = model.config.batching.lanes
+            self._metrics.count(model.name, lanes[lane] if lane < len(lanes) else str(lane), outcome)
 
     def record(self, model: str, result: RequestResult, preprocess_s: float, postprocess_s: float) -> None:
         """Per-request stage durations: into the histograms, and for the slow-request log."""
@@ -116,6 +128,16 @@ class InferenceCall:
         return model
 
     @contextlib.contextmanager
+    def receiving(self) -> Iterator[None]:
+        """Around reading the request after `open`: a client that leaves now is counted as a
+        `cancelled` request of its model (the scheduler counts those that leave later)."""
+        try:
+            yield
+        except ClientClosed:
+            self._plane.count(self.model, self._lane, "cancelled")
+            raise
+
+    @contextlib.contextmanager
     def preprocessing(self) -> Iterator[None]:
         """Times (and, when sampled, spans) the protocol's decoding of the request."""
         started = time.perf_counter()
@@ -137,14 +159,24 @@ class InferenceCall:
     async def decode_images(self, blobs: Sequence[bytes]) -> np.ndarray:
         """Encoded images to the model's image input batch (off the event loop)."""
         config = self.model.config
-        batch = await self._plane.decode_images(config, blobs)
+        limit = config.max_batch_size or 1
+        if len(blobs) > limit:
+            raise InvalidInput(f"{len(blobs)} images in one request; model '{config.name}' takes at most {limit}")
+        try:
+            batch = await self._plane.decode_images(config, blobs, urgent=self._lane == 0)
+        except Overloaded:
+            self._plane.count(self.model, self._lane, "rejected")
+            raise
         spec = config.input_spec(config.image_input or "")
         return batch.astype(spec.numpy_dtype, copy=False) if spec is not None else batch
 
-    async def model_inputs(self, tensors: Sequence[DecodedTensor]) -> dict[str, np.ndarray]:
+    async def model_inputs(self, tensors: Sequence[DecodedTensor], priority: object = None) -> dict[str, np.ndarray]:
         """OIP tensors to model inputs: names and datatypes checked, encoded images (BYTES sent to the
-        model's image input) decoded with the model's preprocessing."""
+        model's image input) decoded with the model's preprocessing, in the order of the lane that
+        `priority` (OIP) picks unless the request's urgency already did."""
         config = self.model.config
+        if priority is not None and not self._urgency:
+            self._lane = self.model.resolve_lane(None, priority)
         inputs: dict[str, np.ndarray] = {}
         for tensor in tensors:
             spec = config.input_spec(tensor.name)

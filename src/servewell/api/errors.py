@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import orjson
 from fastapi import FastAPI, Request
@@ -11,12 +12,14 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from servewell.errors import ServeError
-from servewell.observability.context import error_code_var, request_id_var
+from servewell.errors import ServeError, Unavailable, quote
+from servewell.observability.context import error_code_var, model_var, request_id_var
+from servewell.observability.refusal_log import RefusalDigest
 
 log = logging.getLogger("servewell.api")
 
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized", 400: "bad_request"}
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized", 400: "bad_request",
+               413: "payload_too_large", 415: "unsupported_media_type", 422: "invalid_input"}
 
 
 def error_response(status: int, code: str, message: str, retry_after_s: float | None = None,
@@ -30,31 +33,57 @@ def error_response(status: int, code: str, message: str, retry_after_s: float | 
     return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
 
 
-def serve_error_response(exc: ServeError) -> Response:
-    """Response for a `ServeError`, logged once (4xx at info, 5xx at warning)."""
-    level = logging.WARNING if exc.status >= 500 else logging.INFO
-    log.log(level, "request failed: %s", exc.message, extra={"status": exc.status, "code": exc.code})
+def serve_error_response(exc: ServeError, refusals: RefusalDigest | None = None) -> Response:
+    """Response for a `ServeError`, logged once (4xx at info, 5xx at warning); refusals (503)
+    go to `refusals`, which logs them per model, code and second with a count."""
+    if refusals is not None and isinstance(exc, Unavailable):
+        refusals.refused(model_var.get(), exc.code, exc.status, exc.message)
+    else:
+        level = logging.WARNING if exc.status >= 500 else logging.INFO
+        log.log(level, "request failed: %s", exc.message, extra={"status": exc.status, "code": exc.code})
     retry = exc.retry_after_s if exc.status in (429, 503) else None
     return error_response(exc.status, exc.code, exc.message, retry, exc.headers)
 
 
+def allowed_methods(request: Request) -> list[str]:
+    """Methods /openapi.json documents for this request's path (empty when it documents none).
+
+    From the schema, because FastAPI keeps included routers behind private wrappers, and because
+    the documented methods are what a client (or schemathesis) holds `Allow` to."""
+    methods: set[str] = set()
+    for template, operations in request.app.openapi().get("paths", {}).items():
+        pattern = re.sub(r"\\\{[^}]*\\\}", "[^/]+", re.escape(template))
+        if re.fullmatch(pattern, request.url.path):
+            methods |= {method.upper() for method in operations}
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map framework and servewell exceptions onto the JSON error shape."""
+    refusals = RefusalDigest(log)
 
     async def on_serve_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, ServeError)
-        return serve_error_response(exc)
+        return serve_error_response(exc, refusals)
 
-    async def on_http_error(_: Request, exc: Exception) -> Response:
+    async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         code = _HTTP_CODES.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, code, str(exc.detail))
+        response = error_response(exc.status_code, code, str(exc.detail))
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            # RFC 9110: `Allow` lists every method of the resource. Starlette names only the first
+            # route whose path matched (GET of GET + PATCH /admin/.../batching).
+            methods = allowed_methods(request)
+            if methods:
+                response.headers["Allow"] = ", ".join(methods)
+        return response
 
     async def on_validation_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error_response(422, "invalid_input", f"field '{where}': {first.get('msg')}")
+        return error_response(422, "invalid_input", f"field {quote(where)}: {first.get('msg')}")
 
     app.add_exception_handler(ServeError, on_serve_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)

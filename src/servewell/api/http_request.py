@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 from fastapi import Request
 
 from servewell.errors import InvalidInput, quote
+
+#: A positive decimal number of milliseconds, as /openapi.json states it (no exponent, sign or "inf").
+TIMEOUT_PATTERN = r"^(?:[0-9]{0,12}[1-9][0-9]{0,12}(?:\.[0-9]{1,6})?|[0-9]{1,12}\.[0-9]{0,6}[1-9][0-9]{0,6})$"
+_TIMEOUT = re.compile(TIMEOUT_PATTERN)
 
 URGENCY_HEADER = "x-urgency"
 TIMEOUT_HEADER = "x-request-timeout-ms"
@@ -21,11 +27,8 @@ def timeout_ms_of(request: Request) -> float | None:
     raw = request.headers.get(TIMEOUT_HEADER)
     if raw is None:
         return None
-    try:
-        value = float(raw) if len(raw) <= 32 else -1.0
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value == float("inf"):
+    value = float(raw) if _TIMEOUT.fullmatch(raw) else -1.0
+    if not value > 0:
         raise InvalidInput(f"header X-Request-Timeout-Ms must be a positive number of milliseconds, got {quote(raw)}")
     return value
 

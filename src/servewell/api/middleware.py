@@ -14,14 +14,16 @@ import uuid
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servewell.api.errors import error_response
 from servewell.api.state import LiveKnobs
+from servewell.errors import quote
 from servewell.observability.context import error_code_var, model_var, request_id_var, request_trace_var, stages_var
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.recent_requests import RecentRequests, RequestRecord
-from servewell.observability.tracing import SpanKind, Tracing, extract_context
+from servewell.observability.tracing import Tracing, begin_server_span
 
 log = logging.getLogger("servewell.api")
 
@@ -62,25 +64,13 @@ class RequestContextMiddleware:
                 tracestate = value.decode("latin-1")
         request_id = request_id or uuid.uuid4().hex
         tokens = (request_id_var.set(request_id), model_var.set(""), stages_var.set({}))
-        span = otel_token = None
+        span = otel_token = trace_token = None
         if self.tracing is not None:
-            # Parent-based sampling, decided here before any span exists: a sampled incoming trace
-            # is recorded; an unsampled one is only carried (its trace id reaches the logs); a
-            # request without one is recorded at the configured ratio (never a probe or scrape).
-            parent = extract_context(traceparent, tracestate)
-            parent_span = trace.get_current_span(parent).get_span_context() if parent is not None else None
-            if parent_span is not None and parent_span.is_valid:
-                sampled = parent_span.trace_flags.sampled
-            else:
-                parent, sampled = None, scope["path"] not in _PLUMBING and self.tracing.sample_root()
-            span_context = parent
-            if sampled:
-                span = self.tracing.tracer.start_span(
-                    "http", context=parent, kind=SpanKind.SERVER,
-                    attributes={"http.request.method": scope.get("method", ""), "url.path": scope.get("path", ""),
-                                "servewell.request_id": request_id},
-                )
-                span_context = trace.set_span_in_context(span)
+            span, span_context = begin_server_span(
+                self.tracing, "http", traceparent, tracestate, scope["path"] not in _PLUMBING,
+                {"http.request.method": scope.get("method", ""), "url.path": scope.get("path", ""),
+                 "servewell.request_id": request_id},
+            )
             if span_context is not None:
                 otel_token = otel_context.attach(span_context)
                 trace_token = request_trace_var.set(span_context)
@@ -100,15 +90,21 @@ class RequestContextMiddleware:
 
         try:
             await self.app(scope, receive, send_with_headers)
+        except ClientDisconnect:
+            # The client went away (a route that did not turn it into `ClientClosed`): its choice,
+            # not a server error, so no traceback and no 5xx sample.
+            status = status if response_started else 499
+            log.info("the client disconnected during %s %s", quote(scope.get("method")), quote(scope.get("path")))
         except Exception:
-            log.exception("unhandled error while serving %s %s", scope.get("method"), scope.get("path"))
+            log.exception("unhandled error while serving %s %s", quote(scope.get("method")), quote(scope.get("path")))
             if not response_started:
                 response = error_response(500, "internal", "internal server error; the request id is in this body")
                 await response(scope, receive, send_with_headers)
         finally:
             self._finish(scope, status, time.perf_counter() - started, span)
-            if otel_token is not None:
+            if trace_token is not None:
                 request_trace_var.reset(trace_token)
+            if otel_token is not None:
                 otel_context.detach(otel_token)
             request_id_var.reset(tokens[0])
             model_var.reset(tokens[1])

@@ -1,16 +1,18 @@
-"""Operator endpoints: live batching settings per model. Guarded by `admin_token`."""
+"""Operator endpoints: live batching settings per model, profiling, the active configuration, and
+the repository extension's load/unload. Guarded by `admin_token` (api/access.py)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
 from servewell.api.access import check_admin
 from servewell.api.body import check_content_type, read_body
+from servewell.api.openapi import error_responses
 from servewell.api.state import AppState, app_state
 from servewell.config.batching import BatchingPatch
 from servewell.config.problems import field_problems
@@ -21,22 +23,28 @@ router = APIRouter(prefix="/admin", tags=["admin"])
 #: The OIP model-repository extension (Triton's load/unload), guarded like /admin.
 repository_router = APIRouter(prefix="/v2/repository", tags=["Open Inference Protocol v2"])
 
+_ADMIN_ERRORS = (401, 403, 404)
+
 
 def require_admin(request: Request, state: AppState = Depends(app_state)) -> AppState:
     """401 without the configured bearer token; with no token configured, loopback clients only."""
+    name = request.path_params.get("name")
+    if isinstance(name, str):
+        state.plane.note_model(name)  # model label and log field, for names of this server only
     check_admin(state.settings.admin_token, request.headers.get("authorization"),
                 request.client.host if request.client is not None else None)
     return state
 
 
-@router.get("/config", summary="Active configuration")
+@router.get("/config", summary="Active configuration", responses=error_responses(*_ADMIN_ERRORS))
 async def active_config(state: AppState = Depends(require_admin)) -> Response:
     """The server settings, API key ids and every model's config in force, when each was loaded
     (Unix time), admin overrides, and file changes that wait for a restart. Secrets are left out."""
     return Response(orjson.dumps(state.config_report()), media_type="application/json")
 
 
-@router.get("/models/{name}/batching", summary="Live batching settings")
+@router.get("/models/{name}/batching", summary="Live batching settings",
+            responses=error_responses(*_ADMIN_ERRORS, 503))
 async def get_batching(name: str, state: AppState = Depends(require_admin)) -> Response:
     """The model's current batching settings."""
     return Response(orjson.dumps(state.engine.batching(name)), media_type="application/json")
@@ -47,6 +55,7 @@ async def get_batching(name: str, state: AppState = Depends(require_admin)) -> R
     summary="Change batching settings while serving",
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
         "schema": BatchingPatch.model_json_schema()}}}},
+    responses=error_responses(400, *_ADMIN_ERRORS, 413, 415, 422, 503),
 )
 async def patch_batching(name: str, request: Request, state: AppState = Depends(require_admin)) -> Response:
     """Apply the given fields, all or none; queued and running requests are kept. The change lasts
@@ -64,13 +73,12 @@ async def patch_batching(name: str, request: Request, state: AppState = Depends(
     return Response(orjson.dumps(state.engine.update_batching(name, patch.changes())), media_type="application/json")
 
 
-@router.post("/models/{name}/profile", summary="Profile a model worker (Chrome/Perfetto trace)")
-async def profile(name: str, seconds: float = 5.0, instance: int = 0,
-                  state: AppState = Depends(require_admin)) -> Response:
+@router.post("/models/{name}/profile", summary="Profile a model worker (Chrome/Perfetto trace)",
+             responses=error_responses(*_ADMIN_ERRORS, 409, 422, 503))
+async def profile(name: str, seconds: Annotated[float, Query(gt=0, le=60)] = 5.0,
+                  instance: Annotated[int, Query(ge=0)] = 0, state: AppState = Depends(require_admin)) -> Response:
     """Capture `seconds` (at most 60) of one instance's batches with torch.profiler or onnxruntime
     profiling; returns a trace file that chrome://tracing and ui.perfetto.dev open."""
-    if not 0 < seconds <= 60:
-        raise InvalidInput("seconds must be in (0, 60]")
     trace = await state.engine.profile(name, instance, seconds)
     return Response(trace, media_type="application/json",
                     headers={"Content-Disposition": f'attachment; filename="{name}-{instance}-profile.json"'})
@@ -80,14 +88,15 @@ def _state(view: ModelView) -> dict[str, Any]:
     return {"name": view.name, "version": view.version, "state": view.state, "reason": view.reason}
 
 
-@repository_router.post("/models/{name}/load", summary="Load or reload a model (zero failed requests)")
+@repository_router.post("/models/{name}/load", summary="Load or reload a model (zero failed requests)",
+                        responses=error_responses(*_ADMIN_ERRORS, 422))
 async def load_model(name: str, state: AppState = Depends(require_admin)) -> Response:
     """Read the model's directory again and load it; the new version warms up before traffic moves."""
     view = await state.engine.load_model(name)
     return Response(orjson.dumps(_state(view)), media_type="application/json")
 
 
-@repository_router.post("/models/{name}/unload", summary="Unload a model")
+@repository_router.post("/models/{name}/unload", summary="Unload a model", responses=error_responses(*_ADMIN_ERRORS))
 async def unload_model(name: str, state: AppState = Depends(require_admin)) -> Response:
     """Finish the model's queued and running requests, then stop its workers."""
     view = await state.engine.unload_model(name)

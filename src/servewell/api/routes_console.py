@@ -25,6 +25,7 @@ from fastapi.responses import Response
 
 import servewell
 from servewell.api.access import check_admin
+from servewell.api.openapi import error_responses
 from servewell.api.state import AppState, app_state
 from servewell.engine.protocol import ModelView
 from servewell.errors import NotFound, ServeError
@@ -89,7 +90,8 @@ async def console_asset(name: str) -> Response:
                     headers={"Cache-Control": "public, max-age=86400", "X-Content-Type-Options": "nosniff"})
 
 
-@router.get("/console/api/state", summary="Everything the console shows")
+@router.get("/console/api/state", summary="Everything the console shows",
+            responses=error_responses(401, 404, 422, 429))
 async def console_state(
     request: Request,
     model: str = Query(ALL_MODELS, max_length=200, description="Whose chart series: a model name, or * for all."),

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from servewell.api.openapi import error_responses
 from servewell.api.state import AppState, app_state
 from servewell.errors import NotFound
 
 router = APIRouter(tags=["observability"])
 
 
-@router.get("/metrics", summary="Prometheus metrics")
+@router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse, responses=error_responses(404))
 async def prometheus_metrics(state: AppState = Depends(app_state)) -> Response:
     """Every metric family in the Prometheus text format (names in the README); 404 when metrics
     are turned off (`--metrics-enabled false`)."""

@@ -12,12 +12,13 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from servewell.api.body import check_content_type, read_body
-from servewell.api.codecs.image import decode_base64
+from servewell.api.codecs.image import BASE64_PATTERN, decode_base64
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
+from servewell.api.openapi import INFERENCE_HEADERS, error_responses, not_ready_response
 from servewell.api.state import AppState, app_state
 from servewell.config.model import ModelConfig
 from servewell.engine.protocol import SchedulingFacts
-from servewell.errors import BadRequest, InvalidInput
+from servewell.errors import BadRequest, InvalidInput, quote
 from servewell.observability.context import request_id_var
 from servewell.observability.process import rss_bytes
 
@@ -29,7 +30,10 @@ class PredictRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    image_base64: str = Field(min_length=1, description="The image (PNG, JPEG, ...) encoded as base64.")
+    # The pattern is documented, not validated here: decode_base64 refuses bad base64 with a 400.
+    image_base64: str = Field(min_length=1, json_schema_extra={"pattern": BASE64_PATTERN},
+                              description="The image (PNG, JPEG, ...) encoded as base64 (a data: URL prefix is "
+                              "allowed).")
     urgency: Literal["high", "normal", "low"] | None = Field(
         None, description="high: the model's first lane (skips the batching window, goes first); low: its last; "
         "default: its default lane. The X-Urgency header, when sent, wins.")
@@ -52,7 +56,9 @@ def _json(doc: Any, status: int = 200, headers: dict[str, str] | None = None) ->
     "/predict",
     response_model=PredictResponse,
     openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": PredictRequest.model_json_schema()}}}},
+        "application/json": {"schema": PredictRequest.model_json_schema()}}},
+                   "parameters": INFERENCE_HEADERS},
+    responses=error_responses(400, 401, 404, 408, 413, 415, 422, 429, 503),
     summary="Classify one image",
 )
 async def predict(request: Request) -> Response:
@@ -60,6 +66,8 @@ async def predict(request: Request) -> Response:
     state = app_state(request)
     call = state.plane.call()
     check_content_type(request, ("application/json",))
+    urgency = urgency_of(request)
+    state.plane.check_decode(urgency == "high")  # a full decode queue refuses before the body is read
     body = await read_body(request, state.settings.max_body_bytes)
     try:
         raw = orjson.loads(body)
@@ -70,8 +78,8 @@ async def predict(request: Request) -> Response:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "(body)"
-        raise InvalidInput(f"field '{where}': {err['msg']}") from None
-    model = call.open(req.model or state.engine.default_model_name(), None, urgency_of(request) or req.urgency)
+        raise InvalidInput(f"field {quote(where)}: {err['msg']}") from None
+    model = call.open(req.model or state.engine.default_model_name(), None, urgency or req.urgency)
     config = model.config
     if config.image_input is None:
         raise InvalidInput(f"model '{model.name}' takes no images; call /v2/models/{model.name}/infer with tensors")
@@ -103,7 +111,8 @@ def interpret(config: ModelConfig, outputs: dict[str, np.ndarray]) -> dict[str, 
     return {**top[0], "top_k": top}
 
 
-@router.get("/healthz", summary="Server and per-model health")
+@router.get("/healthz", summary="Server and per-model health",
+            responses=not_ready_response("The server is not ready (same document, ready: false)."))
 async def healthz(state: AppState = Depends(app_state)) -> Response:
     """200 when the server is ready, 503 otherwise; always with per-model state and memory."""
     models = {}

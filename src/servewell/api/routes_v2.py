@@ -15,6 +15,7 @@ from servewell.api.body import check_content_type, read_body
 from servewell.api.codecs.tensors import encode_infer_response, parse_infer_request
 from servewell.api.dataplane import select_outputs
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
+from servewell.api.openapi import INFER_REQUEST_BODY, INFERENCE_HEADERS, error_responses, not_ready_response
 from servewell.api.state import AppState, app_state
 from servewell.config.model import TensorSpec
 from servewell.engine.protocol import ModelView, client_shape
@@ -46,7 +47,7 @@ async def health_live() -> Response:
     return _json({"live": True})
 
 
-@router.get("/health/ready", summary="Readiness")
+@router.get("/health/ready", summary="Readiness", responses=not_ready_response("Not ready: {\"ready\": false}."))
 async def health_ready(state: AppState = Depends(app_state)) -> Response:
     """200 when the server should receive traffic, 503 (with Retry-After) otherwise."""
     ready = state.engine.ready
@@ -72,17 +73,25 @@ def _metadata(view: ModelView) -> dict[str, Any]:
     return doc
 
 
-@router.get("/models/{name}", summary="Model metadata")
-@router.get("/models/{name}/versions/{version}", summary="Model metadata (version)")
+@router.get("/models/{name}", summary="Model metadata", responses=error_responses(404))
+@router.get("/models/{name}/versions/{version}", summary="Model metadata (version)", responses=error_responses(404))
 async def model_metadata(name: str, version: str | None = None, state: AppState = Depends(app_state)) -> Response:
     """Inputs, outputs, platform and versions of a model."""
+    state.plane.note_model(name)
     return _json(_metadata(state.engine.model(name, version)))
 
 
-@router.get("/models/{name}/ready", summary="Model readiness")
-@router.get("/models/{name}/versions/{version}/ready", summary="Model readiness (version)")
+_MODEL_READY_RESPONSES = {**error_responses(404),
+                          **not_ready_response("The model is not ready (ready: false, its state).")}
+
+
+@router.get("/models/{name}/ready", summary="Model readiness",
+            responses=_MODEL_READY_RESPONSES)
+@router.get("/models/{name}/versions/{version}/ready", summary="Model readiness (version)",
+            responses=_MODEL_READY_RESPONSES)
 async def model_ready(name: str, version: str | None = None, state: AppState = Depends(app_state)) -> Response:
     """200 when the model is ready, 503 otherwise."""
+    state.plane.note_model(name)
     view = state.engine.model(name, version)
     ready = view.state == "ready"
     doc = {"name": name, "ready": ready, "state": view.state}
@@ -91,10 +100,13 @@ async def model_ready(name: str, version: str | None = None, state: AppState = D
     return _json(doc, 200 if ready else 503, None if ready else {"Retry-After": "2"})
 
 
-@router.get("/models/{name}/config", summary="Model configuration (Triton extension)")
-@router.get("/models/{name}/versions/{version}/config", summary="Model configuration (version)")
+@router.get("/models/{name}/config", summary="Model configuration (Triton extension)",
+            responses=error_responses(404, 422))
+@router.get("/models/{name}/versions/{version}/config", summary="Model configuration (version)",
+            responses=error_responses(404, 422))
 async def model_config(name: str, version: str | None = None, state: AppState = Depends(app_state)) -> Response:
     """The model's configuration in Triton's field names, as `tritonclient.get_model_config` expects."""
+    state.plane.note_model(name)
     view = state.engine.model(name, version)
     config = view.config
     if config is None:
@@ -134,38 +146,26 @@ async def repository_index(state: AppState = Depends(app_state)) -> Response:
     return _json(entries)
 
 
-_INFER_BODY = {
-    "required": True,
-    "content": {
-        "application/json": {"schema": {"type": "object", "required": ["inputs"], "properties": {
-            "id": {"type": "string"},
-            "parameters": {"type": "object",
-                           "description": "priority (1 = high lane), timeout (microseconds), binary_data_output"},
-            "inputs": {"type": "array", "items": {"type": "object", "required": ["name", "shape", "datatype"]}},
-            "outputs": {"type": "array", "items": {"type": "object", "required": ["name"]}},
-        }}},
-        "application/octet-stream": {"schema": {"type": "string", "format": "binary",
-                                                 "description": "JSON header + binary tensors "
-                                                                "(Inference-Header-Content-Length)"}},
-    },
-}
+_INFER_EXTRA = {"requestBody": INFER_REQUEST_BODY, "parameters": INFERENCE_HEADERS}
+_INFER_ERRORS = error_responses(400, 401, 404, 408, 413, 415, 422, 429, 503)
 
 
-@router.post("/models/{name}/infer", summary="Inference", openapi_extra={"requestBody": _INFER_BODY})
-@router.post("/models/{name}/versions/{version}/infer", summary="Inference (version)",
-             openapi_extra={"requestBody": _INFER_BODY})
+@router.post("/models/{name}/infer", summary="Inference", openapi_extra=_INFER_EXTRA, responses=_INFER_ERRORS)
+@router.post("/models/{name}/versions/{version}/infer", summary="Inference (version)", openapi_extra=_INFER_EXTRA,
+             responses=_INFER_ERRORS)
 async def infer(name: str, request: Request, version: str | None = None) -> Response:
     """Run the model on JSON (or binary-extension) tensors."""
     state = app_state(request)
     call = state.plane.call()
     model = call.open(name, version, urgency_of(request))  # 404/503 before reading and decoding the body
     check_content_type(request, ("application/json", "application/octet-stream"))
-    body = await read_body(request, state.settings.max_body_bytes)
+    with call.receiving():
+        body = await read_body(request, state.settings.max_body_bytes)
     limit = state.settings.max_body_bytes
     with call.preprocessing():
         body = _decompress(body, request.headers.get("content-encoding"), limit)
         parsed = parse_infer_request(body, _header_length(request))
-        inputs = await call.model_inputs(parsed.inputs)
+        inputs = await call.model_inputs(parsed.inputs, parsed.parameters.get("priority"))
     header_timeout = timeout_ms_of(request)
     result = await call.infer(
         inputs, priority=parsed.parameters.get("priority"),
@@ -198,7 +198,7 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
         return body
     wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding.lower())
     if wbits is None:
-        raise BadRequest(f"Content-Encoding '{encoding}' is not supported (gzip, deflate)")
+        raise BadRequest(f"Content-Encoding {quote(encoding)} is not supported (gzip, deflate)")
     decompressor = zlib.decompressobj(wbits)
     try:
         out = decompressor.decompress(body, limit + 1)

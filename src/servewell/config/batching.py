@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from servewell.config.problems import Problems, config_error
 from servewell.config.strict import StrictModel
@@ -94,6 +94,20 @@ class BatchingPatch(StrictModel, json_schema_extra=_schema_without_nulls):
     default_timeout_ms: DefaultTimeoutMs | None = None
     max_consecutive_high: MaxConsecutiveHigh | None = None
     reserve_instance_for_high: ReserveInstanceForHigh | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _json_types_only(cls, value: Any, info: ValidationInfo) -> Any:
+        """As strict as the JSON schema: numbers are JSON numbers ("5" and true are refused; 5.0 is
+        the integer 5, as JSON Schema has it), the flag a JSON boolean."""
+        if value is None:
+            return value  # refused with its own message below
+        if info.field_name == "reserve_instance_for_high":
+            if not isinstance(value, bool):
+                raise ValueError("must be true or false")
+        elif info.field_name != "policy" and isinstance(value, (bool, str)):
+            raise ValueError("must be a number")
+        return value
 
     @model_validator(mode="before")
     @classmethod

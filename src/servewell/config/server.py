@@ -49,6 +49,13 @@ class ServerConfig(BaseModel):
     load_timeout_s: float = Field(
         30.0, gt=0, description="A model whose load and warm-up take longer is killed and marked failed."
     )
+    max_image_side: int = Field(
+        16_384, ge=1, description="Longest image side, in pixels, accepted (413 above; checked from the header)."
+    )
+    decode_queue_size: int = Field(
+        64, ge=1, description="Image decodes that may wait for a decode thread (urgent ones: as many again); "
+        "past it requests are refused with 503 overloaded before their images are decoded.",
+    )
     memory_budget_bytes: int | None = Field(
         None, ge=1, description="Host memory all models together may use (estimated before loading); "
         "default: 90% of the memory available at start.",

@@ -6,7 +6,7 @@ import numpy as np
 
 from servewell.config.model import ModelConfig
 from servewell.engine.protocol import client_shape
-from servewell.errors import InvalidInput
+from servewell.errors import InvalidInput, quote
 
 
 def _shape_text(shape: list[int] | tuple[int, ...]) -> str:
@@ -18,7 +18,7 @@ def check_inputs(config: ModelConfig, inputs: dict[str, np.ndarray]) -> int:
     declared = [spec.name for spec in config.inputs]
     unknown = [name for name in inputs if name not in declared]
     if unknown:
-        raise InvalidInput(f"unknown input '{unknown[0]}'; model '{config.name}' takes {declared}")
+        raise InvalidInput(f"unknown input {quote(unknown[0])}; model '{config.name}' takes {declared}")
     missing = [name for name in declared if name not in inputs]
     if missing:
         raise InvalidInput(f"missing input '{missing[0]}'; model '{config.name}' takes {declared}")

@@ -25,10 +25,11 @@ from opentelemetry import trace
 from servewell.api.grpc.codec import metadata_value
 from servewell.api.keys import InferenceAccess
 from servewell.api.state import LiveKnobs
-from servewell.errors import ServeError
+from servewell.errors import ServeError, Unavailable
 from servewell.observability.context import client_var, model_var, request_id_var, request_trace_var, stages_var
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.recent_requests import RecentRequests, RequestRecord
+from servewell.observability.refusal_log import RefusalDigest
 from servewell.observability.tracing import Tracing, begin_server_span
 
 log = logging.getLogger("servewell.api")
@@ -65,6 +66,7 @@ class RpcScope:
         self._tracing = tracing if tracing is not None and tracing.enabled else None
         self._access = access
         self._knobs = knobs
+        self._refusals = RefusalDigest(log)  # 503s: one line per model, code and second, with a count
 
     async def run(self, method: str, context: RpcContext, handler: Callable[[], Awaitable[T]],
                   probe: bool = False, admin: bool = False) -> T:
@@ -96,8 +98,11 @@ class RpcScope:
             return await handler()
         except ServeError as exc:
             status, code = exc.status, exc.code
-            level = logging.WARNING if exc.status >= 500 else logging.INFO
-            log.log(level, "request failed: %s", exc.message, extra={"status": exc.status, "code": exc.code})
+            if isinstance(exc, Unavailable):
+                self._refusals.refused(model_var.get(), exc.code, exc.status, exc.message)
+            else:
+                level = logging.WARNING if exc.status >= 500 else logging.INFO
+                log.log(level, "request failed: %s", exc.message, extra={"status": exc.status, "code": exc.code})
             context.set_trailing_metadata((("x-request-id", request_id), ("servewell-error-code", exc.code)))
             await context.abort(status_code(exc), exc.message)
             raise  # abort raises; this line only satisfies the type checker

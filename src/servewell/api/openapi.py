@@ -1,0 +1,149 @@
+"""What /openapi.json says about errors and bodies: every route's error responses with the JSON
+error schema, and request schemas as strict as the server (fuzzed by schemathesis in the tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+
+from servewell.api.codecs.tensors import MAX_DIMS
+from servewell.api.http_request import TIMEOUT_PATTERN
+from servewell.config.model import OIP_TO_NUMPY
+from servewell.engine.lanes import URGENCIES
+
+
+class ErrorDetail(BaseModel):
+    """The `error` member of every error response."""
+
+    code: str = Field(description="Stable machine-readable code, e.g. invalid_input, overloaded.")
+    message: str = Field(description="What went wrong, for people (client strings in it are cut short).")
+    request_id: str = Field(description="Id of the request (also in the X-Request-ID header).")
+
+
+class ErrorBody(BaseModel):
+    """Body of every 4xx/5xx answer."""
+
+    model_config = ConfigDict(title="Error")
+
+    error: ErrorDetail
+
+
+_WHEN = {
+    400: "Malformed JSON, bad base64, an undecodable image, bad binary framing.",
+    401: "Missing or wrong API key (inference) or admin bearer token (admin); with WWW-Authenticate.",
+    403: "Admin endpoints answer loopback clients only when no admin token is configured.",
+    404: "Unknown model, version or route.",
+    408: "The request's head or body arrived slower than the server's timeouts.",
+    409: "Conflicts with work in progress (a profile already being captured).",
+    413: "Body over max_body_bytes, image over max_image_pixels or max_image_side.",
+    415: "A Content-Type this route does not take.",
+    422: "Well-formed, but the fields or tensors do not match what the route or model takes.",
+    429: "The API key is over its request rate; Retry-After says when to try again.",
+    503: "Cannot serve this now (model_not_ready, overloaded, deadline_exceeded, worker_lost, shutting_down); "
+         "retry after Retry-After seconds when given.",
+}
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses` for these statuses, each with the JSON error body."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        entry: dict[str, Any] = {"model": ErrorBody, "description": _WHEN[status]}
+        if status in (429, 503):
+            entry["headers"] = _RETRY_AFTER
+        out[status] = entry
+    return out
+
+
+def not_ready_response(description: str) -> dict[int | str, dict[str, Any]]:
+    """A 503 whose body is the route's own document (health and readiness routes)."""
+    return {503: {"description": description, "headers": _RETRY_AFTER,
+                  "content": {"application/json": {"schema": {"type": "object"}}}}}
+
+
+#: Request headers the inference routes read.
+INFERENCE_HEADERS: list[dict[str, Any]] = [
+    {"name": "X-Urgency", "in": "header", "required": False, "schema": {"type": "string", "enum": list(URGENCIES)},
+     "description": "high: the model's first lane; normal: its default lane; low: its last (a model's own lane "
+                    "names are accepted too)."},
+    {"name": "X-Request-Timeout-Ms", "in": "header", "required": False,
+     "schema": {"type": "string", "pattern": TIMEOUT_PATTERN},
+     "description": "Deadline in milliseconds from arrival: a positive decimal number (0 is refused)."},
+]
+
+_TENSOR = {
+    "type": "object",
+    "required": ["name", "shape", "datatype", "data"],
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "shape": {"type": "array", "maxItems": MAX_DIMS, "items": {"type": "integer", "minimum": 0}},
+        "datatype": {"type": "string", "enum": sorted(OIP_TO_NUMPY)},
+        "data": {"type": "array", "description": "Row-major values, flat or nested to the shape; BYTES: strings "
+                 "(base64 for encoded images)."},
+        "parameters": {"type": "object"},
+    },
+}
+
+#: Body of OIP `infer` in JSON (the binary extension is documented as application/octet-stream).
+INFER_REQUEST_BODY: dict[str, Any] = {
+    "required": True,
+    "content": {
+        "application/json": {"schema": {
+            "title": "InferenceRequest",
+            "type": "object",
+            "required": ["inputs"],
+            "properties": {
+                "id": {"type": "string"},
+                "parameters": {"type": "object", "properties": {
+                    "priority": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "minLength": 1}],
+                                 "description": "0: default lane, 1: highest, 2: next...; or a lane name."},
+                    "timeout": {"type": "number", "exclusiveMinimum": 0, "description": "Deadline in microseconds."},
+                    "binary_data_output": {"type": "boolean"},
+                }},
+                "inputs": {"type": "array", "minItems": 1, "items": _TENSOR},
+                "outputs": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
+                    "name": {"type": "string"},
+                    "parameters": {"type": "object", "properties": {"binary_data": {"type": "boolean"}}},
+                }}},
+            },
+        }},
+        "application/octet-stream": {"schema": {
+            "type": "string", "format": "binary",
+            "description": "JSON header (Inference-Header-Content-Length bytes) followed by binary tensors."}},
+    },
+}
+
+
+def truthful_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """`app.openapi` whose 422s carry our error body: FastAPI documents its own validation error
+    (`{"detail": [...]}`) on every route with parameters, which servewell never sends."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = generate()
+        error_ref = {"$ref": "#/components/schemas/ErrorBody"}
+        for operations in doc.get("paths", {}).values():
+            for operation in operations.values():
+                responses = operation.get("responses", {})
+                response = responses.get("422")
+                if response is not None and "HTTPValidationError" in str(response):
+                    responses["422"] = {"description": _WHEN[422],
+                                        "content": {"application/json": {"schema": error_ref}}}
+                for response in responses.values():
+                    # Errors are JSON whatever the route's own media type (/metrics: text/plain).
+                    content = response.get("content", {})
+                    if {"schema": error_ref} in content.values() and "application/json" not in content:
+                        response["content"] = {"application/json": {"schema": error_ref}}
+        schemas = doc.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        app.openapi_schema = doc
+        return doc
+
+    return openapi

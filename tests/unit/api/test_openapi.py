@@ -1,0 +1,119 @@
+"""/openapi.json states the constraints the server enforces: bodies it refuses are invalid in the
+schema too, and every error response documents the JSON error body."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import httpx
+import jsonschema_rs  # schemathesis's validator (the test extra installs it)
+import pytest
+
+from servewell.api.app import create_app
+from servewell.api.keys import InferenceAccess, KeyRing
+from servewell.api.state import LiveKnobs
+
+
+def bare_state() -> SimpleNamespace:
+    """What create_app reads of the state to build routes and middleware (no engine: no request runs)."""
+    return SimpleNamespace(metrics=None, settings=SimpleNamespace(slow_request_ms=300.0),
+                           access=InferenceAccess(KeyRing()), knobs=LiveKnobs(0.3, False),
+                           console=SimpleNamespace(recent=None))
+
+
+@pytest.fixture(scope="module")
+def spec() -> dict:
+    state = bare_state()
+    return create_app(state).openapi()  # type: ignore[arg-type]
+
+
+def body_schema(spec: dict, path: str, method: str) -> dict:
+    return spec["paths"][path][method]["requestBody"]["content"]["application/json"]["schema"]
+
+
+@pytest.mark.parametrize(
+    "path,method,body",
+    [
+        ("/predict", "post", {"image_base64": ""}),
+        ("/predict", "post", {"image_base64": "not base64!"}),
+        ("/predict", "post", {}),
+        ("/v2/models/{name}/infer", "post", {"inputs": []}),
+        ("/v2/models/{name}/infer", "post", {"inputs": [{"name": "", "shape": [1], "datatype": "FP32", "data": [1]}]}),
+        (
+            "/v2/models/{name}/infer",
+            "post",
+            {"inputs": [{"name": "x", "shape": [-1], "datatype": "FP32", "data": [1]}]},
+        ),
+        (
+            "/v2/models/{name}/infer",
+            "post",
+            {"inputs": [{"name": "x", "shape": [1] * 65, "datatype": "FP32", "data": [1]}]},
+        ),
+        ("/v2/models/{name}/infer", "post", {"inputs": [{"name": "x", "shape": [1], "datatype": "FP99", "data": [1]}]}),
+        (
+            "/v2/models/{name}/infer",
+            "post",
+            {"id": 5, "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]},
+        ),
+        ("/admin/models/{name}/batching", "patch", {}),
+        ("/admin/models/{name}/batching", "patch", {"lanes": ["a"]}),
+        ("/admin/models/{name}/batching", "patch", {"max_queue_size": "5"}),
+        ("/admin/models/{name}/batching", "patch", {"max_queue_size": 0}),
+    ],
+)
+def test_bodies_the_server_refuses_are_invalid_in_the_schema(spec, path, method, body):
+    assert not jsonschema_rs.is_valid(body_schema(spec, path, method), body)
+
+
+@pytest.mark.parametrize(
+    "path,method,body",
+    [
+        ("/predict", "post", {"image_base64": "iVBORw0KGgo=", "urgency": "high"}),
+        (
+            "/v2/models/{name}/infer",
+            "post",
+            {
+                "inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}],
+                "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+            },
+        ),
+        ("/admin/models/{name}/batching", "patch", {"max_queue_size": 5, "policy": "window", "max_wait_ms": 2.5}),
+    ],
+)
+def test_valid_bodies_are_valid_in_the_schema(spec, path, method, body):
+    assert jsonschema_rs.is_valid(body_schema(spec, path, method), body)
+
+
+def test_every_error_response_documents_the_json_error_body(spec):
+    for path, operations in spec["paths"].items():
+        for method, operation in operations.items():
+            for status, response in operation["responses"].items():
+                if status.startswith("4"):
+                    schema = response["content"]["application/json"]["schema"]
+                    assert schema == {"$ref": "#/components/schemas/ErrorBody"}, (method, path, status)
+    assert "HTTPValidationError" not in spec["components"]["schemas"]
+    infer = spec["paths"]["/v2/models/{name}/infer"]["post"]["responses"]
+    assert {"400", "404", "413", "415", "422", "503"} <= set(infer)
+    assert "Retry-After" in infer["503"]["headers"]
+
+
+@pytest.mark.parametrize(
+    "method,path,allow",
+    [
+        ("GET", "/predict", "POST"),
+        ("DELETE", "/admin/models/m/batching", "GET, PATCH"),
+        ("PUT", "/v2/models/m/versions/1/infer", "POST"),
+    ],
+)
+def test_405_lists_every_documented_method_of_the_resource(method, path, allow):
+    state = bare_state()
+    app = create_app(state)
+
+    async def call():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.request(method, path)
+
+    r = asyncio.run(call())
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert r.headers["allow"] == allow
