@@ -1,4 +1,4 @@
-"""`servewell serve | models`: the command line, generated from the config tree's field docs."""
+"""`servewell serve | models | bench | tune`: the command line, generated from the config tree's field docs."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import typing
 from pathlib import Path
 
 from servewell.config.server import ConfigFileError, ServerConfig, load_server_config
+from servewell.perf.commands import add_perf_parsers
 
 #: Nested settings that only a --config file sets.
 _FILE_ONLY = ("alerting",)
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--config", type=Path, default=None, help="YAML file with settings.")
     _add_config_flags(models, only=("model_repository", "cache_dir"))
     models.set_defaults(run=_cmd_models)
+    add_perf_parsers(sub)
     return parser
 
 
