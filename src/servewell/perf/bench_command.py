@@ -40,9 +40,9 @@ def _levels(text: str, kind: type[int] | type[float], flag: str) -> list[float]:
     try:
         values = [kind(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+        raise ValueError(f"{flag} takes comma-separated numbers, got {text!r}") from None
     if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{flag} takes positive numbers, got {text!r}")
+        raise ValueError(f"{flag} takes positive numbers, got {text!r}")
     return [float(v) for v in values]
 
 
@@ -67,9 +67,9 @@ def load_shapes(args: argparse.Namespace) -> list[LoadShape]:
         "max_requests": args.requests or 10_000_000, "timeout_s": args.timeout_ms / 1000.0,
         "grace_s": args.timeout_ms / 1000.0 + 1.0, "max_connections": args.max_connections, "seed": args.seed,
     }
-    if args.rate:
+    if args.rate is not None:
         return [LoadShape("open", rate=r, **common) for r in _levels(args.rate, float, "--rate")]
-    levels = _levels(args.concurrency or DEFAULT_CONCURRENCY, int, "--concurrency")
+    levels = _levels(DEFAULT_CONCURRENCY if args.concurrency is None else args.concurrency, int, "--concurrency")
     return [LoadShape("closed", concurrency=int(c), **common) for c in levels]
 
 
@@ -107,7 +107,7 @@ def run_bench(args: argparse.Namespace) -> int:
         parse_headers(args.headers)
         if args.out is not None and not args.no_plot:
             require_matplotlib()
-    except (ValueError, argparse.ArgumentTypeError, MissingDependency) as exc:
+    except (ValueError, MissingDependency) as exc:
         print(f"servewell bench: {exc}", file=sys.stderr)
         return 2
     progress = Progress(quiet=args.quiet)

@@ -185,6 +185,7 @@ async def _closed_loop(shape: LoadShape, connect: Callable[[], Connection], sour
     async def client() -> None:
         connection = connect()
         recorder.connections.append(connection)
+        await asyncio.sleep(max(0.0, recorder.started - loop.time()))  # every client starts with the clock
         try:
             while loop.time() < end and recorder.sent < shape.max_requests:
                 kind, payload = source.next()

@@ -63,7 +63,8 @@ def steps_table(results: Sequence[StepResult]) -> str:
     return table([level, "offered/s", "ok", "ok/s", "p50 ms", "p90 ms", "p99 ms", "max ms", "errors"], rows)
 
 
-CSV_FIELDS = ("mode", "level", "window_s", "sent", "answered", "ok", "errors", "unfinished", "client_saturated",
+CSV_FIELDS = ("mode", "level", "window_s", "sent", "arrived", "answered", "ok", "errors", "unfinished",
+              "client_saturated",
               "offered_rps", "throughput_rps", "p50_ms", "p90_ms", "p95_ms", "p99_ms", "mean_ms", "max_ms",
               "status_counts", "error_codes", "server_queue_ms", "server_compute_ms", "warmup_dropped")
 

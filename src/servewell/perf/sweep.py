@@ -51,6 +51,7 @@ class StepResult:
     level: float  # concurrency (closed) or offered rate (open)
     window_s: float
     sent: int
+    arrived: int  # requests due in the window: answered + unfinished + client_saturated
     answered: int
     ok: int
     errors: int
@@ -92,7 +93,7 @@ def summarize_step(shape: LoadShape, recorder: Recorder) -> StepResult:
     codes = Counter(o.code for o in arrived if not o.ok and o.code)
     return StepResult(
         mode=shape.mode, level=shape.level, window_s=round(window_s, 3), sent=recorder.sent,
-        answered=len(arrived), ok=len(ok), errors=len(arrived) - len(ok),
+        arrived=recorder.arrivals_in_window, answered=len(arrived), ok=len(ok), errors=len(arrived) - len(ok),
         unfinished=recorder.arrivals_in_window - recorder.saturated_in_window - len(arrived),
         client_saturated=recorder.saturated_in_window,
         offered_rps=round(recorder.arrivals_in_window / window_s, 3),
