@@ -132,6 +132,7 @@ async def measure(target: PreparedTarget, shape: LoadShape,
 
 def _ticker(progress: Progress, prefix: str, shape: LoadShape) -> Callable[[Recorder, float], None]:
     def tick(recorder: Recorder, elapsed_s: float) -> None:
+        elapsed_s = max(0.0, elapsed_s)  # the clock starts a moment after the step is set up
         ok = recorder.ok_answers
         failed = recorder.answered - ok
         rate = ok / elapsed_s if elapsed_s > 0.2 else 0.0
@@ -147,6 +148,7 @@ async def run_sweep(target: PreparedTarget, shapes: Sequence[LoadShape], progres
     for index, shape in enumerate(shapes, start=1):
         prefix = f"step {index}/{len(shapes)}"
         result = await measure(target, shape, _ticker(progress, prefix, shape))
+        progress.clear()  # the finished step's status line is replaced by its result
         progress.note(f"{prefix} {result_line(result)}")
         results.append(result)
     return results

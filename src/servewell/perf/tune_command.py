@@ -17,6 +17,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,15 @@ from servewell.config.model import ModelConfig
 from servewell.perf.bench_command import input_choice, parse_headers
 from servewell.perf.httpclient import fetch
 from servewell.perf.inputs import InputError, parse_shape_overrides
-from servewell.perf.local_server import HOST, LocalServer, LocalServerError, read_model_yaml, stage_model
-from servewell.perf.loop import LoadShape
+from servewell.perf.local_server import (
+    HOST,
+    LocalServer,
+    LocalServerError,
+    grpc_supported,
+    read_model_yaml,
+    stage_model,
+)
+from servewell.perf.loop import LoadShape, Recorder
 from servewell.perf.oip_http import ServerError
 from servewell.perf.progress import Progress
 from servewell.perf.report import MissingDependency, ms, require_matplotlib, write_json
@@ -153,6 +161,7 @@ class TuneRunner:
         best = measurement.best_point(self.space.slo_ms, len(measurement.runs) - 1)
         verdict = (f"{best.throughput_rps:.1f} req/s at {best.concurrency} clients, p99 {ms(best.p99_ms)} ms"
                    if best else "never within the SLO")
+        self.progress.clear()
         self.progress.note(f"[{phase}] {candidate.describe()}: {verdict} ({self._elapsed()})")
 
     def _elapsed(self) -> str:
@@ -174,7 +183,7 @@ class TuneRunner:
                                   warmup_s=min(args.warmup_s, args.step_s / 2), timeout_s=args.timeout_ms / 1000.0,
                                   grace_s=args.timeout_ms / 1000.0 + 1.0, seed=args.seed)
                 label = f"[{phase}] {candidate.describe()}, {level} clients"
-                result = await measure(target, shape, self._tick(label, shape))
+                result = await measure(target, shape, self._tick(label))
                 climb.record(LadderPoint(level, result.throughput_rps, result.p50_ms, result.p90_ms, result.p99_ms,
                                          result.errors + result.unfinished + result.client_saturated))
                 if self.remaining() < 0:
@@ -183,8 +192,9 @@ class TuneRunner:
             await target.client.close()
         return climb.points
 
-    def _tick(self, label: str, shape: LoadShape) -> Any:
-        def tick(recorder: Any, elapsed_s: float) -> None:
+    def _tick(self, label: str) -> Callable[[Recorder, float], None]:
+        """A progress callback that shows the whole search's share of the budget, not the step's."""
+        def tick(recorder: Recorder, elapsed_s: float) -> None:
             spent = time.monotonic() - self.started
             self.progress.update(f"{label}: {recorder.ok_answers} ok, {self._elapsed()}",
                                  min(1.0, spent / self.budget_s))
@@ -232,6 +242,8 @@ def _prepare(args: argparse.Namespace) -> tuple[Path, dict[str, Any], SearchSpac
         raise ValueError(f"{args.model_dir} is not a model directory (no model.yaml)")
     if args.slo_p99_ms <= 0 or args.budget_s <= 0 or args.step_s <= 0:
         raise ValueError("--slo-p99-ms, --budget-s and --step-s must be positive")
+    if args.protocol == "grpc" and not grpc_supported():
+        raise ValueError("this servewell has no gRPC listener (no --grpc-port); tune over HTTP")
     doc_text = (model_dir / "model.yaml").read_text(encoding="utf-8")
     doc = read_model_yaml(model_dir)
     try:
