@@ -99,7 +99,7 @@ async def run_load(spec: LoadSpec) -> dict:
     loop = asyncio.get_running_loop()
     before = await _health(spec)
     maker = RequestMaker(spec)
-    shape = LoadShape(spec.mode, concurrency=max(1, spec.concurrency), rate=spec.rate if spec.rate > 0 else 1.0,
+    shape = LoadShape("closed" if spec.mode == "closed" else "open", concurrency=max(1, spec.concurrency), rate=spec.rate if spec.rate > 0 else 1.0,
                       duration_s=spec.duration_s, warmup_s=spec.warmup_s, max_requests=spec.max_requests,
                       grace_s=spec.grace_s, max_connections=spec.max_connections, seed=spec.seed)
     wall_started = time.time()

@@ -55,7 +55,8 @@ def runs_table(runs: dict[str, dict]) -> str:
             f"{_ms(urgent.get('p99'))} (n={urgent.get('n', 0)})" if urgent else "-",
             "-" if doc.get("mean_batch_size") is None else f"{doc['mean_batch_size']:.2f}", errors,
         ])
-    return table(["run", "load", "ok/s", "p50 ms", "p95 ms", "p99 ms", "max ms", "urgent p99 ms", "batch", "errors"], body)
+    return table(["run", "load", "ok/s", "p50 ms", "p95 ms", "p99 ms", "max ms", "urgent p99 ms", "batch", "errors"],
+                 body)
 
 
 def plot_latency_vs_load(sweep: dict[str, list[dict]], saturation_rps: float | None, title: str, path: Path) -> None:
