@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import os
 import sys
 import tempfile
@@ -341,8 +340,3 @@ def _report(args: argparse.Namespace, doc: dict[str, Any], space: SearchSpace, s
     print(f"\nwrote {', '.join(str(out / w) for w in written)}")
     return code
 
-
-def summary_json(path: Path) -> dict[str, Any]:
-    """Read a tune-results.json (for scripts and tests)."""
-    doc: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    return doc
