@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from bench.httpclient import HttpConnection, ProtocolError, encode_request
+from servewell.perf.httpclient import HttpConnection, ProtocolError, encode_request
 
 HOST = "127.0.0.1"
 

@@ -28,9 +28,9 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from bench.httpclient import HttpConnection, encode_request
 from bench.processes import HOST, ServerProcess, free_port
-from bench.stats import summarize_ms
+from servewell.perf.httpclient import HttpConnection, encode_request
+from servewell.perf.stats import summarize_ms
 
 EXAMPLES = Path(__file__).parents[1] / "src" / "servewell" / "examples" / "images"
 RESULTS = Path(__file__).parent / "results"

@@ -3,18 +3,10 @@
     python -m bench.loadgen --url http://127.0.0.1:8000 --path /predict --body-file img.json \\
         --mode open --rate 20 --duration-s 10 --urgent-fraction 0.05 --model resnet50 --out r.json
 
-Open loop: arrivals follow a seeded Poisson process at `--rate`, whether or not earlier
-requests have finished, and latency counts from the *scheduled* arrival time, so neither
-server-side nor client-side queueing is hidden. Each arrival takes a free keep-alive
-connection from a pool capped at `--max-connections`; an arrival that finds none is counted
-as `client_saturated` (reported, never silently dropped).
-
-Closed loop: `--concurrency` clients each send their next request when the previous one
-has been answered; this measures saturation throughput.
-
-Every loop is bounded by `--duration-s` and `--max-requests`; requests still unanswered
-`--grace-s` after the end are cancelled and counted as `unfinished`. Requests that arrive
-during the first `--warmup-s` seconds are sent but not recorded.
+The loops themselves (open loop with seeded Poisson arrivals and latency from the scheduled
+arrival, closed loop, bounds, warm-up, unfinished and client_saturated counts) are
+`servewell.perf.loop`, shared with `servewell bench`; this module adds what `make bench`
+needs on top: urgent-lane traffic, the server's stage timings per class, and /healthz facts.
 """
 
 from __future__ import annotations
@@ -26,14 +18,17 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import orjson
 
-from bench.httpclient import HttpConnection, encode_request, fetch
-from bench.stats import completion_rate, summarize_ms
+from servewell.perf import loop as load_loop
+from servewell.perf.httpclient import encode_request, fetch
+from servewell.perf.loop import LoadShape, Recorder
+from servewell.perf.oip_http import HttpOipConnection
+from servewell.perf.stats import completion_rate, summarize_ms
 
 URGENT, NORMAL = "urgent", "normal"
 SERVER_STAGES = ("preprocess", "queue", "compute", "total")
@@ -61,35 +56,6 @@ class LoadSpec:
     seed: int
 
 
-@dataclass(slots=True)
-class Outcome:
-    """One request: class, scheduled arrival and completion (loop time), status, error code."""
-
-    kind: str
-    arrival: float
-    done: float
-    status: int
-    code: str | None
-    timings: dict[str, float] | None  # Server-Timing entries (ms)
-
-
-@dataclass(slots=True)
-class Recorder:
-    """Every answered request, the measured window, and the counters of what never got an answer."""
-
-    window_start: float
-    window_end: float
-    outcomes: list[Outcome] = field(default_factory=list)
-    connections: list[HttpConnection] = field(default_factory=list)
-    sent: int = 0
-    client_saturated: int = 0
-    saturated_in_window: int = 0
-    arrivals_in_window: int = 0
-
-    def in_window(self, at: float) -> bool:
-        return self.window_start <= at < self.window_end
-
-
 class RequestMaker:
     """Pre-encoded requests: every body variant, as a normal and as an urgent request."""
 
@@ -108,114 +74,6 @@ class RequestMaker:
         if self._fraction > 0 and self._random.random() < self._fraction:
             return URGENT, self._urgent[self._next % len(self._urgent)]
         return NORMAL, self._normal[self._next % len(self._normal)]
-
-
-async def _send(connection: HttpConnection, kind: str, raw: bytes, arrival: float, recorder: Recorder) -> None:
-    loop = asyncio.get_running_loop()
-    try:
-        response = await connection.request(raw)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # a reset or refused connection is a result to report, not a crash
-        recorder.outcomes.append(Outcome(kind, arrival, loop.time(), 0, f"client:{type(exc).__name__}", None))
-        return
-    code = _error_code(response.body) if response.status != 200 else None
-    recorder.outcomes.append(Outcome(kind, arrival, loop.time(), response.status, code, response.timings))
-
-
-def _error_code(body: bytes) -> str:
-    try:
-        return str(orjson.loads(body)["error"]["code"])
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return "unparsed"
-
-
-async def _closed_loop(spec: LoadSpec, maker: RequestMaker, recorder: Recorder, start: float) -> None:
-    loop = asyncio.get_running_loop()
-    end = start + spec.duration_s
-
-    async def client() -> None:
-        connection = HttpConnection(spec.host, spec.port)
-        recorder.connections.append(connection)
-        try:
-            while loop.time() < end and recorder.sent < spec.max_requests:
-                kind, raw = maker.next()
-                recorder.sent += 1
-                arrival = loop.time()
-                if recorder.in_window(arrival):
-                    recorder.arrivals_in_window += 1
-                await _send(connection, kind, raw, arrival, recorder)
-        finally:
-            connection.close()
-
-    tasks = [loop.create_task(client()) for _ in range(spec.concurrency)]
-    await _finish(tasks, end + spec.grace_s)
-
-
-async def _open_loop(spec: LoadSpec, maker: RequestMaker, recorder: Recorder, start: float) -> None:
-    loop = asyncio.get_running_loop()
-    rng = random.Random(spec.seed + 1)
-    idle: list[HttpConnection] = []
-    opened = 0
-    tasks: set[asyncio.Task] = set()
-
-    # Open a few connections before the clock starts, so the first arrivals do not pay for connecting.
-    warm = [HttpConnection(spec.host, spec.port) for _ in range(min(spec.max_connections, 16))]
-    recorder.connections.extend(warm)
-    await asyncio.gather(*(c.connect() for c in warm), return_exceptions=True)
-    idle.extend(warm)
-    opened = len(warm)
-
-    async def one(connection: HttpConnection, kind: str, raw: bytes, arrival: float) -> None:
-        try:
-            await _send(connection, kind, raw, arrival, recorder)
-        finally:
-            idle.append(connection)
-
-    offset = 0.0
-    start = loop.time() if start < loop.time() else start
-    while recorder.sent + recorder.client_saturated < spec.max_requests:
-        offset += rng.expovariate(spec.rate)
-        if offset >= spec.duration_s:
-            break
-        arrival = start + offset
-        delay = arrival - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        in_window = recorder.in_window(arrival)
-        if in_window:
-            recorder.arrivals_in_window += 1
-        kind, raw = maker.next()
-        if idle:
-            connection = idle.pop()
-        elif opened < spec.max_connections:
-            connection = HttpConnection(spec.host, spec.port)
-            recorder.connections.append(connection)
-            opened += 1
-        else:
-            recorder.client_saturated += 1
-            recorder.saturated_in_window += in_window
-            continue
-        recorder.sent += 1
-        task = loop.create_task(one(connection, kind, raw, arrival))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    await _finish(list(tasks), start + spec.duration_s + spec.grace_s)
-    for connection in idle:
-        connection.close()
-
-
-async def _finish(tasks: list[asyncio.Task], give_up_at: float) -> int:
-    """Wait for `tasks` until `give_up_at` (loop time), then cancel the rest; returns how many were cancelled."""
-    pending = [t for t in tasks if not t.done()]
-    if pending:
-        _, still = await asyncio.wait(pending, timeout=max(0.0, give_up_at - asyncio.get_running_loop().time()))
-        for task in still:
-            task.cancel()
-        if still:
-            await asyncio.wait(still, timeout=2.0)
-        return len(still)
-    return 0
 
 
 async def _health(spec: LoadSpec) -> dict | None:
@@ -241,14 +99,13 @@ async def run_load(spec: LoadSpec) -> dict:
     loop = asyncio.get_running_loop()
     before = await _health(spec)
     maker = RequestMaker(spec)
-    start = loop.time() + 0.05
-    recorder = Recorder(start + spec.warmup_s, start + spec.duration_s)
+    shape = LoadShape("closed" if spec.mode == "closed" else "open", concurrency=max(1, spec.concurrency),
+                      rate=spec.rate if spec.rate > 0 else 1.0,
+                      duration_s=spec.duration_s, warmup_s=spec.warmup_s, max_requests=spec.max_requests,
+                      grace_s=spec.grace_s, max_connections=spec.max_connections, seed=spec.seed)
     wall_started = time.time()
-    if spec.mode == "closed":
-        await _closed_loop(spec, maker, recorder, start)
-    else:
-        await _open_loop(spec, maker, recorder, start)
-    elapsed_s = loop.time() - start
+    recorder = await load_loop.run_load(shape, lambda: HttpOipConnection(spec.host, spec.port), maker)
+    elapsed_s = loop.time() - recorder.started
     after = await _health(spec)
     doc = summarize(spec, recorder)
     doc.update(started_at=wall_started, elapsed_s=round(elapsed_s, 3),
@@ -273,7 +130,7 @@ def summarize(spec: LoadSpec, recorder: Recorder) -> dict:
     window_s = recorder.window_end - recorder.window_start
     # Latencies and error counts belong to requests that *arrived* in the window; throughput
     # counts answers *completed* in it, whenever their request arrived.
-    ok_done_in_window = sum(1 for o in recorder.outcomes if o.status == 200 and recorder.in_window(o.done))
+    ok_done_in_window = sum(1 for o in recorder.outcomes if o.ok and recorder.in_window(o.done))
     outcomes = [o for o in recorder.outcomes if recorder.in_window(o.arrival)]
     answered = len(outcomes)
     classes = {}
@@ -281,13 +138,13 @@ def summarize(spec: LoadSpec, recorder: Recorder) -> dict:
         mine = [o for o in outcomes if o.kind == kind]
         if not mine and kind == URGENT:
             continue
-        ok = [o for o in mine if o.status == 200]
+        ok = [o for o in mine if o.ok]
         refused = [o for o in mine if o.code == "overloaded"]
         classes[kind] = {
             "answered": len(mine),
             "ok": len(ok),
-            "latency_ms": summarize_ms((o.done - o.arrival) * 1000.0 for o in ok),
-            "refusal_latency_ms": summarize_ms((o.done - o.arrival) * 1000.0 for o in refused),
+            "latency_ms": summarize_ms(o.latency_ms for o in ok),
+            "refusal_latency_ms": summarize_ms(o.latency_ms for o in refused),
         }
         # What the server says each answered request spent where: compute is the batch's run
         # time on the worker; client latency minus the server's total is HTTP + event-loop wait.
@@ -295,11 +152,11 @@ def summarize(spec: LoadSpec, recorder: Recorder) -> dict:
             classes[kind][f"{stage}_ms"] = summarize_ms(o.timings[stage] for o in ok
                                                         if o.timings and stage in o.timings)
         classes[kind]["outside_server_ms"] = summarize_ms(
-            (o.done - o.arrival) * 1000.0 - o.timings["total"] for o in ok if o.timings and "total" in o.timings
+            o.latency_ms - o.timings["total"] for o in ok if o.timings and "total" in o.timings
         )
         if spec.timeout_ms:
-            classes[kind]["ok_over_deadline"] = sum(1 for o in ok if (o.done - o.arrival) * 1000.0 > spec.timeout_ms)
-    statuses = Counter(str(o.status) for o in outcomes)
+            classes[kind]["ok_over_deadline"] = sum(1 for o in ok if o.latency_ms > spec.timeout_ms)
+    statuses = Counter(o.status for o in outcomes)  # "200", "503", ...; "client": no HTTP answer
     codes = Counter(o.code for o in outcomes if o.code is not None)
     return {
         "mode": spec.mode,
@@ -322,7 +179,7 @@ def summarize(spec: LoadSpec, recorder: Recorder) -> dict:
         "keepalive_retries": sum(c.retries for c in recorder.connections),
         "throughput_rps": round(ok_done_in_window / window_s, 3),
         "completion_rate_rps": _round(completion_rate(o.done for o in recorder.outcomes
-                                                      if o.status == 200 and recorder.in_window(o.done))),
+                                                      if o.ok and recorder.in_window(o.done))),
         "status_counts": dict(sorted(statuses.items())),
         "error_codes": dict(sorted(codes.items())),
         "classes": classes,

@@ -17,7 +17,7 @@ How it stays honest on a shared, noisy 2-core machine: the servers run side by s
 (an idle one costs nothing), and the load visits them in short windows, in a rotating order,
 round after round. Each round compares configurations measured seconds apart, so drift in
 the machine's speed hits them alike; the verdict is the median over rounds of each round's
-ratio. Throughput is the completion rate (`bench.stats.completion_rate`), which does not jump
+ratio. Throughput is the completion rate (`servewell.perf.stats.completion_rate`), which does not jump
 by whole batches the way a count of answers in a fixed window does.
 """
 

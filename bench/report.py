@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from servewell.perf.report import table
+
 
 @dataclass(slots=True, frozen=True)
 class TargetRow:
@@ -23,18 +25,10 @@ class TargetRow:
         return "N/A" if self.passed is None else ("PASS" if self.passed else "FAIL")
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
-    out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(out)
-
-
 def targets_table(rows: list[TargetRow]) -> str:
     """The target table `make bench` prints."""
     body = [[r.key, r.name, r.measured, r.limit, r.verdict] for r in rows]
-    text = _table(["#", "target", "measured", "limit", "result"], body)
+    text = table(["#", "target", "measured", "limit", "result"], body)
     notes = [f"  {r.key}: {r.note}" for r in rows if r.note]
     return text + ("\n\nnotes:\n" + "\n".join(notes) if notes else "")
 
@@ -61,8 +55,8 @@ def runs_table(runs: dict[str, dict]) -> str:
             f"{_ms(urgent.get('p99'))} (n={urgent.get('n', 0)})" if urgent else "-",
             "-" if doc.get("mean_batch_size") is None else f"{doc['mean_batch_size']:.2f}", errors,
         ])
-    return _table(["run", "load", "ok/s", "p50 ms", "p95 ms", "p99 ms", "max ms", "urgent p99 ms", "batch", "errors"],
-                  body)
+    return table(["run", "load", "ok/s", "p50 ms", "p95 ms", "p99 ms", "max ms", "urgent p99 ms", "batch", "errors"],
+                 body)
 
 
 def plot_latency_vs_load(sweep: dict[str, list[dict]], saturation_rps: float | None, title: str, path: Path) -> None:

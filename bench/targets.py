@@ -193,7 +193,7 @@ def overload_targets(r: Results) -> list[TargetRow]:
         return [_na(f"5{c}", n, "not measured in this run") for c, n in zip("abcd", names, strict=True)]
     statuses = run["status_counts"]
     server_errors = sum(v for k, v in statuses.items() if k.startswith("5") and k != "503")
-    client_errors = statuses.get("0", 0)
+    client_errors = statuses.get("client", 0)  # no HTTP answer (reset, refused connection)
     crash_ok = o["alive_after"] and o["healthz_after"] == 200 and server_errors == 0 and o["worker_restarts"] == 0
     rows = [TargetRow(
         "5a", names[0], f"alive={o['alive_after']}, healthz={o['healthz_after']}, 5xx(non-503)={server_errors}, "

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from servewell.config.model import ModelConfig
 from servewell.examples.artifacts import ProgressFn
+from servewell.perf.progress import LineSink
 
 #: Written into each built model directory; says which builder (and version) made it.
 STAMP_FILE = ".servewell-build.json"
@@ -180,11 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runtime", choices=["onnx", "torchscript", "pytorch"], help="runtime to build for")
     parser.add_argument("--force", action="store_true", help="rebuild even if a current build exists")
     args = parser.parse_args(argv)
+    # On a terminal each step (training epochs, export) replaces the last; in a log, one line each.
+    progress = LineSink()
     try:
-        build_model(args.model, args.out, args.runtime, force=args.force)
+        build_model(args.model, args.out, args.runtime, progress, force=args.force)
     except ValueError as exc:
+        progress.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    progress.close()
     return 0
 
 

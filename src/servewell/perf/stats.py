@@ -1,11 +1,12 @@
-"""Latency summaries shared by the load generator and the report."""
+"""Latency summaries shared by the load generator, the sweep report, the tuner and `bench/`."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
 
-PERCENTILES = (50, 95, 99)
+#: The percentiles every latency summary carries.
+PERCENTILES = (50, 90, 95, 99)
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:
@@ -21,7 +22,7 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
 
 
 def summarize_ms(values: Iterable[float]) -> dict[str, float | int | None]:
-    """n, mean, p50, p95, p99 and max of durations given in milliseconds."""
+    """n, mean, p50, p90, p95, p99 and max of durations given in milliseconds."""
     ordered = sorted(values)
     doc: dict[str, float | int | None] = {"n": len(ordered)}
     doc["mean"] = round(sum(ordered) / len(ordered), 3) if ordered else None
@@ -48,3 +49,25 @@ def completion_rate(done_times: Iterable[float], cluster_s: float = 0.005) -> fl
     if span <= cluster_s or first_cluster == len(ordered):
         return None
     return (len(ordered) - first_cluster) / span
+
+
+def relative_spread(values: list[float]) -> float | None:
+    """(max - min) / median of repeated measurements of one figure; None with fewer than two.
+
+    What a second measurement of the same thing can differ by on this machine: a difference
+    between two settings smaller than this is not evidence that one is better.
+    """
+    if len(values) < 2:
+        return None
+    ordered = sorted(values)
+    middle = median(ordered)
+    if middle <= 0:
+        return None
+    return (ordered[-1] - ordered[0]) / middle
+
+
+def median(values: list[float]) -> float:
+    """The median of a non-empty list (the mean of the middle two for an even count)."""
+    ordered = sorted(values)
+    half = len(ordered) // 2
+    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2.0

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 #: Largest response header block accepted; anything bigger is a broken server.
 MAX_HEADER_BYTES = 65_536
+#: Largest response body read; a benchmark never needs more, and a broken server cannot make us allocate more.
+MAX_BODY_BYTES = 64 * 1024 * 1024
 #: Reopen a connection idle longer than this: uvicorn closes keep-alive connections idle for 5 s.
 IDLE_RECONNECT_S = 4.0
 
@@ -31,11 +33,11 @@ class HttpResponse:
 
 
 def encode_request(method: str, host: str, path: str, body: bytes = b"",
-                   headers: dict[str, str] | None = None) -> bytes:
+                   headers: dict[str, str] | None = None, content_type: str = "application/json") -> bytes:
     """The complete HTTP/1.1 request as bytes, ready to be written as is."""
     lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}"]
     if body:
-        lines.append("Content-Type: application/json")
+        lines.append(f"Content-Type: {content_type}")
     for name, value in (headers or {}).items():
         lines.append(f"{name}: {value}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
@@ -108,6 +110,8 @@ class HttpConnection:
             status, length, timings, close = _parse_head(head)
             body = await reader.readexactly(length) if length else b""
         except BaseException:
+            # Cancelled (a client-side timeout) or broken: the answer may still arrive, so
+            # this socket can never carry another request.
             self.close()
             raise
         self._last_used = asyncio.get_running_loop().time()
@@ -126,7 +130,7 @@ def _parse_head(head: bytes) -> tuple[int, int, dict[str, float] | None, bool]:
     """(status, content length, Server-Timing entries, connection: close) of a response head."""
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ", 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
         raise ProtocolError(f"bad status line {lines[0][:80]!r}")
     status = int(parts[1])
     length = 0
@@ -136,6 +140,8 @@ def _parse_head(head: bytes) -> tuple[int, int, dict[str, float] | None, bool]:
         name, _, value = line.partition(b":")
         key = name.strip().lower()
         if key == b"content-length":
+            if not value.strip().isdigit() or int(value) > MAX_BODY_BYTES:
+                raise ProtocolError(f"unusable Content-Length {value.strip()[:20]!r}")
             length = int(value)
         elif key == b"server-timing":
             timings = parse_server_timing(value)
@@ -146,11 +152,12 @@ def _parse_head(head: bytes) -> tuple[int, int, dict[str, float] | None, bool]:
     return status, length, timings, close
 
 
-async def fetch(host: str, port: int, method: str, path: str, body: bytes = b"",
-                timeout_s: float = 10.0) -> HttpResponse:
-    """One request on a fresh connection (for health checks and admin calls)."""
+async def fetch(host: str, port: int, method: str, path: str, body: bytes = b"", timeout_s: float = 10.0,
+                headers: dict[str, str] | None = None) -> HttpResponse:
+    """One request on a fresh connection (for metadata, health checks and admin calls)."""
     connection = HttpConnection(host, port)
     try:
-        return await asyncio.wait_for(connection.request(encode_request(method, host, path, body)), timeout_s)
+        raw = encode_request(method, host, path, body, headers)
+        return await asyncio.wait_for(connection.request(raw), timeout_s)
     finally:
         connection.close()

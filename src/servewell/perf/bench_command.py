@@ -1,0 +1,153 @@
+"""`servewell bench TARGET`: a closed-loop concurrency sweep or an open-loop rate sweep against
+any OIP v2 server (servewell, Triton, MLServer), over HTTP (JSON or binary tensors) or gRPC.
+
+TARGET is a URL (`http://HOST:PORT`, `grpc://HOST:PORT`) or a model directory (or repository),
+which is served by its own `servewell serve` on a free port for the length of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import sys
+from contextlib import ExitStack
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from servewell.perf.commands import DEFAULT_CONCURRENCY, REQUESTS_ONLY_DURATION_S
+from servewell.perf.inputs import InputError, parse_shape_overrides
+from servewell.perf.local_server import LocalServerError
+from servewell.perf.loop import LoadShape
+from servewell.perf.oip_http import ServerError
+from servewell.perf.progress import Progress
+from servewell.perf.report import (
+    MissingDependency,
+    plot_latency_vs_throughput,
+    require_matplotlib,
+    step_points,
+    steps_table,
+    write_csv,
+    write_json,
+)
+from servewell.perf.sweep import StepResult, run_sweep
+from servewell.perf.target import Endpoint, InputChoice, parse_endpoint, prepare_target, start_local
+
+
+def _levels(text: str, kind: type[int] | type[float], flag: str) -> list[float]:
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{flag} takes positive numbers, got {text!r}")
+    return [float(v) for v in values]
+
+
+def parse_headers(texts: list[str]) -> dict[str, str]:
+    """`Name: value` options as a dict (names with anything but token characters refused)."""
+    headers = {}
+    for text in texts:
+        name, colon, value = text.partition(":")
+        name = name.strip()
+        if not colon or not name or not all(c.isalnum() or c in "-_" for c in name) or "\n" in value:
+            raise ValueError(f"--header {text!r} must look like 'Name: value'")
+        headers[name] = value.strip()
+    return headers
+
+
+def load_shapes(args: argparse.Namespace) -> list[LoadShape]:
+    """The steps the flags ask for."""
+    duration = args.duration_s if args.duration_s is not None else (
+        REQUESTS_ONLY_DURATION_S if args.requests else 10.0)
+    common: dict[str, Any] = {
+        "duration_s": duration, "warmup_s": min(args.warmup_s, duration / 2),
+        "max_requests": args.requests or 10_000_000, "timeout_s": args.timeout_ms / 1000.0,
+        "grace_s": args.timeout_ms / 1000.0 + 1.0, "max_connections": args.max_connections, "seed": args.seed,
+    }
+    if args.rate is not None:
+        return [LoadShape("open", rate=r, **common) for r in _levels(args.rate, float, "--rate")]
+    levels = _levels(DEFAULT_CONCURRENCY if args.concurrency is None else args.concurrency, int, "--concurrency")
+    return [LoadShape("closed", concurrency=int(c), **common) for c in levels]
+
+
+def input_choice(args: argparse.Namespace) -> InputChoice:
+    """The inputs the flags ask for."""
+    return InputChoice(npy=args.npy, images=args.images, image_input=args.image_input, batch_size=args.batch_size,
+                       dynamic_size=args.dynamic_size, shapes=parse_shape_overrides(args.shapes), seed=args.seed)
+
+
+async def _bench(endpoint: Endpoint, args: argparse.Namespace, model: str | None, shapes: list[LoadShape],
+                 progress: Progress) -> tuple[list[StepResult], dict[str, Any]]:
+    headers = parse_headers(args.headers)
+    target, described = await prepare_target(endpoint, model, args.model_version, args.fmt, input_choice(args),
+                                              headers, args.timeout_ms / 1000.0)
+    try:
+        progress.note(f"benchmarking model '{target.model.name}' at {target.url} ({target.protocol}/{target.fmt}), "
+                      f"{len(shapes)} step(s) of {shapes[0].duration_s:g} s")
+        results = await run_sweep(target, shapes, progress)
+    finally:
+        await target.client.close()
+    doc = {
+        "model": {"name": target.model.name, "platform": target.model.platform,
+                  "max_batch_size": target.model.max_batch_size,
+                  "inputs": [asdict(t) for t in target.model.inputs]},
+        "target": {"url": target.url, "protocol": target.protocol, "format": target.fmt},
+        "inputs": {**described, "batch_size": args.batch_size},
+    }
+    return results, doc
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Entry point of `servewell bench`."""
+    try:
+        shapes = load_shapes(args)
+        parse_headers(args.headers)
+        if args.out is not None and not args.no_plot:
+            require_matplotlib()
+    except (ValueError, MissingDependency) as exc:
+        print(f"servewell bench: {exc}", file=sys.stderr)
+        return 2
+    progress = Progress(quiet=args.quiet)
+    started = datetime.datetime.now(datetime.UTC)
+    with ExitStack() as stack, progress:
+        try:
+            local = Path(args.target).is_dir()
+            model = args.model
+            if local:
+                progress.note(f"starting servewell for {args.target} ...")
+                server, found = start_local(Path(args.target), stack, args.out, args.protocol == "grpc")
+                model = model or found
+                endpoint = Endpoint(args.protocol or "http", "127.0.0.1",
+                                    server.grpc_port if args.protocol == "grpc" else server.port)
+                progress.note(f"servewell ready in {server.started_s:.1f} s (pid {server.pid})")
+            else:
+                endpoint = parse_endpoint(args.target, args.protocol)
+            results, doc = asyncio.run(_bench(endpoint, args, model, shapes, progress))
+        except (ValueError, ServerError, InputError, LocalServerError, OSError) as exc:
+            progress.clear()
+            print(f"servewell bench: {exc}", file=sys.stderr)
+            return 1
+    print(steps_table(results))
+    doc = {"tool": "servewell bench", "started_at": started.isoformat(timespec="seconds"),
+           "machine": {"cpus": os.cpu_count()}, **doc, "local_server": local,
+           "settings": {"mode": shapes[0].mode, "levels": [s.level for s in shapes],
+                        "duration_s": shapes[0].duration_s, "warmup_s": shapes[0].warmup_s,
+                        "max_requests": args.requests, "timeout_ms": args.timeout_ms},
+           "steps": [asdict(r) for r in results]}
+    if args.out is not None:
+        write_json(doc, args.out / "results.json")
+        write_csv(results, args.out / "results.csv")
+        written = ["results.json", "results.csv"]
+        if not args.no_plot:
+            title = (f"{doc['model']['name']} at {doc['target']['url']} ({doc['target']['protocol']}/"
+                     f"{doc['target']['format']}), {shapes[0].mode} loop, {os.cpu_count()} CPUs")
+            plot_latency_vs_throughput({"": step_points(results)}, title, args.out / "latency_vs_throughput.png")
+            written.append("latency_vs_throughput.png")
+        print(f"\nwrote {', '.join(str(args.out / w) for w in written)}")
+    if not any(r.ok for r in results):
+        print("servewell bench: no request succeeded", file=sys.stderr)
+        return 1
+    return 0
