@@ -12,17 +12,17 @@ import time
 import uuid
 
 from opentelemetry import context as otel_context
-from opentelemetry import trace
 from opentelemetry.trace import Span
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servewell.api.errors import error_response
+from servewell.api.request_outcome import record_outcome
 from servewell.api.state import LiveKnobs
 from servewell.errors import quote
 from servewell.observability.context import error_code_var, model_var, request_id_var, request_trace_var, stages_var
 from servewell.observability.metrics import ServeMetrics
-from servewell.observability.recent_requests import RecentRequests, RequestRecord
+from servewell.observability.recent_requests import RecentRequests
 from servewell.observability.tracing import Tracing, begin_server_span
 
 log = logging.getLogger("servewell.api")
@@ -113,27 +113,8 @@ class RequestContextMiddleware:
     def _finish(self, scope: Scope, status: int, elapsed: float, span: Span | None) -> None:
         route = scope.get("route")
         template = getattr(route, "path", None) or "unmatched"
-        model = model_var.get()
-        if span is not None:
-            span.set_attribute("http.route", template)
-            span.set_attribute("http.response.status_code", status)
-            if model:
-                span.set_attribute("servewell.model", model)
-            if status >= 500:
-                span.set_status(trace.StatusCode.ERROR)
-            span.end()
-        if template in _PLUMBING:
-            return
-        if self.metrics is not None:
-            self.metrics.observe_request(model, template, status, elapsed)
-        slow = elapsed > self.knobs.slow_request_s
-        if not slow and status < 400:
-            return
-        stages = {k: round(v * 1000, 3) for k, v in (stages_var.get() or {}).items()}
-        if slow:
-            log.warning("slow request: %.1f ms on %s (status %d)", elapsed * 1000, template, status,
-                        extra={"route": template, "status": status, "total_ms": round(elapsed * 1000, 3),
-                               "stages_ms": stages})
-        if self.recent is not None:  # failed requests were logged where their error was built
-            self.recent.record(RequestRecord(request_id_var.get(), "http", template, model, status,
-                                             error_code_var.get(), round(elapsed * 1000, 3), slow, stages))
+        record_outcome(protocol="http", route=template, status=status, error_code=error_code_var.get(),
+                       elapsed_s=elapsed, span=span,
+                       span_attributes={"http.route": template, "http.response.status_code": status},
+                       counted=template not in _PLUMBING, metrics=self.metrics,
+                       slow_after_s=self.knobs.slow_request_s, recent=self.recent)

@@ -24,11 +24,12 @@ from opentelemetry import trace
 
 from servewell.api.grpc.codec import metadata_value
 from servewell.api.keys import InferenceAccess
+from servewell.api.request_outcome import record_outcome
 from servewell.api.state import LiveKnobs
 from servewell.errors import ServeError, Unavailable
 from servewell.observability.context import client_var, model_var, request_id_var, request_trace_var, stages_var
 from servewell.observability.metrics import ServeMetrics
-from servewell.observability.recent_requests import RecentRequests, RequestRecord
+from servewell.observability.recent_requests import RecentRequests
 from servewell.observability.refusal_log import RefusalDigest
 from servewell.observability.tracing import Tracing, begin_server_span
 
@@ -131,27 +132,6 @@ class RpcScope:
 
     def _finish(self, method: str, status: int, code: str, elapsed: float, span: trace.Span | None,
                 probe: bool) -> None:
-        model = model_var.get()
-        if span is not None:
-            span.set_attribute("rpc.grpc.servewell_status", status)
-            if model:
-                span.set_attribute("servewell.model", model)
-            if status >= 500:
-                span.set_status(trace.StatusCode.ERROR)
-            span.end()
-        if probe:
-            return
-        route = f"grpc {method}"
-        if self._metrics is not None:
-            self._metrics.observe_request(model, route, status, elapsed)
-        slow = elapsed > self._knobs.slow_request_s
-        if not slow and status < 400:
-            return
-        stages = {k: round(v * 1000, 3) for k, v in (stages_var.get() or {}).items()}
-        if slow:
-            log.warning("slow request: %.1f ms on %s (status %d)", elapsed * 1000, route, status,
-                        extra={"route": route, "status": status, "total_ms": round(elapsed * 1000, 3),
-                               "stages_ms": stages})
-        if self._recent is not None:  # failed calls were logged where their error was caught
-            self._recent.record(RequestRecord(request_id_var.get(), "grpc", route, model, status, code,
-                                              round(elapsed * 1000, 3), slow, stages))
+        record_outcome(protocol="grpc", route=f"grpc {method}", status=status, error_code=code, elapsed_s=elapsed,
+                       span=span, span_attributes={"rpc.grpc.servewell_status": status}, counted=not probe,
+                       metrics=self._metrics, slow_after_s=self._knobs.slow_request_s, recent=self._recent)
