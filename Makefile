@@ -7,7 +7,7 @@ STAMP := $(VENV)/.servewell-installed
 # Machines of this kind keep the CPU build of torch in /opt/wheels; elsewhere pip's index serves it.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench clean replicas
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ test: install
 
 bench: install
 	$(PY) -m bench.run
+
+# N replicas of `make serve`'s server behind HAProxy on 127.0.0.1:8000 (replicas on 8001..800N), in the
+# foreground until Ctrl-C; deploy/local/replicas.py status|restart|down from another terminal.
+N ?= 3
+replicas: install
+	$(PY) deploy/local/replicas.py up -n $(N) --port 8000 --servewell $(VENV)/bin/servewell -- --log-format console
 
 clean:
 	rm -rf $(VENV) .pytest_cache
