@@ -81,8 +81,11 @@ class HaproxyAdmin:
                 if row.get("pxname") == BACKEND and row.get("svname") not in ("FRONTEND", "BACKEND")}
 
     def set_server(self, server: str, what: str) -> None:
-        """`set server replicas/<server> <what>` (e.g. `state drain`, `health down`)."""
-        answer = self.command(f"set server {BACKEND}/{server} {what}").strip()
+        """`set server replicas/<server> <what>` (e.g. `state drain`, `health down`); failures are logged."""
+        try:
+            answer = self.command(f"set server {BACKEND}/{server} {what}").strip()
+        except OSError as exc:
+            answer = str(exc)
         if answer:
             log(f"haproxy: set server {server} {what}: {answer}")
 
@@ -146,6 +149,15 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def listening(port: int) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:port."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
 def http_ok(port: int, path: str, timeout_s: float = 1.0) -> bool:
     """Whether GET http://127.0.0.1:port/path answers 200."""
     try:
@@ -176,6 +188,7 @@ class Supervisor:
     # --- processes -----------------------------------------------------------------------
 
     def start_replica(self, replica: Replica) -> None:
+        """Start `replica`'s servewell in a session of its own; its output goes to its log."""
         command = [self.servewell, "serve", "--host", "127.0.0.1", "--port", str(replica.port), *self.serve_args]
         with open(replica.log_path, "ab") as out:
             replica.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -188,6 +201,7 @@ class Supervisor:
         self.write_state()
 
     def start_haproxy(self) -> None:
+        """Write haproxy.cfg from the template (checked with `haproxy -c`), start HAProxy, wait until it serves."""
         servers = "".join(f"    server {r.name} 127.0.0.1:{r.port}\n" for r in self.replicas)
         config = (TEMPLATE.read_text().replace("@STATS_SOCKET@", str(self.admin.path))
                   .replace("@BIND@", f"{self.host}:{self.port}") + servers)
@@ -199,8 +213,9 @@ class Supervisor:
         with open(self.state_dir / "haproxy.log", "ab") as out:
             self.haproxy = subprocess.Popen([self.haproxy_bin, "-db", "-f", str(path)], stdout=out,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        # Listening and answering its admin socket is enough: its backends may still be loading.
         deadline = time.monotonic() + 10
-        while not self.admin.path.exists() or not http_ok(self.port, "/v2/health/live"):
+        while not (listening(self.port) and self.admin.path.exists()):
             if self.haproxy.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"haproxy did not start; see {self.state_dir / 'haproxy.log'}")
             time.sleep(POLL_S)
@@ -208,6 +223,7 @@ class Supervisor:
         self.write_state()
 
     def write_state(self) -> None:
+        """state.json: pids, ports and paths, replaced atomically (read by `status`, `down` and tests)."""
         doc = {
             "supervisor_pid": os.getpid(),
             "url": f"http://{self.host}:{self.port}",
@@ -238,6 +254,7 @@ class Supervisor:
                 self.start_replica(replica)
 
     def replica_exited(self, replica: Replica, code: int, now: float) -> None:
+        """Out of HAProxy at once, its leftover processes ended, a restart scheduled (backoff if it keeps failing)."""
         if self.haproxy is not None:
             self.admin.set_server(replica.name, "health down")
         end_session(replica.proc.pid)
@@ -255,12 +272,16 @@ class Supervisor:
         deadline = time.monotonic() + timeout_s
         while not self.stop_requested and time.monotonic() < deadline:
             self.tick()
-            if condition():
-                return True
+            try:
+                if condition():
+                    return True
+            except OSError:  # HAProxy's socket busy or a replica not listening yet: not yet
+                pass
             time.sleep(POLL_S)
         return False
 
     def rolling_restart(self) -> None:
+        """One replica at a time: drain in HAProxy, SIGTERM, restart, wait until HAProxy sees it UP."""
         log("rolling restart")
         for replica in self.replicas:
             if self.stop_requested:
@@ -282,7 +303,10 @@ class Supervisor:
         log("rolling restart done")
 
     def run(self) -> int:
+        """Start everything, supervise until SIGINT/SIGTERM, stop everything; the exit status."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("state.json", "haproxy.sock"):  # from an earlier run: never mistaken for this one's
+            (self.state_dir / stale).unlink(missing_ok=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: setattr(self, "stop_requested", True))
         signal.signal(signal.SIGHUP, lambda *_: setattr(self, "restart_requested", True))
@@ -304,6 +328,7 @@ class Supervisor:
         return 0
 
     def stop_all(self) -> None:
+        """SIGTERM every replica (they drain), wait, kill what outlives STOP_TIMEOUT_S, then stop HAProxy."""
         log("stopping")
         for replica in self.replicas:
             if replica.proc is not None and replica.proc.poll() is None:
