@@ -26,11 +26,12 @@ test: install
 bench: install
 	$(PY) -m bench.run
 
-# N replicas of `make serve`'s server behind HAProxy on 127.0.0.1:8000 (replicas on 8001..800N), in the
-# foreground until Ctrl-C; deploy/local/replicas.py status|restart|down from another terminal.
+# N replicas of `make serve`'s server behind HAProxy on 127.0.0.1:$(PORT) (replicas on the next N ports), in
+# the foreground until Ctrl-C; deploy/local/replicas.py status|restart|down from another terminal.
 N ?= 3
+PORT ?= 8000
 replicas: install
-	$(PY) deploy/local/replicas.py up -n $(N) --port 8000 --servewell $(VENV)/bin/servewell -- --log-format console
+	$(PY) deploy/local/replicas.py up -n $(N) --port $(PORT) --servewell $(VENV)/bin/servewell -- --log-format console
 
 clean:
 	rm -rf $(VENV) .pytest_cache
