@@ -9,7 +9,7 @@ EXTRAS ?= all,test,bench,dev
 # Machines of this kind keep the CPU build of torch in /opt/wheels; elsewhere pip's index serves it.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: install serve test test-deps lint fuzz bench clean
+.PHONY: install serve test test-deps lint fuzz bench clean replicas
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,7 +31,7 @@ test: install test-deps
 
 # ruff (lint rules in pyproject.toml) and mypy (strict on the serving path).
 lint: install
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check src tests bench deploy
 	$(VENV)/bin/mypy
 
 # The fuzzing tests of `make test` with many more examples (hypothesis properties of the codecs and
@@ -42,6 +42,13 @@ fuzz: install
 
 bench: install
 	$(PY) -m bench.run
+
+# N replicas of `make serve`'s server behind HAProxy on 127.0.0.1:$(PORT) (replicas on the next N ports), in
+# the foreground until Ctrl-C; deploy/local/replicas.py status|restart|down from another terminal.
+N ?= 3
+PORT ?= 8000
+replicas: install
+	$(PY) deploy/local/replicas.py up -n $(N) --port $(PORT) --servewell $(VENV)/bin/servewell -- --log-format console
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
