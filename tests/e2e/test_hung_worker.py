@@ -131,3 +131,19 @@ def test_a_batch_over_its_compute_budget_gets_503_worker_hung_and_its_worker_is_
     assert "compute budget" in health["last_failure"]
     assert httpx.post(server.url + "/v2/models/stuck/infer", json=body(1.0)).status_code == 200
     assert metric_value(server.url, "servewell_worker_restarts_total", model="stuck", reason="hung") == 1.0
+
+
+def test_metadata_and_config_show_the_serving_dtype_and_the_effective_max_batch_size(server):
+    assert model_health(server.url, "stuck")["serving_dtype"] == "fp32"
+    meta = httpx.get(server.url + "/v2/models/stuck").json()
+    assert meta["parameters"]["serving_dtype"] == "fp32"  # what warm-up settled (dtype auto decides there)
+    config = httpx.get(server.url + "/v2/models/stuck/config").json()
+    assert config["parameters"]["serving_dtype"] == {"string_value": "fp32"}
+    patch = httpx.patch(server.url + "/admin/models/slow/batching", json={"max_batch_size": 2})
+    assert patch.status_code == 200, patch.text
+    try:
+        assert httpx.get(server.url + "/v2/models/slow/config").json()["max_batch_size"] == 2
+        meta = httpx.get(server.url + "/v2/models/slow").json()["parameters"]
+        assert meta["max_batch_size"] == 4 and meta["effective_max_batch_size"] == 2
+    finally:
+        httpx.patch(server.url + "/admin/models/slow/batching", json={"max_batch_size": 4})
