@@ -13,8 +13,9 @@ import textwrap
 import httpx
 import torch
 import yaml
-from faults import closed_loop, tally
 from safetensors.torch import save_file
+
+from faults import closed_loop, tally
 
 MEAN_OF_WEIGHTS = textwrap.dedent('''
     import torch

@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+
 from faults import SessionServer, body, closed_loop, segments_of, tally, workers_with_segments
 from slow_models import slow_model
 

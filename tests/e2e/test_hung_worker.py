@@ -14,8 +14,9 @@ import httpx
 import pytest
 import torch
 import yaml
-from faults import body, closed_loop, metric_value, segments_of, tally, workers_with_segments
 from safetensors.torch import save_file
+
+from faults import body, closed_loop, metric_value, segments_of, tally, workers_with_segments
 from slow_models import slow_model
 
 STUCK_ON_13 = textwrap.dedent('''

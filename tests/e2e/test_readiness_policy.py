@@ -14,8 +14,9 @@ import httpx
 import pytest
 import torch
 import yaml
-from faults import body, metric_value
 from safetensors.torch import save_file
+
+from faults import body, metric_value
 
 SLEEPY = textwrap.dedent('''
     import time

@@ -10,6 +10,7 @@ import signal
 import socket
 
 import httpx
+
 from faults import body
 from slow_models import slow_model
 

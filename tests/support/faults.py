@@ -102,7 +102,7 @@ class SessionServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "servewell", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "--grpc-port", "0", *args],

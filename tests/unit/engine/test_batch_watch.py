@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fake_clock import FakeClock
 
+from fake_clock import FakeClock
 from servewell.config.model import ModelConfig
 from servewell.engine.batch_runner import BatchOutcome
 from servewell.engine.batch_watch import (

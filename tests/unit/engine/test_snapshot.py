@@ -45,7 +45,8 @@ def test_an_unchanged_file_is_linked_from_the_previous_snapshot_and_a_changed_on
     first = store.take(source, "m-1")
     (source / "factory.py").write_text("def build(): return 2\n")
     second = store.take(source, "m-2")
-    assert os.stat(first.directory / "model.safetensors").st_ino == os.stat(second.directory / "model.safetensors").st_ino
+    inode = os.stat(first.directory / "model.safetensors").st_ino
+    assert os.stat(second.directory / "model.safetensors").st_ino == inode
     assert (second.directory / "factory.py").read_text() == "def build(): return 2\n"
     assert (first.directory / "factory.py").read_text() == "def build(): ...\n"
     assert second.reused_bytes >= 100_000
