@@ -16,7 +16,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from faults import body, metric_value
+from faults import body, metric_value, module_server_factory
 
 SLEEPY = textwrap.dedent('''
     import time
@@ -93,7 +93,8 @@ def repository(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(repository, start_server):
+def servers(repository, request):
+    start_server = module_server_factory(request)
     """One server per policy, started together (they load the same repository)."""
     started = {
         "any": start_server(["--model-repository", str(repository)]),
