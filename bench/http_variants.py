@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(["serve", *argv[1:]])
     settings = load_server_config(args.config, {n: getattr(args, n, None) for n in ServerConfig.model_fields})
     configure_logging(settings.log_level, settings.log_format)
-    app = build_app(settings)
+    app, _ = build_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
                             timeout_graceful_shutdown=30, lifespan="on", **VARIANTS[argv[0]])  # type: ignore[arg-type]
     uvicorn.Server(config).run()

@@ -144,6 +144,13 @@ class WorkerLost(Unavailable):
     code = "worker_lost"
 
 
+class WorkerHung(Unavailable):
+    """The worker running the request stopped making progress (no heartbeat, or its batch overran
+    the model's compute budget); it was killed and is being replaced. Safe to retry."""
+
+    code = "worker_hung"
+
+
 class ShuttingDown(Unavailable):
     """The server is draining and admits no new work."""
 

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import importlib.util
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from servewell.api.keys import InferenceAccess, KeyFormatError
 from servewell.api.state import AppState, LiveKnobs
 from servewell.config.server import ConfigFileError, ConfigSource, ServerConfig
 from servewell.engine.engine import InferenceEngine
+from servewell.engine.snapshot import SnapshotStore
 from servewell.live_config import ConfigReloader, load_keys
 from servewell.observability.alerting import run_alerting
 from servewell.observability.console_feed import ConsoleFeed
@@ -36,12 +38,13 @@ from servewell.observability.process import process_facts
 from servewell.observability.signals import SignalTracker
 from servewell.observability.steps import set_step_sink
 from servewell.observability.tracing import Tracing, settings_from
+from servewell.shutdown import GracefulServer, ShutdownPlan, run_after_drain, uvicorn_graceful_timeout_s
+from servewell.workers.handle import WorkerSettings
+from servewell.workers.shm import NAME_PREFIX, remove_segments, remove_stale_segments
 
 log = logging.getLogger("servewell.server")
 
 BUILTIN_MODEL = "digits"
-#: Seconds gRPC calls in flight get to finish at shutdown (HTTP gets uvicorn's graceful timeout).
-GRPC_DRAIN_S = 30.0
 
 
 def builtin_repository(cache_dir: Path) -> Path:
@@ -98,10 +101,16 @@ def _tune_garbage_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
-def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> FastAPI:
-    """The app for `settings`; models load in the background once it starts, so liveness
-    answers at once and readiness tells the truth while they load. `source` (where the settings
-    came from) is watched for changes; without it, only model.yaml files are."""
+def snapshot_store(settings: ServerConfig) -> SnapshotStore | None:
+    """Where model versions are copied before their workers load them (None: snapshots off)."""
+    return SnapshotStore(settings.cache_dir / "snapshots") if settings.artifact_snapshots else None
+
+
+def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tuple[FastAPI, ShutdownPlan]:
+    """The app for `settings` and the shutdown it follows (signals, delay, drain: `shutdown`);
+    models load in the background once it starts, so liveness answers at once and readiness tells
+    the truth while they load. `source` (where the settings came from) is watched for changes;
+    without it, only model.yaml files are."""
     try:
         keys = load_keys(settings)
     except (KeyFormatError, OSError) as exc:
@@ -111,13 +120,16 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> Fas
     metrics = ServeMetrics(settings.latency_buckets_s) if settings.metrics_enabled else None
     tracing = Tracing(settings_from(settings.otlp_endpoint, settings.otlp_protocol, settings.trace_sample_ratio),
                       decides_roots=True)
+    workers = WorkerSettings(settings.worker_heartbeat_timeout_s, settings.log_level, settings.log_format,
+                             tracing.settings)
     engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes,
-                             metrics, tracing, default_model)
+                             metrics, tracing, default_model, workers=workers, snapshots=snapshot_store(settings),
+                             readiness=settings.readiness, required_models=settings.required_models)
     if metrics is not None:
         set_step_sink(lambda name, seconds: metrics.trace_steps.labels(name).observe(seconds), tracing.tracer)
         gpus = GpuProbe()
         metrics.registry.register(StateCollector(engine.samples, process_facts, gpus.read,
-                                                 lambda: engine.memory_budget))
+                                                 lambda: engine.memory_budget, lambda: engine.ready))
     pool = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
     decoder = DecodeScheduler(pool, settings.decode_threads, settings.decode_queue_size)
     plane = DataPlane(engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side), metrics,
@@ -133,6 +145,15 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> Fas
                                      settings.grpc_port, settings.max_body_bytes, settings.grpc_max_concurrent_rpcs)
     background: list[asyncio.Task[None]] = []
     stop = asyncio.Event()
+    shutdown_plan = ShutdownPlan(engine, settings.shutdown_delay_s, settings.shutdown_timeout_s)
+    grpc_stopping: list[asyncio.Task[None]] = []
+
+    def stop_grpc() -> None:
+        # New calls are refused from now on; calls in flight finish within the drain.
+        if grpc_listener is not None and not grpc_stopping:
+            grpc_stopping.append(asyncio.get_running_loop().create_task(grpc_listener.stop(shutdown_plan.timeout_s)))
+
+    shutdown_plan.on_listeners_closed(stop_grpc)
 
     async def start_engine_then_watch() -> None:
         await engine.start()
@@ -152,27 +173,45 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> Fas
             background.append(loop.create_task(run_alerting(settings.alerting, tracker.snapshots, stop)))
 
     async def shutdown() -> None:
-        if grpc_listener is not None:
-            await grpc_listener.stop(GRPC_DRAIN_S)  # calls in flight finish on a still-serving engine
+        stop_grpc()
+        await asyncio.gather(*grpc_stopping)  # gRPC calls in flight finish on a still-serving engine
         stop.set()
         for task in background:
             if not task.done():
                 task.cancel()
-        await engine.stop()
+        await run_after_drain(shutdown_plan, lambda worker_stop_s: engine.stop(worker_stop_s))
         pool.shutdown(wait=False)
-        tracing.shutdown()
+        await asyncio.to_thread(tracing.shutdown)  # bounded (SHUTDOWN_FLUSH_S)
 
     state = AppState(engine, plane, settings, metrics, access, knobs, reloader.report, console)
-    return create_app(state, startup, shutdown, tracing)
+    return create_app(state, startup, shutdown, tracing), shutdown_plan
 
 
 def serve(settings: ServerConfig, source: ConfigSource | None = None) -> None:
-    """Run the server until SIGINT/SIGTERM; in-flight requests finish before exit. SIGHUP (and
-    every `config_poll_s`) re-reads the configuration files."""
-    app = build_app(settings, source)
+    """Run the server until SIGINT/SIGTERM (see `shutdown` for the order: readiness, listeners,
+    drain, workers); every accepted request is answered before exit. SIGHUP (and every
+    `config_poll_s`) re-reads the configuration files."""
+    _remove_leftovers(settings)
+    app, plan = build_app(settings, source)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-        timeout_graceful_shutdown=30, lifespan="on", **uvicorn_limit_options(settings),
+        timeout_graceful_shutdown=uvicorn_graceful_timeout_s(plan), lifespan="on", **uvicorn_limit_options(settings),
     )
     log.info("servewell listening on http://%s:%d", settings.host, settings.port)
-    uvicorn.Server(config).run()
+    try:
+        GracefulServer(config, plan).run()
+    finally:
+        # Every worker removed its segments as it stopped; this catches what a bug would leave.
+        left = remove_segments(f"{NAME_PREFIX}{os.getpid()}")
+        if left:
+            log.warning("removed %d shared-memory segments left at exit", left)
+
+
+def _remove_leftovers(settings: ServerConfig) -> None:
+    """Remove what servers that were killed (kill -9, OOM) left: shared memory, model snapshots."""
+    segments = remove_stale_segments()
+    store = snapshot_store(settings)
+    snapshots = store.remove_stale() if store is not None else 0
+    if segments or snapshots:
+        log.info("removed %d shared-memory segments and %d model snapshots left by servers that no longer run",
+                 segments, snapshots)

@@ -25,8 +25,8 @@ COUNTERS = ("servewell_requests", "servewell_model_loads", "servewell_worker_res
 GAUGES = (
     "servewell_queue_depth", "servewell_inflight_requests", "servewell_model_state", "servewell_worker_up",
     "servewell_effective_max_batch_size", "servewell_worker_resident_memory_bytes",
-    "servewell_worker_private_memory_bytes", "servewell_worker_cpu_seconds", "servewell_worker_threads",
-    "servewell_memory_budget_bytes",
+    "servewell_worker_private_memory_bytes", "servewell_worker_mapped_file_memory_bytes",
+    "servewell_worker_cpu_seconds", "servewell_worker_threads", "servewell_memory_budget_bytes", "servewell_ready",
 )
 GPU_GAUGES = (
     "servewell_gpu_utilization_ratio", "servewell_gpu_memory_used_bytes", "servewell_gpu_memory_total_bytes",

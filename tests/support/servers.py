@@ -23,7 +23,8 @@ class ServerProcess(ChildProcess):
         super().__init__(
             [sys.executable, "-m", "servewell", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "--grpc-port", str(self.grpc_port), *args],
-            log_path, env,
+            # Tests stop servers with SIGTERM: no load balancer needs the delay (a test that checks it sets it).
+            log_path, {"SERVEWELL_SHUTDOWN_DELAY_S": "0", **(env or {})},
         )
 
     def health(self) -> dict[str, Any]:

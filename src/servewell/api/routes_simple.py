@@ -114,13 +114,17 @@ def interpret(config: ModelConfig, outputs: dict[str, np.ndarray]) -> dict[str, 
 @router.get("/healthz", summary="Server and per-model health",
             responses=not_ready_response("The server is not ready (same document, ready: false)."))
 async def healthz(state: AppState = Depends(app_state)) -> Response:
-    """200 when the server is ready, 503 otherwise; always with per-model state and memory."""
+    """200 when the server is ready (by its readiness policy), 503 otherwise; always with the reason,
+    per-model state and readiness, the last worker failure, and memory."""
     models = {}
     for view in state.engine.models():
         models[view.name] = {
             "state": view.state,
+            "ready": view.state == "ready",
             "version": view.version,
             "reason": view.reason,
+            "last_failure": view.last_failure,
+            "serving_dtype": view.serving_dtype,
             "queue_depth": view.queue_depth,
             "load_s": round(view.load_s, 3) if view.load_s is not None else None,
             "restarts": view.restarts,
@@ -131,15 +135,17 @@ async def healthz(state: AppState = Depends(app_state)) -> Response:
             "max_batch_size": view.scheduling.max_batch_size if view.scheduling else None,
             "scheduler": _scheduler_counts(view.scheduling),
         }
-    ready = state.engine.ready
+    readiness = state.engine.readiness()
     total, reserved = state.engine.memory_budget
     doc = {
-        "status": "ok" if ready else "not_ready",
-        "ready": ready,
+        "status": readiness.status,
+        "ready": readiness.ready,
+        "readiness": {"policy": state.engine.readiness_policy, "reason": readiness.reason},
         "frontend_rss_bytes": rss_bytes(),
         "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
         "models": models,
     }
+    ready = readiness.ready
     return _json(doc, 200 if ready else 503, None if ready else {"Retry-After": "2"})
 
 

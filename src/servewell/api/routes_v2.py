@@ -49,7 +49,8 @@ async def health_live() -> Response:
 
 @router.get("/health/ready", summary="Readiness", responses=not_ready_response("Not ready: {\"ready\": false}."))
 async def health_ready(state: AppState = Depends(app_state)) -> Response:
-    """200 when the server should receive traffic, 503 (with Retry-After) otherwise."""
+    """200 when the server should receive traffic (by its readiness policy: --readiness), 503 (with
+    Retry-After) otherwise."""
     ready = state.engine.ready
     return _json({"ready": ready}, 200 if ready else 503, None if ready else {"Retry-After": "2"})
 
@@ -68,6 +69,10 @@ def _metadata(view: ModelView) -> dict[str, Any]:
         {"name": t.name, "datatype": t.datatype, "shape": client_shape(config, t)} for t in config.outputs
     ]
     doc["parameters"] = {"max_batch_size": config.max_batch_size, **config.metadata}
+    if view.scheduling is not None and config.max_batch_size:
+        doc["parameters"]["effective_max_batch_size"] = view.scheduling.max_batch_size
+    if view.serving_dtype:
+        doc["parameters"]["serving_dtype"] = view.serving_dtype  # what dtype auto chose, after warm-up
     if config.image_input:
         doc["parameters"]["image_input"] = config.image_input + " (also accepts BYTES: encoded images)"
     return doc
@@ -130,6 +135,7 @@ async def model_config(name: str, version: str | None = None, state: AppState = 
             "policy": config.batching.policy,
             "max_queue_delay_microseconds": int(config.batching.max_wait_ms * 1000),
         },
+        "parameters": {"serving_dtype": {"string_value": view.serving_dtype}} if view.serving_dtype else {},
         "servewell": config.model_dump(mode="json", exclude_none=True),
     })
 

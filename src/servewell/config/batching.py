@@ -32,6 +32,10 @@ ReserveInstanceForHigh = Annotated[bool, Field(
     description="Keep one instance for the first lane only, so urgent requests never queue behind "
     "running work (needs instances >= 2).",
 )]
+ComputeTimeoutMs = Annotated[float, Field(
+    gt=0, description="A batch running longer is declared hung: its requests get 503 worker_hung and its worker is "
+    "killed and replaced. Default: 20x the warm-up latency of that batch size, at least 10 s (60 s without warm-up).",
+)]
 LiveMaxBatchSize = Annotated[int, Field(
     ge=1, description="Largest batch from now on: from 1 to the largest batch the model's warm-up proved fits.",
 )]
@@ -52,6 +56,7 @@ class BatchingConfig(StrictModel):
     )
     max_consecutive_high: MaxConsecutiveHigh = 8
     reserve_instance_for_high: ReserveInstanceForHigh = False
+    compute_timeout_ms: ComputeTimeoutMs | None = None
 
     @field_validator("lanes")
     @classmethod
@@ -94,6 +99,7 @@ class BatchingPatch(StrictModel, json_schema_extra=_schema_without_nulls):
     default_timeout_ms: DefaultTimeoutMs | None = None
     max_consecutive_high: MaxConsecutiveHigh | None = None
     reserve_instance_for_high: ReserveInstanceForHigh | None = None
+    compute_timeout_ms: ComputeTimeoutMs | None = None
 
     @field_validator("*", mode="before")
     @classmethod

@@ -134,6 +134,32 @@ class ServerConfig(BaseModel):
         16, ge=0, le=10_000,
         description="Connections beyond max_connections that may only ask for health probes and /metrics.",
     )
+    readiness: Literal["any", "strict", "required-models"] = Field(
+        "any", description="When the server reports ready: any (every first load finished and at least one model "
+        "ready: a failed model keeps the others in rotation), strict (every model ready, as Triton), or "
+        "required-models (every model in --required-models ready).",
+    )
+    required_models: list[str] = Field(
+        default_factory=list, description="Models that must be ready for the server to be ready, with "
+        "--readiness required-models.",
+    )
+    shutdown_delay_s: float = Field(
+        5.0, ge=0, le=300, description="After SIGTERM, seconds the server stays up and serving with readiness "
+        "false before it closes its listeners, so load balancers stop sending first (SIGINT skips it).",
+    )
+    shutdown_timeout_s: float = Field(
+        20.0, gt=0, le=3600, description="Longest the drain after the listeners close may take; then the requests "
+        "still waiting get 503 shutting_down and the workers are stopped (a second SIGTERM or SIGINT: at once).",
+    )
+    worker_heartbeat_timeout_s: float = Field(
+        2.0, gt=0, le=600, description="A worker whose heartbeat thread is silent this long (stopped, or stuck "
+        "holding the GIL) is declared hung, killed and replaced.",
+    )
+    artifact_snapshots: bool = Field(
+        True, description="Load each model version from a private copy of its directory under cache_dir/snapshots, "
+        "so that overwriting a served file in place cannot crash its workers; off: workers map the repository's "
+        "files (publish new versions only by atomic rename).",
+    )
 
 
 class ConfigFileError(ValueError):

@@ -33,6 +33,12 @@ class BatchRunner(Protocol):
     async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None) -> BatchOutcome:
         """Run the batch made of the row blocks in `parts`, concatenated along axis 0 per input.
 
-        Raises a `ServeError` (`WorkerLost`, `ModelError`) when the batch cannot be answered.
+        Raises a `ServeError` (`WorkerLost`, `WorkerHung`, `ModelError`) when the batch cannot be
+        answered.
         """
+        ...
+
+    def declare_hung(self, reason: str) -> None:
+        """Its batch overran the compute budget: stop it now (its owner replaces it); the `run`
+        in progress then raises."""
         ...

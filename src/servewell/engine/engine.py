@@ -8,8 +8,9 @@ the version that serves it, never refused by the one that drains.
 from __future__ import annotations
 
 import asyncio
+import logging
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +20,18 @@ from servewell.config.model import ModelConfig
 from servewell.engine.lanes import resolve_lane
 from servewell.engine.memory_budget import MemoryBudget, machine_memory_budget
 from servewell.engine.model_entry import EntryServices, InvalidModel, LoadProgressFn, ModelEntry
-from servewell.engine.protocol import ModelView, RequestResult, SchedulingFacts
+from servewell.engine.protocol import ModelState, ModelView, Readiness, RequestResult, SchedulingFacts
+from servewell.engine.readiness import ReadinessPolicy, evaluate_readiness
 from servewell.engine.repository import read_model_config, scan_repository
+from servewell.engine.snapshot import SnapshotStore
 from servewell.engine.validation import check_inputs
 from servewell.errors import Conflict, LoadFailed, ModelNotReady, NotFound, ShuttingDown, quote
 from servewell.observability.metrics import ModelSample, ServeMetrics, WorkerSample
 from servewell.observability.signals import ModelFacts
 from servewell.observability.tracing import Tracing
+from servewell.workers.handle import WorkerSettings
+
+log = logging.getLogger("servewell.engine")
 
 Entry = ModelEntry | InvalidModel
 
@@ -96,14 +102,23 @@ class InferenceEngine:
         metrics: ServeMetrics | None = None,
         tracing: Tracing | None = None,
         default_model: str | None = None,
+        *,
+        workers: WorkerSettings | None = None,
+        snapshots: SnapshotStore | None = None,
+        readiness: ReadinessPolicy = "any",
+        required_models: Sequence[str] = (),
     ) -> None:
         self.repository = repository
         self.budget = MemoryBudget(memory_budget_bytes or machine_memory_budget())
-        self._services = EntryServices(load_timeout_s, self.budget, metrics, tracing, on_progress)
+        self._services = EntryServices(load_timeout_s, self.budget, metrics, tracing, on_progress,
+                                       workers=workers, snapshots=snapshots)
         self._default_model = default_model
         self._slots: dict[str, ModelSlot] = {}
         self._first_load_locks: dict[str, asyncio.Lock] = {}  # names with a directory but no slot yet
+        self._readiness_policy: ReadinessPolicy = readiness
+        self._required_models = tuple(required_models)
         self.accepting = True
+        self.draining = False  # shutting down: not ready, nothing restarts, requests still served
 
     async def start(self) -> None:
         """Read the repository and load every valid model (concurrently)."""
@@ -114,6 +129,10 @@ class InferenceEngine:
             else:
                 entry = ModelEntry(source.name, source.directory, source.config, self._services)
             self._slots[source.name] = ModelSlot(entry)
+        unknown = [name for name in self._required_models if name not in self._slots]
+        if self._readiness_policy == "required-models" and unknown:
+            log.error("required models %s are not in the repository %s: the server stays not ready", unknown,
+                      self.repository)
         await asyncio.gather(*(s.entry.load() for s in self._slots.values() if isinstance(s.entry, ModelEntry)))
 
     # --- the data plane's entry point -----------------------------------------------------
@@ -146,6 +165,8 @@ class InferenceEngine:
     async def load_model(self, name: str) -> ModelView:
         """(Re)load a model from its repository directory with zero failed requests: the new
         version loads and warms up while the old one serves; then traffic moves and the old drains."""
+        if self.draining:
+            raise ShuttingDown("the server is shutting down and loads no model")
         directory = self.repository / name
         if not _safe_name(name) or not directory.is_dir():
             raise NotFound(f"the repository has no model directory {quote(name)}")
@@ -243,19 +264,50 @@ class InferenceEngine:
             }
         return report
 
-    async def stop(self) -> None:
-        """Stop admitting, finish what was admitted, stop every worker."""
+    def begin_shutdown(self) -> None:
+        """Readiness turns false now and no worker is restarted from now on; requests are still
+        admitted and served (a load balancer may send some until it notices)."""
+        self.draining = True
+        for slot in self._slots.values():
+            if isinstance(slot.entry, ModelEntry):
+                slot.entry.close()
+
+    def abort(self, why: str) -> None:
+        """Stop admitting, and answer every queued and running request now with 503 shutting_down
+        (the drain ran out of time, or a second signal said so)."""
+        self.draining, self.accepting = True, False
+        for slot in self._slots.values():
+            if isinstance(slot.entry, ModelEntry):
+                slot.entry.scheduler.fail_all(ShuttingDown(f"the server is shutting down: {why}"), running=True)
+
+    async def stop(self, worker_timeout_s: float = 5.0) -> None:
+        """Stop admitting, finish what was admitted, stop every worker (each gets `worker_timeout_s`
+        to finish its batch; 0 kills them at once)."""
+        self.begin_shutdown()
         self.accepting = False
-        await asyncio.gather(*(s.entry.stop() for s in self._slots.values() if isinstance(s.entry, ModelEntry)))
+        await asyncio.gather(*(s.entry.stop(worker_timeout_s=worker_timeout_s)
+                               for s in self._slots.values() if isinstance(s.entry, ModelEntry)))
 
     # --- queries ---------------------------------------------------------------------------
 
     @property
     def ready(self) -> bool:
-        """Accepting requests, and every valid model is ready."""
-        serving = [s.entry for s in self._slots.values()
-                   if isinstance(s.entry, ModelEntry) and s.entry.state != "unloaded"]
-        return self.accepting and bool(serving) and all(e.state == "ready" for e in serving)
+        """Whether the server should receive traffic, by its readiness policy."""
+        return self.readiness().ready
+
+    @property
+    def readiness_policy(self) -> str:
+        """The readiness policy in force."""
+        return self._readiness_policy
+
+    def readiness(self) -> Readiness:
+        """The readiness verdict, with its reason (`engine/readiness.py`)."""
+        states: list[tuple[str, ModelState]] = [
+            (name, "invalid" if isinstance(slot.entry, InvalidModel) else slot.entry.state)
+            for name, slot in self._slots.items()
+        ]
+        return evaluate_readiness(self._readiness_policy, self._required_models, states,
+                                  self.accepting and not self.draining)
 
     @property
     def memory_budget(self) -> tuple[int, int]:
@@ -325,7 +377,8 @@ class InferenceEngine:
         scheduling = SchedulingFacts(s.queue_depth, s.lane_depths(), s.running_rows, s.max_batch_size,
                                      stats.batches, stats.rows, stats.expired, stats.cancelled, stats.rejected)
         return ModelView(entry.name, entry.version, entry.state, entry.reason, entry.config, entry.load_s,
-                         entry.restarts, entry.recycles, entry.instances(), scheduling)
+                         entry.restarts, entry.recycles, entry.instances(), scheduling, entry.serving_dtype,
+                         entry.last_failure)
 
 
 def _safe_name(name: str) -> bool:

@@ -8,6 +8,7 @@ scheduler or pool to be None.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -19,12 +20,13 @@ from servewell.engine.clock import Clock
 from servewell.engine.memory_budget import MemoryBudget, estimate_model_memory
 from servewell.engine.protocol import InstanceInfo, ModelState
 from servewell.engine.scheduler import ModelScheduler
-from servewell.errors import WorkerLost
+from servewell.engine.snapshot import Snapshot, SnapshotError, SnapshotStore
+from servewell.errors import ShuttingDown, WorkerLost
 from servewell.observability.batch_telemetry import BatchTelemetry
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.tracing import Tracing
-from servewell.workers.handle import WorkerHandle, WorkerLoadError
-from servewell.workers.pool import PoolState, RestartReason, WorkerPool
+from servewell.workers.handle import WorkerHandle, WorkerLoadError, WorkerSettings
+from servewell.workers.pool import RESTART_REASONS, PoolState, RestartReason, WarmupFacts, WorkerPool
 
 log = logging.getLogger("servewell.engine")
 
@@ -56,6 +58,8 @@ class EntryServices:
     tracing: Tracing | None = None
     on_progress: LoadProgressFn | None = None
     clock: Clock | None = None
+    workers: WorkerSettings | None = None
+    snapshots: SnapshotStore | None = None  # None: workers read the repository's files directly
 
 
 class ModelEntry:
@@ -68,6 +72,8 @@ class ModelEntry:
         self.state: ModelState = "unloaded"
         self.reason: str | None = None
         self.load_s: float | None = None
+        self.serving_dtype: str | None = None  # what the workers compute in (dtype auto decides at warm-up)
+        self._snapshot: Snapshot | None = None
         self.configured_at = time.time()  # when `config` was read from model.yaml (wall clock)
         self.overrides: dict[str, object] = {}  # batching settings an admin PATCH changed since then
         self._services = services
@@ -77,12 +83,15 @@ class ModelEntry:
                                    tracing.tracer if tracing is not None else None)
         self.scheduler = ModelScheduler(config, telemetry, services.clock)
         progress = services.on_progress
+        workers = services.workers or WorkerSettings()
+        if tracing is None and workers.tracing is not None:
+            workers = WorkerSettings(workers.heartbeat_timeout_s, workers.log_level, workers.log_format, None)
         self.pool = WorkerPool(
-            config, directory, self, services.load_timeout_s, tracing.settings if tracing is not None else None,
+            config, directory, self, services.load_timeout_s, workers,
             (lambda i, stage, elapsed: progress(name, i, stage, elapsed)) if progress is not None else None,
         )
         if metrics is not None:  # series exist from the start, so increase() sees the first event
-            for reason in ("crash", "memory"):
+            for reason in RESTART_REASONS:
                 metrics.worker_restarts.labels(name, reason)
             for result in ("success", "failure"):
                 metrics.model_loads.labels(name, result)
@@ -126,9 +135,14 @@ class ModelEntry:
         """Per-instance process facts."""
         return tuple(
             InstanceInfo(i, w.pid if w else None, bool(w and w.alive), w.rss_bytes if w else 0,
-                         w.rows_computed if w else 0)
+                         w.rows_computed if w else 0, w.state if w else "starting", w.exit_reason if w else "")
             for i, w in enumerate(self.pool.workers)
         )
+
+    @property
+    def last_failure(self) -> str | None:
+        """The last worker failure (exit code or signal, or why it was declared hung)."""
+        return self.pool.last_failure
 
     @property
     def restarts(self) -> int:
@@ -141,7 +155,8 @@ class ModelEntry:
         return self.pool.recycles
 
     async def load(self) -> None:
-        """Check the memory budget, then start every instance; ready once all have warmed up."""
+        """Check the memory budget, snapshot the model directory, then start every instance; ready
+        once all have warmed up."""
         self._set_state("loading")
         budget = self._services.budget
         try:
@@ -153,11 +168,12 @@ class ModelEntry:
             return
         started = time.perf_counter()
         try:
-            await self.pool.start()
+            await self.pool.start(await self._private_directory())
         except WorkerLoadError as exc:
             self._count_load(False)
             self._set_state("failed", str(exc))
             budget.release(self)
+            await self._release_snapshot()
             log.error("%s failed to load: %s", self.label, self.reason, extra={"model": self.name})
             return
         self._count_load(True)
@@ -165,21 +181,53 @@ class ModelEntry:
         self._set_state("ready")
         log.info("%s ready in %.2f s", self.label, self.load_s, extra={"model": self.name})
 
+    async def _private_directory(self) -> Path:
+        """The server's own copy of the model directory for the workers to load (see `snapshot`); the
+        repository's directory itself when snapshots are off or cannot be made."""
+        store = self._services.snapshots
+        if store is None:
+            return self.directory
+        try:
+            snapshot = await asyncio.to_thread(store.take, self.directory, f"{self.name}-{self.version}")
+        except SnapshotError as exc:
+            log.error("%s: %s; its workers read the repository's files directly, so overwriting them in place "
+                      "can crash them", self.label, exc, extra={"model": self.name})
+            return self.directory
+        self._snapshot = snapshot
+        log.info("%s: snapshot of %d files in %.3f s (%d MiB copied, %d MiB unchanged and linked)", self.label,
+                 snapshot.files, snapshot.seconds, snapshot.copied_bytes >> 20, snapshot.reused_bytes >> 20,
+                 extra={"model": self.name, "snapshot": str(snapshot.directory)})
+        return snapshot.directory
+
+    async def _release_snapshot(self) -> None:
+        store, snapshot = self._services.snapshots, self._snapshot
+        self._snapshot = None
+        if store is not None and snapshot is not None:
+            await asyncio.to_thread(store.release, snapshot)
+
     async def profile(self, instance: int, seconds: float, directory: str) -> str:
         """Profile one instance's batches for `seconds`; the trace file's path."""
         return await self.pool.profile(instance, seconds, directory)
 
-    async def stop(self, state: ModelState = "unloaded", reason: str | None = None) -> None:
-        """Drain queued and running requests, stop every worker, release the memory budget.
+    def close(self) -> None:
+        """The server is shutting down: restart no worker from now on (requests are still served)."""
+        self.pool.close()
+
+    async def stop(self, state: ModelState = "unloaded", reason: str | None = None,
+                   worker_timeout_s: float = 5.0) -> None:
+        """Drain queued and running requests, stop every worker, release the memory budget and the
+        snapshot. Workers get `worker_timeout_s` to finish the batch in hand (0: killed at once).
 
         A failed model keeps its state and reason; otherwise the entry ends in `state`."""
+        self.pool.close()  # a worker lost while draining is not replaced: its model's requests are answered
         if self.state in ("ready", "restarting"):
             if self.pool.any_alive():
                 await self.scheduler.drain()
             else:
                 self.scheduler.fail_all(WorkerLost(f"{self.label} has no running worker"))
-        await self.pool.stop()
+        await self.pool.stop(worker_timeout_s)
         self._services.budget.release(self)
+        await self._release_snapshot()
         if self.state != "failed":
             self._set_state(state, reason)
 
@@ -201,6 +249,12 @@ class ModelEntry:
         """Warm-up or an out-of-memory split lowered the largest batch that fits."""
         self.scheduler.limit_max_batch_size(size, why)
 
+    def warmed_up(self, facts: WarmupFacts) -> None:
+        """A worker's warm-up latencies (the compute budget's basis) and serving dtype."""
+        self.scheduler.observe_warmup(facts.latency_by_batch)
+        if facts.serving_dtype:
+            self.serving_dtype = facts.serving_dtype
+
     def worker_replaced(self, reason: RestartReason) -> None:
         """Count a replaced worker."""
         if self._services.metrics is not None:
@@ -214,6 +268,9 @@ class ModelEntry:
             self._set_state("ready")
         elif state == "restarting":
             self._set_state("restarting", reason)
+            if self.pool.closing:  # shutting down: nothing will come back to run what is queued
+                self.scheduler.fail_all(ShuttingDown(f"{self.label} lost its last worker while it was "
+                                                     f"stopping ({reason})"))
         else:
             self._set_state("failed", reason)
             self.scheduler.fail_all(WorkerLost(f"{self.label} failed: {reason}"))

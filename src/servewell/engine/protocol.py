@@ -46,6 +46,27 @@ class InstanceInfo:
     alive: bool
     rss_bytes: int
     rows_computed: int
+    state: str = "ready"  # starting, ready, hung (killed, being replaced), exited, stopped
+    exit_reason: str = ""  # how the last process of this instance ended (exit code, signal, hung)
+
+
+@dataclass(slots=True, frozen=True)
+class Readiness:
+    """Whether the server should receive traffic, and why (`engine/readiness.py` decides)."""
+
+    ready: bool
+    reason: str
+    degraded: bool = False  # ready, but some model is not
+    shutting_down: bool = False
+
+    @property
+    def status(self) -> str:
+        """One word for `/healthz`: ok, degraded, not_ready or shutting_down."""
+        if self.shutting_down:
+            return "shutting_down"
+        if not self.ready:
+            return "not_ready"
+        return "degraded" if self.degraded else "ok"
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,6 +98,8 @@ class ModelView:
     recycles: int
     instances: tuple[InstanceInfo, ...]
     scheduling: SchedulingFacts | None
+    serving_dtype: str | None = None  # what the workers compute in (dtype auto decides at warm-up)
+    last_failure: str | None = None  # the last worker failure: exit code or signal, or why it was hung
 
     @property
     def queue_depth(self) -> int:
@@ -125,7 +148,16 @@ class ServingEngine(Protocol):
 
     @property
     def ready(self) -> bool:
-        """Whether the server should receive traffic."""
+        """Whether the server should receive traffic (the readiness policy)."""
+        ...
+
+    def readiness(self) -> Readiness:
+        """The readiness verdict with its reason, and whether some model is not ready."""
+        ...
+
+    @property
+    def readiness_policy(self) -> str:
+        """The readiness policy in force (`engine/readiness.py`)."""
         ...
 
     def resolve(self, name: str, version: str | None = None) -> ServedModel:

@@ -10,6 +10,7 @@ injectable `Clock`, so every rule is unit-tested without sleeping.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,9 +22,18 @@ from servewell.config.model import BatchingConfig, ModelConfig
 from servewell.engine.batch_policy import POLICIES, BatchOpportunity, LearnedLoad, PolicyLimits
 from servewell.engine.batch_queue import BatchQueue, QueuedItem
 from servewell.engine.batch_runner import BatchOutcome, BatchRunner
+from servewell.engine.batch_watch import BatchWatch, compute_budget_s
 from servewell.engine.clock import Clock, LoopClock, TimerHandle
 from servewell.engine.protocol import RequestResult
-from servewell.errors import DeadlineExceeded, InvalidInput, ModelError, Overloaded, ServeError, ShuttingDown
+from servewell.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    ModelError,
+    Overloaded,
+    ServeError,
+    ShuttingDown,
+    WorkerHung,
+)
 from servewell.observability.batch_telemetry import BatchTelemetry, TraceMark
 from servewell.observability.tracing import traceparent_of
 
@@ -82,6 +92,9 @@ class ModelScheduler:
         self._accepting = True
         self._drained: asyncio.Event | None = None
         self._learned = LearnedLoad()
+        self._warmup_latency_s: dict[int, float] = {}  # batch size -> seconds, from the workers' warm-up
+        self._in_flight: dict[int, list[Request]] = {}  # the batches running now, by a serial
+        self._serials = itertools.count()
         self.stats = SchedulerStats()
 
     # --- settings ------------------------------------------------------------------------
@@ -98,6 +111,18 @@ class ModelScheduler:
                         self._proven_max, size, extra={"model": self.config.name})
             self._proven_max = size
             self.max_batch_size = min(self.max_batch_size, size)
+
+    def observe_warmup(self, latency_by_batch: tuple[tuple[int, float], ...]) -> None:
+        """Warm-up latencies of a worker (batch size, seconds): the basis of the compute budget.
+        With several instances the slowest measurement counts."""
+        for size, seconds in latency_by_batch:
+            self._warmup_latency_s[size] = max(seconds, self._warmup_latency_s.get(size, 0.0))
+
+    def compute_budget_s(self, rows: int) -> float:
+        """How long a batch of `rows` may run before its runner is declared hung (`batch_watch`)."""
+        latency = self._learned.latency
+        return compute_budget_s(rows, self._warmup_latency_s, latency.predict(rows) if latency.observed else None,
+                                self.batching.compute_timeout_ms)
 
     def update(self, changes: Mapping[str, Any]) -> dict[str, Any]:
         """Change batching settings and `max_batch_size` while serving; nothing queued is lost.
@@ -332,7 +357,29 @@ class ModelScheduler:
         started = self._clock.now()
         rows = sum(item.rows for item in batch)
         span = self._telemetry.start_batch([(item.payload.trace, item.lane) for item in batch], rows)
+        budget_s = self.compute_budget_s(rows)
+        serial = next(self._serials)
+        self._in_flight[serial] = batch
+
+        def expire(item: Request, now: float) -> None:
+            self._expire(item, f"the request passed its deadline while its batch was running "
+                               f"({1000 * (now - started):.0f} ms so far)")
+
+        def overrun(now: float) -> None:
+            why = f"a batch of {rows} has run {now - started:.1f} s, over its compute budget of {budget_s:.1f} s"
+            log.error("model %s: %s; its worker is declared hung", self.config.name, why,
+                      extra={"model": self.config.name})
+            error = WorkerHung(f"{why}; the worker is being replaced, retry")
+            for item in batch:
+                if not item.payload.future.done():
+                    self._telemetry.count(item.lane, "error")
+                    _fail(item, error)
+            runner.declare_hung(why)
+
+        watch: BatchWatch[Request] | None = None
         try:
+            watch = BatchWatch(self._clock, [(item.deadline_at, item) for item in batch], started + budget_s,
+                               lambda item: not item.payload.future.done(), expire, overrun)
             outcome = await runner.run(
                 {spec.name: [item.payload.inputs[spec.name] for item in batch] for spec in self.config.inputs},
                 traceparent_of(span.get_span_context()) if span is not None else None,
@@ -341,11 +388,15 @@ class ModelScheduler:
         except Exception as exc:  # a bug in splitting or transport must still resolve every future
             error = exc if isinstance(exc, ServeError) else ModelError(f"batch failed: {exc}")
             for item in batch:
-                self._telemetry.count(item.lane, "error")
-                _fail(item, error)
+                if not item.payload.future.done():  # answered already: at its deadline, or cancelled
+                    self._telemetry.count(item.lane, "error")
+                    _fail(item, error)
         else:
             self._deliver(batch, results, outcome, started, rows)
         finally:
+            if watch is not None:
+                watch.stop()
+            del self._in_flight[serial]
             self._telemetry.end_batch(span, any(_failed(item) for item in batch))
             self._running -= 1
             self._running_requests -= len(batch)
@@ -361,8 +412,9 @@ class ModelScheduler:
         self._telemetry.batch_finished(rows, elapsed, outcome.compute_s, outcome.steps)
         for item, outputs in zip(batch, results, strict=True):
             future = item.payload.future
-            if future.done():  # the client went away while the batch ran
-                self._telemetry.count(item.lane, "cancelled")
+            if future.done():  # answered already: the client went away, or its deadline passed
+                if future.cancelled():
+                    self._telemetry.count(item.lane, "cancelled")
                 continue
             queue_s = started - item.enqueued_at
             self._telemetry.request_succeeded(item.lane, queue_s)
@@ -400,11 +452,21 @@ class ModelScheduler:
         self._check_drained()
         await self._drained.wait()
 
-    def fail_all(self, error: ServeError) -> None:
-        """Resolve every queued request with `error` (the model went away)."""
+    def fail_all(self, error: ServeError, running: bool = False) -> None:
+        """Resolve every queued request with `error` (the model went away); with `running`, also
+        those in batches that are running now (their answers will never be read)."""
         for item in self._queue.expire(float("inf")):
             _fail(item, error)
+        if running:
+            for batch in list(self._in_flight.values()):
+                for item in batch:
+                    _fail(item, error)
         self._check_drained()
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests from now on (`ShuttingDown`); queued ones still run."""
+        self._accepting = False
+        self._pump()
 
     def _check_drained(self) -> None:
         if self._drained is not None and not len(self._queue) and not self._running:

@@ -75,3 +75,6 @@ def configure_logging(level: str = "info", fmt: str = "json") -> None:
         logging.getLogger(name).propagate = True
     # One access line per request would be a per-request INFO log on the hot path.
     logging.getLogger("uvicorn.access").disabled = True
+    # Python warnings (a framework's deprecation notice in a worker) become log lines in the same
+    # format instead of plain text in the middle of the JSON lines.
+    logging.captureWarnings(True)

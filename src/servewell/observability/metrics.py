@@ -205,7 +205,8 @@ class ServeMetrics:
         self.model_loads = LoopCounter(
             "servewell_model_loads", "Model load attempts by result.", ["model", "result"], registry=r)
         self.worker_restarts = LoopCounter(
-            "servewell_worker_restarts", "Worker processes replaced, by reason (crash, memory).",
+            "servewell_worker_restarts", "Worker processes replaced, by reason (crash: died; hung: no heartbeat "
+            "or a batch over its compute budget, killed; memory: over memory_limit_bytes, drained).",
             ["model", "reason"], registry=r)
         self.api_key_requests = LoopCounter(
             "servewell_api_key_requests", "Requests that presented a valid API key, by key id and result "
@@ -237,11 +238,13 @@ class StateCollector(Collector):
         read_process: ProcessReader,
         gpus: Callable[[], list[dict[str, float]]] | None = None,
         budget: Callable[[], tuple[int, int]] | None = None,
+        ready: Callable[[], bool] | None = None,
     ) -> None:
         self._models = models
         self._read_process = read_process
         self._gpus = gpus
         self._budget = budget
+        self._ready = ready
 
     def collect(self) -> Iterable[Metric]:
         depth = GaugeMetricFamily("servewell_queue_depth", "Requests waiting, per lane.", labels=["model", "lane"])
@@ -253,8 +256,12 @@ class StateCollector(Collector):
         max_batch = GaugeMetricFamily("servewell_effective_max_batch_size", "Largest batch the scheduler forms now.",
                                       labels=["model"])
         rss = GaugeMetricFamily("servewell_worker_resident_memory_bytes", "Worker RSS.", labels=["model", "worker"])
-        private = GaugeMetricFamily("servewell_worker_private_memory_bytes", "Worker private (anonymous) memory.",
+        private = GaugeMetricFamily("servewell_worker_private_memory_bytes", "Worker private (anonymous) memory: "
+                                    "converted weights, activations, the interpreter; not memory-mapped files.",
                                     labels=["model", "worker"])
+        mapped = GaugeMetricFamily("servewell_worker_mapped_file_memory_bytes", "Worker resident memory backed by "
+                                   "files: memory-mapped weights served as stored (fp32 from fp32 safetensors), "
+                                   "libraries.", labels=["model", "worker"])
         cpu = GaugeMetricFamily("servewell_worker_cpu_seconds", "Worker CPU time (user + system) since it started.",
                                 labels=["model", "worker"])
         threads = GaugeMetricFamily("servewell_worker_threads", "Worker OS threads.", labels=["model", "worker"])
@@ -273,9 +280,15 @@ class StateCollector(Collector):
                 if facts:
                     rss.add_metric(labels, facts["rss_bytes"])
                     private.add_metric(labels, facts["private_bytes"])
+                    if "file_bytes" in facts:
+                        mapped.add_metric(labels, facts["file_bytes"])
                     cpu.add_metric(labels, facts["cpu_seconds"])
                     threads.add_metric(labels, facts["threads"])
-        yield from (depth, inflight, state, up, max_batch, rss, private, cpu, threads)
+        yield from (depth, inflight, state, up, max_batch, rss, private, mapped, cpu, threads)
+        if self._ready is not None:
+            ready = GaugeMetricFamily("servewell_ready", "1 when the server reports ready (its readiness policy).")
+            ready.add_metric([], 1.0 if self._ready() else 0.0)
+            yield ready
         if self._budget is not None:
             total, reserved = self._budget()
             budget = GaugeMetricFamily("servewell_memory_budget_bytes", "Host memory budget for models.",

@@ -20,6 +20,7 @@ import gzip
 import http.client
 import logging
 import os
+import socket
 import ssl
 import struct
 import threading
@@ -324,8 +325,16 @@ class OtlpHttpSpanExporter(SpanExporter):
             self._connection = None
 
     def shutdown(self) -> None:
+        """Stop exporting. Safe from another thread while an export waits on the collector: the
+        socket is shut down (which wakes a blocked read), and the export thread closes it."""
         self._shutdown.set()
-        self._close()
+        connection = self._connection
+        sock = connection.sock if connection is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True  # nothing is buffered here

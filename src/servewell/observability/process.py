@@ -20,7 +20,8 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def process_facts(pid: int) -> dict[str, float]:
-    """RSS, private (anonymous) memory, CPU seconds and threads of a process; {} if it is gone."""
+    """RSS, private (anonymous) memory, file-backed resident memory, CPU seconds and threads of a
+    process; {} if it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().rsplit(b")", 1)[1].split()
@@ -30,12 +31,21 @@ def process_facts(pid: int) -> dict[str, float]:
                 if line.startswith(b"Anonymous:"):
                     private = int(line.split()[1]) * 1024
                     break
+        # RssFile: resident pages backed by files. Weights served as stored (fp32 from an fp32
+        # safetensors file) stay memory-mapped, so they count here and not in the private memory.
+        file_backed = 0
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"RssFile:"):
+                    file_backed = int(line.split()[1]) * 1024
+                    break
     except (OSError, IndexError, ValueError):
         return {}
     # Fields after the command name: state is [0], utime [11], stime [12], num_threads [17], rss [21].
     return {
         "rss_bytes": float(int(stat[21]) * _PAGE),
         "private_bytes": float(private),
+        "file_bytes": float(file_backed),
         "cpu_seconds": (int(stat[11]) + int(stat[12])) / _TICKS,
         "threads": float(int(stat[17])),
     }

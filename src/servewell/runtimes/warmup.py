@@ -51,6 +51,9 @@ class WarmupReport:
     """The dtype the model serves in after warm-up ("" when the runtime does not say)."""
     precision_check: PrecisionCheck | None = None
     """The comparison with fp32 when `dtype: auto` chose a reduced dtype; None otherwise."""
+    latency_by_batch: tuple[tuple[int, float], ...] = ()
+    """(batch size, seconds) of each warm-up batch: the frontend derives from it how long a batch
+    may run before its worker is declared hung."""
 
 
 def dummy_batch(config: ModelConfig, batch_size: int) -> dict[str, np.ndarray]:
@@ -114,13 +117,16 @@ def warm_up(runtime: ModelRuntime, config: ModelConfig, progress: ProgressFn | N
     batched = config.max_batch_size > 0
     limit = config.memory_limit_bytes
     peaks: list[tuple[int, int]] = []
+    latencies: list[tuple[int, float]] = []
     effective = 0
     for batch_size in warm_up_batch_sizes(config.max_batch_size):
         probe.reset()
+        batch_started = time.perf_counter()
         try:
             outputs = runtime.run(dummy_batch(config, batch_size))
         except Exception as exc:  # any failure here means the model cannot serve; say so at load
             raise ModelLoadError(f"warm-up batch of {batch_size} failed: {exc}") from exc
+        latencies.append((batch_size, time.perf_counter() - batch_started))
         peak = probe.peak_bytes()
         peaks.append((batch_size, peak))
         for spec in config.outputs:
@@ -142,6 +148,7 @@ def warm_up(runtime: ModelRuntime, config: ModelConfig, progress: ProgressFn | N
         seconds=time.perf_counter() - started,
         effective_max_batch_size=effective if batched else 0,
         peak_bytes_by_batch=tuple(peaks),
+        latency_by_batch=tuple(latencies),
         serving_dtype=runtime.serving_dtype if isinstance(runtime, DtypeReporting) else "",
         precision_check=check,
     )

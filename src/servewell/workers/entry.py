@@ -6,11 +6,22 @@ side (runtimes, frameworks): the real entry point is imported only inside the ne
 
 from __future__ import annotations
 
+import signal
 from typing import Any
+
+#: Signals a worker ignores. Ctrl-C in a terminal, `systemctl stop`, a container runtime's stop and
+#: `kill -TERM -<pgid>` reach the whole process group, but the frontend decides when its workers
+#: stop: after the drain, so that every accepted request is answered.
+WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def run_worker(*args: Any) -> None:
     """Worker process entry: hands its arguments to `process_main.worker_main`."""
+    for sig in WORKER_IGNORED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    # The frontend blocks these signals while it spawns us, so that one arriving before the lines
+    # above cannot end us; a pending one is discarded now that it is ignored.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_IGNORED_SIGNALS)
     from servewell.workers.process_main import worker_main
 
     worker_main(*args)

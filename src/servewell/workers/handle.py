@@ -1,8 +1,14 @@
-"""Frontend side of one worker process: spawn it, follow its load, hand it batches.
+"""Frontend side of one worker process: spawn it, follow its load, hand it batches, watch it.
 
 The event loop watches the pipe's file descriptor (`add_reader`): it reads replies when
 they arrive, never polls, and learns of a worker's death (pipe EOF) the moment it happens.
 No reader thread, so no GIL hand-offs between a thread and the loop on every batch.
+
+A worker that stops making progress without dying (SIGSTOP, a deadlock, a wedged device) closes
+no pipe; its heartbeat counter (a shared-memory cell a thread of the worker increments) stops
+moving, or its batch overruns its budget. `declare_hung` then kills it and treats it as lost at
+once, without waiting for the pipe. Every shared-memory segment of the worker carries this
+handle's name prefix, and all of them are removed whenever the worker ends, however it ends.
 """
 
 from __future__ import annotations
@@ -13,19 +19,22 @@ import itertools
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
 from servewell.config.model import ModelConfig
 from servewell.engine.batch_runner import BatchOutcome
-from servewell.errors import ModelError, WorkerLost
+from servewell.errors import ModelError, ServeError, WorkerHung, WorkerLost
 from servewell.observability.tracing import TracingSettings
-from servewell.workers.entry import run_worker
+from servewell.workers.entry import WORKER_IGNORED_SIGNALS, run_worker
 from servewell.workers.messages import (
     BatchDone,
     BatchFailed,
@@ -35,15 +44,17 @@ from servewell.workers.messages import (
     Shutdown,
     StartProfile,
     StopProfile,
+    WorkerLaunch,
     WorkerLoadFailed,
     WorkerReady,
     WorkerReply,
 )
-from servewell.workers.shm import SegmentReader, SharedArena
+from servewell.workers.shm import HeartbeatCell, SegmentReader, SharedArena, new_prefix, remove_segments
 
 log = logging.getLogger("servewell.workers")
 
 ProgressCallback = Callable[[str, float], None]
+WorkerState = Literal["starting", "ready", "hung", "exited", "stopped"]
 
 _JEMALLOC_PATHS = (
     "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
@@ -51,6 +62,18 @@ _JEMALLOC_PATHS = (
     "/usr/lib/libjemalloc.so.2",
 )
 _spawn_lock = threading.Lock()
+#: How often a worker's heartbeat thread increments its counter.
+HEARTBEAT_INTERVAL_S = 0.1
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerSettings:
+    """Server settings every worker of the server is started and watched with."""
+
+    heartbeat_timeout_s: float = 2.0
+    log_level: str = "info"
+    log_format: str = "json"
+    tracing: TracingSettings | None = None
 
 
 def find_jemalloc() -> str | None:
@@ -60,6 +83,19 @@ def find_jemalloc() -> str | None:
             return path
     found = ctypes.util.find_library("jemalloc")
     return found if found and os.path.isabs(found) else None
+
+
+def describe_exit(code: int | None) -> str:
+    """A process's exit status in words: "exit code 3", "killed by SIGKILL (exit code -9)"."""
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name} (exit code {code})"
+    return f"exit code {code}"
 
 
 class WorkerLoadError(Exception):
@@ -74,13 +110,13 @@ class WorkerHandle:
         config: ModelConfig,
         model_dir: Path,
         on_progress: ProgressCallback | None = None,
-        tracing: TracingSettings | None = None,
+        settings: WorkerSettings | None = None,
         instance: int = 0,
         on_lost: Callable[[WorkerHandle], None] | None = None,
         on_batch_done: Callable[[WorkerHandle, BatchDone], None] | None = None,
     ) -> None:
         self.config = config
-        self._tracing = tracing
+        self._settings = settings or WorkerSettings()
         self.instance = instance
         self.model_dir = model_dir
         self._on_progress = on_progress
@@ -91,13 +127,20 @@ class WorkerHandle:
         self._ready: asyncio.Future[WorkerReady] | None = None
         self._pending: dict[int, asyncio.Future[BatchOutcome]] = {}
         self._profile_reply: asyncio.Future[ProfileDone] | None = None
+        #: Every segment of this worker, both directions and the heartbeat, starts with this.
+        self.segment_prefix = new_prefix()
         self._arena: SharedArena | None = None
         self._reader = SegmentReader()
+        self._heartbeat: HeartbeatCell | None = None
+        self._beat = 0
+        self._beat_at = 0.0
         self.alive = False
+        self.state: WorkerState = "starting"
         self.rss_bytes = 0
         self.rows_computed = 0
         self.ready_at: float | None = None
         self.exit_reason = ""
+        self.hung_reason: str | None = None
         self._on_lost = on_lost
         self._on_batch_done = on_batch_done
 
@@ -110,12 +153,16 @@ class WorkerHandle:
         """Spawn the worker and wait until its model is loaded and warmed up."""
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
+        self._heartbeat = HeartbeatCell(f"{self.segment_prefix}-hb", create=True)
+        settings = self._settings
+        launch = WorkerLaunch(
+            str(self.model_dir), self.instance, self.segment_prefix, self._heartbeat.name, HEARTBEAT_INTERVAL_S,
+            settings.log_level, settings.log_format, settings.tracing,
+        )
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         process = ctx.Process(
-            target=run_worker,
-            args=(child, self.config, str(self.model_dir), self._tracing, self.instance),
-            name=f"servewell-worker-{self.config.name}",
+            target=run_worker, args=(child, self.config, launch), name=f"servewell-worker-{self.config.name}",
             daemon=True,
         )
         self._process = process
@@ -130,38 +177,42 @@ class WorkerHandle:
             self.kill()
             raise WorkerLoadError(f"load did not finish within {timeout_s:g} s; the worker was killed") from None
         self.rss_bytes = info.rss_bytes
-        self.ready_at = time.monotonic()
+        self.ready_at = self._beat_at = time.monotonic()
+        self.state = "ready"
         return info
 
     def _spawn(self, process: multiprocessing.process.BaseProcess) -> None:
-        """Start the process; with `allocator: jemalloc` it is preloaded into the child only."""
+        """Start the process with SIGINT and SIGTERM blocked (the child inherits the mask and
+        ignores them before unblocking); with `allocator: jemalloc`, preloaded into the child only."""
         preload = None
         if self.config.allocator == "jemalloc":
             preload = find_jemalloc()
             if preload is None:
                 log.warning("model %s: allocator jemalloc requested but libjemalloc is not installed "
                             "(Debian: libjemalloc2); using the system allocator", self.config.name)
-        if preload is None:
-            process.start()
-            return
-        # spawn execs a fresh interpreter with this process's environment: set it just for the start.
         with _spawn_lock:
+            # A signal sent to the frontend meanwhile stays pending and is handled when unblocked.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_IGNORED_SIGNALS)
             previous = os.environ.get("LD_PRELOAD")
-            os.environ["LD_PRELOAD"] = preload if not previous else f"{preload}:{previous}"
             try:
+                if preload is not None:
+                    # spawn execs a fresh interpreter with this process's environment: set it just for the start.
+                    os.environ["LD_PRELOAD"] = preload if not previous else f"{preload}:{previous}"
                 process.start()
             finally:
-                if previous is None:
-                    os.environ.pop("LD_PRELOAD", None)
-                else:
-                    os.environ["LD_PRELOAD"] = previous
+                if preload is not None:
+                    if previous is None:
+                        os.environ.pop("LD_PRELOAD", None)
+                    else:
+                        os.environ["LD_PRELOAD"] = previous
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None) -> BatchOutcome:
         """Run one batch made of the row blocks in `parts`, concatenated along axis 0."""
         if not self.alive or self._conn is None:
-            raise WorkerLost("the worker process is not running")
+            raise self._gone_error("the worker process is not running")
         if self._arena is None:
-            self._arena = SharedArena()
+            self._arena = SharedArena(prefix=f"{self.segment_prefix}-in")
         shapes = {}
         for name, blocks in parts.items():
             rows = sum(b.shape[0] for b in blocks)
@@ -181,8 +232,28 @@ class WorkerHandle:
             self._conn.send(RunBatch(batch_id, self._arena.name, refs, traceparent))
         except (OSError, ValueError):
             self._pending.pop(batch_id, None)
-            raise WorkerLost("the worker process is not running") from None
+            raise self._gone_error("the worker process is not running") from None
         return await future
+
+    def heartbeat_silence_s(self) -> float:
+        """Seconds since the worker's heartbeat counter last moved (0 before it is ready)."""
+        if self._heartbeat is None or self.state != "ready":
+            return 0.0
+        now = time.monotonic()
+        beat = self._heartbeat.read()
+        if beat != self._beat:
+            self._beat, self._beat_at = beat, now
+        return now - self._beat_at
+
+    def declare_hung(self, reason: str) -> None:
+        """The worker stopped making progress: kill it and treat it as lost now (its pipe may
+        never close: a process in uninterruptible sleep outlives SIGKILL for a while)."""
+        if not self.alive:
+            return
+        self.hung_reason = reason
+        self.kill()
+        self._stop_reading()
+        self._lost()
 
     async def profile(self, seconds: float, directory: str) -> str:
         """Profile this worker's batches for `seconds`; the path of the Chrome trace file."""
@@ -208,7 +279,7 @@ class WorkerHandle:
         conn = self._conn
         try:
             # Messages are small and written whole, so a readable pipe holds a whole message.
-            while conn is not None and conn.poll():
+            while conn is not None and not conn.closed and conn.poll():
                 self._dispatch(conn.recv())
         except (EOFError, OSError):
             self._stop_reading()
@@ -250,47 +321,91 @@ class WorkerHandle:
                 else:
                     future.set_exception(ModelError(f"model failed on the batch: {message.message}"))
 
+    def _gone_error(self, why: str) -> ServeError:
+        if self.hung_reason is not None:
+            return WorkerHung(f"{why}: it was hung ({self.hung_reason}) and was killed; safe to retry")
+        return WorkerLost(why)
+
     def _lost(self) -> None:
-        was_alive = self.alive
+        if self.state in ("exited", "stopped", "hung") and not self.alive:
+            return  # already handled (declared hung, then its pipe closed)
+        was_ready = self.state == "ready"
         self.alive = False
-        code = self._process.exitcode if self._process else None
-        if self._process is not None and code is None:
-            self._process.join(timeout=0.5)
-            code = self._process.exitcode
-        reason = f"worker process {self.pid} exited (code {code})"
-        self.exit_reason = f"exit code {code}" + (" (killed by a signal)" if code is not None and code < 0 else "")
+        process = self._process
+        if self.hung_reason is not None:
+            self.state = "hung"
+            self.exit_reason = f"hung ({self.hung_reason}); killed"
+            self._reap_later()
+        else:
+            self.state = "exited"
+            code = process.exitcode if process else None
+            if process is not None and code is None:
+                process.join(timeout=0.5)  # the pipe closes as the process exits: this is short
+                code = process.exitcode
+            self.exit_reason = describe_exit(code)
+        reason = f"worker process {self.pid} {self.exit_reason}"
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(WorkerLoadError(f"{reason} while loading"))
         if self._profile_reply is not None and not self._profile_reply.done():
             self._profile_reply.set_exception(WorkerLost(reason))
+        error = self._gone_error(f"{reason}; the request was not completed and is safe to retry")
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(WorkerLost(f"{reason}; the request was not completed and is safe to retry"))
+                future.set_exception(error)
         self._pending.clear()
-        if was_alive and self._on_lost is not None:
+        self._release_segments()
+        # Only a worker that was serving is restarted by its pool: one that dies while loading
+        # fails its start instead (the pool's restart loop owns that).
+        if was_ready and self._on_lost is not None:
             self._on_lost(self)
 
-    def kill(self) -> None:
-        """End the worker at once (hung load, shutdown timeout)."""
-        if self._process is not None and self._process.is_alive():
-            self._process.kill()
+    def _reap_later(self) -> None:
+        """Collect a killed process off the event loop (it may take a moment to die)."""
+        process = self._process
+        if process is not None and self._loop is not None:
+            self._loop.run_in_executor(None, process.join, 10.0)
 
-    async def stop(self, timeout_s: float = 5.0) -> None:
-        """Ask the worker to exit after its current batch; kill it if it does not."""
-        self._on_lost = None
-        if self._conn is not None and self.alive:
-            try:
-                self._conn.send(Shutdown())
-            except (OSError, ValueError):
-                pass
-        if self._process is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._process.join, timeout_s)
-            if self._process.is_alive():
-                self._process.kill()
-                await asyncio.get_running_loop().run_in_executor(None, self._process.join, 2.0)
-        self.alive = False
-        self._stop_reading()
+    def _release_segments(self) -> None:
+        """Unmap and remove every segment of this worker: ours, and those the worker made (by name,
+        since a killed worker removes nothing)."""
         self._reader.close()
         if self._arena is not None:
             self._arena.close()
             self._arena = None
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+            self._heartbeat = None
+        remove_segments(self.segment_prefix)
+
+    def kill(self) -> None:
+        """End the worker at once (hung load or batch, shutdown timeout)."""
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Ask the worker to exit after its current batch; kill it if it does not within `timeout_s`
+        (0: kill it now)."""
+        self._on_lost = None
+        if self._conn is not None and self.alive and timeout_s > 0:
+            try:
+                self._conn.send(Shutdown())
+            except (OSError, ValueError):
+                pass
+        if self._process is not None and self._process.pid is not None:
+            loop = asyncio.get_running_loop()
+            if timeout_s > 0:
+                await loop.run_in_executor(None, self._process.join, timeout_s)
+            if self._process.is_alive():
+                self._process.kill()
+                await loop.run_in_executor(None, self._process.join, 5.0)
+        was_running = self.alive
+        self.alive = False
+        if self.state in ("starting", "ready") or was_running:
+            self.state = "stopped"
+        self._stop_reading()
+        error = WorkerLost("the worker was stopped before the batch finished")
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self._pending.clear()
+        self._release_segments()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from servewell.observability.tracing import TracingSettings
+
 
 @dataclass(slots=True, frozen=True)
 class TensorRef:
@@ -21,6 +23,20 @@ class TensorRef:
 
 
 # frontend -> worker
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerLaunch:
+    """What a worker process is started with, besides its model's config."""
+
+    model_dir: str  # the server's private snapshot of the model directory
+    instance: int = 0
+    segment_prefix: str = ""  # every shared-memory segment the worker makes starts with this
+    heartbeat: str = ""  # the frontend-owned segment whose counter the worker's heartbeat thread increments
+    heartbeat_interval_s: float = 0.1
+    log_level: str = "info"
+    log_format: str = "json"
+    tracing: TracingSettings | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,6 +89,7 @@ class WorkerReady:
     effective_max_batch_size: int = 0  # what warm-up proved fits the memory limit (0: no batching)
     peak_bytes_by_batch: tuple[tuple[int, int], ...] = ()  # (batch size, peak resident bytes) from warm-up
     serving_dtype: str = ""
+    latency_by_batch: tuple[tuple[int, float], ...] = ()  # (batch size, seconds) of each warm-up batch
 
 
 @dataclass(slots=True, frozen=True)

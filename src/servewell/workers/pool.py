@@ -1,11 +1,15 @@
-"""The worker processes of one model: spawn, restart with backoff, recycle on memory, report.
+"""The worker processes of one model: spawn, restart with backoff, recycle on memory, watch, report.
 
 A worker that dies is noticed at once (its pipe closes) and restarted with exponential backoff,
-up to a limit after which the pool reports itself failed with the reason. A worker that grows
-past `memory_limit_bytes` is drained (its running batch finishes) and replaced; memory is
-checked after every batch and once a second. The pool tells its owner what happened through
-`PoolListener` (typed calls, no shared fields): which workers may take batches, the largest
-batch warm-up proved fits, and the pool's state.
+up to a limit after which the pool reports itself failed with the reason. A worker whose
+heartbeat stops (SIGSTOP, a deadlock holding the GIL) or whose batch overruns its budget (the
+scheduler says so through `WorkerHandle.declare_hung`) is killed and restarted the same way. A
+worker that grows past `memory_limit_bytes` is drained (its running batch finishes) and
+replaced; memory is checked after every batch and once a second. Once the pool is closing (the
+server shuts down) nothing is restarted or replaced.
+
+The pool tells its owner what happened through `PoolListener` (typed calls, no shared fields):
+which workers may take batches, what warm-up measured, and the pool's state.
 """
 
 from __future__ import annotations
@@ -14,28 +18,39 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from servewell.config.model import ModelConfig
 from servewell.errors import InvalidInput
 from servewell.observability.process import rss_bytes as process_rss_bytes
-from servewell.observability.tracing import TracingSettings
-from servewell.workers.handle import WorkerHandle, WorkerLoadError
-from servewell.workers.messages import BatchDone
+from servewell.workers.handle import WorkerHandle, WorkerLoadError, WorkerSettings
+from servewell.workers.messages import BatchDone, WorkerReady
 
 log = logging.getLogger("servewell.workers")
 
 PoolState = Literal["ready", "restarting", "failed"]
-RestartReason = Literal["crash", "memory"]
+RestartReason = Literal["crash", "hung", "memory"]
+RESTART_REASONS: tuple[RestartReason, ...] = ("crash", "hung", "memory")
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 #: A worker that served this long since its last restart has recovered: the backoff starts over.
 STABLE_AFTER_S = 60.0
 MEMORY_CHECK_INTERVAL_S = 1.0
+#: How often heartbeats are looked at (a few reads of shared memory; no message, no syscall).
+HEARTBEAT_CHECK_INTERVAL_S = 0.25
 
 #: (instance, stage, elapsed_s) while a worker loads.
 PoolProgressFn = Callable[[int, str, float], None]
+
+
+@dataclass(slots=True, frozen=True)
+class WarmupFacts:
+    """What one worker's warm-up measured."""
+
+    serving_dtype: str
+    latency_by_batch: tuple[tuple[int, float], ...]
 
 
 class PoolListener(Protocol):
@@ -46,11 +61,15 @@ class PoolListener(Protocol):
         ...
 
     def worker_gone(self, worker: WorkerHandle) -> None:
-        """`worker` died or is being drained: hand it no more batches."""
+        """`worker` died, hung or is being drained: hand it no more batches."""
         ...
 
     def max_batch_size_limited(self, size: int, why: str) -> None:
         """Warm-up or an out-of-memory split proved batches above `size` do not fit."""
+        ...
+
+    def warmed_up(self, facts: WarmupFacts) -> None:
+        """A worker's warm-up measured its batch latencies and settled its serving dtype."""
         ...
 
     def worker_replaced(self, reason: RestartReason) -> None:
@@ -71,20 +90,22 @@ class WorkerPool:
         model_dir: Path,
         listener: PoolListener,
         load_timeout_s: float,
-        tracing: TracingSettings | None = None,
+        settings: WorkerSettings | None = None,
         on_progress: PoolProgressFn | None = None,
     ) -> None:
         self.config = config
-        self._model_dir = model_dir
+        self.model_dir = model_dir
         self._listener = listener
         self._load_timeout_s = load_timeout_s
-        self._tracing = tracing
+        self._settings = settings or WorkerSettings()
         self._on_progress = on_progress
         self._workers: list[WorkerHandle | None] = [None] * config.instances
         self._retiring: set[WorkerHandle] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # restarts and replacements
+        self._watchers: set[asyncio.Task[None]] = set()  # heartbeat and memory checks, until `stop`
         self._backoff_step = 0
-        self._stopping = False
+        self._closing = False
+        self._stopped = False
         self.restarts = 0
         self.recycles = 0
         self.last_failure: str | None = None
@@ -94,32 +115,47 @@ class WorkerPool:
         """The current worker of each instance slot (None before its first start)."""
         return list(self._workers)
 
-    async def start(self) -> None:
-        """Start every instance; raises `WorkerLoadError` (after stopping the others) if any fails."""
-        self._stopping = False
+    @property
+    def closing(self) -> bool:
+        """Whether the pool has stopped restarting workers (the server or the model is stopping)."""
+        return self._closing
+
+    async def start(self, model_dir: Path | None = None) -> None:
+        """Start every instance from `model_dir` (default: the one given at construction); raises
+        `WorkerLoadError` (after stopping the others) if any fails."""
+        if model_dir is not None:
+            self.model_dir = model_dir
         results = await asyncio.gather(*(self._start(i) for i in range(len(self._workers))), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             await self.stop()
             raise failures[0] if isinstance(failures[0], WorkerLoadError) else WorkerLoadError(str(failures[0]))
-        self._spawn_task(self._watch_memory())
+        self._spawn_task(self._watch_memory(), self._watchers)
+        self._spawn_task(self._watch_heartbeats(), self._watchers)
 
     async def _start(self, index: int) -> None:
         progress = None
         if self._on_progress is not None:
             report = self._on_progress
             progress = lambda stage, elapsed: report(index, stage, elapsed)  # noqa: E731
-        worker = WorkerHandle(self.config, self._model_dir, progress, self._tracing, index,
+        worker = WorkerHandle(self.config, self.model_dir, progress, self._settings, index,
                               on_lost=self._on_lost, on_batch_done=self._after_batch)
         self._workers[index] = worker
         try:
             info = await worker.start(self._load_timeout_s)
         except WorkerLoadError as exc:
             raise WorkerLoadError(f"instance {index}: {exc}") from None
+        if self._closing:  # the server began stopping while this worker loaded
+            await worker.stop()
+            raise WorkerLoadError(f"instance {index}: the model is stopping")
+        self._report_warmup(info)
+        self._listener.worker_ready(worker)
+
+    def _report_warmup(self, info: WorkerReady) -> None:
         if info.effective_max_batch_size:
             self._listener.max_batch_size_limited(
                 info.effective_max_batch_size, "warm-up measured that larger batches break memory_limit_bytes")
-        self._listener.worker_ready(worker)
+        self._listener.warmed_up(WarmupFacts(info.serving_dtype, info.latency_by_batch))
 
     async def profile(self, instance: int, seconds: float, directory: str) -> str:
         """Profile one instance's batches for `seconds`; the trace file's path."""
@@ -132,38 +168,70 @@ class WorkerPool:
 
     def _on_lost(self, worker: WorkerHandle) -> None:
         self._listener.worker_gone(worker)
-        if self._stopping or worker in self._retiring:
+        if worker in self._retiring:
             return
         index = worker.instance
+        hung = worker.hung_reason is not None
+        self.last_failure = f"instance {index}: worker {worker.pid} {worker.exit_reason}"
+        if self._closing:
+            log.warning("model %s instance %d: worker %s %s during shutdown; not restarted", self.config.name,
+                        index, worker.pid, worker.exit_reason, extra={"model": self.config.name})
+            if not self.any_alive():
+                self._listener.pool_state("restarting", self.last_failure)
+            return
         self.restarts += 1
-        self._listener.worker_replaced("crash")
-        log.warning("model %s instance %d: worker %s died (%s); restarting", self.config.name, index, worker.pid,
-                    worker.exit_reason, extra={"model": self.config.name})
-        self.last_failure = f"worker {worker.pid} died ({worker.exit_reason})"
-        if not any(w is not None and w.alive for w in self._workers):
+        self._listener.worker_replaced("hung" if hung else "crash")
+        log.warning("model %s instance %d: worker %s %s; restarting", self.config.name, index, worker.pid,
+                    worker.exit_reason, extra={"model": self.config.name, "instance": index,
+                                               "reason": "hung" if hung else "crash"})
+        if not self.any_alive():
             self._listener.pool_state("restarting", self.last_failure)
         self._spawn_task(self._restart(index, worker))
 
     async def _restart(self, index: int, lost: WorkerHandle) -> None:
         if lost.ready_at is not None and time.monotonic() - lost.ready_at > STABLE_AFTER_S:
             self._backoff_step = 0
-        while self._backoff_step < len(RESTART_BACKOFF_S) and not self._stopping:
+        while self._backoff_step < len(RESTART_BACKOFF_S) and not self._closing:
             await asyncio.sleep(RESTART_BACKOFF_S[self._backoff_step])
             self._backoff_step += 1
-            if self._stopping:
+            if self._closing:
                 return
             try:
                 await self._start(index)
             except WorkerLoadError as exc:
                 self.last_failure = str(exc)
+                log.warning("model %s instance %d: restart %d failed: %s", self.config.name, index,
+                            self._backoff_step, exc, extra={"model": self.config.name})
                 continue
             if all(w is not None and w.alive for w in self._workers):
                 self._listener.pool_state("ready", None)
             return
-        if not self._stopping:
+        if not self._closing:
             reason = f"worker restarted {self._backoff_step} times without recovering; last: {self.last_failure}"
             log.error("model %s failed: %s", self.config.name, reason, extra={"model": self.config.name})
             self._listener.pool_state("failed", reason)
+
+    async def _watch_heartbeats(self) -> None:
+        # A stopped process closes no pipe: only its silence tells. Busy workers keep beating (the
+        # heartbeat is a thread of their own), so a long batch is never mistaken for a hang here.
+        # This goes on while the server drains: a hung worker then is killed and its requests answered.
+        timeout_s = self._settings.heartbeat_timeout_s
+        while not self._stopped:
+            await asyncio.sleep(HEARTBEAT_CHECK_INTERVAL_S)
+            for worker in list(self._workers):
+                if worker is None or not worker.alive or worker in self._retiring:
+                    continue
+                silence = worker.heartbeat_silence_s()
+                if silence > timeout_s:
+                    self.declare_hung(worker, f"no heartbeat for {silence:.1f} s (stopped, or stuck holding the GIL)")
+
+    def declare_hung(self, worker: WorkerHandle, reason: str) -> None:
+        """Kill a worker that stopped making progress; it is restarted like a crashed one."""
+        if not worker.alive:
+            return
+        log.error("model %s instance %d: worker %s is hung: %s; killing it", self.config.name, worker.instance,
+                  worker.pid, reason, extra={"model": self.config.name, "instance": worker.instance})
+        worker.declare_hung(reason)
 
     def _after_batch(self, worker: WorkerHandle, done: BatchDone) -> None:
         if done.oom_limited_batch_size:
@@ -172,7 +240,7 @@ class WorkerPool:
 
     async def _watch_memory(self) -> None:
         # Between batches a worker can still grow (a leak in a background thread); check it too.
-        while not self._stopping:
+        while not self._stopped:
             await asyncio.sleep(MEMORY_CHECK_INTERVAL_S)
             for worker in list(self._workers):
                 if worker is not None and worker.alive and worker.pid:
@@ -181,7 +249,7 @@ class WorkerPool:
 
     def _check_memory(self, worker: WorkerHandle) -> None:
         limit = self.config.memory_limit_bytes
-        if limit is None or worker in self._retiring or self._stopping or worker.rss_bytes <= limit:
+        if limit is None or worker in self._retiring or self._closing or worker.rss_bytes <= limit:
             return
         reason = f"resident memory {worker.rss_bytes >> 20} MiB exceeds memory_limit_bytes {limit >> 20} MiB"
         log.warning("model %s instance %d: %s; draining and replacing worker %s", self.config.name, worker.instance,
@@ -195,20 +263,23 @@ class WorkerPool:
     async def _replace(self, worker: WorkerHandle) -> None:
         await worker.stop()  # the batch in hand finishes first: Shutdown queues behind it
         self._retiring.discard(worker)
-        if self._stopping:
+        if self._closing:
             return
         try:
             await self._start(worker.instance)
         except WorkerLoadError as exc:
             self.last_failure = str(exc)
-            replacement = self._workers[worker.instance]
-            if replacement is not None:
-                self._on_lost(replacement)
+            self.restarts += 1
+            self._listener.worker_replaced("crash")
+            if not self.any_alive():
+                self._listener.pool_state("restarting", self.last_failure)
+            self._spawn_task(self._restart(worker.instance, worker))
 
-    def _spawn_task(self, coroutine: Coroutine[Any, Any, None]) -> None:
+    def _spawn_task(self, coroutine: Coroutine[Any, Any, None], into: set[asyncio.Task[None]] | None = None) -> None:
+        tasks = self._tasks if into is None else into
         task = asyncio.get_running_loop().create_task(coroutine)
-        self._tasks.add(task)  # keep a reference until it finishes (the loop holds only a weak one)
-        task.add_done_callback(self._tasks.discard)
+        tasks.add(task)  # keep a reference until it finishes (the loop holds only a weak one)
+        task.add_done_callback(tasks.discard)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -216,10 +287,19 @@ class WorkerPool:
         """Whether at least one worker can run batches."""
         return any(w is not None and w.alive for w in self._workers)
 
-    async def stop(self) -> None:
-        """Stop every worker (each finishes the batch in hand first) and every supervision task."""
-        self._stopping = True
+    def close(self) -> None:
+        """Restart and replace nothing from now on (the server or this model is stopping); the
+        workers keep serving what they were given until `stop`."""
+        self._closing = True
         for task in list(self._tasks):
             if task is not asyncio.current_task():
                 task.cancel()
-        await asyncio.gather(*(w.stop() for w in self._workers if w is not None), return_exceptions=True)
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop every worker (each finishes the batch in hand first, within `timeout_s`; 0 kills them
+        at once) and every supervision task."""
+        self.close()
+        self._stopped = True
+        for task in list(self._watchers):
+            task.cancel()
+        await asyncio.gather(*(w.stop(timeout_s) for w in self._workers if w is not None), return_exceptions=True)

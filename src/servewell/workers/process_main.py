@@ -6,8 +6,9 @@ imports a framework (torch, onnxruntime) happens here, never in the frontend.
 
 from __future__ import annotations
 
+import logging
 import os
-import signal
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -16,9 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from servewell.config.model import ModelConfig
+from servewell.observability.logging import configure_logging
 from servewell.observability.process import rss_bytes
 from servewell.observability.steps import set_step_sink
-from servewell.observability.tracing import Tracing, TracingSettings, context_from_traceparent
+from servewell.observability.tracing import Tracing, context_from_traceparent
 from servewell.runtimes.base import DeviceUnusableError, ModelLoadError, ModelRuntime, OomSplitting
 from servewell.workers.messages import (
     BatchDone,
@@ -29,23 +31,28 @@ from servewell.workers.messages import (
     Shutdown,
     StartProfile,
     StopProfile,
+    WorkerLaunch,
     WorkerLoadFailed,
     WorkerReady,
 )
 from servewell.workers.profiling import WorkerProfiler
-from servewell.workers.shm import SegmentReader, SharedArena
+from servewell.workers.shm import HeartbeatCell, SegmentReader, SharedArena
+
+log = logging.getLogger("servewell.workers")
 
 
-def worker_main(
-    conn: Connection, config: ModelConfig, model_dir: str, tracing: TracingSettings | None = None, instance: int = 0
-) -> None:
-    """Run until the frontend says `Shutdown` or goes away."""
-    # Ctrl-C in a terminal reaches the whole process group; the frontend decides when we stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch) -> None:
+    """Run until the frontend says `Shutdown` or goes away (SIGINT and SIGTERM are ignored: see
+    `entry.run_worker`)."""
+    # One log format for the whole server: a worker's lines (an OTLP export failure, a model's own
+    # warnings) are JSON lines like the frontend's, not Python's plain-text fallback.
+    configure_logging(launch.log_level, launch.log_format)
+    _start_heartbeat(launch)
     # Thread pools read these when the framework is first imported, so set them first.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(config.threads)
 
+    instance = launch.instance
     started = time.perf_counter()
     stages: list[tuple[str, float]] = []
     if config.nice:
@@ -70,7 +77,7 @@ def worker_main(
         from servewell.runtimes.warmup import warm_up
 
         progress("import runtime")
-        runtime = load_runtime(config, Path(model_dir), progress)
+        runtime = load_runtime(config, Path(launch.model_dir), progress)
         load_s = time.perf_counter() - started
         report = None
         if config.warmup:
@@ -87,8 +94,27 @@ def worker_main(
         effective_max_batch_size=report.effective_max_batch_size if report else 0,
         peak_bytes_by_batch=report.peak_bytes_by_batch if report else (),
         serving_dtype=dtype,
+        latency_by_batch=report.latency_by_batch if report else (),
     ))
-    _serve(conn, runtime, config.name, Tracing(tracing, make_global=True) if tracing is not None else None)
+    tracing = Tracing(launch.tracing, make_global=True) if launch.tracing is not None else None
+    _serve(conn, runtime, config.name, tracing, launch.segment_prefix)
+
+
+def _start_heartbeat(launch: WorkerLaunch) -> None:
+    """Increment the frontend's heartbeat counter from a thread of its own, independent of batches:
+    a busy worker keeps beating, a stopped one (SIGSTOP, a deadlock holding the GIL) does not."""
+    if not launch.heartbeat:
+        return
+    cell = HeartbeatCell(launch.heartbeat, create=False)
+
+    def beat() -> None:
+        count = 0
+        while True:
+            count += 1
+            cell.write(count)
+            time.sleep(launch.heartbeat_interval_s)
+
+    threading.Thread(target=beat, name="servewell-heartbeat", daemon=True).start()
 
 
 def assign_device(config: ModelConfig, instance: int) -> ModelConfig:
@@ -104,9 +130,11 @@ def assign_device(config: ModelConfig, instance: int) -> ModelConfig:
     return config.model_copy(update={"device": f"cuda:{instance % count}"})
 
 
-def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing | None) -> None:
+def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing | None, prefix: str) -> None:
     reader = SegmentReader()
-    arena = SharedArena()
+    # Outputs go into a segment named after the frontend's prefix for this worker, so the frontend
+    # can remove it by name however this process ends.
+    arena = SharedArena(prefix=f"{prefix}-out" if prefix else None)
     rows_computed = 0
     steps: list[tuple[str, float]] = []
     set_step_sink(lambda name, seconds: steps.append((name, seconds)), tracing.tracer if tracing else None)

@@ -1,32 +1,143 @@
 """Shared-memory segments that carry batch tensors between processes without pickling.
 
-One side owns (creates and unlinks) a segment; the other attaches by name. Workers are
-spawned by the frontend and share its resource tracker, which keeps one entry per name:
-attaching re-registers the same name (no effect) and the owner's unlink removes it, so
-nobody unregisters by hand. A segment whose owner was killed is removed by the tracker
-when the server exits.
+A segment is a file in /dev/shm (what `shm_open` makes on Linux), mapped by both processes.
+Every name starts with `servewell-<frontend pid>-<worker serial>`: the frontend gives each
+worker its prefix, so it can remove every segment of a worker by name however the worker ended
+(a `kill -9` included), and every segment of the server when it exits. A server that was itself
+killed leaves segments whose pid is dead; the next server removes those at start
+(`remove_stale_segments`).
+
+Python's `multiprocessing.shared_memory` is not used: it registers every segment with the
+resource tracker, which then warns about "leaked" segments another process already removed,
+or removes at exit what a live process still uses. Owners here unlink their own segments and the
+frontend sweeps by prefix, so nothing needs a tracker.
 """
 
 from __future__ import annotations
 
-from multiprocessing import shared_memory
+import itertools
+import mmap
+import os
+import struct
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
 from servewell.workers.messages import TensorRef
 
 _ALIGN = 64  # cache-line alignment keeps vectorised copies fast
+#: Every segment servewell makes starts with this (then the frontend's pid).
+NAME_PREFIX = "servewell-"
+_serials = itertools.count(1)
+
+
+def shm_directory() -> Path:
+    """Where segments live: /dev/shm (tmpfs) on Linux, the temp directory elsewhere."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def new_prefix() -> str:
+    """A fresh name prefix owned by this process: `servewell-<pid>-<serial>`."""
+    return f"{NAME_PREFIX}{os.getpid()}-{next(_serials)}"
 
 
 def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-class SharedArena:
-    """A growable shared-memory segment owned by this process, reused for one batch at a time."""
+class Segment:
+    """One named shared-memory file mapped into this process."""
 
-    def __init__(self, initial_bytes: int = 1 << 20) -> None:
-        self._segment = shared_memory.SharedMemory(create=True, size=max(_ALIGN, initial_bytes))
+    def __init__(self, name: str, size: int, *, create: bool) -> None:
+        path = shm_directory() / name
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            else:
+                size = os.fstat(fd).st_size
+            self._map = mmap.mmap(fd, size)
+        except BaseException:
+            if create:
+                os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        self.name = name
+        self.size = size
+
+    @property
+    def buf(self) -> mmap.mmap:
+        """The mapped bytes (numpy arrays may be laid over them)."""
+        return self._map
+
+    def close(self) -> None:
+        """Unmap (the file stays until unlinked). A numpy view still alive keeps the mapping:
+        it then goes when the view does."""
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+
+    def unlink(self) -> None:
+        """Remove the name; processes that mapped it keep their mapping."""
+        remove_segment(self.name)
+
+
+def remove_segment(name: str) -> bool:
+    """Unlink one segment by name; whether it existed."""
+    try:
+        os.unlink(shm_directory() / name)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def remove_segments(prefix: str) -> int:
+    """Unlink every segment whose name starts with `prefix` + "-"; how many there were."""
+    removed = 0
+    for path in shm_directory().glob(f"{prefix}-*"):
+        removed += remove_segment(path.name)
+    return removed
+
+
+def remove_stale_segments() -> int:
+    """Unlink segments left by servewell processes that no longer exist (a killed server)."""
+    removed = 0
+    for path in shm_directory().glob(f"{NAME_PREFIX}*"):
+        pid_text = path.name[len(NAME_PREFIX):].split("-", 1)[0]
+        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            removed += remove_segment(path.name)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: not ours to judge
+    return True
+
+
+class SharedArena:
+    """A growable segment owned by this process, reused for one batch at a time.
+
+    Its names are `<prefix>-<generation>`; growing creates the next generation and unlinks the
+    outgrown one at once.
+    """
+
+    def __init__(self, initial_bytes: int = 1 << 20, prefix: str | None = None) -> None:
+        self._prefix = prefix or new_prefix() + "-arena"
+        self._generation = itertools.count()
+        self._segment = self._new(max(_ALIGN, initial_bytes))
+
+    def _new(self, size: int) -> Segment:
+        return Segment(f"{self._prefix}{next(self._generation)}", size, create=True)
 
     @property
     def name(self) -> str:
@@ -40,7 +151,7 @@ class SharedArena:
         refs: list[TensorRef] = []
         offset = 0
         for name, array in arrays.items():
-            view = np.ndarray(array.shape, dtype=array.dtype, buffer=self._segment.buf, offset=offset)
+            view: np.ndarray = np.ndarray(array.shape, dtype=array.dtype, buffer=self._segment.buf, offset=offset)
             np.copyto(view, array, casting="no")
             refs.append(TensorRef(name, array.dtype.str, tuple(array.shape), offset, array.nbytes))
             offset += _aligned(array.nbytes)
@@ -69,48 +180,77 @@ class SharedArena:
     def _ensure(self, nbytes: int) -> None:
         if nbytes <= self._segment.size:
             return
+        size = max(nbytes, 2 * self._segment.size)
         self.close()
-        self._segment = shared_memory.SharedMemory(create=True, size=max(nbytes, 2 * self._segment.size))
+        self._segment = self._new(size)
 
     def close(self) -> None:
-        """Release and unlink the segment."""
-        try:
-            self._segment.close()
-            self._segment.unlink()
-        except FileNotFoundError:
-            pass
+        """Release and unlink the segment (closing twice is harmless)."""
+        self._segment.close()
+        self._segment.unlink()
 
 
 class SegmentReader:
     """Attaches to segments owned by the other process and reads tensors out of them."""
 
     def __init__(self) -> None:
-        self._attached: dict[str, shared_memory.SharedMemory] = {}
+        self._attached: dict[str, Segment] = {}
 
     def arrays(self, segment: str, refs: tuple[TensorRef, ...], copy: bool) -> dict[str, np.ndarray]:
         """The tensors `refs` in `segment`; `copy=True` detaches them from the segment."""
         shm = self._attach(segment)
         out: dict[str, np.ndarray] = {}
         for ref in refs:
-            view = np.ndarray(ref.shape, dtype=np.dtype(ref.dtype), buffer=shm.buf, offset=ref.offset)
+            view: np.ndarray = np.ndarray(ref.shape, dtype=np.dtype(ref.dtype), buffer=shm.buf, offset=ref.offset)
             out[ref.name] = view.copy() if copy else view
         return out
 
-    def _attach(self, segment: str) -> shared_memory.SharedMemory:
+    def _attach(self, segment: str) -> Segment:
         shm = self._attached.get(segment)
         if shm is None:
             # A new name means the owner grew its arena: drop the stale attachment.
             self.close()
-            shm = shared_memory.SharedMemory(name=segment, create=False)
+            shm = Segment(segment, 0, create=False)
             self._attached[segment] = shm
         return shm
 
     def close(self) -> None:
         """Detach from every segment (never unlinks: the owner does)."""
         for shm in self._attached.values():
-            try:
-                shm.close()
-            except BufferError:
-                # A caller still holds a view; the mapping goes when the process exits.
-                pass
+            shm.close()
         self._attached.clear()
+
+
+_BEAT = struct.Struct("<Q")
+
+
+class HeartbeatCell:
+    """An 8-byte counter in a segment: the worker's heartbeat thread increments it, the frontend
+    reads it. It needs no message and no event-loop wake-up per beat."""
+
+    SIZE = _ALIGN
+
+    def __init__(self, name: str, *, create: bool) -> None:
+        self._segment = Segment(name, self.SIZE, create=create)
+
+    @property
+    def name(self) -> str:
+        """The segment's name."""
+        return self._segment.name
+
+    def read(self) -> int:
+        """The current count."""
+        value: int = _BEAT.unpack_from(self._segment.buf, 0)[0]
+        return value
+
+    def write(self, value: int) -> None:
+        """Store a count (one aligned 8-byte store: a reader never sees half of it)."""
+        _BEAT.pack_into(self._segment.buf, 0, value)
+
+    def close(self) -> None:
+        """Unmap the cell (the owner also unlinks it)."""
+        self._segment.close()
+
+    def unlink(self) -> None:
+        """Remove the name."""
+        self._segment.unlink()

@@ -29,7 +29,8 @@ def test_changes_are_only_what_the_client_sent() -> None:
 @pytest.mark.parametrize("field", sorted(set(BatchingConfig.model_fields) - {"lanes"}))
 def test_each_field_has_the_bounds_of_the_config(field: str) -> None:
     bad = {"policy": "fastest", "max_wait_ms": -1, "latency_slo_ms": 0, "max_queue_size": 0,
-           "default_timeout_ms": 0, "max_consecutive_high": 0, "reserve_instance_for_high": "maybe"}[field]
+           "default_timeout_ms": 0, "max_consecutive_high": 0, "reserve_instance_for_high": "maybe",
+           "compute_timeout_ms": 0}[field]
     assert set(problems({field: bad})) == {field}
     with pytest.raises(ValidationError):
         BatchingConfig.model_validate({field: bad})

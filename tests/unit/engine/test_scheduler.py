@@ -40,6 +40,9 @@ class FakeRunner:
         self.release.set()
         self.fail_with = fail_with
 
+    def declare_hung(self, reason: str) -> None:
+        self.alive = False
+
     async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None) -> BatchOutcome:
         x = np.concatenate(parts["x"])
         self.batches.append(x[:, 0].tolist())

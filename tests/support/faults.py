@@ -1,0 +1,201 @@
+"""What the fault-injection e2e tests share: a closed-loop load that records every answer with its
+latency, the shared-memory segments of a server, and a server in a process group of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from processes import free_port
+
+SHM = Path("/dev/shm")
+
+
+DELAY_FACTORY = textwrap.dedent('''
+    import time
+
+    import torch
+    from torch import nn
+
+
+    class Delay(nn.Module):
+        """y = x after a fixed delay per batch: a stand-in for a heavy model whose speed the test sets."""
+
+        def __init__(self, delay_ms: float = 100.0):
+            super().__init__()
+            self.delay_s = delay_ms / 1000.0
+            self.scale = nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            time.sleep(self.delay_s)
+            return x * self.scale
+
+
+    def build(delay_ms: float = 100.0):
+        return Delay(delay_ms)
+''')
+
+
+def delay_model(root: Path, name: str, delay_ms: float, **fields: Any) -> None:
+    """Write model `name` into repository `root`: y = x after `delay_ms` per batch (pytorch runtime)."""
+    directory = root / name
+    directory.mkdir(parents=True)
+    (directory / "delay_factory.py").write_text(DELAY_FACTORY)
+    save_file({"scale": torch.ones(1)}, str(directory / "model.safetensors"))
+    config = {
+        "runtime": "pytorch", "artifact": "model.safetensors",
+        "pytorch": {"factory": "delay_factory:build", "factory_kwargs": {"delay_ms": delay_ms}},
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
+        **fields,
+    }
+    (directory / "model.yaml").write_text(yaml.safe_dump(config))
+
+
+def module_server_factory(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """The e2e fixture that starts servers a module's tests share: `start_module_server` where the
+    harness has one, else the session's `start_server`."""
+    for name in ("start_module_server", "start_server"):
+        try:
+            factory: Callable[..., Any] = request.getfixturevalue(name)
+        except pytest.FixtureLookupError:
+            continue
+        return factory
+    raise LookupError("no fixture starts servers")
+
+
+def body(value: float) -> dict[str, Any]:
+    """One row for the stand-in models (input x of shape [1])."""
+    return {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [value]}]}
+
+
+@dataclass(slots=True, frozen=True)
+class Answer:
+    """One request as the client saw it."""
+
+    sent_at: float
+    seconds: float
+    status: int | None  # None: a transport error (connection refused or reset)
+    code: str | None  # the error code of a JSON error body
+    error: str | None = None  # the transport error's class
+    value: float | None = None  # y of a 200
+
+    @property
+    def label(self) -> str:
+        """200, "503 worker_hung", "ConnectError", ..."""
+        if self.status is None:
+            return str(self.error)
+        return str(self.status) if self.status == 200 else f"{self.status} {self.code}"
+
+
+async def closed_loop(url: str, model: str, seconds: float, users: int = 8, headers: dict[str, str] | None = None,
+                      value: float = 1.0, stop: asyncio.Event | None = None) -> list[Answer]:
+    """`users` clients each sending one request after the other for `seconds` (or until `stop`)."""
+    answers: list[Answer] = []
+    ends_at = time.monotonic() + seconds
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=users + 4)) as c:
+        async def user() -> None:
+            while time.monotonic() < ends_at and not (stop is not None and stop.is_set()):
+                sent = time.monotonic()
+                try:
+                    r = await c.post(f"/v2/models/{model}/infer", json=body(value), headers=headers or {})
+                except httpx.TransportError as exc:
+                    answers.append(Answer(sent, time.monotonic() - sent, None, None, type(exc).__name__))
+                    await asyncio.sleep(0.05)  # a refused connection comes back at once: do not spin
+                    continue
+                doc = r.json()
+                code = doc["error"]["code"] if r.status_code != 200 else None
+                y = doc["outputs"][0]["data"][0] if r.status_code == 200 else None
+                answers.append(Answer(sent, time.monotonic() - sent, r.status_code, code, value=y))
+
+        await asyncio.gather(*(user() for _ in range(users)))
+    return answers
+
+
+def tally(answers: list[Answer]) -> Counter[str]:
+    """How many answers of each kind."""
+    return Counter(a.label for a in answers)
+
+
+def segments_of(pid: int) -> list[str]:
+    """Shared-memory segments of the server whose frontend has `pid`."""
+    return sorted(p.name for p in SHM.glob(f"servewell-{pid}-*"))
+
+
+def workers_with_segments(pid: int) -> set[str]:
+    """The worker serials that own segments: `servewell-<pid>-<serial>-<kind>`."""
+    return {name.split("-")[2] for name in segments_of(pid)}
+
+
+def metric_value(url: str, name: str, **labels: str) -> float | None:
+    """One sample of /metrics, or None when absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return None
+
+
+class SessionServer:
+    """`servewell serve` in a new session (its own process group), as a service manager starts it,
+    so that a signal can be sent to the whole group."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "servewell", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+             "--grpc-port", "0", *args],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "SERVEWELL_SHUTDOWN_DELAY_S": "0", **(env or {})},
+        )
+
+    def log(self) -> str:
+        """Everything the server printed so far (also after `stop`)."""
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 180) -> None:
+        """Wait until /healthz answers 200."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"not ready after {timeout_s} s:\n{self.log()[-3000:]}")
+
+    def stop(self) -> None:
+        """End the whole group if it is still running (by its pid, which is the group's id)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait(10)
+        self._log.close()
