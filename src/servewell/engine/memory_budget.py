@@ -76,16 +76,42 @@ def _safetensors_bytes(path: Path, dtype: str) -> int:
     return total
 
 
-def machine_memory_budget(fraction: float = 0.9) -> int:
-    """Default host budget: a share of the memory available when the server starts."""
+def machine_memory_budget(fraction: float = 0.9, meminfo: Path = Path("/proc/meminfo"),
+                          cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Default budget: a share of the memory available when the server starts. In a container the
+    host's free memory is not what the server may use: under a cgroup memory limit (v2
+    `memory.max`, v1 `memory.limit_in_bytes`) the budget is the share of what that limit leaves."""
+    available: int | None = None
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(int(line.split()[1]) * 1024 * fraction)
+                    available = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return 8 << 30
+    limit = _cgroup_room(cgroup)
+    if limit is not None:
+        available = limit if available is None else min(available, limit)
+    return int(available * fraction) if available is not None else 8 << 30
+
+
+def _cgroup_room(root: Path) -> int | None:
+    """Bytes this process's cgroup may still use (limit minus usage), or None without a limit."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            raw = (root / limit_file).read_text().strip()
+        except OSError:
+            continue
+        if not raw.isdigit() or int(raw) >= 1 << 60:  # "max", or v1's "no limit" (a huge number)
+            return None
+        try:
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            usage = 0
+        return max(0, int(raw) - usage)
+    return None
 
 
 class MemoryBudget:
