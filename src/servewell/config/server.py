@@ -58,7 +58,7 @@ class ServerConfig(BaseModel):
     )
     memory_budget_bytes: int | None = Field(
         None, ge=1, description="Host memory all models together may use (estimated before loading); "
-        "default: 90% of the memory available at start.",
+        "default: 90% of the memory available at start (within a container, of what its cgroup limit leaves).",
     )
     admin_token: str | None = Field(
         None, description="Bearer token for /admin endpoints; when unset they answer loopback clients only."
