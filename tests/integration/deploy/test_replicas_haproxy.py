@@ -127,6 +127,10 @@ class Replicas:
                 str(repository),
                 "--log-format",
                 "json",
+                # Model files change under these replicas in a test (to make the next load slow): they
+                # must not pick the change up live (hot reload), only when a replica restarts.
+                "--config-poll-s",
+                "0",
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
