@@ -16,7 +16,9 @@ import time
 import httpx
 import pytest
 
-from faults import SessionServer, body, closed_loop, delay_model, segments_of, tally, workers_with_segments
+from faults import SessionServer, closed_loop, segments_of, tally, workers_with_segments
+from model_dirs import infer_body as body
+from model_dirs import slow_model
 
 
 def worker_pids(url: str, model: str = "slow") -> list[int]:
@@ -45,7 +47,7 @@ def warm(url: str, requests: int = 16) -> None:
 
 
 def test_no_segment_outlives_its_worker_across_kills_reload_unload_and_shutdown(tmp_path, start_server):
-    delay_model(tmp_path, "slow", 20, max_batch_size=2, instances=2)
+    slow_model(tmp_path, "slow", 20, max_batch_size=2, instances=2)
     server = start_server(["--model-repository", str(tmp_path), "--admin-token", "t"])
     server.wait_ready()
     pid = server.proc.pid
@@ -75,7 +77,7 @@ def test_no_segment_outlives_its_worker_across_kills_reload_unload_and_shutdown(
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_the_whole_process_group_under_load_loses_nothing_and_restarts_nothing(tmp_path, sig):
-    delay_model(tmp_path, "slow", 30, max_batch_size=4, instances=2)
+    slow_model(tmp_path, "slow", 30, max_batch_size=4, instances=2)
     server = SessionServer(["--model-repository", str(tmp_path), "--shutdown-delay-s", "1"],
                            tmp_path / "server.log")
     try:
@@ -130,7 +132,7 @@ def test_a_signal_to_the_whole_process_group_under_load_loses_nothing_and_restar
 
 @pytest.mark.parametrize("bound", ["second SIGTERM", "--shutdown-timeout-s"])
 def test_the_drain_is_bounded_and_what_is_left_gets_503_shutting_down(tmp_path, bound):
-    delay_model(tmp_path, "slow", 1000, max_batch_size=1, instances=1)
+    slow_model(tmp_path, "slow", 1000, max_batch_size=1, instances=1)
     timeout_s = "60" if bound == "second SIGTERM" else "1.5"
     server = SessionServer(["--model-repository", str(tmp_path), "--shutdown-timeout-s", timeout_s],
                            tmp_path / "server.log")
@@ -159,7 +161,7 @@ def test_the_drain_is_bounded_and_what_is_left_gets_503_shutting_down(tmp_path, 
 
 
 def test_queued_requests_of_a_model_that_loses_its_last_worker_during_shutdown_are_answered(tmp_path):
-    delay_model(tmp_path, "slow", 1000, max_batch_size=1, instances=1)
+    slow_model(tmp_path, "slow", 1000, max_batch_size=1, instances=1)
     server = SessionServer(["--model-repository", str(tmp_path)], tmp_path / "server.log")
     try:
         server.wait_ready()

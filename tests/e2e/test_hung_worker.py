@@ -16,16 +16,9 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from faults import (
-    body,
-    closed_loop,
-    delay_model,
-    metric_value,
-    module_server_factory,
-    segments_of,
-    tally,
-    workers_with_segments,
-)
+from faults import closed_loop, metric_value, segments_of, tally, workers_with_segments
+from model_dirs import infer_body as body
+from model_dirs import slow_model
 
 STUCK_ON_13 = textwrap.dedent('''
     import time
@@ -58,10 +51,10 @@ SLACK_S = 1.5
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, request):
-    start_server = module_server_factory(request)
+def server(tmp_path_factory, start_module_server):
+    start_server = start_module_server
     root = tmp_path_factory.mktemp("hung-repo")
-    delay_model(root, "slow", 30, max_batch_size=4, instances=1)
+    slow_model(root, "slow", 30, max_batch_size=4, instances=1)
     stuck = root / "stuck"
     stuck.mkdir()
     (stuck / "stuck_factory.py").write_text(STUCK_ON_13)

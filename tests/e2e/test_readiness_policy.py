@@ -16,7 +16,8 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from faults import body, metric_value, module_server_factory
+from faults import metric_value
+from model_dirs import infer_body as body
 
 SLEEPY = textwrap.dedent('''
     import time
@@ -93,9 +94,9 @@ def repository(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(repository, request):
-    start_server = module_server_factory(request)
+def servers(repository, start_module_server):
     """One server per policy, started together (they load the same repository)."""
+    start_server = start_module_server
     started = {
         "any": start_server(["--model-repository", str(repository)]),
         "strict": start_server(["--model-repository", str(repository), "--readiness", "strict"]),

@@ -11,7 +11,8 @@ import socket
 
 import httpx
 
-from faults import body, delay_model
+from model_dirs import infer_body as body
+from model_dirs import slow_model
 
 
 def test_sigterm_with_a_black_holed_collector_exits_promptly_and_the_log_stays_json(tmp_path, start_server):
@@ -19,7 +20,7 @@ def test_sigterm_with_a_black_holed_collector_exits_promptly_and_the_log_stays_j
     hole.bind(("127.0.0.1", 0))
     hole.listen(1024)  # connections complete in the kernel; nobody ever reads or answers
     try:
-        delay_model(tmp_path, "slow", 1, max_batch_size=8)
+        slow_model(tmp_path, "slow", 1, max_batch_size=8)
         server = start_server(
             ["--model-repository", str(tmp_path), "--otlp-endpoint", f"http://127.0.0.1:{hole.getsockname()[1]}",
              "--trace-sample-ratio", "1"],

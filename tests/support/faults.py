@@ -7,81 +7,17 @@ import asyncio
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
-import pytest
-import torch
-import yaml
-from safetensors.torch import save_file
 
+from model_dirs import infer_body
 from processes import free_port
 
 SHM = Path("/dev/shm")
-
-
-DELAY_FACTORY = textwrap.dedent('''
-    import time
-
-    import torch
-    from torch import nn
-
-
-    class Delay(nn.Module):
-        """y = x after a fixed delay per batch: a stand-in for a heavy model whose speed the test sets."""
-
-        def __init__(self, delay_ms: float = 100.0):
-            super().__init__()
-            self.delay_s = delay_ms / 1000.0
-            self.scale = nn.Parameter(torch.ones(1))
-
-        def forward(self, x):
-            time.sleep(self.delay_s)
-            return x * self.scale
-
-
-    def build(delay_ms: float = 100.0):
-        return Delay(delay_ms)
-''')
-
-
-def delay_model(root: Path, name: str, delay_ms: float, **fields: Any) -> None:
-    """Write model `name` into repository `root`: y = x after `delay_ms` per batch (pytorch runtime)."""
-    directory = root / name
-    directory.mkdir(parents=True)
-    (directory / "delay_factory.py").write_text(DELAY_FACTORY)
-    save_file({"scale": torch.ones(1)}, str(directory / "model.safetensors"))
-    config = {
-        "runtime": "pytorch", "artifact": "model.safetensors",
-        "pytorch": {"factory": "delay_factory:build", "factory_kwargs": {"delay_ms": delay_ms}},
-        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
-        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
-        **fields,
-    }
-    (directory / "model.yaml").write_text(yaml.safe_dump(config))
-
-
-def module_server_factory(request: pytest.FixtureRequest) -> Callable[..., Any]:
-    """The e2e fixture that starts servers a module's tests share: `start_module_server` where the
-    harness has one, else the session's `start_server`."""
-    for name in ("start_module_server", "start_server"):
-        try:
-            factory: Callable[..., Any] = request.getfixturevalue(name)
-        except pytest.FixtureLookupError:
-            continue
-        return factory
-    raise LookupError("no fixture starts servers")
-
-
-def body(value: float) -> dict[str, Any]:
-    """One row for the stand-in models (input x of shape [1])."""
-    return {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [value]}]}
 
 
 @dataclass(slots=True, frozen=True)
@@ -113,7 +49,7 @@ async def closed_loop(url: str, model: str, seconds: float, users: int = 8, head
             while time.monotonic() < ends_at and not (stop is not None and stop.is_set()):
                 sent = time.monotonic()
                 try:
-                    r = await c.post(f"/v2/models/{model}/infer", json=body(value), headers=headers or {})
+                    r = await c.post(f"/v2/models/{model}/infer", json=infer_body(value), headers=headers or {})
                 except httpx.TransportError as exc:
                     answers.append(Answer(sent, time.monotonic() - sent, None, None, type(exc).__name__))
                     await asyncio.sleep(0.05)  # a refused connection comes back at once: do not spin
