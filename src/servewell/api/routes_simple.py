@@ -153,4 +153,4 @@ def _scheduler_counts(facts: SchedulingFacts | None) -> dict[str, int] | None:
     if facts is None:
         return None
     return {"batches": facts.batches, "rows": facts.rows, "expired": facts.expired, "cancelled": facts.cancelled,
-            "rejected": facts.rejected}
+            "rejected": facts.rejected, "isolated_batches": facts.isolated_batches}

@@ -375,7 +375,8 @@ class InferenceEngine:
         s = entry.scheduler
         stats = s.stats
         scheduling = SchedulingFacts(s.queue_depth, s.lane_depths(), s.running_rows, s.max_batch_size,
-                                     stats.batches, stats.rows, stats.expired, stats.cancelled, stats.rejected)
+                                     stats.batches, stats.rows, stats.expired, stats.cancelled, stats.rejected,
+                                     stats.isolated_batches)
         return ModelView(entry.name, entry.version, entry.state, entry.reason, entry.config, entry.load_s,
                          entry.restarts, entry.recycles, entry.instances(), scheduling, entry.serving_dtype,
                          entry.last_failure)

@@ -82,6 +82,7 @@ class SchedulingFacts:
     expired: int
     cancelled: int
     rejected: int
+    isolated_batches: int = 0  # failed batches whose requests ran again one by one
 
 
 @dataclass(slots=True, frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from opentelemetry.trace import Span
 
 from servewell.config.model import BatchingConfig, ModelConfig
 from servewell.engine.batch_policy import POLICIES, BatchOpportunity, LearnedLoad, PolicyLimits
@@ -63,6 +64,7 @@ class SchedulerStats:
     expired: int = 0
     cancelled: int = 0
     rejected: int = 0
+    isolated_batches: int = 0  # failed batches whose requests were run again one by one
 
 
 class ModelScheduler:
@@ -354,12 +356,50 @@ class ModelScheduler:
         return POLICIES[self.batching.policy](op, limits, self._learned)
 
     async def _execute(self, runner: BatchRunner, batch: list[Request]) -> None:
-        started = self._clock.now()
         rows = sum(item.rows for item in batch)
         span = self._telemetry.start_batch([(item.payload.trace, item.lane) for item in batch], rows)
-        budget_s = self.compute_budget_s(rows)
         serial = next(self._serials)
         self._in_flight[serial] = batch
+        try:
+            error = await self._run_watched(runner, batch, span)
+            still_open = [item for item in batch if not item.payload.future.done()]
+            if isinstance(error, ModelError) and len(still_open) > 1 and runner.alive:
+                # One bad input must not fail its batch-mates: each request runs again alone,
+                # once, so only those the model itself fails on get model_error. Costs a run per
+                # request, only for batches that failed (a model failing on everything pays ~2x).
+                log.warning("model %s: a batch of %d requests failed (%s); running each alone",
+                            self.config.name, len(still_open), error, extra={"model": self.config.name})
+                self.stats.isolated_batches += 1
+                for item in still_open:
+                    if item.payload.future.done():
+                        continue
+                    error = await self._run_watched(runner, [item], span) if runner.alive else error
+                    self._fail_open([item], error)
+            else:
+                self._fail_open(batch, error)
+        finally:
+            del self._in_flight[serial]
+            self._telemetry.end_batch(span, any(_failed(item) for item in batch))
+            self._running -= 1
+            self._running_requests -= len(batch)
+            self._free(runner)
+            self._pump()
+
+    def _fail_open(self, items: list[Request], error: ServeError | None) -> None:
+        """Answer `error` to every item still waiting (none: the run succeeded)."""
+        if error is None:
+            return
+        for item in items:
+            if not item.payload.future.done():  # answered already: at its deadline, or cancelled
+                self._telemetry.count(item.lane, "error")
+                _fail(item, error)
+
+    async def _run_watched(self, runner: BatchRunner, batch: list[Request], span: Span | None) -> ServeError | None:
+        """Run `batch` on `runner` under a `BatchWatch` (deadlines, compute budget) and deliver its
+        results; the error it failed with, else None."""
+        started = self._clock.now()
+        rows = sum(item.rows for item in batch)
+        budget_s = self.compute_budget_s(rows)
 
         def expire(item: Request, now: float) -> None:
             self._expire(item, f"the request passed its deadline while its batch was running "
@@ -369,11 +409,7 @@ class ModelScheduler:
             why = f"a batch of {rows} has run {now - started:.1f} s, over its compute budget of {budget_s:.1f} s"
             log.error("model %s: %s; its worker is declared hung", self.config.name, why,
                       extra={"model": self.config.name})
-            error = WorkerHung(f"{why}; the worker is being replaced, retry")
-            for item in batch:
-                if not item.payload.future.done():
-                    self._telemetry.count(item.lane, "error")
-                    _fail(item, error)
+            self._fail_open(batch, WorkerHung(f"{why}; the worker is being replaced, retry"))
             runner.declare_hung(why)
 
         watch: BatchWatch[Request] | None = None
@@ -386,22 +422,13 @@ class ModelScheduler:
             )
             results = self._split(outcome.outputs, batch)
         except Exception as exc:  # a bug in splitting or transport must still resolve every future
-            error = exc if isinstance(exc, ServeError) else ModelError(f"batch failed: {exc}")
-            for item in batch:
-                if not item.payload.future.done():  # answered already: at its deadline, or cancelled
-                    self._telemetry.count(item.lane, "error")
-                    _fail(item, error)
+            return exc if isinstance(exc, ServeError) else ModelError(f"batch failed: {exc}")
         else:
             self._deliver(batch, results, outcome, started, rows)
+            return None
         finally:
             if watch is not None:
                 watch.stop()
-            del self._in_flight[serial]
-            self._telemetry.end_batch(span, any(_failed(item) for item in batch))
-            self._running -= 1
-            self._running_requests -= len(batch)
-            self._free(runner)
-            self._pump()
 
     def _deliver(self, batch: list[Request], results: list[dict[str, np.ndarray]], outcome: BatchOutcome,
                  started: float, rows: int) -> None:

@@ -356,3 +356,58 @@ def test_a_request_that_would_finish_after_its_deadline_is_not_run() -> None:
         assert "would finish after its deadline" in str(doomed.exception())
         assert runner.batches == [[0]]
     run(main)
+
+
+class PickyRunner(FakeRunner):
+    """Fails any batch that holds a negative value, as a model with a bug on some inputs does."""
+
+    async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None) -> BatchOutcome:
+        x = np.concatenate(parts["x"])
+        self.batches.append(x[:, 0].tolist())
+        await self.release.wait()
+        if (x < 0).any():
+            raise ModelError("negative input")
+        return BatchOutcome({"y": x * 2}, compute_s=0.001)
+
+
+def test_one_bad_input_fails_only_its_own_request_not_its_batch_mates() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(max_batch_size=4, policy="window", max_wait_ms=50), clock=clock)
+        runner = PickyRunner()
+        s.add_runner(runner)
+        futures = [submit(s, v) for v in (1.0, -1.0, 3.0)]
+        clock.advance(0.05)
+        await settle()
+        await asyncio.gather(*futures, return_exceptions=True)
+        assert runner.batches == [[1.0, -1.0, 3.0], [1.0], [-1.0], [3.0]]  # the batch, then each alone
+        assert futures[0].result().outputs["y"][0, 0] == 2.0 and futures[2].result().outputs["y"][0, 0] == 6.0
+        assert isinstance(futures[1].exception(), ModelError)
+        assert s.stats.isolated_batches == 1
+    run(main)
+
+
+def test_a_model_that_fails_on_everything_runs_each_request_alone_once_and_fails_it() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(max_batch_size=4, policy="window", max_wait_ms=50), clock=clock)
+        runner = FakeRunner(fail_with=ModelError("broken"))
+        s.add_runner(runner)
+        futures = [submit(s, v) for v in (1.0, 2.0)]
+        clock.advance(0.05)
+        await settle()
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        assert all(isinstance(r, ModelError) for r in results)
+        assert runner.batches == [[1.0, 2.0], [1.0], [2.0]]  # never more than one retry each
+    run(main)
+
+
+def test_a_lost_worker_fails_the_batch_without_retrying_alone() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(max_batch_size=4, policy="window", max_wait_ms=50), clock=clock)
+        runner = FakeRunner(fail_with=WorkerLost("gone"))
+        s.add_runner(runner)
+        futures = [submit(s, v) for v in (1.0, 2.0)]
+        clock.advance(0.05)
+        await settle()
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        assert all(isinstance(r, WorkerLost) for r in results) and runner.batches == [[1.0, 2.0]]
+    run(main)
