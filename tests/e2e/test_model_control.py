@@ -66,6 +66,30 @@ def test_model_over_the_memory_budget_is_refused_while_another_serves(tmp_path, 
     assert r.status_code == 200
 
 
+BROKEN = textwrap.dedent('''
+    def build():
+        raise RuntimeError("weights do not match the architecture")
+''')
+
+
+def test_a_new_model_that_fails_to_load_stays_listed_as_failed_with_its_reason(tmp_path, start_server):
+    onnx_model(tmp_path, "small")
+    server = start_server(["--model-repository", str(tmp_path), "--config-poll-s", "0"])
+    server.wait_ready()
+    factory_model(tmp_path, "broken", BROKEN)
+    r = httpx.post(server.url + "/v2/repository/models/broken/load", timeout=120)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "load_failed"
+    health = server.health()
+    assert health["ready"] is True  # readiness `any`: the other model keeps the server in rotation
+    assert health["models"]["broken"]["state"] == "failed"
+    assert "weights do not match the architecture" in health["models"]["broken"]["reason"]
+    index = {m["name"]: m for m in httpx.post(server.url + "/v2/repository/index").json()}
+    assert index["broken"]["state"] == "UNAVAILABLE" and "weights do not match" in index["broken"]["reason"]
+    refused = httpx.post(server.url + "/v2/models/broken/infer", json=body(1.0))
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_not_ready"
+    assert httpx.post(server.url + "/v2/models/small/infer", json=body(1.0)).status_code == 200
+
+
 def test_a_hanging_load_is_killed_at_the_timeout(tmp_path, start_server):
     onnx_model(tmp_path, "small")
     factory_model(tmp_path, "hangs", HANGING)

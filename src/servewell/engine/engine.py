@@ -180,6 +180,10 @@ class InferenceEngine:
             fresh = ModelEntry(name, directory, config, self._services)
             await fresh.load()
             if fresh.state != "ready":
+                if self._slots.get(name) is None:
+                    # A new model stays listed as failed, with its reason, as one that fails at start
+                    # does: /healthz, the repository index and its 503s say why; a later load replaces it.
+                    self._slots[name] = ModelSlot(fresh)
                 raise LoadFailed(f"model '{name}' failed to load (the previous version, if any, keeps serving): "
                                  f"{fresh.reason}")
             slot = self._slots.get(name)
