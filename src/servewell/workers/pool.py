@@ -34,7 +34,9 @@ PoolState = Literal["ready", "restarting", "failed"]
 RestartReason = Literal["crash", "hung", "memory"]
 RESTART_REASONS: tuple[RestartReason, ...] = ("crash", "hung", "memory")
 
-RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+#: Waits before each restart attempt. The first is immediate: a worker that served well and died
+#: once (OOM kill, a hang) should serve again as soon as possible; a crash loop still waits 15 s in all.
+RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0)
 #: A worker that served this long since its last restart has recovered: the backoff starts over.
 STABLE_AFTER_S = 60.0
 MEMORY_CHECK_INTERVAL_S = 1.0
