@@ -47,8 +47,11 @@ def http_json(port: int, method: str, path: str, body: Any = None, timeout_s: fl
 class ServerProcess:
     """A server under test, started as a child process with its output in a log file."""
 
-    def __init__(self, name: str, argv: list[str], port: int, log_path: Path) -> None:
+    def __init__(self, name: str, argv: list[str], port: int, log_path: Path, new_session: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         self.name = name
+        self.new_session = new_session  # its own process group, as a service manager starts it
+        self.env = env
         self.argv = argv
         self.port = port
         self.log_path = log_path
@@ -71,7 +74,17 @@ class ServerProcess:
         """Start the process (returns at once; see `wait_ready`)."""
         self._log = open(self.log_path, "ab")
         self._process = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL, start_new_session=self.new_session,
+                                         env=None if self.env is None else {**os.environ, **self.env})
+
+    def wait(self, timeout_s: float) -> int | None:
+        """Wait for the process to exit; its exit code, or None if it is still running."""
+        if self._process is None:
+            return None
+        try:
+            return self._process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
 
     def alive(self) -> bool:
         """Whether the process is still running."""

@@ -40,7 +40,7 @@ class Workspace:
     images: list[Path]
 
 
-def _link_build(build_dir: Path, model_dir: Path) -> dict[str, Any]:
+def link_build(build_dir: Path, model_dir: Path) -> dict[str, Any]:
     """Symlink the build's files (not its model.yaml) into `model_dir`; return the build's config."""
     if model_dir.exists():
         shutil.rmtree(model_dir)
@@ -74,7 +74,7 @@ def write_repository(models: list[ServedModel]) -> Path:
         shutil.rmtree(repository)
     for model in models:
         model_dir = repository / model.name
-        config = _link_build(WORK / "build" / model.build, model_dir)
+        config = link_build(WORK / "build" / model.build, model_dir)
         write_model_yaml(model_dir, _deep_merge(config, {"name": model.name, **model.overrides}))
     return repository
 

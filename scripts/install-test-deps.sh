@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The programs the test suite runs, from Debian packages: `make test` calls this first.
+# The programs the test suite (and `make chaos`) run, from Debian packages: `make test` calls this first.
 #
 # When every program is on PATH it returns at once (nothing is looked up online). Otherwise, as
 # root on a Debian/apt system, it installs the missing packages without letting their scripts
@@ -16,6 +16,7 @@ NEEDED=(
     "kubectl      kubectl|kubernetes-client"   # deploy/kubernetes: rendering and checking the manifests
     "chromium     chromium"                    # the console in a real browser
     "chromedriver chromium-driver"             # WebDriver for that browser
+    "stress-ng    stress-ng"                   # make chaos: memory pressure while serving
 )
 # Daemons the packages above may start (process names as /proc/<pid>/comm shows them: 15 characters).
 DAEMONS=" prometheus haproxy prometheus-node "
