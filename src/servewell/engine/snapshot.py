@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from servewell.workers.shm import pid_alive
+
 log = logging.getLogger("servewell.engine")
 
 FileIdentity = tuple[int, int, int, int, int]  # device, inode, size, mtime_ns, ctime_ns
@@ -175,17 +177,7 @@ class SnapshotStore:
             return 0
         for path in self.root.iterdir():
             pid_text = path.name.split("-", 1)[0]
-            if pid_text.isdigit() and int(pid_text) != os.getpid() and not _pid_alive(int(pid_text)):
+            if pid_text.isdigit() and int(pid_text) != os.getpid() and not pid_alive(int(pid_text)):
                 shutil.rmtree(path, ignore_errors=True)
                 removed += 1
         return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

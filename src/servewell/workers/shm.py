@@ -109,12 +109,13 @@ def remove_stale_segments() -> int:
     removed = 0
     for path in shm_directory().glob(f"{NAME_PREFIX}*"):
         pid_text = path.name[len(NAME_PREFIX):].split("-", 1)[0]
-        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+        if pid_text.isdigit() and not pid_alive(int(pid_text)):
             removed += remove_segment(path.name)
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
