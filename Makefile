@@ -44,7 +44,7 @@ bench: install
 	$(PY) -m bench.run
 
 # Faults under load (worker kill/stop, hanging load, raising model, memory pressure and limit,
-# overload, OTLP outage, SIGTERM, soak): a table and bench/results/chaos.json, about 7 minutes.
+# overload, OTLP outage, SIGTERM, soak): a table and bench/results/chaos.json, about 6 minutes.
 # The issue's 10-minute soak: make chaos SOAK_S=600.
 SOAK_S ?= 60
 chaos: install test-deps

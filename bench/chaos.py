@@ -1,6 +1,6 @@
 """The chaos suite: faults an operator meets, each under steady load, with every answer counted.
 
-    make chaos [SOAK_S=600]      # = python -m bench.chaos --soak-s 60 (about 7 minutes on 2 cores)
+    make chaos [SOAK_S=600]      # = python -m bench.chaos --soak-s 60 (about 6 minutes on 2 cores)
 
 One server serves the digits model (/predict, PNG/JPEG digits) and ResNet-50 (/predict, 640x480
 photos), both ONNX, plus two stand-ins: `flaky` (raises on negative inputs) and `leaky` (leaks
