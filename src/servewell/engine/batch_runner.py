@@ -1,6 +1,6 @@
 """What the scheduler needs of whatever runs its batches: the `BatchRunner` boundary.
 
-A leaf module (numpy and typing only): the worker side implements `BatchRunner` without
+A leaf module (numpy, typing and the error taxonomy): the worker side implements `BatchRunner` without
 importing the scheduler, and tests drive the scheduler with small in-process fakes.
 """
 
@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from servewell.errors import ModelError
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,3 +44,22 @@ class BatchRunner(Protocol):
         """Its batch overran the compute budget: stop it now (its owner replaces it); the `run`
         in progress then raises."""
         ...
+
+
+def split_rows(outputs: dict[str, np.ndarray], rows: list[int], batched: bool) -> list[dict[str, np.ndarray]]:
+    """A batch's outputs cut into each request's rows (views); a model without a batch
+    dimension (`batched` false) runs one request at a time and its outputs are that request's.
+    `ModelError` when an output does not have one row per input row."""
+    if not batched:
+        return [outputs]
+    total = sum(rows)
+    for name, array in outputs.items():
+        if array.ndim == 0 or array.shape[0] != total:
+            got = array.shape[0] if array.ndim else 0
+            raise ModelError(f"output '{name}' has {got} rows for a batch of {total}")
+    results: list[dict[str, np.ndarray]] = []
+    start = 0
+    for count in rows:
+        results.append({name: array[start : start + count] for name, array in outputs.items()})
+        start += count
+    return results

@@ -22,7 +22,7 @@ from opentelemetry.trace import Span
 from servewell.config.model import BatchingConfig, ModelConfig
 from servewell.engine.batch_policy import POLICIES, BatchOpportunity, LearnedLoad, PolicyLimits
 from servewell.engine.batch_queue import BatchQueue, QueuedItem
-from servewell.engine.batch_runner import BatchOutcome, BatchRunner
+from servewell.engine.batch_runner import BatchOutcome, BatchRunner, split_rows
 from servewell.engine.batch_watch import BatchWatch, compute_budget_s
 from servewell.engine.clock import Clock, LoopClock, TimerHandle
 from servewell.engine.protocol import RequestResult
@@ -420,7 +420,7 @@ class ModelScheduler:
                 {spec.name: [item.payload.inputs[spec.name] for item in batch] for spec in self.config.inputs},
                 traceparent_of(span.get_span_context()) if span is not None else None,
             )
-            results = self._split(outcome.outputs, batch)
+            results = split_rows(outcome.outputs, [item.rows for item in batch], self.config.max_batch_size > 0)
         except Exception as exc:  # a bug in splitting or transport must still resolve every future
             return exc if isinstance(exc, ServeError) else ModelError(f"batch failed: {exc}")
         else:
@@ -446,21 +446,6 @@ class ModelScheduler:
             queue_s = started - item.enqueued_at
             self._telemetry.request_succeeded(item.lane, queue_s)
             future.set_result(RequestResult(outputs, queue_s, outcome.compute_s, rows))
-
-    def _split(self, outputs: dict[str, np.ndarray], batch: list[Request]) -> list[dict[str, np.ndarray]]:
-        if self.config.max_batch_size == 0:
-            return [outputs]
-        total = sum(item.rows for item in batch)
-        for name, array in outputs.items():
-            if array.ndim == 0 or array.shape[0] != total:
-                got = array.shape[0] if array.ndim else 0
-                raise ModelError(f"output '{name}' has {got} rows for a batch of {total}")
-        results: list[dict[str, np.ndarray]] = []
-        start = 0
-        for item in batch:
-            results.append({name: array[start : start + item.rows] for name, array in outputs.items()})
-            start += item.rows
-        return results
 
     def _predicted_drain_s(self) -> float:
         """Seconds until the queue would drain at the learned batch latency."""
