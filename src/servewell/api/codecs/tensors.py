@@ -218,6 +218,18 @@ def _numbers(name: str, datatype: str, data: list[Any]) -> np.ndarray:
     cost of a bare `np.asarray` (13 ms against 7 ms for 150,528 floats), paid only by JSON tensors.
     """
     dtype = np.dtype(OIP_TO_NUMPY[datatype])
+    if dtype.kind == "f" and data and not isinstance(data[0], list) and set(map(type, data)) <= _JSON_TYPES["f"]:
+        # The usual case, a flat list of numbers (OIP's row-major `data`): checked and converted
+        # straight from the list, half the cost of the object array below (24 against 54 µs
+        # for 512 floats; the tiny MLP's JSON requests spent ~10% of the frontend's CPU here).
+        try:
+            with np.errstate(over="ignore"):
+                flat = np.array(data, dtype=dtype)
+        except OverflowError:  # an integer too large for a float
+            raise InvalidInput(f"input {quote(name)}: a value lies outside the range of {datatype}") from None
+        if not np.isfinite(flat).all():
+            raise InvalidInput(f"input {quote(name)}: a value lies outside the range of {datatype}")
+        return flat
     try:
         parsed = np.asarray(data, dtype=object).reshape(-1)
     except (ValueError, TypeError, RecursionError):
