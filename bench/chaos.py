@@ -61,7 +61,7 @@ from typing import Any
 
 import orjson
 
-from bench.processes import HOST, ServerProcess, free_port, run_module
+from bench.processes import HOST, ServerProcess, free_port, run_module, stop_process
 from bench.workspace import RESULTS, link_build, write_model_yaml
 from servewell.perf import loop as load_loop
 from servewell.perf.httpclient import encode_request, fetch
@@ -449,12 +449,7 @@ async def memory_pressure(suite: Suite, port: int) -> None:
         run = await under_load(port, suite.steady(), 15.0, fault_at_s=0.0)
         under_pressure = mem_available()
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+        stop_process(process, 30.0)
         log.close()
     after = await health(port)
     restarts = {m: after["models"][m]["restarts"] - before["models"][m]["restarts"] for m in ("digits", "resnet50")}

@@ -35,7 +35,7 @@ from typing import Any
 import orjson
 from PIL import Image
 
-from bench.processes import HOST, ServerProcess, cpu_seconds, free_port, run_module
+from bench.processes import HOST, ServerProcess, cpu_seconds, free_port, run_module, stop_process
 from bench.workspace import RESULTS, WORK
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "src" / "servewell" / "examples" / "images"
@@ -264,12 +264,7 @@ def run_attack(
             attack_state = sampler.between(t1, time.monotonic())
         finally:
             stopped_at = time.monotonic()
-            attacker.terminate()
-            try:
-                attacker.wait(30)
-            except subprocess.TimeoutExpired:
-                attacker.kill()
-                attacker.wait(5)
+            stop_process(attacker, 30.0)
     recovery_s = time_to_full_service(
         server.port, light[0].read_bytes(), base["p99_ms"], sampler, base_state["fds_median"], stopped_at
     )

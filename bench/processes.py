@@ -9,7 +9,6 @@ import http.client
 import json
 import os
 import resource
-import signal
 import socket
 import subprocess
 import sys
@@ -111,16 +110,21 @@ class ServerProcess:
         if self._process is None:
             return None
         if self._process.poll() is None:
-            self._process.send_signal(signal.SIGTERM)
-            try:
-                self._process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait(5.0)
+            stop_process(self._process, timeout_s)
         if self._log is not None:
             self._log.close()
             self._log = None
         return self._process.returncode
+
+
+def stop_process(process: subprocess.Popen[bytes], grace_s: float) -> int:
+    """SIGTERM, wait up to `grace_s`, then SIGKILL; the exit code."""
+    process.terminate()
+    try:
+        return process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait(5.0)
 
 
 def run_module(module: str, args: list[str], timeout_s: float, log_path: Path | None = None) -> None:
@@ -132,12 +136,7 @@ def run_module(module: str, args: list[str], timeout_s: float, log_path: Path | 
         try:
             code = process.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            process.terminate()
-            try:
-                process.wait(5.0)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5.0)
+            stop_process(process, 5.0)
             raise RuntimeError(f"python -m {module} ran past {timeout_s:g} s and was stopped") from None
         if code != 0:
             raise RuntimeError(f"python -m {module} {' '.join(args)} failed with exit code {code}"

@@ -386,28 +386,19 @@ def test_one_bad_input_fails_only_its_own_request_not_its_batch_mates() -> None:
     run(main)
 
 
-def test_a_model_that_fails_on_everything_runs_each_request_alone_once_and_fails_it() -> None:
+@pytest.mark.parametrize(("error", "batches"), [
+    (ModelError("broken"), [[1.0, 2.0], [1.0], [2.0]]),  # a model failing on everything: one retry each, never more
+    (WorkerLost("gone"), [[1.0, 2.0]]),  # a lost worker: the batch fails, nothing is retried alone
+])
+def test_a_failed_batch_is_retried_alone_only_for_model_errors(error: Exception, batches: list[list[float]]) -> None:
     async def main(clock: FakeClock) -> None:
         s = ModelScheduler(config(max_batch_size=4, policy="window", max_wait_ms=50), clock=clock)
-        runner = FakeRunner(fail_with=ModelError("broken"))
+        runner = FakeRunner(fail_with=error)
         s.add_runner(runner)
         futures = [submit(s, v) for v in (1.0, 2.0)]
         clock.advance(0.05)
         await settle()
         results = await asyncio.gather(*futures, return_exceptions=True)
-        assert all(isinstance(r, ModelError) for r in results)
-        assert runner.batches == [[1.0, 2.0], [1.0], [2.0]]  # never more than one retry each
-    run(main)
-
-
-def test_a_lost_worker_fails_the_batch_without_retrying_alone() -> None:
-    async def main(clock: FakeClock) -> None:
-        s = ModelScheduler(config(max_batch_size=4, policy="window", max_wait_ms=50), clock=clock)
-        runner = FakeRunner(fail_with=WorkerLost("gone"))
-        s.add_runner(runner)
-        futures = [submit(s, v) for v in (1.0, 2.0)]
-        clock.advance(0.05)
-        await settle()
-        results = await asyncio.gather(*futures, return_exceptions=True)
-        assert all(isinstance(r, WorkerLost) for r in results) and runner.batches == [[1.0, 2.0]]
+        assert all(isinstance(r, type(error)) for r in results)
+        assert runner.batches == batches
     run(main)
