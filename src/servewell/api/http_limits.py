@@ -44,6 +44,7 @@ from uvicorn.server import ServerState
 
 from servewell.api.connection_slots import ConnectionSlots, SlotKind
 from servewell.api.limit_log import LimitEventLog
+from servewell.api.response_writes import hold_heads
 from servewell.config.server import ConfigFileError, ServerConfig
 
 log = logging.getLogger("servewell.http")
@@ -233,9 +234,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self.events.add("reserve_refused")
                 self.app = _connection_limit_app
             super().on_headers_complete()
+            hold_heads(self.cycle)
             self.cycle.keep_alive = False  # a reserve slot serves one request, then frees up
             return
         super().on_headers_complete()
+        hold_heads(self.cycle)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

@@ -31,6 +31,7 @@ class FakeTransport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
         self.written = bytearray()
+        self.writes: list[bytes] = []  # each write call's bytes, in order
         self.closed = False
 
     def get_extra_info(self, name: str, default: object = None) -> object:
@@ -38,6 +39,7 @@ class FakeTransport(asyncio.Transport):
 
     def write(self, data: bytes) -> None:  # type: ignore[override]
         self.written += data
+        self.writes.append(bytes(data))
 
     def close(self) -> None:
         self.closed = True
@@ -53,7 +55,16 @@ class FakeTransport(asyncio.Transport):
 
 
 async def app(scope: Scope, receive: Receive, send: Send) -> None:
-    """Answers 413 at once when asked to (before reading the body), else echoes the body length."""
+    """Answers 413 at once when asked to (before reading the body), streams two chunks or fails after
+    starting its answer when asked to, else echoes the body length."""
+    if scope["path"] == "/stream":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"6")]})
+        await send({"type": "http.response.body", "body": b"one", "more_body": True})
+        await send({"type": "http.response.body", "body": b"two"})
+        return
+    if scope["path"] == "/fail":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"6")]})
+        raise RuntimeError("the app failed after starting its answer")
     if scope["path"] == "/early":
         await send({"type": "http.response.start", "status": 413, "headers": [(b"content-length", b"0")]})
         await send({"type": "http.response.body", "body": b""})
@@ -152,5 +163,38 @@ def test_a_reserve_connection_serves_probes_only_and_closes_after_one_answer():
         await settle()
         assert statuses(probe_transport) == [503] and probe_transport.closed
         assert b'"code":"unavailable"' in probe_transport.written
+
+    asyncio.run(run())
+
+
+def test_a_response_leaves_in_one_write_so_a_crash_cannot_cut_it_between_head_and_body():
+    async def run() -> None:
+        protocol, transport = connect()
+        protocol.data_received(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        await settle()
+        assert len(transport.writes) == 1, transport.writes
+        assert transport.writes[0].startswith(b"HTTP/1.1 200 ") and transport.writes[0].endswith(b'{"size":3}')
+
+    asyncio.run(run())
+
+
+def test_streamed_head_only_and_failed_answers_still_send_their_head():
+    async def run() -> None:
+        protocol, transport = connect()
+        protocol.data_received(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        await settle()
+        assert len(transport.writes) == 2  # the head rides with the first chunk; the second follows
+        assert transport.writes[0].startswith(b"HTTP/1.1 200 ") and transport.writes[0].endswith(b"\r\n\r\none")
+        assert transport.writes[1] == b"two"
+
+        protocol.data_received(b"HEAD /a HTTP/1.1\r\nHost: x\r\n\r\n")  # no body is ever written
+        await settle()
+        assert len(transport.writes) == 3 and transport.writes[2].startswith(b"HTTP/1.1 200 ")
+        assert transport.writes[2].endswith(b"\r\n\r\n") and not transport.closed
+
+        protocol.data_received(b"GET /fail HTTP/1.1\r\nHost: x\r\n\r\n")
+        await settle()
+        # As before the head was held: the head went out, then the connection closed (a cut answer).
+        assert transport.writes[3].startswith(b"HTTP/1.1 200 ") and transport.closed
 
     asyncio.run(run())
