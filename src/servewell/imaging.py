@@ -26,11 +26,18 @@ INK_THRESHOLD_FRACTION = 0.25
 #: Ink is searched on a copy no longer than this: plenty for a bounding box, and cheap.
 INK_ANALYSIS_MAX_SIDE = 512
 
+#: Large images are inverted and cropped in bands of about this many pixels, so that the decoded
+#: image is the only full-size copy (a 16-megapixel PNG: +64 MB of frontend memory before, +17 after).
+_BAND_PIXELS = 262_144
+_EXIF_ORIENTATION = 0x0112
+#: Rows of the ink analysis image (at most 512 wide) processed at a time where a full-size temporary is not needed.
+_ANALYSIS_ROWS = 64
+
 _ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
 _HIGH_DEPTH_MODES = frozenset({"I", "F", "I;16", "I;16L", "I;16B", "I;16N"})
 
 
-def transform_image(image: Image.Image, spec: ImagePreprocess) -> np.ndarray:
+def transform_image(image: Image.Image, spec: ImagePreprocess, consume: bool = False) -> np.ndarray:
     """Preprocess one image into a float32 array of shape (C, H, W) or (H, W, C), per `spec.layout`.
 
     Steps: apply the EXIF orientation; convert to grayscale or RGB (transparent pixels are
@@ -39,15 +46,18 @@ def transform_image(image: Image.Image, spec: ImagePreprocess) -> np.ndarray:
     subtract `spec.mean` and divide by `spec.std` per channel when given.
 
     A JPEG that has not been loaded yet is decoded at a reduced scale when the target is much
-    smaller (`Image.draft`), which mutates `image`. Raises ValueError for an image mode that
-    cannot be turned into grayscale or RGB, or for mean/std lengths that do not match.
+    smaller (`Image.draft`), which mutates `image`. With `consume`, the caller gives `image` up:
+    a large one is then inverted in place rather than copied (what bounds a 16-megapixel decode's
+    memory to about the decoded image). Raises ValueError for an image mode that cannot be turned
+    into grayscale or RGB, or for mean/std lengths that do not match.
     """
     height, width = spec.size
     draft(image, spec)
-    image = ImageOps.exif_transpose(image)
-    image = _to_mode(image, "L" if spec.channels == 1 else "RGB")
+    given = image
+    image = _to_mode(_upright(image), "L" if spec.channels == 1 else "RGB")
     if spec.invert:
-        image = ImageOps.invert(image)
+        image = _invert(image, in_place=consume or image is not given)
+    del given
     if spec.fit == "stretch":
         # LANCZOS antialiases when shrinking (its support widens with the factor) and stays sharp
         # when enlarging; reducing_gap lets Pillow box-reduce large images first, for speed.
@@ -89,6 +99,25 @@ def draft(image: Image.Image, spec: ImagePreprocess) -> None:
         # The ink may fill only part of the picture; keep enough pixels to find and sample it.
         need = max(16 * target, 128)
     image.draft("L" if spec.channels == 1 else "RGB", (need, need))
+
+
+def _upright(image: Image.Image) -> Image.Image:
+    """`image` turned as its EXIF orientation says; `image` itself when it says nothing to turn
+    (`ImageOps.exif_transpose` copies the whole image even then)."""
+    if image.getexif().get(_EXIF_ORIENTATION, 1) in (1, None):
+        return image
+    return ImageOps.exif_transpose(image)
+
+
+def _invert(image: Image.Image, in_place: bool) -> Image.Image:
+    """The negative of `image`; a large one `in_place` is inverted band by band into itself."""
+    if not in_place or image.width * image.height <= _BAND_PIXELS:
+        return ImageOps.invert(image)
+    rows = max(1, _BAND_PIXELS // image.width)
+    for top in range(0, image.height, rows):
+        box = (0, top, image.width, min(image.height, top + rows))
+        image.paste(ImageOps.invert(image.crop(box)), box)
+    return image
 
 
 def _to_mode(image: Image.Image, mode: str) -> Image.Image:
@@ -176,7 +205,8 @@ def _ink_bbox(image: Image.Image, width: int, height: int) -> Image.Image:
     return cropped.resize((width, height), Image.Resampling.BOX if shrinking else Image.Resampling.BILINEAR)
 
 
-def crop_reduced(image: Image.Image, box: tuple[int, int, int, int], step: int) -> Image.Image:
+def crop_reduced(image: Image.Image, box: tuple[int, int, int, int], step: int,
+                 band_pixels: int = _BAND_PIXELS) -> Image.Image:
     """`image.crop((x, y, x + w, y + h)).reduce(step)`, pixel for pixel, without making the crop.
 
     A box far outside the picture is mostly 0 (what crop() fills in): a 1x13000 image grown to a
@@ -191,13 +221,20 @@ def crop_reduced(image: Image.Image, box: tuple[int, int, int, int], step: int) 
     ay, by = _overlap_blocks(y0, crop_h, image.height, step)
     if bx <= ax or by <= ay:
         return Image.new(image.mode, (out_w, out_h), 0)
-    part = image.crop((x0 + ax, y0 + ay, x0 + bx, y0 + by))
-    if step > 1:
-        part = part.reduce(step)
-    if part.size == (out_w, out_h):
-        return part
+    if step == 1:
+        part = image.crop((x0 + ax, y0 + ay, x0 + bx, y0 + by))
+        if part.size == (out_w, out_h):
+            return part
+        canvas = Image.new(image.mode, (out_w, out_h), 0)
+        canvas.paste(part, (ax, ay))
+        return canvas
+    # Reduced in bands of whole blocks (each block averages exactly what it would in one piece),
+    # so no full-size crop is ever made.
     canvas = Image.new(image.mode, (out_w, out_h), 0)
-    canvas.paste(part, (ax // step, ay // step))
+    band = step * max(1, band_pixels // max(1, (bx - ax) * step))
+    for top in range(ay, by, band):
+        part = image.crop((x0 + ax, y0 + top, x0 + bx, y0 + min(by, top + band))).reduce(step)
+        canvas.paste(part, (ax // step, top // step))
     return canvas
 
 
@@ -223,7 +260,10 @@ def _find_ink(gray: Image.Image) -> _Ink:
     xs = (np.arange(w, dtype=np.float32) + 0.5) * factor - 0.5
     ys = (np.arange(h, dtype=np.float32) + 0.5) * factor - 0.5
     paper = _fit_paper(a, xs, ys)
-    flat = a - (paper[0] + paper[1] * xs[None, :] + paper[2] * ys[:, None])
+    flat = a  # in place, and the plane a band of rows at a time: each full array is a megabyte here
+    across = paper[0] + paper[1] * xs[None, :]
+    for top in range(0, h, _ANALYSIS_ROWS):
+        flat[top : top + _ANALYSIS_ROWS] -= across + paper[2] * ys[top : top + _ANALYSIS_ROWS, None]
     # The k-th brightest pixel, not the brightest: a speck of dust or a JPEG spike is not ink.
     contrast = _kth_largest_level(flat, k=max(8, flat.size // 2000))
     full = (0.0, 0.0, float(gray.width), float(gray.height))
@@ -282,10 +322,12 @@ def _kth_largest_level(values: np.ndarray, k: int) -> float:
 
     A histogram, because a full partition of a photo's pixels costs milliseconds.
     """
-    levels = np.clip(np.rint(values), -255, 255).astype(np.int32).ravel() + 255
-    counts = np.bincount(levels, minlength=511)
+    counts = np.zeros(511, dtype=np.intp)
+    for top in range(0, values.shape[0], _ANALYSIS_ROWS):  # in bands: bincount copies to 64-bit integers
+        levels = np.clip(np.rint(values[top : top + _ANALYSIS_ROWS]), -255, 255).astype(np.intp).ravel() + 255
+        counts += np.bincount(levels, minlength=511)
     from_top = np.cumsum(counts[::-1])
-    index = int(np.searchsorted(from_top, min(k, levels.size)))
+    index = int(np.searchsorted(from_top, min(k, values.size)))
     return float(255 - index)
 
 

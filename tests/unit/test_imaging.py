@@ -147,3 +147,13 @@ def test_photo_sized_jpeg_is_decoded_at_a_reduced_scale_and_matches_the_lossless
     assert photo.size[0] <= 640 // 2 and photo.size[1] <= 480 // 2  # decoded at half the size or less
     assert out.shape == (1, 8, 8)
     assert np.abs(out - reference).mean() < 1.0
+
+
+@pytest.mark.parametrize("spec", [DIGITS, ImagePreprocess(size=(28, 28), channels=1, invert=True, fit="stretch")])
+def test_a_consumed_large_image_gives_the_same_input_as_a_kept_one(spec: ImagePreprocess) -> None:
+    # Above a quarter of a megapixel a consumed image is inverted in place and cropped in bands.
+    sheet = ink_sheet((1600, 1100), (300, 200, 1100, 1000), paper=230, ink=20)
+    kept = transform_image(encoded(sheet, "PNG"), spec)
+    consumed = transform_image(encoded(sheet, "PNG"), spec, consume=True)
+    assert np.array_equal(kept, consumed)
+    assert np.array_equal(kept, transform_image(sheet.copy(), spec, consume=True))

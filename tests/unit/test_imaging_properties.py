@@ -76,16 +76,17 @@ def test_corrupted_images_decode_or_are_refused(data, spec):
 
 
 @given(st.integers(1, 40), st.integers(1, 40), st.integers(-60, 60), st.integers(-60, 60), st.integers(1, 90),
-       st.integers(1, 90), st.integers(1, 9), st.sampled_from(["L", "RGB"]))
-@example(1, 40, -20, 0, 40, 40, 5, "L")
-def test_crop_reduced_equals_crop_then_reduce(w, h, x0, y0, cw, ch, step, mode):
+       st.integers(1, 90), st.integers(1, 9), st.sampled_from(["L", "RGB"]), st.integers(1, 2000))
+@example(1, 40, -20, 0, 40, 40, 5, "L", 2000)
+@example(40, 40, -3, -7, 90, 90, 4, "L", 1)  # one row of blocks per band
+def test_crop_reduced_equals_crop_then_reduce(w, h, x0, y0, cw, ch, step, mode, band_pixels):
     rng = np.random.default_rng(w * 1000 + h)
     shape = (h, w) if mode == "L" else (h, w, 3)
     image = Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode)
     expected = image.crop((x0, y0, x0 + cw, y0 + ch))
     if step > 1:
         expected = expected.reduce(step)
-    got = crop_reduced(image, (x0, y0, cw, ch), step)
+    got = crop_reduced(image, (x0, y0, cw, ch), step, band_pixels=band_pixels)
     assert got.size == expected.size and got.mode == expected.mode
     assert np.array_equal(np.asarray(got), np.asarray(expected))
 

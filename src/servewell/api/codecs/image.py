@@ -96,7 +96,7 @@ def decode_planned(planned: PlannedDecode, spec: ImagePreprocess) -> np.ndarray:
     """Decode a planned image and transform it into one input item (float32)."""
     try:
         # (No warnings.catch_warnings here: it swaps process-wide state, and this runs in threads.)
-        return transform_image(planned.image, spec)
+        return transform_image(planned.image, spec, consume=True)
     except (OSError, ValueError, SyntaxError, EOFError, struct.error,
             Image.DecompressionBombError) as exc:
         # Truncated or corrupt pixel data surfaces only when the pixels are read; Pillow's plugins
