@@ -16,10 +16,11 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
+from servewell.allocator import bound_freed_memory
 from servewell.api.app import create_app
 from servewell.api.codecs.image import ImageLimits
 from servewell.api.dataplane import DataPlane
-from servewell.api.decode_scheduler import DecodeScheduler
+from servewell.api.decode_scheduler import DecodeScheduler, lower_priority_pool
 from servewell.api.grpc.listener import GrpcListener
 from servewell.api.grpc.scope import RpcScope
 from servewell.api.grpc.servicer import InferenceServicer
@@ -131,7 +132,8 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tup
         metrics.registry.register(StateCollector(engine.samples, process_facts, gpus.read,
                                                  lambda: engine.memory_budget, lambda: engine.ready))
     pool = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
-    decoder = DecodeScheduler(pool, settings.decode_threads, settings.decode_queue_size)
+    heavy_pool = lower_priority_pool(max(1, settings.decode_threads - 1), settings.decode_heavy_nice, "decode-heavy")
+    decoder = DecodeScheduler(pool, settings.decode_threads, settings.decode_queue_size, heavy_executor=heavy_pool)
     plane = DataPlane(engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side), metrics,
                       tracing)
     access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
@@ -181,6 +183,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tup
                 task.cancel()
         await run_after_drain(shutdown_plan, lambda worker_stop_s: engine.stop(worker_stop_s))
         pool.shutdown(wait=False)
+        heavy_pool.shutdown(wait=False)
         await asyncio.to_thread(tracing.shutdown)  # bounded (SHUTDOWN_FLUSH_S)
 
     state = AppState(engine, plane, settings, metrics, access, knobs, reloader.report, console)
@@ -192,6 +195,7 @@ def serve(settings: ServerConfig, source: ConfigSource | None = None) -> None:
     drain, workers); every accepted request is answered before exit. SIGHUP (and every
     `config_poll_s`) re-reads the configuration files."""
     _remove_leftovers(settings)
+    bound_freed_memory()
     app, plan = build_app(settings, source)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, access_log=False,

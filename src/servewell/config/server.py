@@ -107,6 +107,10 @@ class ServerConfig(BaseModel):
         default_factory=AlertingConfig, description="Optional alert webhook (config file only: nested settings)."
     )
     decode_threads: int = Field(2, ge=1, le=64, description="Threads that decode and resize images off the event loop.")
+    decode_heavy_nice: int = Field(
+        10, ge=0, le=19,
+        description="How many nice steps below normal the threads decoding images over a megapixel run (0: same).",
+    )
     # Connection and request limits, enforced by the HTTP protocol (api/http_limits.py) before the app sees a request.
     max_header_bytes: int = Field(
         16_384, ge=1024, le=1_048_576,

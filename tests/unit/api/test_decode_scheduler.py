@@ -4,12 +4,21 @@ a bounded backlog refused with 503 overloaded."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from servewell.api.decode_scheduler import HEAVY, LIGHT, URGENT, DecodeJob, DecodeQueue, DecodeScheduler
+from servewell.api.decode_scheduler import (
+    HEAVY,
+    LIGHT,
+    URGENT,
+    DecodeJob,
+    DecodeQueue,
+    DecodeScheduler,
+    lower_priority_pool,
+)
 from servewell.errors import Overloaded
 
 
@@ -117,5 +126,24 @@ def test_errors_of_the_work_reach_the_caller():
             with pytest.raises(ValueError, match="bad pixels"):
                 await scheduler.run(boom, pixels=10, urgent=False)
             assert await scheduler.run(lambda: 7, pixels=10, urgent=False) == 7
+
+    asyncio.run(main())
+
+
+def test_heavy_decodes_run_in_their_own_lower_priority_threads():
+    def where() -> tuple[str, int]:
+        return threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, 0)
+
+    async def main():
+        normal = os.getpriority(os.PRIO_PROCESS, 0)
+        with ThreadPoolExecutor(2, thread_name_prefix="decode") as pool, \
+                lower_priority_pool(1, 5, "decode-heavy") as heavy_pool:
+            scheduler = DecodeScheduler(pool, threads=2, max_waiting=10, light_pixels=100, heavy_executor=heavy_pool)
+            heavy = await scheduler.run(where, pixels=1000, urgent=False)
+            light = await scheduler.run(where, pixels=10, urgent=False)
+            urgent = await scheduler.run(where, pixels=1000, urgent=True)  # urgent work is never slowed down
+        assert heavy[0].startswith("decode-heavy") and heavy[1] == min(19, normal + 5)
+        for name, nice in (light, urgent):
+            assert not name.startswith("decode-heavy") and nice == normal
 
     asyncio.run(main())
