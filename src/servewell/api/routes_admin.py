@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from servewell.api.access import check_admin
 from servewell.api.body import check_content_type, read_body
 from servewell.api.openapi import error_responses
-from servewell.api.state import AppState, app_state
+from servewell.api.state import AppState, state_dependency
 from servewell.config.batching import BatchingPatch
 from servewell.config.problems import field_problems
 from servewell.engine.protocol import ModelView
@@ -26,7 +26,7 @@ repository_router = APIRouter(prefix="/v2/repository", tags=["Open Inference Pro
 _ADMIN_ERRORS = (401, 403, 404)
 
 
-def require_admin(request: Request, state: AppState = Depends(app_state)) -> AppState:
+async def require_admin(request: Request, state: AppState = Depends(state_dependency)) -> AppState:
     """401 without the configured bearer token; with no token configured, loopback clients only."""
     name = request.path_params.get("name")
     if isinstance(name, str):

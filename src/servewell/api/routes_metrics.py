@@ -7,14 +7,14 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from servewell.api.openapi import error_responses
-from servewell.api.state import AppState, app_state
+from servewell.api.state import AppState, state_dependency
 from servewell.errors import NotFound
 
 router = APIRouter(tags=["observability"])
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse, responses=error_responses(404))
-async def prometheus_metrics(state: AppState = Depends(app_state)) -> Response:
+async def prometheus_metrics(state: AppState = Depends(state_dependency)) -> Response:
     """Every metric family in the Prometheus text format (names in the README); 404 when metrics
     are turned off (`--metrics-enabled false`)."""
     if state.metrics is None:

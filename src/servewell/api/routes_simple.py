@@ -15,7 +15,7 @@ from servewell.api.body import check_content_type, read_body
 from servewell.api.codecs.image import BASE64_PATTERN, decode_base64
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
 from servewell.api.openapi import INFERENCE_HEADERS, error_responses, not_ready_response
-from servewell.api.state import AppState, app_state
+from servewell.api.state import AppState, app_state, state_dependency
 from servewell.config.model import ModelConfig
 from servewell.engine.protocol import SchedulingFacts
 from servewell.errors import BadRequest, InvalidInput, quote
@@ -113,7 +113,7 @@ def interpret(config: ModelConfig, outputs: dict[str, np.ndarray]) -> dict[str, 
 
 @router.get("/healthz", summary="Server and per-model health",
             responses=not_ready_response("The server is not ready (same document, ready: false)."))
-async def healthz(state: AppState = Depends(app_state)) -> Response:
+async def healthz(state: AppState = Depends(state_dependency)) -> Response:
     """200 when the server is ready (by its readiness policy), 503 otherwise; always with the reason,
     per-model state and readiness, the last worker failure, and memory."""
     models = {}

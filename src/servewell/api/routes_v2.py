@@ -16,7 +16,7 @@ from servewell.api.codecs.tensors import encode_infer_response, parse_infer_requ
 from servewell.api.dataplane import select_outputs
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
 from servewell.api.openapi import INFER_REQUEST_BODY, INFERENCE_HEADERS, error_responses, not_ready_response
-from servewell.api.state import AppState, app_state
+from servewell.api.state import AppState, app_state, state_dependency
 from servewell.config.model import TensorSpec
 from servewell.engine.protocol import ModelView, client_shape
 from servewell.errors import BadRequest, InvalidInput, PayloadTooLarge, quote
@@ -48,7 +48,7 @@ async def health_live() -> Response:
 
 
 @router.get("/health/ready", summary="Readiness", responses=not_ready_response("Not ready: {\"ready\": false}."))
-async def health_ready(state: AppState = Depends(app_state)) -> Response:
+async def health_ready(state: AppState = Depends(state_dependency)) -> Response:
     """200 when the server should receive traffic (by its readiness policy: --readiness), 503 (with
     Retry-After) otherwise."""
     ready = state.engine.ready
@@ -80,7 +80,8 @@ def _metadata(view: ModelView) -> dict[str, Any]:
 
 @router.get("/models/{name}", summary="Model metadata", responses=error_responses(404))
 @router.get("/models/{name}/versions/{version}", summary="Model metadata (version)", responses=error_responses(404))
-async def model_metadata(name: str, version: str | None = None, state: AppState = Depends(app_state)) -> Response:
+async def model_metadata(name: str, version: str | None = None,
+                         state: AppState = Depends(state_dependency)) -> Response:
     """Inputs, outputs, platform and versions of a model."""
     state.plane.note_model(name)
     return _json(_metadata(state.engine.model(name, version)))
@@ -94,7 +95,7 @@ _MODEL_READY_RESPONSES = {**error_responses(404),
             responses=_MODEL_READY_RESPONSES)
 @router.get("/models/{name}/versions/{version}/ready", summary="Model readiness (version)",
             responses=_MODEL_READY_RESPONSES)
-async def model_ready(name: str, version: str | None = None, state: AppState = Depends(app_state)) -> Response:
+async def model_ready(name: str, version: str | None = None, state: AppState = Depends(state_dependency)) -> Response:
     """200 when the model is ready, 503 otherwise."""
     state.plane.note_model(name)
     view = state.engine.model(name, version)
@@ -109,7 +110,7 @@ async def model_ready(name: str, version: str | None = None, state: AppState = D
             responses=error_responses(404, 422))
 @router.get("/models/{name}/versions/{version}/config", summary="Model configuration (version)",
             responses=error_responses(404, 422))
-async def model_config(name: str, version: str | None = None, state: AppState = Depends(app_state)) -> Response:
+async def model_config(name: str, version: str | None = None, state: AppState = Depends(state_dependency)) -> Response:
     """The model's configuration in Triton's field names, as `tritonclient.get_model_config` expects."""
     state.plane.note_model(name)
     view = state.engine.model(name, version)
@@ -141,7 +142,7 @@ async def model_config(name: str, version: str | None = None, state: AppState = 
 
 
 @router.post("/repository/index", summary="Repository index")
-async def repository_index(state: AppState = Depends(app_state)) -> Response:
+async def repository_index(state: AppState = Depends(state_dependency)) -> Response:
     """Every model of the repository with its state and, if not ready, the reason."""
     entries = []
     for view in state.engine.models():
