@@ -27,7 +27,8 @@ INK_THRESHOLD_FRACTION = 0.25
 INK_ANALYSIS_MAX_SIDE = 512
 
 #: Large images are inverted and cropped in bands of about this many pixels, so that the decoded
-#: image is the only full-size copy (a 16-megapixel PNG: +64 MB of frontend memory before, +17 after).
+#: image is the only full-size copy (a 16-megapixel PNG peaked at +64 MB in its decode thread, now +21, of
+#: which 16 are the decoded pixels).
 _BAND_PIXELS = 262_144
 _EXIF_ORIENTATION = 0x0112
 #: Rows of the ink analysis image (at most 512 wide) processed at a time where a full-size temporary is not needed.
@@ -56,8 +57,7 @@ def transform_image(image: Image.Image, spec: ImagePreprocess, consume: bool = F
     given = image
     image = _to_mode(_upright(image), "L" if spec.channels == 1 else "RGB")
     if spec.invert:
-        image = _invert(image, in_place=consume or image is not given)
-    del given
+        image = _invert(image, in_place=consume or image is not given)  # a converted copy is ours too
     if spec.fit == "stretch":
         # LANCZOS antialiases when shrinking (its support widens with the factor) and stays sharp
         # when enlarging; reducing_gap lets Pillow box-reduce large images first, for speed.

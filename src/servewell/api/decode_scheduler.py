@@ -12,7 +12,7 @@ produce, read from the header) is known before it waits:
 - CPU: heavy jobs run in their own threads at a lower CPU priority (`decode_heavy_nice`; Linux nice
   values are per thread), so what they take is what light requests, the event loop and the
   workers leave: with eight clients decoding 4000x4000 PNGs on two cores, a light `/predict`'s
-  p99 went from 2.4x its unloaded value to 0.9-1.6x (`python -m bench.hostile`, two runs);
+  p99 went from 2.4x its unloaded value to 0.87x (`python -m bench.hostile --rounds 3`, median);
 - bound: at most `max_waiting` jobs wait (urgent ones have their own bound of the same size);
   past it a request is refused at once with 503 `overloaded` and a `Retry-After` from the
   measured decode rate, before its body is decoded (`/predict` checks before reading it too).
