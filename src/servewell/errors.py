@@ -157,6 +157,20 @@ class ShuttingDown(Unavailable):
     code = "shutting_down"
 
 
+class ModelUnloading(Unavailable):
+    """The model is being unloaded by an operator: it finishes what it accepted and takes nothing
+    new (it will not come back until loaded again). Not the server shutting down."""
+
+    code = "model_unloading"
+
+
+class ModelReloading(Unavailable):
+    """This version of the model is being replaced by a reload and takes nothing new; the new
+    version serves, so retrying at once succeeds."""
+
+    code = "model_reloading"
+
+
 class ModelError(ServeError):
     """The model itself raised while running the batch."""
 

@@ -125,3 +125,55 @@ def test_a_batching_patch_with_one_invalid_field_changes_nothing(server):
     bad = httpx.patch(url, json={"max_batch_size": 1, "policy": "window", "max_wait_ms": -1})
     assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_input"
     assert httpx.get(url).json() == before  # neither the valid size nor the valid policy applied
+
+
+#: PATCH values that stopped a model (issue 19.10), and the bound each 422 names.
+MODEL_STOPPERS = [
+    ({"compute_timeout_ms": 0.001}, "compute_timeout_ms", "greater than or equal to 100"),
+    ({"policy": "window", "max_wait_ms": 1e308}, "max_wait_ms", "less than or equal to 10000"),
+    ({"default_timeout_ms": 1e300}, "default_timeout_ms", "less than or equal to 600000"),
+    ({"max_queue_size": 10**12}, "max_queue_size", "less than or equal to 100000"),
+]
+
+
+@pytest.mark.parametrize(("patch", "field", "bound"), MODEL_STOPPERS)
+def test_batching_values_that_would_stop_the_model_get_422_and_it_keeps_serving(server, patch, field, bound):
+    url = server.url + "/admin/models/slow/batching"
+    before = httpx.get(url).json()
+    bad = httpx.patch(url, json=patch)
+    assert bad.status_code == 422, bad.text
+    error = bad.json()["error"]
+    assert error["code"] == "invalid_input" and field in error["message"] and bound in error["message"], error
+    assert httpx.get(url).json() == before
+    r = httpx.post(server.url + "/v2/models/slow/infer", json=body(3), timeout=30)
+    assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [3.0]
+
+
+def test_a_compute_timeout_below_the_measured_batch_latency_does_not_declare_batches_hung(server):
+    # `slow` takes 100 ms a batch: a 100 ms budget taken literally declares every batch hung.
+    url = server.url + "/admin/models/slow/batching"
+    restarts = httpx.get(server.url + "/healthz").json()["models"]["slow"]["restarts"]
+    assert httpx.patch(url, json={"compute_timeout_ms": 100}).status_code == 200
+    try:
+        for value in range(4):
+            r = httpx.post(server.url + "/v2/models/slow/infer", json=body(value), timeout=30)
+            assert r.status_code == 200, r.text
+    finally:
+        httpx.patch(url, json={"compute_timeout_ms": None})
+    assert httpx.get(server.url + "/healthz").json()["models"]["slow"]["restarts"] == restarts
+
+
+def test_null_returns_a_batching_setting_to_the_model_yaml_value(server):
+    url = server.url + "/admin/models/slow/batching"
+    changed = httpx.patch(url, json={"policy": "window", "max_wait_ms": 7, "compute_timeout_ms": 5000})
+    assert changed.status_code == 200, changed.text
+    overrides = httpx.get(server.url + "/admin/config").json()["models"]["slow"]["overrides"]
+    assert overrides.items() >= {"policy": "window", "max_wait_ms": 7, "compute_timeout_ms": 5000}.items()
+    reset = httpx.patch(url, json={"policy": None, "max_wait_ms": None, "compute_timeout_ms": None})
+    assert reset.status_code == 200, reset.text
+    # slow's model.yaml sets no batching: the built-in defaults, and no override left.
+    assert {k: reset.json()[k] for k in ("policy", "max_wait_ms", "compute_timeout_ms")} == {
+        "policy": "idle", "max_wait_ms": 25.0, "compute_timeout_ms": None}
+    overrides = httpx.get(server.url + "/admin/config").json()["models"]["slow"]["overrides"]
+    assert not {"policy", "max_wait_ms", "compute_timeout_ms"} & set(overrides), overrides
+    assert httpx.post(server.url + "/v2/models/slow/infer", json=body(2), timeout=30).status_code == 200

@@ -161,3 +161,53 @@ def test_reload_under_load_has_zero_failed_requests_and_needs_the_admin_token(tm
     index = httpx.post(server.url + "/v2/repository/index").json()
     assert index == [{"name": "live", "version": "2", "state": "UNAVAILABLE", "reason": "unloaded by an operator"}]
 
+
+
+def test_unload_under_load_answers_model_unloading_never_shutting_down(tmp_path, start_server):
+    # 200 ms a batch, one row at a time: 8 users keep a queue whose drain takes over a second, and
+    # requests arriving during that drain meet a model being unloaded (issue 19.17: they were told
+    # `shutting_down` by a server that was not shutting down).
+    slow_model(tmp_path, "draining", 200, max_batch_size=1)
+    server = start_server(["--model-repository", str(tmp_path), "--config-poll-s", "0"])
+    server.wait_ready()
+    batching_url = server.url + "/admin/models/draining/batching"
+
+    async def main():
+        answers: list[tuple[int, str | None, str | None]] = []
+        stop = asyncio.Event()
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            async def user():
+                while not stop.is_set():
+                    r = await client.post("/v2/models/draining/infer", json=body(1.0))
+                    error = r.json().get("error") or {} if r.status_code != 200 else {}
+                    answers.append((r.status_code, error.get("code"), r.headers.get("retry-after")))
+                    if r.status_code != 200:
+                        await asyncio.sleep(0.02)
+
+            users = [asyncio.create_task(user()) for _ in range(8)]
+            await asyncio.sleep(1.0)
+            unload = await client.post("/v2/repository/models/draining/unload", timeout=120)
+            await asyncio.sleep(0.5)
+            stop.set()
+            await asyncio.gather(*users)
+        return unload, answers
+
+    unload, answers = asyncio.run(main())
+    assert unload.status_code == 200 and unload.json()["state"] == "unloaded", unload.text
+    counts = {(status, code): sum(1 for a in answers if a[:2] == (status, code)) for status, code, _ in answers}
+    assert counts.get((200, None), 0) >= 4, counts
+    # The drain window was real: requests met the model while it was being unloaded...
+    assert counts.get((503, "model_unloading"), 0) >= 1, counts
+    # ...and every refusal named the model's state, with a retry hint; none said shutting_down.
+    assert set(counts) <= {(200, None), (503, "model_unloading"), (503, "model_not_ready")}, counts
+    assert all(retry is not None and int(retry) >= 1 for status, _, retry in answers if status == 503)
+
+    # A live settings change on an unloaded model applies to nothing: 409 naming the state.
+    patched = httpx.patch(batching_url, json={"max_wait_ms": 5})
+    assert patched.status_code == 409, patched.text
+    error = patched.json()["error"]
+    assert error["code"] == "conflict" and "is unloaded" in error["message"], error
+    # Loaded again, it serves and takes settings again.
+    assert httpx.post(server.url + "/v2/repository/models/draining/load", timeout=120).status_code == 200
+    assert httpx.patch(batching_url, json={"max_wait_ms": 5}).status_code == 200
+    assert httpx.post(server.url + "/v2/models/draining/infer", json=body(2.0), timeout=30).status_code == 200

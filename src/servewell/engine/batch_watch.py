@@ -27,6 +27,10 @@ COMPUTE_BUDGET_FACTOR = 20.0
 COMPUTE_BUDGET_FLOOR_S = 10.0
 #: Without warm-up measurements (`warmup: false`) the first batches may load lazy weights: be patient.
 UNMEASURED_COMPUTE_BUDGET_S = 60.0
+#: A configured `compute_timeout_ms` is never shorter than this many times the batch's measured latency:
+#: a budget the model cannot meet declares every batch hung (issue 19.10: 0.001 ms served 0 of 6,367
+#: requests and restarted the workers 4 times). 3x leaves room for the slowdown CPU contention brings.
+CONFIGURED_BUDGET_MIN_FACTOR = 3.0
 
 T = TypeVar("T")
 
@@ -35,13 +39,13 @@ def compute_budget_s(rows: int, warmup_latency_s: Mapping[int, float], learned_l
                      configured_ms: float | None = None) -> float:
     """Seconds a batch of `rows` may run before its worker is declared hung.
 
-    `configured_ms` (the model's `batching.compute_timeout_ms`) wins. Otherwise: the warm-up
-    latency of the smallest warmed-up batch size that holds `rows` (scaled linearly beyond the
-    largest), or the learned latency if larger, times `COMPUTE_BUDGET_FACTOR`, at least
-    `COMPUTE_BUDGET_FLOOR_S`; `UNMEASURED_COMPUTE_BUDGET_S` when nothing was measured.
+    The measured latency is the warm-up latency of the smallest warmed-up batch size that holds
+    `rows` (scaled linearly beyond the largest), or the learned latency if larger. `configured_ms`
+    (the model's `batching.compute_timeout_ms`) wins, but is never less than
+    `CONFIGURED_BUDGET_MIN_FACTOR` times the measured latency. Otherwise: the measured latency
+    times `COMPUTE_BUDGET_FACTOR`, at least `COMPUTE_BUDGET_FLOOR_S`;
+    `UNMEASURED_COMPUTE_BUDGET_S` when nothing was measured.
     """
-    if configured_ms is not None:
-        return configured_ms / 1000.0
     measured: float | None = None
     if warmup_latency_s:
         sizes = sorted(warmup_latency_s)
@@ -49,6 +53,8 @@ def compute_budget_s(rows: int, warmup_latency_s: Mapping[int, float], learned_l
         measured = warmup_latency_s[fit] if fit is not None else warmup_latency_s[sizes[-1]] * rows / sizes[-1]
     if learned_latency_s is not None:
         measured = max(measured or 0.0, learned_latency_s)
+    if configured_ms is not None:
+        return max(configured_ms / 1000.0, CONFIGURED_BUDGET_MIN_FACTOR * (measured or 0.0))
     if measured is None:
         return UNMEASURED_COMPUTE_BUDGET_S
     return max(COMPUTE_BUDGET_FLOOR_S, COMPUTE_BUDGET_FACTOR * measured)

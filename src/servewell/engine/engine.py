@@ -67,9 +67,7 @@ class ServedModelHandle:
         entry = self._slot.entry
         if not self._engine.accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
-        if not isinstance(entry, ModelEntry) or entry.state != "ready":
-            raise _not_ready(entry)
-        return entry
+        return _ready(entry)
 
     def admit(self, lane: int) -> None:
         """Refuse now what could not be queued (not ready, lane full, shutting down)."""
@@ -81,6 +79,17 @@ class ServedModelHandle:
         entry = self._serving()
         rows = check_inputs(entry.config, inputs)
         return entry.scheduler.submit(inputs, rows, lane, timeout_ms, request_id, arrived_at)
+
+
+def _ready(entry: Entry) -> ModelEntry:
+    """`entry` if it takes new requests; otherwise the error that says why (the model is not ready,
+    or it is being unloaded or replaced: its own 503 code, never `shutting_down`)."""
+    if not isinstance(entry, ModelEntry) or entry.state != "ready":
+        raise _not_ready(entry)
+    refusal = entry.refusal()
+    if refusal is not None:
+        raise refusal
+    return entry
 
 
 def _not_ready(entry: Entry) -> ModelNotReady:
@@ -142,10 +151,7 @@ class InferenceEngine:
         slot = self._slot(name, version)
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
-        entry = slot.entry
-        if not isinstance(entry, ModelEntry) or entry.state != "ready":
-            raise _not_ready(entry)
-        return ServedModelHandle(slot, self, entry)
+        return ServedModelHandle(slot, self, _ready(slot.entry))
 
     def default_model_name(self) -> str:
         """The configured default model, else the only or first valid model."""
@@ -192,7 +198,7 @@ class InferenceEngine:
                 return self._view(fresh)
             old, slot.entry = slot.entry, fresh  # from here on, new requests go to the new version
             if isinstance(old, ModelEntry):
-                await old.stop(reason="replaced by a reload")  # drains what the old version had accepted
+                await old.stop("reloading", reason="replaced by a reload")  # drains what the old version had accepted
             return self._view(fresh)
 
     async def unload_model(self, name: str) -> ModelView:
@@ -201,7 +207,7 @@ class InferenceEngine:
         async with slot.lock:
             entry = slot.entry
             if isinstance(entry, ModelEntry):
-                await entry.stop("unloaded", "unloaded by an operator")
+                await entry.stop("unloading", "unloaded", "unloaded by an operator")
             return self._view(entry)
 
     async def profile(self, name: str, instance: int, seconds: float) -> bytes:
@@ -225,12 +231,10 @@ class InferenceEngine:
         return self._valid(name).scheduler.settings()
 
     def update_batching(self, name: str, changes: Mapping[str, Any]) -> dict[str, Any]:
-        """Change a model's batching settings while it serves (all or nothing). The change lasts
-        until model.yaml next changes (the file then wins) or the server restarts."""
-        entry = self._valid(name)
-        settings = entry.scheduler.update(changes)
-        entry.overrides.update(changes)
-        return settings
+        """Change a model's batching settings while it serves (all or nothing; None: back to
+        model.yaml's value). The change lasts until model.yaml next changes (the file then wins) or
+        the server restarts. `Conflict` when the model is unloaded, failed or stopping."""
+        return self._valid(name).update_batching(changes)
 
     async def reconfigure_model(self, name: str) -> str:
         """Apply a changed `model.yaml` of a loaded model: live when only batching settings changed,
@@ -289,7 +293,7 @@ class InferenceEngine:
         to finish its batch; 0 kills them at once)."""
         self.begin_shutdown()
         self.accepting = False
-        await asyncio.gather(*(s.entry.stop(worker_timeout_s=worker_timeout_s)
+        await asyncio.gather(*(s.entry.stop("shutting_down", worker_timeout_s=worker_timeout_s)
                                for s in self._slots.values() if isinstance(s.entry, ModelEntry)))
 
     # --- queries ---------------------------------------------------------------------------

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 from servewell.config.model import ModelConfig
 from servewell.engine.clock import Clock
@@ -21,7 +22,7 @@ from servewell.engine.memory_budget import MemoryBudget, estimate_model_memory
 from servewell.engine.protocol import InstanceInfo, ModelState
 from servewell.engine.scheduler import ModelScheduler
 from servewell.engine.snapshot import Snapshot, SnapshotError, SnapshotStore
-from servewell.errors import ShuttingDown, WorkerLost
+from servewell.errors import Conflict, ModelReloading, ModelUnloading, ShuttingDown, Unavailable, WorkerLost
 from servewell.observability.batch_telemetry import BatchTelemetry
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.tracing import Tracing
@@ -32,6 +33,17 @@ log = logging.getLogger("servewell.engine")
 
 #: (model, instance, stage, elapsed_s) while a worker loads.
 LoadProgressFn = Callable[[str, int, str, float], None]
+
+#: Why a version stops taking requests: an operator unloads it, a reload replaces it, or the server
+#: stops. Each has its own 503 code, so a client (and an operator reading the counts) can tell an
+#: unload or a reload from a shutdown: before, all three said `shutting_down` (issue 19.17: 382 of
+#: 3,116 predictions during unload/reload races, on a server that was not shutting down).
+StopCause = Literal["unloading", "reloading", "shutting_down"]
+
+#: Retry-After of a request refused by a version that is being replaced: the new version serves now.
+RELOADING_RETRY_S = 1.0
+#: Retry-After of a request refused by a model being unloaded: it comes back only when loaded again.
+UNLOADING_RETRY_S = 5.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,6 +88,7 @@ class ModelEntry:
         self._snapshot: Snapshot | None = None
         self.configured_at = time.time()  # when `config` was read from model.yaml (wall clock)
         self.overrides: dict[str, object] = {}  # batching settings an admin PATCH changed since then
+        self.stopping: StopCause | None = None  # set once this version takes no new request
         self._services = services
         metrics = services.metrics
         tracing = services.tracing if services.tracing is not None and services.tracing.enabled else None
@@ -115,6 +128,41 @@ class ModelEntry:
         dropped, self.overrides = self.overrides, {}
         self.config, self.configured_at = config, time.time()
         return dropped
+
+    def update_batching(self, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """An admin's live change of batching settings (all or nothing); a None value returns that
+        setting to model.yaml's value and ends its override. `Conflict` (409) once the model is
+        unloaded, failed or stopping: its settings would apply to nothing."""
+        if self.stopping is not None or self.state not in ("loading", "ready", "restarting"):
+            state = self.state if self.state not in ("loading", "ready", "restarting") else self.stopping
+            raise Conflict(f"{self.label} is {state}: its batching settings cannot change (load it through the "
+                           "repository API first)")
+        resolved = {key: self._file_value(key) if value is None else value for key, value in changes.items()}
+        settings = self.scheduler.update(resolved)
+        for key, value in changes.items():
+            if value is None:
+                self.overrides.pop(key, None)
+            else:
+                self.overrides[key] = value
+        return settings
+
+    def _file_value(self, key: str) -> object:
+        """What model.yaml gives a live setting (the built-in default when the file sets none)."""
+        if key == "max_batch_size":
+            return min(max(1, self.config.max_batch_size), self.scheduler.proven_max_batch_size)
+        return getattr(self.config.batching, key)
+
+    def refusal(self) -> Unavailable | None:
+        """Why this version refuses a new request while it stops (None while it takes them)."""
+        if self.stopping == "unloading":
+            return ModelUnloading(f"{self.label} is being unloaded by an operator and takes no new requests",
+                                  retry_after_s=UNLOADING_RETRY_S)
+        if self.stopping == "reloading":
+            return ModelReloading(f"{self.label} is being replaced by a reload; retry: the new version serves",
+                                  retry_after_s=RELOADING_RETRY_S)
+        if self.stopping == "shutting_down":
+            return ShuttingDown("the server is shutting down and accepts no new requests")
+        return None
 
     def live_changes_only(self, config: ModelConfig) -> bool:
         """Whether `config` differs from the serving one only in what applies without new workers:
@@ -213,12 +261,14 @@ class ModelEntry:
         """The server is shutting down: restart no worker from now on (requests are still served)."""
         self.pool.close()
 
-    async def stop(self, state: ModelState = "unloaded", reason: str | None = None,
+    async def stop(self, cause: StopCause, state: ModelState = "unloaded", reason: str | None = None,
                    worker_timeout_s: float = 5.0) -> None:
         """Drain queued and running requests, stop every worker, release the memory budget and the
         snapshot. Workers get `worker_timeout_s` to finish the batch in hand (0: killed at once).
+        From now on new requests are refused with `cause`'s error (`refusal`).
 
         A failed model keeps its state and reason; otherwise the entry ends in `state`."""
+        self.stopping = self.stopping or cause
         self.pool.close()  # a worker lost while draining is not replaced: its model's requests are answered
         if self.state in ("ready", "restarting"):
             if self.pool.any_alive():
@@ -268,9 +318,11 @@ class ModelEntry:
             self._set_state("ready")
         elif state == "restarting":
             self._set_state("restarting", reason)
-            if self.pool.closing:  # shutting down: nothing will come back to run what is queued
-                self.scheduler.fail_all(ShuttingDown(f"{self.label} lost its last worker while it was "
-                                                     f"stopping ({reason})"))
+            if self.pool.closing:  # stopping: nothing will come back to run what is queued
+                refusal = self.refusal() or ShuttingDown("the server is shutting down")
+                self.scheduler.fail_all(type(refusal)(f"{self.label} lost its last worker while it was stopping "
+                                                      f"({reason}): {refusal.message}",
+                                                      retry_after_s=refusal.retry_after_s))
         else:
             self._set_state("failed", reason)
             self.scheduler.fail_all(WorkerLost(f"{self.label} failed: {reason}"))

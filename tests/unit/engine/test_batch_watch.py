@@ -17,6 +17,7 @@ from servewell.engine.batch_runner import BatchOutcome
 from servewell.engine.batch_watch import (
     COMPUTE_BUDGET_FACTOR,
     COMPUTE_BUDGET_FLOOR_S,
+    CONFIGURED_BUDGET_MIN_FACTOR,
     UNMEASURED_COMPUTE_BUDGET_S,
     compute_budget_s,
 )
@@ -75,7 +76,14 @@ def submit(s: ModelScheduler, value: float, timeout_ms: float | None = None) -> 
 # --- the budget ------------------------------------------------------------------------------
 
 def test_a_configured_compute_timeout_wins() -> None:
-    assert compute_budget_s(4, {4: 100.0}, 50.0, configured_ms=1500) == 1.5
+    assert compute_budget_s(4, {4: 0.1}, 0.05, configured_ms=1500) == 1.5
+
+
+def test_a_configured_compute_timeout_is_never_below_a_few_measured_latencies() -> None:
+    # A budget the model cannot meet would declare every batch hung (issue 19.10).
+    assert compute_budget_s(4, {4: 1.0}, 0.5, configured_ms=100) == pytest.approx(CONFIGURED_BUDGET_MIN_FACTOR * 1.0)
+    assert compute_budget_s(4, {4: 0.1}, 2.0, configured_ms=100) == pytest.approx(CONFIGURED_BUDGET_MIN_FACTOR * 2.0)
+    assert compute_budget_s(4, {}, None, configured_ms=100) == 0.1  # nothing measured: the setting as given
 
 
 def test_the_budget_is_the_warm_up_latency_of_the_smallest_batch_that_holds_the_rows_times_the_factor() -> None:
