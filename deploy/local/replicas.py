@@ -18,6 +18,13 @@ them running as a container orchestrator would:
   accepted requests), then HAProxy, each by its own pid, and any process a dead replica left in
   its session (its worker processes), also by pid.
 
+Every replica requires an admin token (`SERVEWELL_ADMIN_TOKEN`, in its environment, not on its
+command line where `ps` shows it): without one, servewell lets loopback clients use the admin
+endpoints, and behind HAProxy every client would come from 127.0.0.1. The token is read from
+`--admin-token-file` (default `--state-dir`/admin-token), written there (mode 0600) when the file
+does not exist, and its path is printed at start: model control goes to a replica's own port with
+`Authorization: Bearer $(cat .replicas/admin-token)`.
+
 Each replica runs in its own session, so a Ctrl-C in the terminal reaches only this supervisor.
 The state (pids, ports, the HAProxy admin socket) is kept in `--state-dir`/state.json, with one
 log per process. Standard library only: it does not import servewell, and works with any
@@ -31,6 +38,7 @@ import csv
 import io
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -50,6 +58,8 @@ STOP_TIMEOUT_S = 40.0
 STABLE_AFTER_S = 10.0
 MAX_BACKOFF_S = 30.0
 POLL_S = 0.1
+#: Bytes of randomness in a generated admin token (43 URL-safe characters).
+ADMIN_TOKEN_BYTES = 32
 
 
 def log(message: str) -> None:
@@ -152,6 +162,22 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def admin_token(path: Path) -> str:
+    """The replicas' admin token: the first line of `path`, or a new random one written there (mode 0600)."""
+    try:
+        token = path.read_text().strip().splitlines()[0].strip() if path.exists() else ""
+    except (OSError, IndexError):
+        token = ""
+    if path.exists() and not token:
+        raise SystemExit(f"{path} holds no admin token: remove it to have one generated, or write one")
+    if not token:
+        token = secrets.token_urlsafe(ADMIN_TOKEN_BYTES)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(token + "\n")
+    return token
+
+
 def listening(port: int) -> bool:
     """Whether something accepts TCP connections on 127.0.0.1:port."""
     try:
@@ -185,6 +211,8 @@ class Supervisor:
         self.haproxy_bin: str = args.haproxy
         self.haproxy: subprocess.Popen | None = None
         self.admin = HaproxyAdmin(self.state_dir / "haproxy.sock")
+        self.admin_token_file: Path = (args.admin_token_file or self.state_dir / "admin-token").resolve()
+        self.admin_token = ""  # read or generated in run(), once the state directory exists
         self.stop_requested = False
         self.restart_requested = False
 
@@ -195,9 +223,11 @@ class Supervisor:
         # HAProxy fronts HTTP only: the replicas' gRPC listeners are off (all N would want port 8001).
         command = [self.servewell, "serve", "--host", "127.0.0.1", "--port", str(replica.port), "--grpc-port", "0",
                    *self.serve_args]
+        env = {**os.environ, "SERVEWELL_ADMIN_TOKEN": self.admin_token}
         with open(replica.log_path, "ab") as out:
             replica.proc = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                env=env,
             )
         replica.sessions.append(replica.proc.pid)
         replica.managed = True
@@ -242,6 +272,7 @@ class Supervisor:
         doc = {
             "supervisor_pid": os.getpid(),
             "url": f"http://{self.host}:{self.port}",
+            "admin_token_file": str(self.admin_token_file),
             "haproxy": {
                 "pid": self.haproxy.pid if self.haproxy else None,
                 "admin_socket": str(self.admin.path),
@@ -339,6 +370,9 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: setattr(self, "stop_requested", True))
         signal.signal(signal.SIGHUP, lambda *_: setattr(self, "restart_requested", True))
+        self.admin_token = admin_token(self.admin_token_file)
+        log(f"admin token: {self.admin_token_file} (model control goes to a replica's own port with "
+            f"'Authorization: Bearer <token>'; HAProxy refuses it)")
         try:
             for replica in self.replicas:
                 self.start_replica(replica)
@@ -413,6 +447,8 @@ def supervisor_pid(state: dict) -> int:
 def status(state_dir: Path) -> int:
     state = read_state(state_dir)
     print(f"{state['url']}  (supervisor pid {state['supervisor_pid']}, haproxy pid {state['haproxy']['pid']})")
+    if state.get("admin_token_file"):
+        print(f"admin token: {state['admin_token_file']}")
     try:
         servers = HaproxyAdmin(Path(state["haproxy"]["admin_socket"])).servers()
     except OSError as exc:
@@ -467,6 +503,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--haproxy", default=shutil.which("haproxy") or "/usr/sbin/haproxy", help="haproxy (up)")
     parser.add_argument("--state-dir", type=Path, default=Path(".replicas"), help="pids, configuration and logs")
+    parser.add_argument(
+        "--admin-token-file",
+        type=Path,
+        default=None,
+        help="the replicas' admin token (up; default: STATE_DIR/admin-token, generated when missing)",
+    )
     parser.epilog = "Arguments after -- go to every `servewell serve` (up)."
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)

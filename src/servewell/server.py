@@ -143,7 +143,9 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tup
     grpc_listener = None
     if settings.grpc_port:
         scope = RpcScope(metrics, tracing, access, knobs, console.recent)
-        grpc_listener = GrpcListener(InferenceServicer(engine, plane, scope, settings.admin_token), settings.host,
+        servicer = InferenceServicer(engine, plane, scope, settings.admin_token,
+                                     trust_loopback_admin=settings.trust_loopback_admin)
+        grpc_listener = GrpcListener(servicer, settings.host,
                                      settings.grpc_port, settings.max_body_bytes, settings.grpc_max_concurrent_rpcs)
     background: list[asyncio.Task[None]] = []
     stop = asyncio.Event()

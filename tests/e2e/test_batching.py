@@ -177,3 +177,16 @@ def test_null_returns_a_batching_setting_to_the_model_yaml_value(server):
     overrides = httpx.get(server.url + "/admin/config").json()["models"]["slow"]["overrides"]
     assert not {"policy", "max_wait_ms", "compute_timeout_ms"} & set(overrides), overrides
     assert httpx.post(server.url + "/v2/models/slow/infer", json=body(2), timeout=30).status_code == 200
+
+
+def test_a_loopback_request_that_came_through_a_proxy_is_not_admin(server):
+    # This server has no admin token: loopback clients are admin, unless a proxy forwarded them
+    # (a proxy on this host connects from 127.0.0.1 for anyone; issue 19.5).
+    url = server.url + "/admin/models/slow/batching"
+    assert httpx.get(url).status_code == 200
+    for header in ({"X-Forwarded-For": "127.0.0.1"}, {"Forwarded": "for=127.0.0.1"}, {"Via": "1.1 haproxy"}):
+        refused = httpx.patch(url, json={"max_wait_ms": 5}, headers=header)
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "forbidden", refused.text
+        state = httpx.get(server.url + "/console/api/state", headers=header).json()
+        assert state["server"]["admin"] is False and state["recent"] is None, header
+    assert httpx.get(server.url + "/console/api/state").json()["server"]["admin"] is True

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from servewell.api.access import check_admin
+from servewell.api.access import came_through_proxy, check_admin
 from servewell.api.body import check_content_type, read_body
 from servewell.api.openapi import error_responses
 from servewell.api.state import AppState, state_dependency
@@ -27,12 +27,15 @@ _ADMIN_ERRORS = (401, 403, 404)
 
 
 async def require_admin(request: Request, state: AppState = Depends(state_dependency)) -> AppState:
-    """401 without the configured bearer token; with no token configured, loopback clients only."""
+    """401 without the configured bearer token; with no token configured, loopback clients that
+    did not come through a proxy only (api/access.py)."""
     name = request.path_params.get("name")
     if isinstance(name, str):
         state.plane.note_model(name)  # model label and log field, for names of this server only
     check_admin(state.settings.admin_token, request.headers.get("authorization"),
-                request.client.host if request.client is not None else None)
+                request.client.host if request.client is not None else None,
+                proxied=came_through_proxy(request.headers.keys()),
+                trust_loopback=state.settings.trust_loopback_admin)
     return state
 
 

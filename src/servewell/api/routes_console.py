@@ -24,7 +24,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 import servewell
-from servewell.api.access import check_admin
+from servewell.api.access import came_through_proxy, check_admin
 from servewell.api.openapi import error_responses
 from servewell.api.state import AppState, app_state
 from servewell.engine.protocol import ModelView
@@ -106,7 +106,9 @@ async def console_state(
         raise NotFound("unknown model; use * or one of this server's models")
     try:
         check_admin(state.settings.admin_token, request.headers.get("authorization"),
-                    request.client.host if request.client is not None else None)
+                    request.client.host if request.client is not None else None,
+                    proxied=came_through_proxy(request.headers.keys()),
+                    trust_loopback=state.settings.trust_loopback_admin)
         admin, admin_reason = True, None
     except ServeError as exc:
         admin, admin_reason = False, exc.message

@@ -63,6 +63,10 @@ class ServerConfig(BaseModel):
     admin_token: str | None = Field(
         None, description="Bearer token for /admin endpoints; when unset they answer loopback clients only."
     )
+    trust_loopback_admin: bool = Field(
+        True, description="With no admin_token: let loopback clients that did not come through a proxy (no "
+        "Forwarded, X-Forwarded-*, X-Real-IP or Via header) use the admin endpoints; false: admin needs the token.",
+    )
     api_keys_file: Path | None = Field(
         None, description="File of API keys for inference, one per line ('<key>', '<id>:<key>' or "
         "'<id>:sha256:<hex>', optionally ' rate=<n>'); watched and reloaded. Unset and no api_keys: inference is open.",

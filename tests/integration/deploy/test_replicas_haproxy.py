@@ -11,6 +11,7 @@ HAProxy comes with Debian's `haproxy` package; without it these tests fail rathe
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -212,6 +213,77 @@ def replicas(tmp_path_factory: pytest.TempPathFactory):
         if fleet.proc.poll() is None:
             fleet.proc.send_signal(signal.SIGTERM)
             fleet.proc.wait(90)
+
+
+def raw_request(port: int, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    """One request with `path` sent exactly as written (httpx would resolve dot segments); status and JSON body."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        body = b'{"max_wait_ms": 5}' if method == "PATCH" else b""
+        connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        response = connection.getresponse()
+        text = response.read()
+        try:
+            return response.status, json.loads(text)
+        except ValueError:
+            return response.status, {"unparsed": text[:200].decode(errors="replace")}
+    finally:
+        connection.close()
+
+
+#: Model control through the load balancer, spelled so that a rule matching the raw path misses it
+#: while servewell (which percent-decodes the path once) routes it (issue 19.5).
+DISGUISED_CONTROL = [
+    ("POST", "/v2/repository/models/tiny/%75nload"),
+    ("PATCH", "/%61dmin/models/tiny/batching"),
+    ("POST", "/v2/repository/models/tiny%2Funload"),
+    ("POST", "/v2%2Frepository%2Fmodels/tiny/unload"),
+    ("PATCH", "/%41dmin/models/tiny/batching"),
+    ("PATCH", "/x/../admin/models/tiny/batching"),
+    ("PATCH", "/x/%2e%2e/admin/models/tiny/batching"),
+    ("PATCH", "//admin/models/tiny/batching"),
+    ("GET", "/admin/config"),
+    ("GET", "/admin"),
+    ("POST", "/v2/repository/models/tiny/unload"),
+]
+
+
+def test_model_control_through_haproxy_is_refused_however_its_path_is_encoded(replicas: Replicas):
+    for method, path in DISGUISED_CONTROL:
+        status, body = raw_request(replicas.port, method, path)
+        assert status in (400, 403), (method, path, status, body)
+        assert body["error"]["code"] in ("bad_request", "forbidden"), (method, path, body)
+    # Nothing reached a replica: both still serve tiny with their original settings.
+    for replica in replicas.state()["replicas"]:
+        assert httpx.get(f"http://127.0.0.1:{replica['port']}/v2/models/tiny/ready").status_code == 200
+    answer = httpx.post(replicas.url + "/v2/models/tiny/infer", json=INFER_BODY)
+    assert answer.status_code == 200, answer.text
+    # Ordinary paths with dots and escapes in a model name still pass through to servewell (its 404).
+    status, body = raw_request(replicas.port, "GET", "/v2/models/no.such%2Dmodel")
+    assert status == 404 and body["error"]["code"] == "not_found", body
+
+
+def test_replicas_require_their_admin_token_and_the_console_shows_no_admin_data_through_haproxy(replicas: Replicas):
+    state = replicas.state()
+    token_file = Path(state["admin_token_file"])
+    assert token_file.stat().st_mode & 0o077 == 0  # readable by its owner only
+    token = token_file.read_text().strip()
+    assert len(token) >= 32
+    port = state["replicas"][0]["port"]
+    # At a replica's own port, from this machine: the token is required (no loopback trust).
+    status, body = raw_request(port, "PATCH", "/admin/models/tiny/batching")
+    assert status == 401 and body["error"]["code"] == "unauthorized", body
+    status, body = raw_request(port, "PATCH", "/admin/models/tiny/batching", {"Authorization": f"Bearer {token}"})
+    assert status == 200 and body["max_wait_ms"] == 5, body
+    reset = httpx.patch(f"http://127.0.0.1:{port}/admin/models/tiny/batching", json={"max_wait_ms": None},
+                        headers={"Authorization": f"Bearer {token}"})
+    assert reset.status_code == 200 and reset.json()["max_wait_ms"] == 25.0
+    # Through HAProxy: the console's state answers, without the recent requests or batching settings.
+    console = httpx.get(replicas.url + "/console/api/state").json()
+    assert console["server"]["admin"] is False and console["recent"] is None, console["server"]
+    # The token works through HAProxy as anywhere (the console page sends it when given).
+    with_token = httpx.get(replicas.url + "/console/api/state", headers={"Authorization": f"Bearer {token}"})
+    assert with_token.json()["server"]["admin"] is True
 
 
 def test_rolling_restart_by_sigterm_fails_no_request(replicas: Replicas):

@@ -15,7 +15,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 import servewell
-from servewell.api.access import check_admin, grpc_peer_host
+from servewell.api.access import came_through_proxy, check_admin, grpc_peer_host
 from servewell.api.dataplane import DataPlane, select_outputs
 from servewell.api.grpc.codec import decode_request, encode_response, metadata_value
 from servewell.api.grpc.scope import RpcContext, RpcScope
@@ -32,11 +32,13 @@ TRITON_STATES = {"ready": "READY", "loading": "LOADING", "restarting": "LOADING"
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     """Every call runs inside `RpcScope` (request id, trace, metrics, errors as statuses)."""
 
-    def __init__(self, engine: ServingEngine, plane: DataPlane, scope: RpcScope, admin_token: str | None) -> None:
+    def __init__(self, engine: ServingEngine, plane: DataPlane, scope: RpcScope, admin_token: str | None, *,
+                 trust_loopback_admin: bool) -> None:
         self._engine = engine
         self._plane = plane
         self._scope = scope
         self._admin_token = admin_token
+        self._trust_loopback_admin = trust_loopback_admin
 
     # --- health and metadata ---------------------------------------------------------------
 
@@ -145,8 +147,10 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         return await self._scope.run("RepositoryModelUnload", context, handle, admin=True)
 
     def _require_admin(self, context: RpcContext) -> None:
-        check_admin(self._admin_token, metadata_value(context.invocation_metadata(), "authorization"),
-                    grpc_peer_host(context.peer()))
+        metadata = context.invocation_metadata() or ()
+        check_admin(self._admin_token, metadata_value(metadata, "authorization"), grpc_peer_host(context.peer()),
+                    proxied=came_through_proxy(key for key, _ in metadata),
+                    trust_loopback=self._trust_loopback_admin)
 
 
 def _valid_config(view: ModelView) -> ModelConfig:
