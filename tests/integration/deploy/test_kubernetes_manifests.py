@@ -263,7 +263,7 @@ def test_deployment_drains_within_its_grace_period(overlay: str):
     server = container(deployment, "servewell")
     pre_stop_s = server["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pre_stop_s >= 5
-    env = {e["name"]: e["value"] for e in server["env"]}
+    env = {e["name"]: e.get("value") for e in server["env"]}
     drain_s = int(env.get("SERVEWELL_SHUTDOWN_TIMEOUT_S", DRAIN_S))  # [issue 12]
     assert drain_s >= DRAIN_S or "SERVEWELL_SHUTDOWN_TIMEOUT_S" in env
     assert pod["terminationGracePeriodSeconds"] >= pre_stop_s + drain_s + WORKER_EXIT_S
@@ -286,12 +286,22 @@ def test_probes_liveness_never_waits_for_models_and_startup_allows_loading(overl
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_admin_needs_a_token_from_a_secret_and_loopback_is_not_trusted(overlay: str):
+    # A sidecar or mesh proxy in the pod forwards from 127.0.0.1 (issue 19.5): admin must need the token.
+    server = container(one(render(KUBE / "overlays" / overlay), "Deployment"), "servewell")
+    env = {e["name"]: e for e in server["env"]}
+    assert env["SERVEWELL_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "servewell-admin", "key": "token"}
+    assert env["SERVEWELL_TRUST_LOOPBACK_ADMIN"]["value"] == "false"
+    assert not any("admin-token" in arg for arg in server["args"])  # never on the command line (ps shows it)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_resources_match_the_memory_budget(overlay: str):
     server = container(one(render(KUBE / "overlays" / overlay), "Deployment"), "servewell")
     requests, limits = server["resources"]["requests"], server["resources"]["limits"]
     assert requests == limits  # Guaranteed QoS
     assert quantity(limits["cpu"]) >= 2 and quantity(limits["cpu"]).is_integer()  # frontend + a worker, whole cores
-    env = {e["name"]: e["value"] for e in server["env"]}
+    env = {e["name"]: e.get("value") for e in server["env"]}
     assert int(env["SERVEWELL_MEMORY_BUDGET_BYTES"]) == quantity(limits["memory"]) - 512 * 2**20
     shm = next(
         v
