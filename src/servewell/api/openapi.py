@@ -34,15 +34,18 @@ class ErrorBody(BaseModel):
 _WHEN = {
     400: "Malformed JSON, bad base64, an undecodable image, bad binary framing.",
     401: "Missing or wrong API key (inference) or admin bearer token (admin); with WWW-Authenticate.",
-    403: "Admin endpoints answer loopback clients only when no admin token is configured.",
+    403: "Admin endpoints answer loopback clients that did not come through a proxy only, when no admin token is "
+         "configured.",
     404: "Unknown model, version or route.",
     408: "The request's head or body arrived slower than the server's timeouts.",
-    409: "Conflicts with work in progress (a profile already being captured).",
+    409: "Conflicts with work in progress (a profile already being captured) or with the model's state "
+         "(unloaded, failed or being unloaded).",
     413: "Body over max_body_bytes, image over max_image_pixels or max_image_side.",
     415: "A Content-Type this route does not take.",
     422: "Well-formed, but the fields or tensors do not match what the route or model takes.",
     429: "The API key is over its request rate; Retry-After says when to try again.",
-    503: "Cannot serve this now (model_not_ready, overloaded, deadline_exceeded, worker_lost, shutting_down); "
+    503: "Cannot serve this now (model_not_ready, model_unloading, model_reloading, overloaded, deadline_exceeded, "
+         "worker_lost, shutting_down); "
          "retry after Retry-After seconds when given.",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}}

@@ -58,11 +58,13 @@ async def get_batching(name: str, state: AppState = Depends(require_admin)) -> R
     summary="Change batching settings while serving",
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
         "schema": BatchingPatch.model_json_schema()}}}},
-    responses=error_responses(400, *_ADMIN_ERRORS, 413, 415, 422, 503),
+    responses=error_responses(400, *_ADMIN_ERRORS, 409, 413, 415, 422, 503),
 )
 async def patch_batching(name: str, request: Request, state: AppState = Depends(require_admin)) -> Response:
-    """Apply the given fields, all or none; queued and running requests are kept. The change lasts
-    until the model's model.yaml next changes or the server restarts."""
+    """Apply the given fields, all or none; queued and running requests are kept; `null` returns a
+    field to model.yaml's value. Each field is bounded to values that cannot stop the model (422
+    naming the field and the bound). 409 when the model is unloaded, failed or being unloaded. The
+    change lasts until the model's model.yaml next changes or the server restarts."""
     check_content_type(request, ("application/json",))
     try:
         raw: Any = orjson.loads(await read_body(request, state.settings.max_body_bytes))
