@@ -236,6 +236,16 @@ def test_repository_load_and_unload_need_the_admin_token(slow_server):
         assert result.as_numpy("y")[0, 0] == 3.0
 
 
+def test_a_grpc_admin_call_forwarded_by_a_proxy_is_not_a_loopback_admin(client):
+    # digits_server has no admin token: loopback callers are admin, unless a proxy forwarded them
+    # (a proxy on this host connects from 127.0.0.1 for anyone; issue 19.5).
+    for proxy_metadata in ({"x-forwarded-for": "203.0.113.7"}, {"forwarded": "for=127.0.0.1"}, {"via": "1.1 envoy"}):
+        with pytest.raises(InferenceServerException) as refused:
+            client.unload_model("digits", headers=proxy_metadata)
+        assert status_of(refused.value) == "StatusCode.PERMISSION_DENIED", proxy_metadata
+    assert client.is_model_ready("digits")
+
+
 def test_grpc_requests_are_in_the_metrics(digits_server, client):
     client.infer("digits", [tensor("input", np.zeros((1, 1, 8, 8), dtype=np.float32))])
     text = httpx.get(digits_server.url + "/metrics").text
