@@ -53,7 +53,7 @@ def test_only_servewell_variables_are_read():
     ("no_such_setting: 1\n", {}, "field 'no_such_setting'"),
     ("", {"SERVEWELL_MAX_BODY_BYTES": "lots"}, "field 'max_body_bytes'"),
     ("- a list\n", {}, "expected a mapping"),
-    ("port: [unclosed\n", {}, "cannot read"),
+    ("port: [unclosed\n", {}, "not valid YAML"),
 ])
 def test_invalid_settings_name_their_source_and_field(tmp_path, text, environ, expected):
     file = config_file(tmp_path, text)
