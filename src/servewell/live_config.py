@@ -69,9 +69,9 @@ def load_keys(settings: ServerConfig) -> KeyRing:
         except OSError as exc:
             raise KeyFormatError(f"{where}: {exc}") from None
         keys.extend(parse_keys(text.splitlines(), where))
-        if not keys:
-            raise NoKeysError(f"{where}: holds no key (empty or comments only)")
     keys.extend(parse_keys(settings.api_keys, "api_keys (SERVEWELL_API_KEYS or the config file)"))
+    if settings.api_keys_file is not None and not keys:
+        raise NoKeysError(f"{settings.api_keys_file}: holds no key (empty or comments only)")
     ids = [k.id for k in keys]
     duplicated = sorted({i for i in ids if ids.count(i) > 1})
     if duplicated:
@@ -182,7 +182,8 @@ class ConfigReloader:
         self._metrics.outcomes["rejected"] += 1
         reasons = "; ".join(reason if field == TOP_LEVEL else f"field '{field}': {reason}"
                             for field, reason in problems)
-        log.error("%s rejected, %s: %s", path, kept, cut(reasons, 1000), extra={"file": str(path)})
+        kind = "config file" if path == self._source.file else "model.yaml" if path in self._models else "keys file"
+        log.error("%s rejected, %s: %s: %s", kind, kept, path, cut(reasons, 1000), extra={"file": str(path)})
 
     def _applied(self, path: Path) -> None:
         self.rejected.clear(path)

@@ -104,7 +104,9 @@ def _tune_garbage_collector() -> None:
 
 def snapshot_store(settings: ServerConfig) -> SnapshotStore | None:
     """Where model versions are copied before their workers load them (None: snapshots off)."""
-    return SnapshotStore(settings.cache_dir / "snapshots") if settings.artifact_snapshots else None
+    if not settings.artifact_snapshots:
+        return None
+    return SnapshotStore(settings.cache_dir / "snapshots", max_bytes=settings.snapshot_max_bytes)
 
 
 def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tuple[FastAPI, ShutdownPlan]:

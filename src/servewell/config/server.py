@@ -174,6 +174,11 @@ class ServerConfig(BaseModel):
         "device or directory) is rejected and the running configuration stays.",
     )
 
+    snapshot_max_bytes: int = Field(
+        16 << 30, ge=1, description="Most bytes one model snapshot may copy; a bigger model directory serves from the "
+        "repository's files (logged). Symlinked directories inside a model directory are never copied.",
+    )
+
     @field_validator("admin_token")
     @classmethod
     def _admin_token_not_blank(cls, value: str | None) -> str | None:
