@@ -159,7 +159,11 @@ class ConfigReloader:
                 new = self._new_model_files()
                 changes = await asyncio.wait_for(asyncio.to_thread(self._look, new, settle), POLL_TIMEOUT_S)
                 for change in changes:
-                    await self._apply(change)
+                    try:
+                        await self._apply(change)
+                    except Exception as exc:  # one file's unexpected error never skips the others
+                        self._reject(change.path, [(TOP_LEVEL, cut(f"{type(exc).__name__}: {exc}"))],
+                                     "the running configuration is kept")
             self._last_error = ""
         except Exception as exc:  # the watcher must outlive any file and any bug
             message = cut(f"{type(exc).__name__}: {exc}")
