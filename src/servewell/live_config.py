@@ -46,7 +46,7 @@ from servewell.config.rejections import RejectedFiles
 from servewell.config.server import LIVE_FIELDS, ConfigFileError, ConfigSource, ServerConfig
 from servewell.config.watch import FileChange, FileWatch
 from servewell.engine.engine import InferenceEngine
-from servewell.engine.repository import read_model_config
+from servewell.engine.repository import outside_repository, read_model_config
 from servewell.errors import ServeError
 from servewell.observability.tracing import DEFAULT_SAMPLE_RATIO, Tracing
 
@@ -284,6 +284,10 @@ class ConfigReloader:
         except ValueError as exc:
             self._reject(path, [(TOP_LEVEL, str(exc))], "the running version keeps serving")
             return
+        real = outside_repository(self._engine.repository, path.parent)
+        if real is not None:  # a model directory swapped for a symlink out of the repository
+            log.warning("model directory %s resolves to %s, outside the repository %s", name, real,
+                        self._engine.repository, extra={"model": name})
         try:
             outcome = await self._engine.reconfigure_model(name)
         except ServeError as exc:
