@@ -171,7 +171,8 @@ class ServerConfig(BaseModel):
     config_max_bytes: int = Field(
         DEFAULT_MAX_CONFIG_BYTES, ge=1024, le=64 * 1_048_576,
         description="Largest --config, API keys or model.yaml file the watcher reads; a bigger one (or a FIFO, "
-        "device or directory) is rejected and the running configuration stays.",
+        "device or directory) is rejected and the running configuration stays. A model load reads at most 1 MiB "
+        "of model.yaml whatever this says.",
     )
 
     snapshot_max_bytes: int = Field(
