@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
+import tritonclient.grpc as triton_grpc
 import yaml
+from tritonclient.utils import InferenceServerException
 
 from model_dirs import slow_model
 
@@ -176,6 +179,12 @@ def test_keys_fail_closed_and_a_broken_keys_file_never_stops_the_watcher(hostile
     assert infer(hostile, None).status_code == 401  # never open
     state = httpx.get(hostile.url + "/console/api/state", timeout=5)
     assert state.status_code == 401
+    tensor = triton_grpc.InferInput("x", [1, 1], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 1), dtype=np.float32))
+    with triton_grpc.InferenceServerClient(hostile.grpc_url) as client:  # gRPC denies as HTTP does
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("slow", [tensor], headers={"x-api-key": KEY})
+    assert str(refused.value.status()) == "StatusCode.UNAUTHENTICATED"
     reasons = [r["reason"] for r in health(hostile)["config"]["rejected"] if r["file"] == "keys.txt"]
     assert reasons and "no API key is in force" in reasons[0]
     assert "rejected, every request that needs an API key is refused" in hostile.log()
