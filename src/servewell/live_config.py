@@ -5,9 +5,19 @@ rate limit, whether /metrics needs a key, the poll interval; a model's batching 
 (policy, waits, queue bounds, timeouts, max batch size within what warm-up proved). What
 reloads the model (zero failed requests: the new version warms up before traffic moves): any
 other change of its model.yaml, lanes included. What is refused: an invalid file (a log line
-names the file, field and reason; the running configuration stays), and server settings that
-need a restart (listen address and ports, repository, memory budget, ...), which are logged and
-listed under `pending_restart` in `GET /admin/config`.
+names the file, field and reason; the running configuration stays; `/healthz`, `/admin/config`,
+the console and `servewell_config_rejected_files` show it until a later version is applied), and
+server settings that need a restart (listen address and ports, repository, memory budget, ...),
+which are logged and listed under `pending_restart` in `GET /admin/config`.
+
+A change applies once the file stayed the same for one poll (a half-written file is never
+read as the new version); SIGHUP applies at once. Files are read in a thread, only regular files
+of at most `config_max_bytes`. Nothing a file holds can stop the watcher: every error is logged
+once per version of the file, and polling goes on.
+
+Keys fail closed: once keys are required, a reload that yields no key (an empty or comment-only
+file, the file or setting removed) denies every request that needs a key until a key is
+configured again; it never opens inference.
 
 Admin PATCHes and files: a PATCH of batching settings lasts until that model's model.yaml next
 changes (the file then wins, and the log says which overrides it replaced) or the server
@@ -19,28 +29,49 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from servewell.api.keys import InferenceAccess, KeyFormatError, KeyRing, parse_keys
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from servewell.api.keys import InferenceAccess, KeyFormatError, KeyRing, NoKeysError, parse_keys
 from servewell.api.state import LiveKnobs
+from servewell.config.bounded_yaml import cut
+from servewell.config.file_read import decode_utf8, read_config_bytes
+from servewell.config.model_file import ModelConfigError
+from servewell.config.problems import TOP_LEVEL
+from servewell.config.rejections import RejectedFiles
 from servewell.config.server import LIVE_FIELDS, ConfigFileError, ConfigSource, ServerConfig
-from servewell.config.watch import FileWatch
+from servewell.config.watch import FileChange, FileWatch
 from servewell.engine.engine import InferenceEngine
+from servewell.engine.repository import outside_repository, read_model_config
 from servewell.errors import ServeError
 from servewell.observability.tracing import DEFAULT_SAMPLE_RATIO, Tracing
 
 log = logging.getLogger("servewell.config")
 
+#: Longest one poll's file reads may take before the poll is abandoned (and logged): reads are
+#: non-blocking and capped, so only a hung file system gets near it.
+POLL_TIMEOUT_S = 10.0
+
 
 def load_keys(settings: ServerConfig) -> KeyRing:
     """The API keys the settings name (file, then SERVEWELL_API_KEYS / config entries);
-    `KeyFormatError` or `OSError` when they cannot be used."""
+    `KeyFormatError` or `OSError` when they cannot be used, `NoKeysError` when keys are
+    configured but none is found (an empty or comment-only file never means "open")."""
     keys = []
     if settings.api_keys_file is not None:
-        lines = settings.api_keys_file.read_text(encoding="utf-8").splitlines()
-        keys.extend(parse_keys(lines, str(settings.api_keys_file)))
+        where = str(settings.api_keys_file)
+        try:
+            text = decode_utf8(read_config_bytes(settings.api_keys_file, settings.config_max_bytes))
+        except OSError as exc:
+            raise KeyFormatError(f"{where}: {exc}") from None
+        keys.extend(parse_keys(text.splitlines(), where))
     keys.extend(parse_keys(settings.api_keys, "api_keys (SERVEWELL_API_KEYS or the config file)"))
+    if settings.api_keys_file is not None and not keys:
+        raise NoKeysError(f"{settings.api_keys_file}: holds no key (empty or comments only)")
     ids = [k.id for k in keys]
     duplicated = sorted({i for i in ids if ids.count(i) > 1})
     if duplicated:
@@ -48,20 +79,44 @@ def load_keys(settings: ServerConfig) -> KeyRing:
     return KeyRing(keys)
 
 
+class ReloadMetrics(Collector):
+    """`servewell_config_rejected_files` and `servewell_config_reloads_total{outcome}`: no label
+    comes from a client or names a file."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.rejected_files = 0
+        self.outcomes = {"applied": 0, "rejected": 0}
+        if registry is not None:
+            registry.register(self)
+
+    def collect(self) -> Iterable[Metric]:
+        gauge = GaugeMetricFamily("servewell_config_rejected_files",
+                                  "Configuration files whose latest version was rejected (0: all applied).")
+        gauge.add_metric([], self.rejected_files)
+        counter = CounterMetricFamily("servewell_config_reloads", "Configuration file changes, by outcome.",
+                                      labels=["outcome"])
+        for outcome, count in self.outcomes.items():
+            counter.add_metric([outcome], count)
+        return [gauge, counter]
+
+
 class ConfigReloader:
     """Polls the watched files (and reacts to SIGHUP) and applies what changed."""
 
     def __init__(self, source: ConfigSource, settings: ServerConfig, engine: InferenceEngine, access: InferenceAccess,
-                 tracing: Tracing, knobs: LiveKnobs) -> None:
+                 tracing: Tracing, knobs: LiveKnobs, registry: CollectorRegistry | None = None) -> None:
         self._source = source
         self.settings = settings
         self._engine = engine
         self._access = access
         self._tracing = tracing
         self._knobs = knobs
-        self._watch = FileWatch()
+        self._watch = FileWatch(settings.config_max_bytes)
         self._lock = asyncio.Lock()
         self._models: dict[Path, str] = {}
+        self._metrics = ReloadMetrics(registry)
+        self.rejected = RejectedFiles(on_change=self._count_rejected)
+        self._last_error = ""
         self.loaded_at = time.time()
         self.keys_loaded_at = time.time()
         self.pending_restart: list[str] = []
@@ -70,16 +125,26 @@ class ConfigReloader:
         if settings.api_keys_file is not None:
             self._watch.track(settings.api_keys_file)
 
+    def _count_rejected(self, files: int) -> None:
+        self._metrics.rejected_files = files
+
     def watch_models(self) -> None:
         """Start watching the model.yaml of every model the engine knows (call after it started)."""
+        for path in self._new_model_files():
+            self._watch.track(path)
+
+    def _new_model_files(self) -> list[Path]:
+        new = []
         for view in self._engine.models():
             path = self._engine.repository / view.name / "model.yaml"
             if path not in self._models:
                 self._models[path] = view.name
-                self._watch.track(path)
+                new.append(path)
+        return new
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Check for changes every `config_poll_s` seconds until `stop` is set (0: only on SIGHUP)."""
+        """Check for changes every `config_poll_s` seconds until `stop` is set (0: only on SIGHUP).
+        Nothing stops it but `stop`: an unexpected error is logged (once while it repeats)."""
         while not stop.is_set():
             poll_s = self.settings.config_poll_s
             try:
@@ -87,55 +152,118 @@ class ConfigReloader:
             except TimeoutError:
                 await self.check()
 
-    async def check(self) -> None:
-        """Apply every watched file that changed since the last check."""
-        async with self._lock:
-            self.watch_models()
-            for path in self._watch.changed():
-                if path == self._source.file:
-                    self._reload_server()
-                elif path == self.settings.api_keys_file:
-                    self._reload_keys(self.settings, f"keys file {path} changed")
-                elif path in self._models:
-                    await self._reload_model(self._models[path], path)
+    async def check(self, settle: bool = True) -> None:
+        """Apply every watched file whose change has settled (`settle=False`, for SIGHUP: at once)."""
+        try:
+            async with self._lock:
+                new = self._new_model_files()
+                changes = await asyncio.wait_for(asyncio.to_thread(self._look, new, settle), POLL_TIMEOUT_S)
+                for change in changes:
+                    try:
+                        await self._apply(change)
+                    except Exception as exc:  # one file's unexpected error never skips the others
+                        self._reject(change.path, [(TOP_LEVEL, cut(f"{type(exc).__name__}: {exc}"))],
+                                     "the running configuration is kept")
+            self._last_error = ""
+        except Exception as exc:  # the watcher must outlive any file and any bug
+            message = cut(f"{type(exc).__name__}: {exc}")
+            if message != self._last_error:
+                log.error("configuration watcher: a check failed, polling goes on: %s", message)
+                self._last_error = message
+
+    def _look(self, new: list[Path], settle: bool) -> list[FileChange]:
+        for path in new:  # models loaded since the last poll: their file as it is now is the baseline
+            self._watch.track(path)
+        return self._watch.poll(settle)
+
+    def _label(self, path: Path) -> str:
+        if path in self._models:
+            return f"{self._models[path]}/model.yaml"
+        return path.name
+
+    def _reject(self, path: Path, problems: list[tuple[str, str]], kept: str) -> None:
+        self.rejected.reject(path, self._label(path), problems)
+        self._metrics.outcomes["rejected"] += 1
+        reasons = "; ".join(reason if field == TOP_LEVEL else f"field '{field}': {reason}"
+                            for field, reason in problems)
+        kind = "config file" if path == self._source.file else "model.yaml" if path in self._models else "keys file"
+        log.error("%s rejected, %s: %s: %s", kind, kept, path, cut(reasons, 1000), extra={"file": str(path)})
+
+    def _applied(self, path: Path) -> None:
+        self.rejected.clear(path)
+        self._metrics.outcomes["applied"] += 1
+
+    async def _apply(self, change: FileChange) -> None:
+        path = change.path
+        if not change.settled:
+            log.info("%s changed; applied once it stays unchanged for one poll", path, extra={"file": str(path)})
+            return
+        kind = "config" if path == self._source.file else "keys" if path == self.settings.api_keys_file else "model"
+        if change.problem is not None and kind != "keys":
+            self._reject(path, [(TOP_LEVEL, change.problem)], "the running configuration is kept")
+        elif kind == "config":
+            self._reload_server()
+        elif kind == "keys":
+            self._reload_keys(self.settings, f"keys file {path} changed", path)
+        elif path in self._models:
+            await self._reload_model(self._models[path], path)
 
     def _reload_server(self) -> None:
+        path = self._source.file
+        assert path is not None
         try:
             fresh = self._source.load()
         except ConfigFileError as exc:
-            log.error("config file rejected, the running configuration is kept: %s", exc)
+            self._reject(path, [(TOP_LEVEL, cut(str(exc).removeprefix(f"{path}: "), 600))],
+                         "the running configuration is kept")
             return
         old = self.settings
         changed = [name for name in ServerConfig.model_fields if getattr(fresh, name) != getattr(old, name)]
         live = [name for name in changed if name in LIVE_FIELDS]
         self.pending_restart = [name for name in changed if name not in LIVE_FIELDS]
+        self._applied(path)
         if any(name.startswith("api_key") for name in live):
-            if not self._reload_keys(fresh, f"config file {self._source.file} changed the API keys"):
+            if not self._reload_keys(fresh, f"config file {path} changed the API keys", path):
                 live = [name for name in live if not name.startswith("api_key")]
         self.settings = old.model_copy(update={name: getattr(fresh, name) for name in live})
         self._apply_knobs()
         if old.api_keys_file != self.settings.api_keys_file:
             if old.api_keys_file is not None:
                 self._watch.forget(old.api_keys_file)
+                self.rejected.clear(old.api_keys_file)
             if self.settings.api_keys_file is not None:
                 self._watch.track(self.settings.api_keys_file)
         self.loaded_at = time.time()
         if live:
-            log.info("config file %s reloaded: applied %s", self._source.file, live, extra={"fields": live})
+            log.info("config file %s reloaded: applied %s", path, live, extra={"fields": live})
         if self.pending_restart:
             log.warning("config file %s changes %s, which need a restart; the running values are kept",
-                        self._source.file, self.pending_restart, extra={"fields": self.pending_restart})
+                        path, self.pending_restart, extra={"fields": self.pending_restart})
 
-    def _reload_keys(self, settings: ServerConfig, why: str) -> bool:
+    def _reload_keys(self, settings: ServerConfig, why: str, path: Path) -> bool:
         try:
             ring = load_keys(settings)
+        except NoKeysError as exc:
+            self._deny_everyone(path, str(exc))
+            return True
         except (KeyFormatError, OSError) as exc:
-            log.error("%s but the keys were rejected, the previous keys stay in force: %s", why, exc)
+            self._reject(path, [(TOP_LEVEL, str(exc))], "the previous keys stay in force")
             return False
+        if not ring.enabled and self._access.enabled:
+            self._deny_everyone(path, "no API key is configured any more")
+            return True
         self._access.replace(ring, settings.api_key_rate_per_s)
         self.keys_loaded_at = time.time()
+        self._applied(path)
         log.info("%s: %d API key(s) in force", why, len(ring.ids), extra={"key_ids": list(ring.ids)})
         return True
+
+    def _deny_everyone(self, path: Path, reason: str) -> None:
+        # Keys never fail open: revoking the last key must not leave it valid, nor open inference.
+        self._access.replace(KeyRing((), required=True), None)
+        self.keys_loaded_at = time.time()
+        self._reject(path, [(TOP_LEVEL, f"{reason}: no API key is in force")],
+                     "every request that needs an API key is refused until a key is configured (fail closed)")
 
     def _apply_knobs(self) -> None:
         settings = self.settings
@@ -146,13 +274,31 @@ class ConfigReloader:
         self._knobs.metrics_need_key = settings.metrics_require_key
 
     async def _reload_model(self, name: str, path: Path) -> None:
+        # Validated whole in a thread first: the engine reads it again on the loop only when it is
+        # a file it can serve, and the rejection keeps each problem's field.
+        try:
+            await asyncio.to_thread(read_model_config, path.parent)
+        except ModelConfigError as exc:
+            self._reject(path, [(p.field, p.reason) for p in exc.problems], "the running version keeps serving")
+            return
+        except ValueError as exc:
+            self._reject(path, [(TOP_LEVEL, str(exc))], "the running version keeps serving")
+            return
+        real = outside_repository(self._engine.repository, path.parent)
+        if real is not None:  # a model directory swapped for a symlink out of the repository
+            log.warning("model directory %s resolves to %s, outside the repository %s", name, real,
+                        self._engine.repository, extra={"model": name})
         try:
             outcome = await self._engine.reconfigure_model(name)
         except ServeError as exc:
-            log.error("%s rejected, the running version keeps serving: %s", path, exc.message,
-                      extra={"model": name})
+            self._reject(path, [(TOP_LEVEL, exc.message)], "the running version keeps serving")
             return
+        self._applied(path)
         log.info("%s changed: %s", path, outcome, extra={"model": name})
+
+    def status(self) -> dict[str, Any]:
+        """`{"status": "ok" | "degraded", "rejected": [...]}` for /healthz and the console (no full paths)."""
+        return self.rejected.status()
 
     def report(self) -> dict[str, Any]:
         """The active configuration for `GET /admin/config` (secrets left out)."""
@@ -165,4 +311,5 @@ class ConfigReloader:
             "api_keys": {"enabled": self._access.enabled, "ids": list(self._access.ids),
                          "loaded_at": self.keys_loaded_at},
             "models": self._engine.config_report(),
+            "config": self.rejected.status(full_paths=True),
         }

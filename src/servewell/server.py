@@ -104,7 +104,9 @@ def _tune_garbage_collector() -> None:
 
 def snapshot_store(settings: ServerConfig) -> SnapshotStore | None:
     """Where model versions are copied before their workers load them (None: snapshots off)."""
-    return SnapshotStore(settings.cache_dir / "snapshots") if settings.artifact_snapshots else None
+    if not settings.artifact_snapshots:
+        return None
+    return SnapshotStore(settings.cache_dir / "snapshots", max_bytes=settings.snapshot_max_bytes)
 
 
 def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tuple[FastAPI, ShutdownPlan]:
@@ -139,7 +141,8 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tup
     access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
     knobs = LiveKnobs(settings.slow_request_ms / 1000.0, settings.metrics_require_key)
     console = ConsoleFeed(metrics)  # the console's chart series and recent slow/failed requests
-    reloader = ConfigReloader(source or ConfigSource(None, {}), settings, engine, access, tracing, knobs)
+    reloader = ConfigReloader(source or ConfigSource(None, {}), settings, engine, access, tracing, knobs,
+                              metrics.registry if metrics is not None else None)
     grpc_listener = None
     if settings.grpc_port:
         scope = RpcScope(metrics, tracing, access, knobs, console.recent)
@@ -171,7 +174,8 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tup
         background.append(loop.create_task(start_engine_then_watch()))
         background.append(loop.create_task(reloader.run(stop)))
         background.append(loop.create_task(console.run()))
-        loop.add_signal_handler(signal.SIGHUP, lambda: background.append(loop.create_task(reloader.check())))
+        loop.add_signal_handler(signal.SIGHUP,
+                                lambda: background.append(loop.create_task(reloader.check(settle=False))))
         if metrics is not None and settings.alerting.webhook_url is not None:
             tracker = SignalTracker(metrics, engine.model_facts)
             background.append(loop.create_task(run_alerting(settings.alerting, tracker.snapshots, stop)))
@@ -188,7 +192,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tup
         heavy_pool.shutdown(wait=False)
         await asyncio.to_thread(tracing.shutdown)  # bounded (SHUTDOWN_FLUSH_S)
 
-    state = AppState(engine, plane, settings, metrics, access, knobs, reloader.report, console)
+    state = AppState(engine, plane, settings, metrics, access, knobs, reloader.report, console, reloader.status)
     return create_app(state, startup, shutdown, tracing), shutdown_plan
 
 

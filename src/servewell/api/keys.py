@@ -38,6 +38,10 @@ class KeyFormatError(ValueError):
     """An entry of the keys file or variable cannot be used (the message names where and why)."""
 
 
+class NoKeysError(KeyFormatError):
+    """Keys are configured (a keys file, SERVEWELL_API_KEYS) but yield none: never read as "open"."""
+
+
 @dataclass(slots=True, frozen=True)
 class ApiKey:
     """One accepted key: its id, the SHA-256 of the key, and its own rate limit if any."""
@@ -101,15 +105,17 @@ def key_digest(secret: str) -> str:
 
 
 class KeyRing:
-    """The accepted keys; swapped whole when the configuration is reloaded."""
+    """The accepted keys; swapped whole when the configuration is reloaded. `required` with no
+    keys denies everyone: what a reload to zero keys leaves (keys never fail open)."""
 
-    def __init__(self, keys: Iterable[ApiKey] = ()) -> None:
+    def __init__(self, keys: Iterable[ApiKey] = (), required: bool = False) -> None:
         self._keys = tuple(keys)
+        self._required = required
 
     @property
     def enabled(self) -> bool:
-        """Whether any key is configured (without keys, inference is open)."""
-        return bool(self._keys)
+        """Whether a key is required (keys configured, or every key revoked: nobody gets in)."""
+        return self._required or bool(self._keys)
 
     @property
     def ids(self) -> tuple[str, ...]:

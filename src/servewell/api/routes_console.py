@@ -131,6 +131,7 @@ async def console_state(
         "series": {**feed.series(model), "models": feed.models()},
         "recent": feed.recent.to_json(recent) if admin else None,
         "recent_recorded": feed.recent.recorded if admin else None,
+        "config": state.config_status(),  # rejected config files (live_config.py), shown as a banner
     }
     return Response(orjson.dumps(doc), media_type="application/json", headers={"Cache-Control": "no-store"})
 

@@ -145,6 +145,10 @@ async def healthz(state: AppState = Depends(state_dependency)) -> Response:
         "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
         "models": models,
     }
+    # A rejected config file is degraded configuration, not unreadiness: "ready" stays as it is.
+    config = doc["config"] = state.config_status()
+    if config["rejected"] and doc["status"] == "ok":
+        doc["status"] = "degraded"
     ready = readiness.ready
     return _json(doc, 200 if ready else 503, None if ready else {"Retry-After": "2"})
 

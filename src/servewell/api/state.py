@@ -37,6 +37,8 @@ class AppState:
     config_report: Callable[[], dict[str, Any]]
     #: The console's chart series and recent slow/failed requests (see api/routes_console.py).
     console: ConsoleFeed = field(default_factory=ConsoleFeed)
+    #: Rejected configuration files: `{"status": "ok" | "degraded", "rejected": [...]}` (live_config.py).
+    config_status: Callable[[], dict[str, Any]] = lambda: {"status": "ok", "rejected": []}
 
 
 def app_state(request: Request) -> AppState:

@@ -12,10 +12,26 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from servewell.config.bounded_yaml import cut, load_bounded, short_yaml_error
+from servewell.config.file_read import DEFAULT_MAX_CONFIG_BYTES, ConfigReadError, read_config_bytes
 from servewell.config.model import ModelConfig
 from servewell.config.problems import TOP_LEVEL, FieldProblem, field_problems
 
 CONFIG_FILE = "model.yaml"
+#: Problems kept per file, and characters per field name and reason: pydantic messages can echo
+#: the input, and a 979-byte file of anchors once made /healthz 4.2 MB per request.
+MAX_PROBLEMS = 10
+MAX_FIELD_CHARS = 120
+MAX_REASON_CHARS = 300
+
+
+def bounded(problems: list[FieldProblem]) -> list[FieldProblem]:
+    """At most `MAX_PROBLEMS` problems, each field and reason cut short."""
+    kept = [FieldProblem(cut(p.field, MAX_FIELD_CHARS), cut(p.reason, MAX_REASON_CHARS))
+            for p in problems[:MAX_PROBLEMS]]
+    if len(problems) > MAX_PROBLEMS:
+        kept.append(FieldProblem(TOP_LEVEL, f"and {len(problems) - MAX_PROBLEMS} more problems"))
+    return kept
 
 
 class ModelConfigError(ValueError):
@@ -26,22 +42,25 @@ class ModelConfigError(ValueError):
 
     def __init__(self, path: Path, problems: list[FieldProblem]) -> None:
         self.path = path
-        self.problems = tuple(problems)
+        self.problems = tuple(bounded(problems))
         super().__init__(f"{path}: " + "; ".join(str(p) for p in self.problems))
 
 
-def read_model_yaml(directory: Path) -> ModelConfig:
-    """Parse and check `<directory>/model.yaml`, the artifact's presence included.
+def read_model_yaml(directory: Path, max_bytes: int = DEFAULT_MAX_CONFIG_BYTES) -> ModelConfig:
+    """Parse and check `<directory>/model.yaml`, the artifact's presence included. Only a regular
+    file of at most `max_bytes` is read, and its YAML is bounded (`config.bounded_yaml`).
 
     Raises `ModelConfigError` naming the file and, for each problem, the field and the reason.
     """
     path = directory / CONFIG_FILE
-    if not path.is_file():
+    if not path.exists():
         raise ModelConfigError(path, [FieldProblem(TOP_LEVEL, f"missing (each model directory needs a {CONFIG_FILE})")])
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ModelConfigError(path, [FieldProblem(TOP_LEVEL, f"not valid YAML: {exc}")]) from None
+        raw = load_bounded(read_config_bytes(path, max_bytes))
+    except ConfigReadError as exc:
+        raise ModelConfigError(path, [FieldProblem(TOP_LEVEL, str(exc))]) from None
+    except yaml.YAMLError as exc:
+        raise ModelConfigError(path, [FieldProblem(TOP_LEVEL, f"not valid YAML: {short_yaml_error(exc)}")]) from None
     if not isinstance(raw, dict):
         got = type(raw).__name__
         raise ModelConfigError(path, [FieldProblem(TOP_LEVEL, f"expected a mapping of fields, got {got}")])
@@ -52,7 +71,8 @@ def read_model_yaml(directory: Path) -> ModelConfig:
         raise ModelConfigError(path, field_problems(exc)) from None
     problems = []
     if config.name != directory.name:
-        problems.append(FieldProblem("name", f"'{config.name}' must match the directory name '{directory.name}'"))
+        problems.append(FieldProblem("name", f"'{cut(config.name, 100)}' must match the directory name "
+                                             f"'{directory.name}'"))
     artifact = directory / config.artifact
     if not artifact.is_file():
         problems.append(FieldProblem("artifact", f"file {artifact} does not exist"))

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from servewell.config.alerting import AlertingConfig
+from servewell.config.bounded_yaml import cut, load_bounded, short_yaml_error
 from servewell.config.fields import values_from_env
+from servewell.config.file_read import DEFAULT_MAX_CONFIG_BYTES, decode_utf8, read_config_bytes
 
 ENV_PREFIX = "SERVEWELL_"
 
@@ -169,6 +171,34 @@ class ServerConfig(BaseModel):
         "files (publish new versions only by atomic rename).",
     )
 
+    # Configuration files and fail-closed security settings (config/file_read.py, live_config.py).
+    config_max_bytes: int = Field(
+        DEFAULT_MAX_CONFIG_BYTES, ge=1024, le=64 * 1_048_576,
+        description="Largest --config, API keys or model.yaml file the watcher reads; a bigger one (or a FIFO, "
+        "device or directory) is rejected and the running configuration stays. A model load reads at most 1 MiB "
+        "of model.yaml whatever this says.",
+    )
+
+    snapshot_max_bytes: int = Field(
+        16 << 30, ge=1, description="Most bytes one model snapshot may copy; a bigger model directory serves from the "
+        "repository's files (logged). Symlinked directories inside a model directory are never copied.",
+    )
+
+    @field_validator("admin_token")
+    @classmethod
+    def _admin_token_not_blank(cls, value: str | None) -> str | None:
+        # An empty token once meant "no token": admin fell back to loopback clients, which behind a
+        # proxy are everyone. A token that is set must be a real one.
+        if value is not None and not value.strip():
+            raise ValueError("is set but empty; unset it (admin answers loopback clients only) or give a token")
+        return value
+
+    @model_validator(mode="after")
+    def _metrics_key_needs_keys(self) -> ServerConfig:
+        # Without keys, "/metrics needs a key" would silently leave /metrics open.
+        if self.metrics_require_key and self.api_keys_file is None and not self.api_keys:
+            raise ValueError("metrics_require_key needs API keys (api_keys_file or api_keys)")
+        return self
 
 class ConfigFileError(ValueError):
     """The config file or an environment variable holds an invalid value."""
@@ -199,19 +229,28 @@ def load_server_config(
 ) -> ServerConfig:
     """Merge defaults, the YAML file, `SERVEWELL_*` variables and CLI `overrides` (None = unset)."""
     merged: dict[str, Any] = {}
+    env = values_from_env(ServerConfig, os.environ if environ is None else environ, ENV_PREFIX)
+    max_bytes = int(overrides.get("config_max_bytes") or env.get("config_max_bytes") or DEFAULT_MAX_CONFIG_BYTES)
     if config_file is not None:
         try:
-            raw = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigFileError(f"{config_file}: cannot read: {exc}") from None
+            raw = load_bounded(decode_utf8(read_config_bytes(config_file, max_bytes))) or {}
+        except OSError as exc:
+            raise ConfigFileError(f"{config_file}: {exc}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigFileError(f"{config_file}: not valid YAML: {short_yaml_error(exc)}") from None
         if not isinstance(raw, dict):
             raise ConfigFileError(f"{config_file}: expected a mapping of fields")
         merged.update(raw)
-    merged.update(values_from_env(ServerConfig, os.environ if environ is None else environ, ENV_PREFIX))
+    merged.update(env)
     merged.update({k: v for k, v in overrides.items() if v is not None})
+    if "api_keys" in merged and not merged["api_keys"]:
+        # SERVEWELL_API_KEYS="" (or `api_keys: []`) says keys were meant: an empty list must not open inference.
+        raise ConfigFileError(f"{config_file or 'settings'}: field 'api_keys': is set but holds no key "
+                              "(unset it for open inference)")
     try:
         return ServerConfig.model_validate(merged)
     except ValidationError as exc:
         where = config_file or "settings"
-        problems = "; ".join(f"field '{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors())
+        problems = "; ".join(cut(f"field '{'.'.join(map(str, e['loc']))}': {e['msg']}", 300)
+                             for e in exc.errors()[:10])
         raise ConfigFileError(f"{where}: {problems}") from None

@@ -1,15 +1,21 @@
 """Reads a model repository: one directory per model, each with a `model.yaml`.
 
-A broken model is reported with its file, field and reason and never stops the others.
+A broken model is reported with its file, field and reason and never stops the others: any
+error reading one directory (an unreadable file, a YAML bomb, a bug) lists that model as
+invalid with its reason, and the scan goes on.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from servewell.config.bounded_yaml import cut
 from servewell.config.model import ModelConfig
 from servewell.config.model_file import read_model_yaml
+
+log = logging.getLogger("servewell.engine")
 
 
 @dataclass(slots=True, frozen=True)
@@ -23,16 +29,37 @@ class ModelSource:
 
 
 def read_model_config(directory: Path) -> ModelConfig:
-    """Parse and check `<directory>/model.yaml`; raises `ValueError` naming file, field and reason."""
-    return read_model_yaml(directory)
+    """Parse and check `<directory>/model.yaml`; raises `ValueError` naming file, field and reason
+    (whatever went wrong: an unexpected error is reported as a `ValueError` too)."""
+    try:
+        return read_model_yaml(directory)
+    except ValueError:
+        raise
+    except Exception as exc:  # one bad file must never stop the scan or the watcher
+        raise ValueError(cut(f"{directory / 'model.yaml'}: cannot be read: {type(exc).__name__}: {exc}")) from None
+
+
+def outside_repository(root: Path, directory: Path) -> Path | None:
+    """Where `directory` really is when it resolves outside `root` (a symlink out), else None."""
+    try:
+        real = directory.resolve()
+        return None if real.is_relative_to(root.resolve()) else real
+    except (OSError, RuntimeError):
+        return None
 
 
 def scan_repository(root: Path) -> list[ModelSource]:
-    """Every model directory under `root`, sorted by name, valid or not."""
+    """Every model directory under `root`, sorted by name, valid or not. A model directory that
+    resolves outside `root` is served but logged as a warning: whoever can write the repository
+    can point a model anywhere the server may read."""
     if not root.is_dir():
         raise FileNotFoundError(f"model repository {root} is not a directory")
     sources: list[ModelSource] = []
     for directory in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+        real = outside_repository(root, directory)
+        if real is not None:
+            log.warning("model directory %s resolves to %s, outside the repository %s", directory.name, real, root,
+                        extra={"model": directory.name})
         try:
             sources.append(ModelSource(directory.name, directory, read_model_config(directory), None))
         except ValueError as exc:

@@ -87,3 +87,15 @@ def test_without_keys_everything_is_allowed_and_keys_can_be_revoked_live() -> No
     access.replace(KeyRing(parse_keys([f"b:{SECRET_B}"], "k")), None)  # a rotated out
     with pytest.raises(Unauthorized):
         access.check(None, SECRET_A)
+
+
+def test_a_ring_that_requires_keys_but_holds_none_denies_everyone() -> None:
+    # What a reload to zero keys leaves: it once logged "0 API key(s) in force" and opened inference.
+    access = InferenceAccess(KeyRing(parse_keys([f"a:{SECRET_A}"], "k")))
+    access.replace(KeyRing((), required=True), None)
+    assert access.enabled
+    with pytest.raises(Unauthorized):
+        access.check(None, None)
+    with pytest.raises(Unauthorized):
+        access.check(None, SECRET_A)
+    assert not KeyRing().enabled  # nothing configured, ever: open, as documented

@@ -53,7 +53,7 @@ def test_only_servewell_variables_are_read():
     ("no_such_setting: 1\n", {}, "field 'no_such_setting'"),
     ("", {"SERVEWELL_MAX_BODY_BYTES": "lots"}, "field 'max_body_bytes'"),
     ("- a list\n", {}, "expected a mapping"),
-    ("port: [unclosed\n", {}, "cannot read"),
+    ("port: [unclosed\n", {}, "not valid YAML"),
 ])
 def test_invalid_settings_name_their_source_and_field(tmp_path, text, environ, expected):
     file = config_file(tmp_path, text)
@@ -65,3 +65,26 @@ def test_invalid_settings_name_their_source_and_field(tmp_path, text, environ, e
 def test_a_missing_config_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigFileError, match="cannot read"):
         load_server_config(tmp_path / "absent.yaml", {}, environ={})
+
+
+@pytest.mark.parametrize(("environ", "expected"), [
+    ({"SERVEWELL_API_KEYS": ""}, "api_keys.*holds no key"),  # set but empty: never "open"
+    ({"SERVEWELL_API_KEYS": " , "}, "api_keys.*holds no key"),
+    ({"SERVEWELL_ADMIN_TOKEN": ""}, "admin_token.*set but empty"),  # fell back to loopback = anyone behind a proxy
+    ({"SERVEWELL_ADMIN_TOKEN": "   "}, "admin_token.*set but empty"),
+    ({"SERVEWELL_METRICS_REQUIRE_KEY": "true"}, "metrics_require_key needs API keys"),
+])
+def test_security_settings_that_are_set_but_empty_fail_closed(environ, expected):
+    with pytest.raises(ConfigFileError, match=expected):
+        load_server_config(None, {}, environ)
+
+
+def test_hostile_config_files_are_refused_with_a_short_reason(tmp_path):
+    deep = config_file(tmp_path, "log_level: " + "[" * 600 + "]" * 600 + "\n")
+    with pytest.raises(ConfigFileError, match="deeper than") as raised:
+        load_server_config(deep, {}, {})
+    assert len(str(raised.value)) < 600
+    big = tmp_path / "big.yaml"
+    big.write_text("#" * 2_000_000)
+    with pytest.raises(ConfigFileError, match="over the limit"):
+        load_server_config(big, {}, {})

@@ -90,3 +90,19 @@ def test_snapshots_of_servers_that_no_longer_run_are_removed(tmp_path: Path) -> 
     (root / f"{os.getpid()}-m-1-1").mkdir()  # ours
     assert SnapshotStore(root).remove_stale() == 1
     assert [p.name for p in root.iterdir()] == [f"{os.getpid()}-m-1-1"]
+
+
+def test_a_symlinked_directory_inside_is_not_copied_and_a_snapshot_has_a_size_cap(tmp_path: Path) -> None:
+    # A link to a data folder made a 232 KB model's snapshot copy 695 MB.
+    source = model_dir(tmp_path)
+    outside = tmp_path / "data"
+    outside.mkdir()
+    (outside / "big.bin").write_bytes(b"D" * 300_000)
+    (source / "data").symlink_to(outside)
+    (source / "weights.bin").symlink_to(outside / "big.bin")  # a symlinked *file* is still copied
+    snapshot = SnapshotStore(tmp_path / "snapshots").take(source, "m-1")
+    assert not (snapshot.directory / "data").exists()
+    assert (snapshot.directory / "weights.bin").stat().st_size == 300_000
+    with pytest.raises(SnapshotError, match="snapshot_max_bytes"):
+        SnapshotStore(tmp_path / "small", max_bytes=200_000).take(source, "m-2")
+    assert list((tmp_path / "small").iterdir()) == []  # nothing left behind

@@ -160,6 +160,30 @@
     renderCharts(doc.series);
     renderTryModels(doc.models);
     renderRecent(doc);
+    renderConfigBanner(doc.config);
+  }
+
+  /* Rejected configuration files (hot reload), one line each: file, field, reason, time. The
+     banner is made here so that index.html stays as it is; text only (textContent), never HTML. */
+  function renderConfigBanner(config) {
+    let banner = document.getElementById("config-banner");
+    const rejected = (config && config.rejected) || [];
+    if (!rejected.length) { if (banner) banner.hidden = true; return; }
+    if (!banner) {
+      banner = el("section", "card config-banner");
+      banner.id = "config-banner";
+      banner.setAttribute("role", "alert");
+      document.querySelector("main").before(banner);
+    }
+    clear(banner);
+    banner.hidden = false;
+    banner.appendChild(el("strong", "", "Configuration change rejected: the running configuration is kept"));
+    const list = el("ul");
+    for (const r of rejected) {
+      list.appendChild(el("li", "", `${clock(r.at)} ${r.file}` + (r.field && r.field !== "(top level)" ?
+        ` field ${r.field}` : "") + `: ${r.reason}`));
+    }
+    banner.appendChild(list);
   }
 
   /* ---------- server and models ---------- */
