@@ -34,16 +34,16 @@ def test_a_flood_of_1000_in_a_second_logs_a_bounded_number_of_lines_with_exempla
         clock.advance(10.0)
     lines = caplog.records
     assert len(lines) == 7 and all(r.levelno == logging.WARNING for r in lines)
-    assert [r.request_id for r in lines[:5]] == ["req-0", "req-1", "req-2", "req-3", "req-4"]  # type: ignore[attr-defined]
-    assert lines[0].batch_id == 100 and lines[0].stages_ms == {"queue": 298.0, "compute": 2.0}  # type: ignore[attr-defined]
+    assert [r.request_id for r in lines[:5]] == ["req-0", "req-1", "req-2", "req-3", "req-4"]
+    assert lines[0].batch_id == 100 and lines[0].stages_ms == {"queue": 298.0, "compute": 2.0}
     (summary,) = [r for r in lines if getattr(r, "suppressed", None)]
-    assert summary.suppressed == 995 and summary.logged == 5 and summary.model == "digits"  # type: ignore[attr-defined]
-    assert [w["request_id"] for w in summary.worst] == ["req-999", "req-998", "req-997"]  # type: ignore[attr-defined]
-    worst = summary.worst[0]  # type: ignore[attr-defined]
+    assert summary.suppressed == 995 and summary.logged == 5 and summary.model == "digits"
+    assert [w["request_id"] for w in summary.worst] == ["req-999", "req-998", "req-997"]
+    worst = summary.worst[0]
     assert worst["total_ms"] == 1299.0 and worst["stages_ms"] == {"queue": 1297.0, "compute": 2.0}
     assert (worst["batch_id"], worst["batch_size"], worst["instance"], worst["queue_position"]) == (1099, 8, 1, 49)
     # the suppressed were 305 .. 1299 ms: exact nearest-rank percentiles (fewer than the sample size)
-    assert summary.p50_ms == pytest.approx(802.0) and summary.p99_ms == pytest.approx(1290.0)  # type: ignore[attr-defined]
+    assert summary.p50_ms == pytest.approx(802.0) and summary.p99_ms == pytest.approx(1290.0)
     assert "req-999 1299.0 ms" in summary.getMessage() and "995 more" in summary.getMessage()
 
 
@@ -55,7 +55,7 @@ def test_a_trickle_still_logs_each_request_and_no_summary(caplog):
             log.slow(record(i, 500.0))
             clock.advance(2.5)
         clock.advance(10.0)
-    assert [r.request_id for r in caplog.records] == [f"req-{i}" for i in range(30)]  # type: ignore[attr-defined]
+    assert [r.request_id for r in caplog.records] == [f"req-{i}" for i in range(30)]
     assert not any(hasattr(r, "suppressed") for r in caplog.records)
 
 
@@ -68,5 +68,5 @@ def test_the_summary_sample_stays_bounded_and_windows_start_again(caplog):
         clock.advance(1.0)
         log.slow(record(1, 100.0))
         log.flush_all()
-    assert [r.suppressed for r in caplog.records] == [5000, 1]  # type: ignore[attr-defined]
-    assert caplog.records[0].p99_ms == 100.0  # type: ignore[attr-defined]
+    assert [r.suppressed for r in caplog.records] == [5000, 1]
+    assert caplog.records[0].p99_ms == 100.0
