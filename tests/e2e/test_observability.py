@@ -206,7 +206,8 @@ UNSAMPLED = "00-1bf7651916cd43dd8448eb211c80319c-c7ad6b7169203331-00"
 def test_sampling_follows_the_caller_and_records_nothing_for_unsampled_requests(tmp_path, start_server):
     stepped_model(tmp_path)
     collector = Collector()
-    server = start_server(["--model-repository", str(tmp_path), "--slow-request-ms", "0.001"],
+    server = start_server(["--model-repository", str(tmp_path), "--slow-request-ms", "0.001",
+                           "--slow-request-lines-per-model", "10000"],  # the last request's own slow line is read
                           env={"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url, "OTEL_TRACES_SAMPLER_ARG": "1e-9",
                                "OTEL_BSP_SCHEDULE_DELAY": "100"})
     server.wait_ready()
