@@ -138,7 +138,7 @@ def test_compute_by_batch_size_covers_the_last_one_to_two_minutes():
     clocks = Clocks()
     feed = ConsoleFeed(metrics, interval_s=2.0, window_s=10.0, clock=clocks.mono, wall_clock=clocks.wall)
     by_size = metrics.compute_by_size
-    by_size.labels("a", "1").observe(0.5)  # before the first reading: since start, until a baseline ages out
+    by_size.labels("a", "1").observe(0.5)  # before the first reading, which is the first baseline: left out
     feed.sample()
     for _ in range(9):
         by_size.labels("a", "1").observe(0.005)
