@@ -30,7 +30,8 @@ class BatchPlacement:
     Made empty per request by the HTTP middleware and the gRPC scope; the scheduler's telemetry
     fills it (`observability/batch_telemetry.py`): `queue_position` when the request is queued,
     the rest when the batch it runs in is formed. A request that never reached a batch (refused,
-    expired in the queue) keeps None where it has no fact.
+    expired in the queue) keeps None where it has no fact; one run again alone after its batch
+    failed (`ModelError` isolation in the scheduler) keeps the batch it was formed in.
     """
 
     #: Serial of the batch, unique in this server process (the `batch` span's `servewell.batch.id`).
