@@ -141,6 +141,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tup
     access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
     knobs = LiveKnobs(settings.slow_request_ms / 1000.0, settings.metrics_require_key)
     console = ConsoleFeed(metrics)  # the console's chart series and recent slow/failed requests
+    console.recent.slow_log.lines_per_window = settings.slow_request_lines_per_model
     reloader = ConfigReloader(source or ConfigSource(None, {}), settings, engine, access, tracing, knobs,
                               metrics.registry if metrics is not None else None)
     grpc_listener = None

@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+from prometheus_client.parser import text_string_to_metric_families
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from tritonclient.utils import InferenceServerException
@@ -129,10 +130,20 @@ def test_grpc_failures_reach_the_console_list(digits_server):
         x.set_data_from_numpy(np.zeros((1, 1, 8, 8), np.float32))
         with pytest.raises(InferenceServerException):
             client.infer("no-such-model", [x], headers={"x-request-id": "console-grpc-miss"})
-    recent = httpx.get(digits_server.url + "/console/api/state?recent=200").json()["recent"]
-    (record,) = [r for r in recent if r["request_id"] == "console-grpc-miss"]
-    assert (record["protocol"], record["route"], record["status"], record["code"]) == (
+        wrong = triton.InferInput("not-an-input", [1, 1, 8, 8], "FP32")
+        wrong.set_data_from_numpy(np.zeros((1, 1, 8, 8), np.float32))
+        with pytest.raises(InferenceServerException):
+            client.infer("digits", [wrong], headers={"x-request-id": "console-grpc-bad-input"})
+    state = httpx.get(digits_server.url + "/console/api/state?recent=200").json()
+    (record,) = [r for r in state["recent"] if r["request_id"] == "console-grpc-bad-input"]
+    assert (record["protocol"], record["route"], record["status"], record["model"]) == (
+        "grpc", "grpc ModelInfer", 422, "digits")
+    # A request naming no model of this server is a refusal: counted and kept apart from the list.
+    (miss,) = [r for r in state["refusals"]["recent"] if r["request_id"] == "console-grpc-miss"]
+    assert (miss["protocol"], miss["route"], miss["status"], miss["code"]) == (
         "grpc", "grpc ModelInfer", 404, "not_found")
+    assert state["refusals"]["counts"]["not_found"] >= 1
+    assert not [r for r in state["recent"] if r["request_id"] == "console-grpc-miss"]
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +208,57 @@ def test_the_page_asks_for_the_key_and_then_shows_everything(keyed, browser):
     # The admin token opens the list; every request here is slow (1 ms), so the try-it one is in it.
     wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, f'#recent-table tr[data-request-id="{request_id}"]'))
     assert console_problems(browser) == []
+
+
+def _admin_state(url: str) -> dict:
+    headers = {"X-API-Key": KEY, "Authorization": f"Bearer {ADMIN}"}
+    return httpx.get(url + "/console/api/state?recent=200", headers=headers).json()
+
+
+def test_unauthenticated_requests_do_not_evict_a_real_failure(keyed):
+    url = keyed.url
+    failure_id = f"console-real-failure-{uuid.uuid4().hex[:8]}"
+    failed = predict(url, {"X-API-Key": KEY, "X-Request-ID": failure_id}, {"image_base64": "not base64!"})
+    assert failed.status_code == 400
+    before = _admin_state(url)["refusals"]["counts"]
+    with httpx.Client(base_url=url, timeout=30) as client:
+        statuses = {client.post("/predict", json={}, headers={"X-Request-ID": f"anon-{i}"}).status_code
+                    for i in range(250)}
+    assert statuses <= {401, 429}
+    state = _admin_state(url)
+    assert failure_id in [r["request_id"] for r in state["recent"]]  # 250 refusals; the ring holds 200
+    assert not [r for r in state["recent"] if r["status"] in (401, 429)]
+    counts = state["refusals"]["counts"]
+    refused = sum(counts.get(code, 0) - before.get(code, 0) for code in ("unauthorized", "rate_limited"))
+    assert refused == 250
+    assert state["refusals"]["recent"][0]["request_id"] == "anon-249"  # newest first, bounded
+    assert len(state["refusals"]["recent"]) <= 200
+
+
+def test_records_name_their_batch_and_compute_is_shown_by_batch_size(keyed):
+    url = keyed.url
+    for rows in (1, 3):  # one after the other: each request is its own batch
+        tensor = {"name": "input", "shape": [rows, 1, 8, 8], "datatype": "FP32", "data": [0.0] * (64 * rows)}
+        body = {"inputs": [tensor]}
+        r = httpx.post(url + "/v2/models/digits/infer", json=body, timeout=30,
+                       headers={"X-API-Key": KEY, "X-Request-ID": f"console-batch-{rows}"})
+        assert r.status_code == 200, r.text
+    state = _admin_state(url)
+    records = {r["request_id"]: r for r in state["recent"] if r["request_id"].startswith("console-batch-")}
+    one, three = records["console-batch-1"], records["console-batch-3"]  # slow: every request is, here
+    assert (one["batch_size"], three["batch_size"]) == (1, 3)
+    assert isinstance(one["batch_id"], int) and isinstance(three["batch_id"], int)
+    assert one["batch_id"] != three["batch_id"]
+    assert one["instance"] == three["instance"] == 0
+    assert one["queue_position"] == three["queue_position"] == 0  # nothing else was queued
+
+    sizes = {"1", "2", "4", "8", "16", "32", "64"}  # digits: max_batch_size 64
+    metrics = httpx.get(url + "/metrics", headers={"X-API-Key": KEY}).text
+    labels = {sample.labels["batch_size"] for family in text_string_to_metric_families(metrics)
+              if family.name == "servewell_batch_compute_by_size_seconds" for sample in family.samples
+              if sample.labels.get("model") == "digits"}
+    assert {"1", "4"} <= labels <= sizes  # a batch of 3 counts under 4: the label set stays bounded
+    (digits,) = [m for m in state["models"] if m["name"] == "digits"]
+    by_size = {row["batch_size"]: row for row in digits["compute_by_batch_size"]}
+    assert {1, 4} <= set(by_size) and {str(size) for size in by_size} <= sizes
+    assert by_size[4]["count"] >= 1 and 0 < by_size[4]["p50_ms"] <= by_size[4]["p99_ms"]

@@ -105,7 +105,9 @@ def traced(tmp_path_factory, start_module_server):
     root = tmp_path_factory.mktemp("traced")
     stepped_model(root)
     collector = Collector()
-    server = start_module_server(["--model-repository", str(root), "--slow-request-ms", "0.001"],
+    # Every request is slow here, and each test reads its own request's slow line: none summed up.
+    server = start_module_server(["--model-repository", str(root), "--slow-request-ms", "0.001",
+                                  "--slow-request-lines-per-model", "10000"],
                           env={"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url, "OTEL_TRACES_SAMPLER_ARG": "1.0"})
     server.wait_ready()
     yield server, collector
@@ -161,7 +163,13 @@ def test_spans_http_queue_preprocess_batch_with_links_and_compute_in_the_worker(
     inside = {s.name for s in collector.spans if descends_from_http(s)}
     assert {"queue", "preprocess"} <= inside
     batch = next(s for s in collector.named("batch") if any(link.span_id == http.span_id for link in s.links))
-    assert any(a.key == "servewell.batch_size" for a in batch.attributes)
+    batch_attributes = {a.key: a.value.int_value for a in batch.attributes if a.value.HasField("int_value")}
+    assert batch_attributes["servewell.batch_size"] >= 1
+    # The request span names its batch (the same id as the batch span), the batch's size, the
+    # worker instance and the request's place in its lane.
+    assert attributes["servewell.batch.id"] == batch_attributes["servewell.batch.id"]
+    assert attributes["servewell.batch.size"] == batch_attributes["servewell.batch_size"]
+    assert attributes["servewell.worker.instance"] == 0 and attributes["servewell.queue.position"] >= 0
     compute = [s for s in collector.named("compute") if s.parent_span_id == batch.span_id]
     assert compute and compute[0].trace_id == batch.trace_id  # the context crossed into the worker
     steps = [s for s in collector.named("custom_post") if s.parent_span_id == compute[0].span_id]
@@ -184,6 +192,8 @@ def test_json_logs_carry_ids_and_never_payloads(traced):
     assert all({"ts", "level", "logger", "message"} <= set(e) for e in events)
     slow = [e for e in events if e.get("request_id") == "log-me-1" and e["message"].startswith("slow request")]
     assert slow and set(slow[0]["stages_ms"]) == {"preprocess", "queue", "compute", "postprocess"}
+    assert isinstance(slow[0]["batch_id"], int) and slow[0]["batch_size"] >= 1  # where it ran
+    assert slow[0]["instance"] == 0 and slow[0]["queue_position"] >= 0
     assert slow[0]["trace_id"] == TRACEPARENT[3:35] and len(slow[0]["span_id"]) == 16
     failed = [e for e in events if e.get("request_id") == "bad-one-1" and e.get("code") == "invalid_input"]
     assert len(failed) == 1 and failed[0]["status"] == 422 and failed[0].get("model") == "stepped"
@@ -196,7 +206,8 @@ UNSAMPLED = "00-1bf7651916cd43dd8448eb211c80319c-c7ad6b7169203331-00"
 def test_sampling_follows_the_caller_and_records_nothing_for_unsampled_requests(tmp_path, start_server):
     stepped_model(tmp_path)
     collector = Collector()
-    server = start_server(["--model-repository", str(tmp_path), "--slow-request-ms", "0.001"],
+    server = start_server(["--model-repository", str(tmp_path), "--slow-request-ms", "0.001",
+                           "--slow-request-lines-per-model", "10000"],  # the last request's own slow line is read
                           env={"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url, "OTEL_TRACES_SAMPLER_ARG": "1e-9",
                                "OTEL_BSP_SCHEDULE_DELAY": "100"})
     server.wait_ready()

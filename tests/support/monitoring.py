@@ -19,7 +19,7 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "servewell-dashboard.json"
 HISTOGRAMS = (
     "servewell_request_duration_seconds", "servewell_queue_wait_seconds", "servewell_preprocess_seconds",
     "servewell_batch_compute_seconds", "servewell_batch_transport_seconds", "servewell_postprocess_seconds",
-    "servewell_batch_size", "servewell_trace_step_seconds",
+    "servewell_batch_size", "servewell_trace_step_seconds", "servewell_batch_compute_by_size_seconds",
 )
 COUNTERS = ("servewell_requests", "servewell_model_loads", "servewell_worker_restarts")
 GAUGES = (

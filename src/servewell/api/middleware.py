@@ -20,7 +20,15 @@ from servewell.api.errors import error_response
 from servewell.api.request_outcome import record_outcome
 from servewell.api.state import LiveKnobs
 from servewell.errors import quote
-from servewell.observability.context import error_code_var, model_var, request_id_var, request_trace_var, stages_var
+from servewell.observability.context import (
+    BatchPlacement,
+    error_code_var,
+    model_var,
+    placement_var,
+    request_id_var,
+    request_trace_var,
+    stages_var,
+)
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.recent_requests import RecentRequests
 from servewell.observability.tracing import Tracing, begin_server_span
@@ -63,7 +71,8 @@ class RequestContextMiddleware:
             elif key == b"tracestate":
                 tracestate = value.decode("latin-1")
         request_id = request_id or uuid.uuid4().hex
-        tokens = (request_id_var.set(request_id), model_var.set(""), stages_var.set({}))
+        tokens = (request_id_var.set(request_id), model_var.set(""), stages_var.set({}),
+                  placement_var.set(BatchPlacement()))
         span = otel_token = trace_token = None
         if self.tracing is not None:
             span, span_context = begin_server_span(
@@ -109,6 +118,7 @@ class RequestContextMiddleware:
             request_id_var.reset(tokens[0])
             model_var.reset(tokens[1])
             stages_var.reset(tokens[2])
+            placement_var.reset(tokens[3])
 
     def _finish(self, scope: Scope, status: int, elapsed: float, span: Span | None) -> None:
         route = scope.get("route")

@@ -133,6 +133,12 @@ async def console_state(
         "recent_recorded": feed.recent.recorded if admin else None,
         "config": state.config_status(),  # rejected config files (live_config.py), shown as a banner
     }
+    # Each model's compute time by batch size (aggregates, like /metrics). Admin only, like
+    # `recent` (whose records carry batch_id, batch_size, instance, queue_position): the refusals
+    # (401/403/429, 4xx naming no model: `observability/recent_requests.py`), kept apart from it.
+    for entry in doc["models"]:
+        entry["compute_by_batch_size"] = feed.compute_by_batch_size(entry["name"])
+    doc["refusals"] = feed.recent.refusals_json(recent) if admin else None
     return Response(orjson.dumps(doc), media_type="application/json", headers={"Cache-Control": "no-store"})
 
 

@@ -93,6 +93,10 @@ class ServerConfig(BaseModel):
     slow_request_ms: float = Field(
         300.0, gt=0, description="Requests slower than this log a warning with their stage breakdown."
     )
+    slow_request_lines_per_model: int = Field(
+        5, ge=0, le=10_000, description="Slow requests logged one by one per model in each 10 s; the rest of "
+        "those 10 s are summed up in one line (count, p50/p99, the slowest three with their ids and stages).",
+    )
     latency_buckets_s: list[float] = Field(
         default_factory=lambda: [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
         min_length=1, description="Bucket bounds (seconds) of the latency histograms.",

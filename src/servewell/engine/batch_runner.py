@@ -28,6 +28,11 @@ class BatchRunner(Protocol):
     """Runs one batch at a time for a model's scheduler (a worker process, or a test fake)."""
 
     @property
+    def instance(self) -> int:
+        """Which instance of the model it is (0-based), for the records of the requests it runs."""
+        ...
+
+    @property
     def alive(self) -> bool:
         """Whether it can still run batches; a dead runner is never handed another one."""
         ...

@@ -253,8 +253,8 @@ class ModelScheduler:
             raise DeadlineExceeded(f"the request's deadline of {timeout_s * 1000:.0f} ms passed before it was queued")
         future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         shape_key = tuple((name, a.shape[1:], a.dtype.str) for name, a in inputs.items())
-        item = QueuedItem(PendingRequest(inputs, request_id, future, self._telemetry.mark()),
-                          lane, rows, shape_key, deadline_at, now)
+        mark = self._telemetry.mark(self._queue.depth(lane))  # queue position: requests ahead in its lane
+        item = QueuedItem(PendingRequest(inputs, request_id, future, mark), lane, rows, shape_key, deadline_at, now)
         if not self._queue.push(item):
             raise self._refuse(lane)
         self._learned.arrivals.observe(now)
@@ -357,7 +357,7 @@ class ModelScheduler:
 
     async def _execute(self, runner: BatchRunner, batch: list[Request]) -> None:
         rows = sum(item.rows for item in batch)
-        span = self._telemetry.start_batch([(item.payload.trace, item.lane) for item in batch], rows)
+        span = self._telemetry.start_batch([(item.payload.trace, item.lane) for item in batch], rows, runner.instance)
         serial = next(self._serials)
         self._in_flight[serial] = batch
         try:

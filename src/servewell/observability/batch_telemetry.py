@@ -1,5 +1,6 @@
 """Metrics and spans of one model's scheduler: per-request outcomes and queue waits, per-batch
-compute, transport and size, and the `queue`/`batch` spans.
+compute (also by batch size), transport and size, the `queue`/`batch` spans, and each request's
+`BatchPlacement` (batch id, batch size, instance, queue position) for its slow/failed record.
 
 Metric children are bound to the model's labels once, so the hot path only observes. Spans are
 made only for requests whose `http` span is recording: unsampled work costs nothing here.
@@ -7,6 +8,7 @@ made only for requests whose `http` span is recording: unsampled work costs noth
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,16 +18,23 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, Tracer
 
-from servewell.observability.context import request_trace_var
-from servewell.observability.metrics import OUTCOMES, ServeMetrics
+from servewell.observability.context import BatchPlacement, placement_var, request_trace_var
+from servewell.observability.metrics import OUTCOMES, ServeMetrics, batch_size_bucket
+
+#: Batch ids: one counter for the whole process, so an id names one batch whatever the model or
+#: version (a reloaded model gets a new scheduler, not new ids).
+_BATCH_IDS = itertools.count(1)
 
 
 @dataclass(slots=True, frozen=True)
 class TraceMark:
-    """Where a queued request's trace continues: its `http` span's context and when it queued."""
+    """What a queued request's telemetry carries: where its trace continues (its `http` span's
+    context, None when not tracing), when it queued, and its placement record (None outside a
+    request context)."""
 
-    context: Context
+    context: Context | None
     enqueued_ns: int
+    placement: BatchPlacement | None = None
 
 
 class BatchTelemetry:
@@ -61,6 +70,8 @@ class BatchTelemetry:
         """A batch of `rows` came back after `elapsed_s`, of which the worker computed `compute_s`."""
         if self._metrics is not None:
             self._compute.observe(compute_s)
+            # Per batch, not per request: one more labelled lookup is nothing here.
+            self._metrics.compute_by_size.labels(self._model, str(batch_size_bucket(rows))).observe(compute_s)
             self._transport.observe(max(0.0, elapsed_s - compute_s))
             self._batch_size.observe(rows)
             for step, seconds in steps:
@@ -68,24 +79,36 @@ class BatchTelemetry:
 
     # --- spans ---------------------------------------------------------------------------
 
-    def mark(self) -> TraceMark | None:
-        """The current request's trace position, kept with it while it queues (None when not tracing)."""
+    def mark(self, queue_position: int) -> TraceMark | None:
+        """The current request's trace position and placement record, kept with it while it
+        queues; `queue_position` (requests ahead of it in its lane) goes into the placement now.
+        None when there is neither (not tracing, no request context)."""
+        placement = placement_var.get()
+        if placement is not None:
+            placement.queue_position = queue_position
         if self._tracer is None:
-            return None
+            return None if placement is None else TraceMark(None, 0, placement)
         context = request_trace_var.get()
-        return TraceMark(context if isinstance(context, Context) else otel_context.get_current(), time.time_ns())
+        return TraceMark(context if isinstance(context, Context) else otel_context.get_current(), time.time_ns(),
+                         placement)
 
-    def start_batch(self, marks: Sequence[tuple[TraceMark | None, int]], rows: int) -> Span | None:
-        """End each sampled request's `queue` span and start one `batch` span linked to all of them
-        (child of the first, so parent-based sampling records it); None when none is sampled.
-        `marks` pairs each request's mark with its lane."""
+    def start_batch(self, marks: Sequence[tuple[TraceMark | None, int]], rows: int, instance: int) -> Span | None:
+        """A batch of `rows` was formed for model instance `instance`: give it an id, write its
+        facts into every request's placement, end each sampled request's `queue` span and start
+        one `batch` span linked to all of them (child of the first, so parent-based sampling
+        records it); None when none is sampled. `marks` pairs each request's mark with its lane."""
+        batch_id = next(_BATCH_IDS)
+        for mark, _ in marks:
+            if mark is not None and mark.placement is not None:
+                mark.placement.batch_id, mark.placement.batch_size = batch_id, rows
+                mark.placement.instance = instance
         if self._tracer is None:
             return None
         now_ns = time.time_ns()
         links = []
         first: Context | None = None
         for mark, lane in marks:
-            if mark is None:
+            if mark is None or mark.context is None:
                 continue
             parent = trace.get_current_span(mark.context)
             if not parent.is_recording():
@@ -102,7 +125,8 @@ class BatchTelemetry:
         return self._tracer.start_span(
             "batch", context=first, links=links, start_time=now_ns,
             attributes={"servewell.model": self._model, "servewell.model_version": self._version,
-                        "servewell.batch_size": rows, "servewell.requests": len(marks)},
+                        "servewell.batch_size": rows, "servewell.requests": len(marks),
+                        "servewell.batch.id": batch_id, "servewell.worker.instance": instance},
         )
 
     @staticmethod

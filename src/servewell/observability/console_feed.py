@@ -9,7 +9,9 @@ so they are as fine as the buckets (`--latency-buckets-s`). Points older than `w
 off, and at most `max_models` models are followed: memory is bounded by
 (window / interval) x models points of a few hundred bytes.
 
-The slow and failed requests the console lists live beside the series, in `RecentRequests`.
+Beside the series: each model's batch compute time by batch size (`compute_by_batch_size`, from
+`servewell_batch_compute_by_size_seconds` over the last one to two minutes), and the slow and
+failed requests the console lists, in `RecentRequests`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ ALL_MODELS = "*"
 SAMPLE_INTERVAL_S = 2.0
 WINDOW_S = 300.0
 MAX_MODELS = 64
+#: The compute-by-batch-size view counts the batches since a baseline reading taken every this
+#: many seconds, the older of the last two: one to two periods of batches, never all since start.
+BY_SIZE_PERIOD_S = 60.0
 #: The columns of a point, in order (times in milliseconds, rates per second).
 COLUMNS = ("t", *OUTCOMES, "latency_p50_ms", "latency_p99_ms", "queue_p50_ms", "queue_p99_ms",
            "compute_p50_ms", "compute_p99_ms", "batch_mean", "batches_per_s")
@@ -145,6 +150,15 @@ def _read_histogram(family: LoopHistogram, counts: Callable[[tuple[str, ...]], b
     return {key: HistogramReading(list(accumulate(summed)), sums[key]) for key, summed in buckets.items()}
 
 
+def _read_by_size(metrics: ServeMetrics, model: str | None = None) -> dict[tuple[str, str], HistogramReading]:
+    """`servewell_batch_compute_by_size_seconds` by (model, batch size label), of one model or all."""
+    readings = {}
+    for (name, size), per_bucket, total in metrics.compute_by_size.snapshot():
+        if model is None or name == model:
+            readings[(name, size)] = HistogramReading(list(accumulate(per_bucket)), total)
+    return readings
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 3)
 
@@ -194,6 +208,8 @@ class ConsoleFeed:
         self._wall_clock = wall_clock
         self._series: dict[str, deque[tuple[float | None, ...]]] = {}
         self._previous: tuple[float, MetricsReading] | None = None
+        # (taken at, {(model, batch size label): reading}); the first is the view's baseline.
+        self._by_size_baselines: deque[tuple[float, dict[tuple[str, str], HistogramReading]]] = deque(maxlen=2)
         self.started_at = wall_clock()
 
     def sample(self) -> None:
@@ -202,6 +218,8 @@ class ConsoleFeed:
             return
         now, reading = self._clock(), read_metrics(self.metrics)
         previous, self._previous = self._previous, (now, reading)
+        if not self._by_size_baselines or now - self._by_size_baselines[-1][0] >= BY_SIZE_PERIOD_S:
+            self._by_size_baselines.append((now, _read_by_size(self.metrics)))
         if previous is None or now <= previous[0]:
             return
         at, elapsed_s = self._wall_clock(), now - previous[0]
@@ -225,6 +243,24 @@ class ConsoleFeed:
                 log.exception("console sample failed")
             next_at = max(next_at + self.interval_s, loop.time())
             await asyncio.sleep(next_at - loop.time())
+
+    def compute_by_batch_size(self, model: str) -> list[dict[str, Any]]:
+        """`model`'s batch compute time by batch size (the metric's power-of-two label) over the
+        last one to two minutes: `[{"batch_size", "count", "p50_ms", "p99_ms"}, ...]`, smallest
+        first, only sizes that ran. Read now from the histogram (on the event loop, per call)."""
+        if self.metrics is None:
+            return []
+        baseline = self._by_size_baselines[0][1] if self._by_size_baselines else {}
+        bounds = self.metrics.compute_by_size.bounds
+        rows = []
+        for (name, size), current in _read_by_size(self.metrics, model).items():
+            window = current.since(baseline.get((name, size)))
+            if window.count <= 0 or not size.isdigit():
+                continue
+            rows.append({"batch_size": int(size), "count": int(window.count),
+                         "p50_ms": _ms(quantile(bounds, window.cumulative, 0.5)),
+                         "p99_ms": _ms(quantile(bounds, window.cumulative, 0.99))})
+        return sorted(rows, key=lambda row: row["batch_size"])
 
     def models(self) -> list[str]:
         """Names with a series (`ALL_MODELS` first once anything was sampled)."""

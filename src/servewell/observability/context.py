@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 #: Id of the request being handled ("" outside a request).
 request_id_var: ContextVar[str] = ContextVar("servewell_request_id", default="")
@@ -20,3 +21,34 @@ stages_var: ContextVar[dict[str, float] | None] = ContextVar("servewell_stages",
 #: OpenTelemetry context holding the request's `http` span (None when tracing is off); the
 #: scheduler parents `queue` spans on it and links the `batch` span to it.
 request_trace_var: ContextVar[object | None] = ContextVar("servewell_request_trace", default=None)
+
+
+@dataclass(slots=True)
+class BatchPlacement:
+    """Where the current request ran, for its slow or failed record (log line, console list, span).
+
+    Made empty per request by the HTTP middleware and the gRPC scope; the scheduler's telemetry
+    fills it (`observability/batch_telemetry.py`): `queue_position` when the request is queued,
+    the rest when the batch it runs in is formed. A request that never reached a batch (refused,
+    expired in the queue) keeps None where it has no fact; one run again alone after its batch
+    failed (`ModelError` isolation in the scheduler) keeps the batch it was formed in.
+    """
+
+    #: Serial of the batch, unique in this server process (the `batch` span's `servewell.batch.id`).
+    batch_id: int | None = None
+    #: Rows in that batch, all its requests together (as `servewell_batch_size` counts them).
+    batch_size: int | None = None
+    #: The model instance (worker index, 0-based) that ran the batch.
+    instance: int | None = None
+    #: Requests already waiting in the request's lane when it was queued (0: it found the lane empty).
+    queue_position: int | None = None
+
+    def facts(self) -> dict[str, int]:
+        """The facts known, by field name (empty before the request was queued)."""
+        known = {"batch_id": self.batch_id, "batch_size": self.batch_size, "instance": self.instance,
+                 "queue_position": self.queue_position}
+        return {name: value for name, value in known.items() if value is not None}
+
+
+#: The current request's `BatchPlacement` (None outside a request).
+placement_var: ContextVar[BatchPlacement | None] = ContextVar("servewell_placement", default=None)

@@ -12,16 +12,18 @@ import sys
 import orjson
 from opentelemetry import trace
 
-from servewell.observability.context import client_var, model_var, request_id_var
+from servewell.observability.context import client_var, model_var, placement_var, request_id_var
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
 
 class JsonLineFormatter(logging.Formatter):
-    """One JSON object per line: timestamp, level, logger, message, request id, model, extras."""
+    """One JSON object per line: timestamp, level, logger, message, request id, model, client, the
+    request's batch facts (`batch_id`, `batch_size`, `instance`, `queue_position`, once known),
+    trace ids, extras."""
 
     def format(self, record: logging.LogRecord) -> str:
-        event = {
+        event: dict[str, object] = {
             "ts": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
@@ -36,6 +38,9 @@ class JsonLineFormatter(logging.Formatter):
         client = client_var.get()
         if client:
             event["client"] = client
+        placement = placement_var.get()
+        if placement is not None:  # a line about a request that ran in a batch names the batch
+            event.update(placement.facts())
         span_context = trace.get_current_span().get_span_context()
         if span_context.is_valid:
             event["trace_id"] = f"{span_context.trace_id:032x}"

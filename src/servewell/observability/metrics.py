@@ -30,6 +30,12 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 OUTCOMES = ("success", "rejected", "deadline_exceeded", "cancelled", "error")
 
 
+def batch_size_bucket(rows: int) -> int:
+    """The `batch_size` label of a batch of `rows`: the next power of two at or above it (1, 2, 4,
+    ...), so a model whose largest batch is N has at most log2(N) + 1 series."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
 @dataclass(slots=True, frozen=True)
 class WorkerSample:
     """One worker process at scrape time."""
@@ -192,6 +198,12 @@ class ServeMetrics:
         self.compute = LoopHistogram(
             "servewell_batch_compute_seconds", "Model compute per batch, measured inside the worker.",
             ["model"], buckets=latency_buckets, registry=r)
+        # Compute by batch size: whether compute grows with the batch (an on-call engineer had to
+        # probe with their own requests to learn it). Beside `servewell_batch_compute_seconds`
+        # rather than a new label on it, so existing queries and dashboards keep their meaning.
+        self.compute_by_size = LoopHistogram(
+            "servewell_batch_compute_by_size_seconds", "Model compute per batch by batch size (rows, rounded "
+            "up to a power of two: 1, 2, 4, ...).", ["model", "batch_size"], buckets=latency_buckets, registry=r)
         self.transport = LoopHistogram(
             "servewell_batch_transport_seconds", "Per-batch cost of the process hop (round trip minus compute).",
             ["model"], buckets=latency_buckets, registry=r)

@@ -1,21 +1,49 @@
-"""A bounded ring buffer of the latest slow and failed requests, for the console.
+"""Bounded rings of the latest slow and failed requests, for the console, with refusals kept apart.
 
 The HTTP middleware and the gRPC scope record a request here only where they already write a
 log line for it (slower than `slow_request_ms`, or answered with an error), so requests that
 are neither cost nothing. A record holds what the log line holds: ids, route template, model,
-status, error code and the stage breakdown; never a body, an image, a tensor, a raw path or a
-header value a client chose (the request id is only kept when it passed the safe-id check).
+status, error code, the stage breakdown and where the request ran (batch id, batch size, worker
+instance, queue position); never a body, an image, a tensor, a raw path or a header value a
+client chose (the request id is only kept when it passed the safe-id check).
+
+Which ring a record goes to (`is_refusal`): 250 requests without a key once filled all 200
+entries with 401s and the real failures disappeared, so requests turned away for the client's
+own fault before any model was involved are counted by code and kept in a small ring of their
+own, and the main ring keeps what an operator needs:
+
+- refusals: 401 (no or a wrong key), 403 (no admin right), 429 (rate limited), whatever the
+  route; and every other 4xx of a request that named no model of this server (unknown model or
+  path, 404/405, a body or header refused before routing). Anyone can send these, as many as
+  they like.
+- recent: every slow request; every 5xx (overload, deadline, worker lost, model error: the
+  server's own failures, whoever caused them); every 4xx of a request that reached one of this
+  server's models (invalid input for it, an unknown version), which only a client that got past
+  the key check can send when keys are configured.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from servewell.observability.slow_log import SlowRequestLog
+
 #: Records kept; a record is a few hundred bytes, so the buffer stays under about 200 KB.
 DEFAULT_CAPACITY = 200
+#: Refusals kept one by one (the counts by code cover all of them).
+DEFAULT_REFUSAL_CAPACITY = 50
+#: Statuses that are refusals whatever the route: the caller's credentials or rate.
+REFUSAL_STATUSES = frozenset((401, 403, 429))
+
+
+def is_refusal(status: int, model: str) -> bool:
+    """Whether a request answered `status` for `model` ("" when it named none of this server's) is
+    a refusal (kept apart from the recent list; see the module docstring)."""
+    return status in REFUSAL_STATUSES or (400 <= status < 500 and not model)
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,33 +60,66 @@ class RequestRecord:
     slow: bool  # over the slow-request threshold (a failed request may be fast)
     stages_ms: dict[str, float] = field(default_factory=dict)  # preprocess, queue, compute, postprocess
     at: float = field(default_factory=time.time)  # Unix time the answer left
+    # Where it ran (`observability.context.BatchPlacement`); None when it never reached a batch.
+    batch_id: int | None = None
+    batch_size: int | None = None  # rows of the whole batch
+    instance: int | None = None  # worker instance of the model, 0-based
+    queue_position: int | None = None  # requests already waiting in its lane when it was queued
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as a JSON-ready dict."""
+        return asdict(self)
 
 
 class RecentRequests:
-    """The latest `capacity` slow or failed requests, newest last. Updated and read on the event
-    loop only, like the metrics: no lock."""
+    """The latest `capacity` slow or failed requests an operator needs, newest last, and apart
+    from them the refusals: counts by code since start and the latest `refusal_capacity`.
+    Updated and read on the event loop only, like the metrics: no lock."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
-        if capacity < 1:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, refusal_capacity: int = DEFAULT_REFUSAL_CAPACITY,
+                 slow_log: SlowRequestLog | None = None) -> None:
+        if capacity < 1 or refusal_capacity < 1:
             raise ValueError("capacity must be at least 1")
         self._records: deque[RequestRecord] = deque(maxlen=capacity)
-        self.recorded = 0  # since start, including those the ring has since dropped
+        self._refusals: deque[RequestRecord] = deque(maxlen=refusal_capacity)
+        #: Refusals since start by error code (the status when a refusal had no code). Codes are
+        #: the server's own taxonomy, never a client's string, so the keys are bounded.
+        self.refusal_counts: Counter[str] = Counter()
+        self.recorded = 0  # since start, including those the ring has since dropped (refusals apart)
+        #: The slow-request log lines, rate-limited per model: a slow request reaches it from the
+        #: same place it reaches the ring (`api/request_outcome.py`).
+        self.slow_log = slow_log if slow_log is not None else SlowRequestLog(logging.getLogger("servewell.api"))
 
     @property
     def capacity(self) -> int:
-        """How many records the ring keeps."""
+        """How many records the main ring keeps."""
         return self._records.maxlen or 0
 
     def record(self, record: RequestRecord) -> None:
-        """Keep `record`, dropping the oldest when the ring is full."""
+        """Keep `record` in its ring (`is_refusal`), dropping that ring's oldest when it is full."""
+        if is_refusal(record.status, record.model):  # even when slow: a flood of slow 401s is still a flood
+            self.refusal_counts[record.code or str(record.status)] += 1
+            self._refusals.append(record)
+            return
         self._records.append(record)
         self.recorded += 1
 
     def latest(self, limit: int | None = None) -> list[RequestRecord]:
-        """The newest `limit` records (all when None), newest first."""
+        """The newest `limit` records of the main ring (all when None), newest first."""
         newest_first = list(reversed(self._records))
+        return newest_first if limit is None else newest_first[:max(0, limit)]
+
+    def latest_refusals(self, limit: int | None = None) -> list[RequestRecord]:
+        """The newest `limit` refusals (all kept when None), newest first."""
+        newest_first = list(reversed(self._refusals))
         return newest_first if limit is None else newest_first[:max(0, limit)]
 
     def to_json(self, limit: int | None = None) -> list[dict[str, Any]]:
         """`latest(limit)` as JSON-ready dicts."""
-        return [asdict(r) for r in self.latest(limit)]
+        return [r.to_json() for r in self.latest(limit)]
+
+    def refusals_json(self, limit: int | None = None) -> dict[str, Any]:
+        """`{"counts": {code: n}, "recent": [record, ...]}`: every refusal since start by code, and
+        the newest `limit` kept, newest first."""
+        return {"counts": dict(sorted(self.refusal_counts.items())),
+                "recent": [r.to_json() for r in self.latest_refusals(limit)]}

@@ -11,7 +11,7 @@ from servewell.api.key_middleware import needs_key
 from servewell.api.middleware import RequestContextMiddleware
 from servewell.api.routes_console import ASSETS, asset
 from servewell.api.state import LiveKnobs
-from servewell.observability.context import stages_var
+from servewell.observability.context import placement_var, stages_var
 from servewell.observability.recent_requests import RecentRequests
 
 
@@ -56,6 +56,21 @@ def test_a_fast_success_costs_the_ring_nothing_and_a_slow_one_is_kept():
     (record,) = _call(fine, 0.0, "req-3").latest()
     assert record.slow and record.status == 200 and record.code == ""
     assert set(record.stages_ms) == {"preprocess", "queue", "compute", "postprocess"}
+
+
+async def batched(scope, receive, send):
+    placement = placement_var.get()  # what the scheduler's telemetry fills in for a queued request
+    placement.queue_position, placement.batch_id, placement.batch_size, placement.instance = 2, 41, 8, 1
+    await Response(b"{}", media_type="application/json")(scope, receive, send)
+
+
+def test_a_slow_request_s_record_names_its_batch_and_a_refusal_is_kept_apart():
+    (record,) = _call(batched, 0.0, "req-4").latest()
+    assert (record.batch_id, record.batch_size, record.instance, record.queue_position) == (41, 8, 1, 2)
+    (plain,) = _call(fine, 0.0, "req-5").latest()  # every request has its own placement
+    assert (plain.batch_id, plain.queue_position) == (None, None)
+    ring = _call(overloaded, 10.0, "req-6")  # a 503 is the server's own failure: listed, not a refusal
+    assert ring.latest() and not ring.latest_refusals()
 
 
 def test_the_page_is_open_and_its_data_needs_a_key():

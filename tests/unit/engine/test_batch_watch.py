@@ -42,6 +42,7 @@ class StuckRunner:
 
     def __init__(self) -> None:
         self.alive = True
+        self.instance = 0
         self.release = asyncio.Event()
         self.hung: list[str] = []
         self.batches = 0

@@ -16,6 +16,9 @@ from servewell.engine.batch_runner import BatchOutcome
 from servewell.engine.protocol import RequestResult
 from servewell.engine.scheduler import ModelScheduler
 from servewell.errors import DeadlineExceeded, InvalidInput, ModelError, Overloaded, ShuttingDown, WorkerLost
+from servewell.observability.batch_telemetry import BatchTelemetry
+from servewell.observability.context import BatchPlacement, placement_var
+from servewell.observability.metrics import ServeMetrics, batch_size_bucket
 
 HIGH, NORMAL = 0, 1  # lane indices of the default lanes ["high", "normal"]
 
@@ -35,6 +38,7 @@ class FakeRunner:
 
     def __init__(self, fail_with: Exception | None = None) -> None:
         self.alive = True
+        self.instance = 0
         self.batches: list[list[float]] = []
         self.release = asyncio.Event()
         self.release.set()
@@ -87,6 +91,40 @@ def test_each_request_gets_its_own_rows_back() -> None:
         assert runner.batches == [[1], [2, 3]]
         assert results[1].batch_size == 2
     run(main)
+
+
+def test_each_request_learns_its_batch_instance_and_queue_position() -> None:
+    async def main(clock: FakeClock) -> None:
+        metrics = ServeMetrics()
+        s = ModelScheduler(config(), BatchTelemetry("m", "1", ["high", "normal"], metrics), clock=clock)
+        runner = FakeRunner()
+        runner.instance = 3
+        runner.release.clear()
+        s.add_runner(runner)
+        placements = [BatchPlacement() for _ in range(4)]
+        futures = []
+        for value, placement in enumerate(placements, start=1):
+            token = placement_var.set(placement)  # what the middleware does for each request
+            futures.append(submit(s, value))
+            placement_var.reset(token)
+        await settle()
+        runner.release.set()
+        await asyncio.gather(*futures)
+        assert runner.batches == [[1], [2, 3, 4]]
+        first, *rest = placements
+        assert (first.batch_size, first.instance, first.queue_position) == (1, 3, 0)
+        assert [p.queue_position for p in rest] == [0, 1, 2]  # requests already waiting in the lane
+        assert {p.batch_id for p in rest} == {rest[0].batch_id} and rest[0].batch_id != first.batch_id
+        assert {(p.batch_size, p.instance) for p in rest} == {(3, 3)}
+        assert rest[0].facts() == {"batch_id": rest[0].batch_id, "batch_size": 3, "instance": 3, "queue_position": 0}
+        by_size = {values[1]: sum(counts) for values, counts, _ in metrics.compute_by_size.snapshot()}
+        assert by_size == {"1": 1, "4": 1}  # a batch of 3 counts under the next power of two
+    run(main)
+
+
+@pytest.mark.parametrize(("rows", "bucket"), [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (64, 64), (65, 128)])
+def test_batch_size_buckets_are_powers_of_two(rows: int, bucket: int) -> None:
+    assert batch_size_bucket(rows) == bucket
 
 
 def test_urgent_request_overtakes_a_full_normal_queue() -> None:

@@ -133,6 +133,32 @@ def test_the_window_and_the_number_of_models_are_bounded():
     assert feed.series("m3")["columns"]["t"] == []
 
 
+def test_compute_by_batch_size_covers_the_last_one_to_two_minutes():
+    metrics = ServeMetrics(latency_buckets=BOUNDS)
+    clocks = Clocks()
+    feed = ConsoleFeed(metrics, interval_s=2.0, window_s=10.0, clock=clocks.mono, wall_clock=clocks.wall)
+    by_size = metrics.compute_by_size
+    by_size.labels("a", "1").observe(0.5)  # before the first reading, which is the first baseline: left out
+    feed.sample()
+    for _ in range(9):
+        by_size.labels("a", "1").observe(0.005)
+    by_size.labels("a", "8").observe(0.05)
+    by_size.labels("b", "2").observe(0.05)
+    assert feed.compute_by_batch_size("a") == [
+        {"batch_size": 1, "count": 9, "p50_ms": pytest.approx(5.0), "p99_ms": pytest.approx(9.9)},
+        {"batch_size": 8, "count": 1, "p50_ms": pytest.approx(55.0), "p99_ms": pytest.approx(99.1)},
+    ]
+    clocks.now += 61.0
+    feed.sample()  # a second baseline; the view still counts from the first
+    assert [row["count"] for row in feed.compute_by_batch_size("a")] == [9, 1]
+    clocks.now += 61.0
+    feed.sample()  # the first ages out: what ran before the second baseline is left out
+    by_size.labels("a", "8").observe(0.05)
+    assert feed.compute_by_batch_size("a") == [
+        {"batch_size": 8, "count": 1, "p50_ms": pytest.approx(55.0), "p99_ms": pytest.approx(99.1)}]
+    assert feed.compute_by_batch_size("nope") == [] and ConsoleFeed(None).compute_by_batch_size("a") == []
+
+
 def test_series_shape_and_metrics_turned_off():
     feed = ConsoleFeed(None)
     feed.sample()

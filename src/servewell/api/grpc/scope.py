@@ -27,7 +27,15 @@ from servewell.api.keys import InferenceAccess
 from servewell.api.request_outcome import record_outcome
 from servewell.api.state import LiveKnobs
 from servewell.errors import ServeError, Unavailable
-from servewell.observability.context import client_var, model_var, request_id_var, request_trace_var, stages_var
+from servewell.observability.context import (
+    BatchPlacement,
+    client_var,
+    model_var,
+    placement_var,
+    request_id_var,
+    request_trace_var,
+    stages_var,
+)
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.recent_requests import RecentRequests
 from servewell.observability.refusal_log import RefusalDigest
@@ -78,7 +86,8 @@ class RpcScope:
         metadata = context.invocation_metadata()
         given = metadata_value(metadata, "x-request-id")
         request_id = given if given is not None and _SAFE_ID.match(given) else uuid.uuid4().hex
-        tokens = (request_id_var.set(request_id), model_var.set(""), stages_var.set({}))
+        tokens = (request_id_var.set(request_id), model_var.set(""), stages_var.set({}),
+                  placement_var.set(BatchPlacement()))
         span = otel_token = trace_token = None
         if self._tracing is not None:
             span, span_context = begin_server_span(
@@ -129,6 +138,7 @@ class RpcScope:
             request_id_var.reset(tokens[0])
             model_var.reset(tokens[1])
             stages_var.reset(tokens[2])
+            placement_var.reset(tokens[3])
 
     def _finish(self, method: str, status: int, code: str, elapsed: float, span: trace.Span | None,
                 probe: bool) -> None:
