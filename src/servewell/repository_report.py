@@ -3,7 +3,9 @@
 For every model directory, in the order the server loads them: every problem of its model.yaml
 (file, field, reason); its CPU affinity against the CPUs of this machine; for the pytorch
 runtime, the factory built on the meta device in a child process (the lazy submodules must
-exist); and the memory estimate against the budget, reserved model after model exactly as the
+exist, the parameter names and shapes must be the weights file's); for the onnx runtime, the
+graph opened by onnxruntime in a child process (names, datatypes and shapes against model.yaml,
+a corrupt file); and the memory estimate against the budget, reserved model after model exactly as the
 server reserves them (`engine.memory_budget`), so a model the server would refuse is reported as
 refused, not `ok`. Valid models show their effective settings in two or three short lines.
 """
@@ -51,9 +53,10 @@ class ModelReport:
 
 
 def report_repository(
-    root: Path, budget_bytes: int, available_cpus: set[int], check_factories: bool = True
+    root: Path, budget_bytes: int, available_cpus: set[int], check_factories: bool = True, check_graphs: bool = True
 ) -> list[ModelReport]:
-    """A report per model directory of `root`, in the server's load order."""
+    """A report per model directory of `root`, in the server's load order (`check_factories`,
+    `check_graphs`: run the pytorch and onnx checks, each in a child process)."""
     reports = []
     reserved = 0
     for source in scan_repository(root):
@@ -72,6 +75,12 @@ def report_repository(
                     report.notes.append(note)
             else:
                 report.notes.append("factory not checked (--no-factory-check)")
+        elif config.runtime == "onnx" and check_graphs:
+            found, notes = check_onnx(config, source.directory)
+            report.problems.extend(found)
+            report.notes.extend(notes)
+        elif config.runtime == "onnx":
+            report.notes.append("graph not checked (--no-graph-check)")
         # The server reserves every valid model's estimate before any load finishes, in this order.
         try:
             estimate = estimate_model_memory(config, source.directory)
@@ -113,8 +122,30 @@ def affinity_problems(config: ModelConfig, available_cpus: set[int]) -> list[str
     return problems
 
 
+def check_onnx(config: ModelConfig, directory: Path) -> tuple[list[str], list[str]]:
+    """Problems of an ONNX model's graph against its model.yaml, from a child process; and notes."""
+    command = [sys.executable, "-m", "servewell.runtimes.onnx_check", str(directory)]
+    try:
+        done = subprocess.run(command, input=config.model_dump_json(), capture_output=True, text=True,
+                              timeout=FACTORY_CHECK_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return [f"field 'artifact': onnxruntime took over {FACTORY_CHECK_TIMEOUT_S:.0f} s to open "
+                f"{config.artifact} (a load would stall the same way)"], []
+    try:
+        answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        if "No module named 'onnxruntime'" in done.stderr:
+            return [], ["graph not checked: onnxruntime is not installed here"]
+        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        # A graph that crashes onnxruntime (a signal: negative code) would crash the worker too.
+        return [f"field 'artifact': opening {config.artifact} with onnxruntime exited with code "
+                f"{done.returncode}: {tail[0]}"], []
+    return ([f"field '{p['field']}': {p['reason']}" for p in answer.get("problems", [])],
+            [str(note) for note in answer.get("notes", [])])
+
+
 def check_factory(config: ModelConfig, directory: Path) -> tuple[list[str], str | None]:
-    """Problems of a pytorch model's factory, from a child process; and a note when it could not run."""
+    """Problems of a pytorch model's factory and weights, from a child process; and a note when it could not run."""
     command = [sys.executable, "-m", "servewell.runtimes.factory_check", str(directory)]
     try:
         done = subprocess.run(command, input=config.model_dump_json(), capture_output=True, text=True,
