@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         "models", help="check a repository's models: problems, memory against the budget, settings",
         description="Check every model of a repository as the server would load it: each problem of its "
         "model.yaml (file, field, reason), its CPU affinity on this machine, a pytorch factory built on the meta "
-        "device and its weights' names and shapes, an ONNX graph's inputs and outputs, and its estimated memory against the memory budget; shows the effective settings. "
+        "device and its weights' names and shapes, an ONNX graph's inputs and outputs, and its estimated memory "
+        "against the memory budget; shows the effective settings. "
         "Exit code 1 if any model is invalid or would be refused.")
     models.add_argument("--config", type=Path, default=None, help="YAML file with settings.")
     models.add_argument("--no-factory-check", action="store_true",

@@ -55,7 +55,8 @@ def check_onnx(config: ModelConfig, model_dir: Path) -> tuple[list[FieldProblem]
                                      f"{config.artifact} takes {list(graph_inputs)}"))
     for index, spec in enumerate(config.inputs):
         if spec.name in graph_inputs:
-            _compare(f"inputs[{index}]", spec, graph_inputs[spec.name], config.max_batch_size, config.artifact, problems, notes)
+            _compare(f"inputs[{index}]", spec, graph_inputs[spec.name], config.max_batch_size, config.artifact,
+                     problems, notes)
     for index, spec in enumerate(config.outputs):
         if spec.name not in graph_outputs:
             problems.append(FieldProblem(f"outputs[{index}].name", f"{spec.name!r} is not an output of the graph "

@@ -137,7 +137,7 @@ def readme_kubernetes_table() -> dict[str, str]:
     """The README's Kubernetes table under Operations: setting -> its value and why, as one string."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index("**Kubernetes** (the values of"):]
-    rows = {}
+    rows: dict[str, str] = {}
     for line in section.splitlines()[2:]:
         if not line.startswith("|"):
             if rows:
