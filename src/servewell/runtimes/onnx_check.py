@@ -78,7 +78,9 @@ def _compare(field: str, spec: TensorSpec, node: Any, max_batch: int, artifact: 
             problems.append(FieldProblem(f"{field}.datatype", f"{spec.name!r}: {how}"))
         else:
             notes.append(f"{field} {spec.name!r}: {how}; converted on every request")
-    graph_shape: list[int | str | None] = list(node.shape)
+    if not node.shape and field.startswith("outputs"):
+        return  # no shape in the graph (inference gave up): warm-up checks what the model returns
+    graph_shape: list[int | str | None] = list(node.shape or [])
     declared: list[int] = ([-1] if batched else []) + list(spec.shape)
     shown = (f"a batch dimension plus {spec.shape}" if batched else f"{spec.shape} (max_batch_size 0: no batch "
              "dimension)")
