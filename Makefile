@@ -52,10 +52,13 @@ chaos: install test-deps
 
 # N replicas of `make serve`'s server behind HAProxy on 127.0.0.1:$(PORT) (replicas on the next N ports), in
 # the foreground until Ctrl-C; deploy/local/replicas.py status|restart|down from another terminal.
+# State (pids, haproxy.cfg, logs) goes to $(STATE_DIR), .replicas/ by default (git-ignored).
 N ?= 3
 PORT ?= 8000
+STATE_DIR ?= .replicas
 replicas: install
-	$(PY) deploy/local/replicas.py up -n $(N) --port $(PORT) --servewell $(VENV)/bin/servewell -- --log-format console
+	$(PY) deploy/local/replicas.py up -n $(N) --port $(PORT) --state-dir $(STATE_DIR) --servewell $(VENV)/bin/servewell \
+		-- --log-format console
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -98,7 +98,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
     # The budget the server would start with: the setting, else its share of the memory available now.
     budget = settings.memory_budget_bytes or machine_memory_budget()
     source = "--memory-budget-bytes" if settings.memory_budget_bytes else "default: a share of the memory available now"
-    reports = report_repository(repository, budget, available_cpus(), check_factories=not args.no_factory_check)
+    reports = report_repository(repository, budget, available_cpus(), check_factories=not args.no_factory_check,
+                                check_graphs=not args.no_graph_check)
     print(render(repository, budget, source, reports))
     return 1 if any(report.status != "ok" for report in reports) else 0
 
@@ -138,11 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
         "models", help="check a repository's models: problems, memory against the budget, settings",
         description="Check every model of a repository as the server would load it: each problem of its "
         "model.yaml (file, field, reason), its CPU affinity on this machine, a pytorch factory built on the meta "
-        "device, and its estimated memory against the memory budget; shows the effective settings. "
+        "device and its weights' names and shapes, an ONNX graph's inputs and outputs, and its estimated memory "
+        "against the memory budget; shows the effective settings. "
         "Exit code 1 if any model is invalid or would be refused.")
     models.add_argument("--config", type=Path, default=None, help="YAML file with settings.")
     models.add_argument("--no-factory-check", action="store_true",
                         help="do not import pytorch factories (each check starts a process that imports torch)")
+    models.add_argument("--no-graph-check", action="store_true",
+                        help="do not open ONNX graphs (each check starts a process that imports onnxruntime)")
     _add_config_flags(models, only=("model_repository", "cache_dir", "memory_budget_bytes"))
     models.set_defaults(run=_cmd_models)
     keys = sub.add_parser("keys", help="make API keys and the hashed lines of a keys file",

@@ -3,7 +3,9 @@
 For every model directory, in the order the server loads them: every problem of its model.yaml
 (file, field, reason); its CPU affinity against the CPUs of this machine; for the pytorch
 runtime, the factory built on the meta device in a child process (the lazy submodules must
-exist); and the memory estimate against the budget, reserved model after model exactly as the
+exist, the parameter names and shapes must be the weights file's); for the onnx runtime, the
+graph opened by onnxruntime in a child process (names, datatypes and shapes against model.yaml,
+a corrupt file); and the memory estimate against the budget, reserved model after model exactly as the
 server reserves them (`engine.memory_budget`), so a model the server would refuse is reported as
 refused, not `ok`. Valid models show their effective settings in two or three short lines.
 """
@@ -15,6 +17,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,8 @@ from servewell.engine.repository import scan_repository
 
 #: A factory that takes longer than this to import and build on meta would also stall a load.
 FACTORY_CHECK_TIMEOUT_S = 60.0
+#: Child checks running at once: each is mostly one core importing a framework.
+CHILD_CHECKS_AT_ONCE = max(1, min(4, os.cpu_count() or 1))
 _IO_FIELDS = {"name", "version", "runtime", "artifact", "inputs", "outputs", "max_batch_size", "instances",
               "threads", "device", "preprocess", "postprocess", "metadata"}
 
@@ -51,12 +56,20 @@ class ModelReport:
 
 
 def report_repository(
-    root: Path, budget_bytes: int, available_cpus: set[int], check_factories: bool = True
+    root: Path, budget_bytes: int, available_cpus: set[int], check_factories: bool = True, check_graphs: bool = True
 ) -> list[ModelReport]:
-    """A report per model directory of `root`, in the server's load order."""
+    """A report per model directory of `root`, in the server's load order (`check_factories`,
+    `check_graphs`: run the pytorch and onnx checks, each in a child process)."""
     reports = []
     reserved = 0
-    for source in scan_repository(root):
+    sources = list(scan_repository(root))
+    # The child processes run side by side: each spends seconds importing torch or onnxruntime
+    # (5 pytorch models took 42 s one after another on a busy 2-core machine).
+    with ThreadPoolExecutor(max_workers=CHILD_CHECKS_AT_ONCE) as pool:
+        checks = [pool.submit(_child_checks, source.config, source.directory, check_factories, check_graphs)
+                  if source.config is not None else None for source in sources]
+        results = [check.result() if check is not None else ([], []) for check in checks]
+    for source, (found, notes) in zip(sources, results, strict=True):
         report = ModelReport(source.name, source.directory / CONFIG_FILE)
         reports.append(report)
         if source.config is None:
@@ -64,14 +77,8 @@ def report_repository(
             continue
         config = source.config
         report.problems.extend(affinity_problems(config, available_cpus))
-        if config.runtime == "pytorch":
-            if check_factories:
-                found, note = check_factory(config, source.directory)
-                report.problems.extend(found)
-                if note:
-                    report.notes.append(note)
-            else:
-                report.notes.append("factory not checked (--no-factory-check)")
+        report.problems.extend(found)
+        report.notes.extend(notes)
         # The server reserves every valid model's estimate before any load finishes, in this order.
         try:
             estimate = estimate_model_memory(config, source.directory)
@@ -89,6 +96,19 @@ def report_repository(
             reserved += estimate.total_bytes
         report.settings = effective_settings(config, f"~{_mib(estimate.total_bytes)} ({estimate.basis})")
     return reports
+
+
+def _child_checks(config: ModelConfig, directory: Path, check_factories: bool,
+                  check_graphs: bool) -> tuple[list[str], list[str]]:
+    """Problems and notes from the runtime's check in a child process (none for torchscript)."""
+    if config.runtime == "pytorch":
+        if not check_factories:
+            return [], ["factory not checked (--no-factory-check)"]
+        found, note = check_factory(config, directory)
+        return found, [note] if note else []
+    if config.runtime == "onnx":
+        return check_onnx(config, directory) if check_graphs else ([], ["graph not checked (--no-graph-check)"])
+    return [], []
 
 
 def _config_problems(directory: Path, error: str | None) -> list[str]:
@@ -113,8 +133,30 @@ def affinity_problems(config: ModelConfig, available_cpus: set[int]) -> list[str
     return problems
 
 
+def check_onnx(config: ModelConfig, directory: Path) -> tuple[list[str], list[str]]:
+    """Problems of an ONNX model's graph against its model.yaml, from a child process; and notes."""
+    command = [sys.executable, "-m", "servewell.runtimes.onnx_check", str(directory)]
+    try:
+        done = subprocess.run(command, input=config.model_dump_json(), capture_output=True, text=True,
+                              timeout=FACTORY_CHECK_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return [f"field 'artifact': onnxruntime took over {FACTORY_CHECK_TIMEOUT_S:.0f} s to open "
+                f"{config.artifact} (a load would stall the same way)"], []
+    try:
+        answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        if "No module named 'onnxruntime'" in done.stderr:
+            return [], ["graph not checked: onnxruntime is not installed here"]
+        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        # A graph that crashes onnxruntime (a signal: negative code) would crash the worker too.
+        return [f"field 'artifact': opening {config.artifact} with onnxruntime exited with code "
+                f"{done.returncode}: {tail[0]}"], []
+    return ([f"field '{p['field']}': {p['reason']}" for p in answer.get("problems", [])],
+            [str(note) for note in answer.get("notes", [])])
+
+
 def check_factory(config: ModelConfig, directory: Path) -> tuple[list[str], str | None]:
-    """Problems of a pytorch model's factory, from a child process; and a note when it could not run."""
+    """Problems of a pytorch model's factory and weights, from a child process; and a note when it could not run."""
     command = [sys.executable, "-m", "servewell.runtimes.factory_check", str(directory)]
     try:
         done = subprocess.run(command, input=config.model_dump_json(), capture_output=True, text=True,

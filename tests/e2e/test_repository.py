@@ -136,13 +136,16 @@ def test_each_runtime_serves_the_same_numbers_as_torch(server, repository, name)
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
 
 
-def test_broken_models_are_reported_with_file_field_and_reason(server):
+def test_broken_models_are_reported_with_file_field_and_reason(server, repository):
+    root, _ = repository
     index = {m["name"]: m for m in httpx.post(server.url + "/v2/repository/index").json()}
     broken = index["broken_yaml"]
     assert broken["state"] == "UNAVAILABLE"
     assert "broken_yaml/model.yaml" in broken["reason"] and "max_batch_size" in broken["reason"]
     assert "unsafe_allow_pickle" in index["pickled"]["reason"]
-    assert index["corrupt_onnx"]["reason"]
+    # The worker loaded the server's snapshot of the directory; the reason names the user's file.
+    corrupt = index["corrupt_onnx"]["reason"]
+    assert str(root / "corrupt_onnx" / "model.onnx") in corrupt and "snapshots" not in corrupt, corrupt
 
 
 def test_requests_to_a_model_that_is_not_ready_get_503_with_retry_after(server):

@@ -91,3 +91,19 @@ def onnx_linear_model(root: Path, name: str, version: str = "1") -> None:
     (directory / "model.yaml").write_text(yaml.safe_dump({
         "runtime": "onnx", "artifact": "model.onnx", "version": version, "max_batch_size": 8, **SCALAR_IO,
     }))
+
+
+def onnx_mlp_model(root: Path, name: str, **fields: Any) -> Path:
+    """`nn.Linear(4, 3)` exported to ONNX with a dynamic batch axis (input `x` [4], output `y` [3]);
+    `fields` replace model.yaml's (inputs, outputs, max_batch_size...). Returns the directory."""
+    directory = root / name
+    directory.mkdir(parents=True)
+    torch.manual_seed(0)
+    torch.onnx.export(torch.nn.Linear(4, 3), (torch.zeros(2, 4),), str(directory / "model.onnx"), dynamo=False,
+                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}})
+    (directory / "model.yaml").write_text(yaml.safe_dump({
+        "runtime": "onnx", "artifact": "model.onnx", "max_batch_size": 8,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [3]}], **fields,
+    }))
+    return directory

@@ -29,7 +29,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 def onnx_model_dir(root: Path, name: str, **fields: object) -> None:
-    """A model directory `servewell models` accepts (it checks config and files, it loads nothing)."""
+    """A model directory `servewell models --no-graph-check` accepts (it checks config and files, it loads nothing)."""
     directory = root / name
     directory.mkdir(parents=True)
     (directory / "model.onnx").write_bytes(b"not loaded by `servewell models`")
@@ -59,7 +59,7 @@ def test_version(capsys):
 def test_models_lists_valid_and_invalid_models_and_exits_1(tmp_path, capsys):
     onnx_model_dir(tmp_path, "good", version="3", instances=2)
     onnx_model_dir(tmp_path, "bad", max_batch_size="lots")
-    code, out, _ = run(capsys, "models", "--model-repository", str(tmp_path))
+    code, out, _ = run(capsys, "models", "--no-graph-check", "--model-repository", str(tmp_path))
     assert code == 1  # a script can tell that something is wrong
     header, *lines = out.splitlines()
     assert header.startswith(f"model repository {tmp_path}: 2 model(s); memory budget ")
@@ -77,7 +77,7 @@ def test_models_lists_valid_and_invalid_models_and_exits_1(tmp_path, capsys):
 
 def test_models_exits_0_when_every_model_is_valid(tmp_path, capsys):
     onnx_model_dir(tmp_path, "good")
-    code, out, _ = run(capsys, "models", "--model-repository", str(tmp_path))
+    code, out, _ = run(capsys, "models", "--no-graph-check", "--model-repository", str(tmp_path))
     assert code == 0 and "INVALID" not in out
 
 
@@ -105,7 +105,7 @@ def test_flag_beats_environment_beats_config_file(tmp_path, capsys, monkeypatch)
     monkeypatch.setenv("SERVEWELL_MODEL_REPOSITORY", str(repos["env"]))
 
     def repository_used(*flags: str) -> str:
-        code, out, err = run(capsys, "models", "--config", str(config), *flags)
+        code, out, err = run(capsys, "models", "--no-graph-check", "--config", str(config), *flags)
         assert code == 0, err
         return out.splitlines()[0]
 

@@ -215,11 +215,14 @@ class ModelEntry:
             log.error("%s not loaded: %s", self.label, self.reason, extra={"model": self.name})
             return
         started = time.perf_counter()
+        private = self.directory
         try:
-            await self.pool.start(await self._private_directory())
+            private = await self._private_directory()
+            await self.pool.start(private)
         except WorkerLoadError as exc:
             self._count_load(False)
-            self._set_state("failed", str(exc))
+            # The workers loaded the snapshot; the operator knows the files by their repository path.
+            self._set_state("failed", str(exc).replace(str(private), str(self.directory)))
             budget.release(self)
             await self._release_snapshot()
             log.error("%s failed to load: %s", self.label, self.reason, extra={"model": self.name})
