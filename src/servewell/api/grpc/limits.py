@@ -34,9 +34,9 @@ def raise_open_files_limit() -> int:
 
 def grpc_connection_cap(wanted: int, open_files: int, http_connections: int, reserve: int) -> int:
     """The gRPC connection cap: `wanted`, lowered so that HTTP's connections and `reserve` always
-    fit under `open_files` (never below `MIN_GRPC_CONNECTIONS`)."""
+    fit under `open_files` (never below `MIN_GRPC_CONNECTIONS` unless `wanted` is)."""
     room = open_files - http_connections - reserve
-    return max(MIN_GRPC_CONNECTIONS, min(wanted, room))
+    return min(wanted, max(MIN_GRPC_CONNECTIONS, room))
 
 
 def backstop_rpcs(connections: int, streams_per_connection: int, call_slots: int) -> int:
