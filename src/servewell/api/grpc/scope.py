@@ -87,7 +87,8 @@ class RpcScope:
         self._access = access
         self._knobs = knobs
         self._slots = slots if slots is not None else CallSlots(1024)
-        self._refusals = RefusalDigest(log)  # 503s: one line per model, code and second, with a count
+        # 503s and the refusals a client causes at will: one line per model, code and second, with a count
+        self._refusals = RefusalDigest(log)
 
     async def unimplemented(self, context: RpcContext) -> None:
         """Answer a call servewell does not serve: UNIMPLEMENTED after the key check, logged only in
