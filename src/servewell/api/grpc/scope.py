@@ -68,7 +68,7 @@ def status_code(error: ServeError) -> grpc.StatusCode:
 
 
 #: Refusals a client can cause at will: one log line per model, code and second, with a count.
-_DIGESTED = frozenset((CallUnimplemented.code, CallLimitReached.code, "receive_timeout"))
+_DIGESTED = frozenset((CallUnimplemented.code, CallLimitReached.code, "receive_timeout", "client_closed_request"))
 
 
 def retry_after_value(retry_after_s: float) -> str:
@@ -119,12 +119,14 @@ class RpcScope:
         status, code = 200, ""
         context.set_trailing_metadata((("x-request-id", request_id),))
         client_token = None
+        received = incoming is None
         try:
             if not probe and not admin and self._access.enabled:
                 client = self._access.check(metadata_value(metadata, "authorization"),
                                             metadata_value(metadata, "x-api-key"))
                 client_token = client_var.set(client or "")
             request: Any = await incoming.receive() if incoming is not None else None
+            received = True
             if probe:
                 return await handler(request)
             if not self._slots.try_take():
@@ -159,7 +161,7 @@ class RpcScope:
             raise
         finally:
             elapsed = time.perf_counter() - started
-            self._finish(method, status, code, elapsed, span, probe)
+            self._finish(method, status, code, elapsed, span, probe, received)
             if client_token is not None:
                 client_var.reset(client_token)
             if trace_token is not None:
@@ -171,7 +173,10 @@ class RpcScope:
             stages_var.reset(tokens[2])
 
     def _finish(self, method: str, status: int, code: str, elapsed: float, span: trace.Span | None,
-                probe: bool) -> None:
+                probe: bool, received: bool) -> None:
+        # A call whose message never arrived is counted, but is neither a slow request nor one the
+        # console keeps: a slowloris would flood both (1,200 warnings when its connections closed).
         record_outcome(protocol="grpc", route=f"grpc {method}", status=status, error_code=code, elapsed_s=elapsed,
                        span=span, span_attributes={"rpc.grpc.servewell_status": status}, counted=not probe,
-                       metrics=self._metrics, slow_after_s=self._knobs.slow_request_s, recent=self._recent)
+                       metrics=self._metrics, slow_after_s=self._knobs.slow_request_s if received else math.inf,
+                       recent=self._recent if received else None)
