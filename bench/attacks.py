@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from bench.attacks_grpc import grpc_idle_connections, grpc_slowloris
 from servewell.perf.httpclient import HttpConnection, ProtocolError, encode_request
 
 HOST = "127.0.0.1"
@@ -38,6 +39,7 @@ class Context:
 
     def __init__(self, port: int, heavy_body: bytes, light_body: bytes) -> None:
         self.port = port
+        self.grpc_port = 0  # set from --grpc-port, for the gRPC attacks
         self.stop = asyncio.Event()
         self.counts: Counter[str] = Counter()
         self.heavy_body = heavy_body
@@ -209,6 +211,8 @@ ATTACKS: dict[str, Attack] = {
     "heavy_decode": heavy_decode,
     "label_flood": label_flood,
     "mass_disconnects": mass_disconnects,
+    "grpc_idle_connections": grpc_idle_connections,
+    "grpc_slowloris": grpc_slowloris,
 }
 
 
@@ -232,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heavy-body", type=Path, required=True, help="/predict body with the 4000x4000 PNG")
     parser.add_argument("--light-body", type=Path, required=True, help="/predict body with a small image")
     parser.add_argument("--max-s", type=float, default=120.0, help="stop by itself after this long")
+    parser.add_argument("--grpc-port", type=int, default=0, help="the server's gRPC port (gRPC attacks)")
     args = parser.parse_args(argv)
     ctx = Context(args.port, args.heavy_body.read_bytes(), args.light_body.read_bytes())
+    ctx.grpc_port = args.grpc_port
     started = time.monotonic()
     asyncio.run(run(args.name, ctx, args.max_s))
     args.out.write_text(json.dumps({"attack": args.name, "seconds": round(time.monotonic() - started, 2),

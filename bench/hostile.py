@@ -40,12 +40,14 @@ from typing import Any
 import orjson
 from PIL import Image
 
+from bench.attacks_grpc import LegitGrpcCalls
 from bench.processes import HOST, ServerProcess, cpu_seconds, free_port, run_module, stop_process
 from bench.workspace import RESULTS, WORK
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "src" / "servewell" / "examples" / "images"
 # Label flooding last: the metric series it mints stay for the server's life and would weigh on the others.
-ATTACK_ORDER = ["oversized_headers", "slowloris", "heavy_decode", "mass_disconnects", "label_flood"]
+ATTACK_ORDER = ["oversized_headers", "slowloris", "heavy_decode", "mass_disconnects", "grpc_idle_connections",
+                "grpc_slowloris", "label_flood"]  # gRPC attacks: legitimate gRPC calls are measured too
 RATE = 20.0
 TARGETS = {"p99_ratio": 2.0, "errors": 0, "rss_ratio": 1.2, "recovery_s": 5.0}
 
@@ -234,12 +236,14 @@ def run_attack(
     heavy: Path,
     window_s: float,
     ramp_s: float,
+    grpc_port: int = 0,
 ) -> dict[str, Any]:
     runs = RESULTS / "runs"
     _, log_mark = log_levels(server.log_path, 0)
     t0 = time.monotonic()
     base = light_load(server.url, light, window_s, runs / f"hostile_{name}_baseline.json")
     base_state = sampler.between(t0, time.monotonic())
+    legit_grpc = LegitGrpcCalls(f"{HOST}:{grpc_port}") if name.startswith("grpc_") else None
     stats = runs / f"hostile_{name}_attacker.json"
     with open(RESULTS / "logs" / "attacks.log", "ab") as attacker_log:
         attacker = subprocess.Popen(
@@ -258,6 +262,8 @@ def run_attack(
                 str(light[0]),
                 "--max-s",
                 str(window_s + ramp_s + 120),
+                "--grpc-port",
+                str(grpc_port),
             ],
             stdout=attacker_log,
             stderr=subprocess.STDOUT,
@@ -265,9 +271,12 @@ def run_attack(
         try:
             time.sleep(ramp_s)
             t1 = time.monotonic()
+            if legit_grpc is not None:
+                legit_grpc.start()
             under = light_load(server.url, light, window_s, runs / f"hostile_{name}_attack.json")
             attack_state = sampler.between(t1, time.monotonic())
         finally:
+            grpc_calls = legit_grpc.stop() if legit_grpc is not None else None
             stopped_at = time.monotonic()
             stop_process(attacker, 30.0)
     recovery_s = time_to_full_service(
@@ -285,6 +294,7 @@ def run_attack(
         "server_log_levels": levels,
         "attacker": attacker_stats.get("counts", {}),
         "server_alive": server.alive(),
+        "legit_grpc_calls": grpc_calls,
     }
     row["p99_ratio"] = under["p99_ms"] / base["p99_ms"] if under["p99_ms"] and base["p99_ms"] else None
     row["rss_ratio"] = attack_state["rss_max"] / base_state["rss_median"] if base_state["rss_median"] else None
@@ -392,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     for folder in ("logs", "runs"):
         (RESULTS / folder).mkdir(parents=True, exist_ok=True)
     light, heavy = write_bodies(WORK / "hostile")
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     server = ServerProcess(
         "servewell-hostile",
         [
@@ -406,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
             HOST,
             "--port",
             str(port),
+            "--grpc-port",
+            str(grpc_port),
         ],
         port,
         RESULTS / "logs" / "servewell-hostile.log",
@@ -421,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             for round_index in range(args.rounds):
                 for name in attacks:
                     print(f"  {name} (round {round_index + 1}) ...", flush=True)
-                    row = run_attack(name, server, sampler, light, heavy, window_s, ramp_s)
+                    row = run_attack(name, server, sampler, light, heavy, window_s, ramp_s, grpc_port)
                     row["round"] = round_index + 1
                     rows.append(row)
                     if not server.alive():

@@ -21,7 +21,7 @@ from servewell.api.app import create_app
 from servewell.api.codecs.image import ImageLimits
 from servewell.api.dataplane import DataPlane
 from servewell.api.decode_scheduler import DecodeScheduler, lower_priority_pool
-from servewell.api.grpc.listener import GrpcListener
+from servewell.api.grpc.listener import build_grpc_listener, call_slots
 from servewell.api.grpc.scope import RpcScope
 from servewell.api.grpc.servicer import InferenceServicer
 from servewell.api.http_limits import uvicorn_limit_options
@@ -146,21 +146,23 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tup
                               metrics.registry if metrics is not None else None)
     grpc_listener = None
     if settings.grpc_port:
-        scope = RpcScope(metrics, tracing, access, knobs, console.recent)
+        scope = RpcScope(metrics, tracing, access, knobs, console.recent, call_slots(settings))
         servicer = InferenceServicer(engine, plane, scope, settings.admin_token,
                                      trust_loopback_admin=settings.trust_loopback_admin)
-        grpc_listener = GrpcListener(servicer, settings.host,
-                                     settings.grpc_port, settings.max_body_bytes, settings.grpc_max_concurrent_rpcs)
+        grpc_listener = build_grpc_listener(settings, servicer, scope)
     background: list[asyncio.Task[None]] = []
     stop = asyncio.Event()
     shutdown_plan = ShutdownPlan(engine, settings.shutdown_delay_s, settings.shutdown_timeout_s)
     grpc_stopping: list[asyncio.Task[None]] = []
 
     def stop_grpc() -> None:
-        # New calls are refused from now on; calls in flight finish within the drain.
+        # From readiness false on: GOAWAY to every connection, new ones refused (clients go to another
+        # replica); calls in flight finish within the delay and the drain.
         if grpc_listener is not None and not grpc_stopping:
-            grpc_stopping.append(asyncio.get_running_loop().create_task(grpc_listener.stop(shutdown_plan.timeout_s)))
+            grace_s = shutdown_plan.delay_s + shutdown_plan.timeout_s
+            grpc_stopping.append(asyncio.get_running_loop().create_task(grpc_listener.stop(grace_s)))
 
+    shutdown_plan.on_begin(stop_grpc)
     shutdown_plan.on_listeners_closed(stop_grpc)
 
     async def start_engine_then_watch() -> None:

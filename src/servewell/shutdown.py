@@ -4,7 +4,8 @@ On the first SIGTERM (what Kubernetes, systemd and `docker stop` send):
 
 1. readiness turns false at once (`/v2/health/ready`, `/healthz` answer 503) and no worker is
    restarted from now on, but the server keeps accepting and serving for `shutdown_delay_s`
-   (default 5 s): load balancers notice and stop sending before anything is refused;
+   (default 5 s): load balancers notice and stop sending before anything is refused; the gRPC
+   listener sends every connection GOAWAY and refuses new ones at once (its calls in flight finish);
 2. the listeners close (HTTP and gRPC): new connections are refused, idle keep-alive connections
    closed, and every request already accepted is finished: the drain, at most `shutdown_timeout_s`
    (default 20 s); what is still waiting then is answered 503 `shutting_down`;
@@ -63,6 +64,11 @@ class ShutdownPlan:
         self.requested_at: float | None = None
         self.aborted = False
         self._listeners_closed: list[Callable[[], None]] = []
+        self._begun: list[Callable[[], None]] = []
+
+    def on_begin(self, callback: Callable[[], None]) -> None:
+        """Call `callback` when readiness turns false (e.g. to send gRPC clients GOAWAY)."""
+        self._begun.append(callback)
 
     def on_listeners_closed(self, callback: Callable[[], None]) -> None:
         """Call `callback` when the drain starts (e.g. to stop the gRPC listener too)."""
@@ -72,6 +78,8 @@ class ShutdownPlan:
         """The first signal: readiness false, keep serving `delay_s` seconds."""
         self.requested_at = time.monotonic()
         self.target.begin_shutdown()
+        for callback in self._begun:
+            callback()
         log.info("%s: shutting down; readiness is false, serving %.1f s more before the listeners close, then "
                  "draining for at most %.1f s", signal_name, delay_s, self.timeout_s,
                  extra={"signal": signal_name, "delay_s": delay_s, "timeout_s": self.timeout_s})

@@ -39,7 +39,34 @@ class ServerConfig(BaseModel):
     grpc_port: int = Field(8001, ge=0, le=65535, description="TCP port of the OIP v2 gRPC listener (Triton's "
                            "GRPCInferenceService); 0 turns it off.")
     grpc_max_concurrent_rpcs: int = Field(
-        1024, ge=1, description="gRPC calls served at once; more are refused with RESOURCE_EXHAUSTED.")
+        1024, ge=1, description="gRPC calls served at once, counted from when a call's message is in and its key "
+        "checked; more are refused with RESOURCE_EXHAUSTED and a retry-after trailer.")
+    # gRPC connection and stream limits (api/grpc/listener.py), so the gRPC port cannot starve HTTP of descriptors.
+    grpc_max_connections: int = Field(
+        1000, ge=1, le=1_000_000, description="gRPC connections open at once (more are closed on accept); lowered "
+        "at start so that HTTP's connections and fd_reserve always fit under the open-files limit.")
+    grpc_max_streams_per_connection: int = Field(
+        100, ge=1, le=10_000, description="Calls one gRPC connection may have open at once (HTTP/2 "
+        "MAX_CONCURRENT_STREAMS).")
+    grpc_handshake_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="Time a new gRPC connection has to send the HTTP/2 preface and SETTINGS.")
+    grpc_idle_timeout_s: float = Field(
+        60.0, gt=0, le=86_400, description="A gRPC connection with no call open this long is sent GOAWAY and closed.")
+    grpc_max_connection_age_s: float = Field(
+        3600.0, gt=0, le=604_800, description="A gRPC connection this old is sent GOAWAY (clients reconnect), so "
+        "none is held for ever.")
+    grpc_connection_age_grace_s: float = Field(
+        30.0, ge=0, le=3600, description="Time the calls of a connection sent GOAWAY for its age get to finish "
+        "before it is closed.")
+    grpc_receive_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="Time a gRPC call's request message has to arrive complete after its "
+        "headers (DEADLINE_EXCEEDED after; as body_timeout_s over HTTP).")
+    grpc_min_ping_interval_s: float = Field(
+        10.0, gt=0, le=3600, description="Shortest interval between client keepalive pings the gRPC listener "
+        "accepts; a client pinging faster is sent GOAWAY (too_many_pings).")
+    fd_reserve: int = Field(
+        256, ge=32, le=100_000, description="Open files kept free for workers, model files, logs and HTTP probes: "
+        "the gRPC connection cap is lowered so that it never eats into them.")
     cache_dir: Path = Field(
         Path.home() / ".cache" / "servewell", description="Where built-in models are built and cached."
     )

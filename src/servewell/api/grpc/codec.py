@@ -45,6 +45,11 @@ def decode_request(request: pb.ModelInferRequest) -> GrpcInferRequest:
     if raw and len(raw) != len(request.inputs):
         raise InvalidInput(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: send raw contents "
                            "for every input or for none")
+    if raw:  # Triton refuses both: which one holds the data would be a guess
+        both = [tensor.name for tensor in request.inputs if tensor.HasField("contents")]
+        if both:
+            raise InvalidInput(f"input {quote(both[0])} has contents although the request carries "
+                               "raw_input_contents: send raw contents or typed contents, not both")
     tensors = []
     for index, tensor in enumerate(request.inputs):
         shape = list(tensor.shape)

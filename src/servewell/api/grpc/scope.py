@@ -5,13 +5,19 @@ Status codes follow the HTTP ones: 4xx input errors are INVALID_ARGUMENT, 404 NO
 refusals UNAVAILABLE (a deadline that passed DEADLINE_EXCEEDED), 401 UNAUTHENTICATED, 403
 PERMISSION_DENIED, 409 ABORTED, 413 and 429 RESOURCE_EXHAUSTED, a bug INTERNAL. The stable servewell
 error code and the request id travel in the trailing metadata (`servewell-error-code`,
-`x-request-id`), so a gRPC client can tell `overloaded` from `model_not_ready`.
+`x-request-id`), so a gRPC client can tell `overloaded` from `model_not_ready`, and a refusal worth
+retrying carries `retry-after` (whole seconds, as HTTP's Retry-After).
+
+The order of a call: key check (from the headers), then the request message (within the receive
+deadline), then a call slot (`CallSlots`), then the handler: a call whose message never completes
+holds no slot, and one without a valid key never gets its message read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 import uuid
@@ -23,6 +29,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from servewell.api.grpc.codec import metadata_value
+from servewell.api.grpc.incoming import CallLimitReached, CallUnimplemented, IncomingMessage
+from servewell.api.grpc.limits import CallSlots
 from servewell.api.keys import InferenceAccess
 from servewell.api.request_outcome import record_outcome
 from servewell.api.state import LiveKnobs
@@ -44,6 +52,7 @@ from servewell.observability.tracing import Tracing, begin_server_span
 log = logging.getLogger("servewell.api")
 
 T = TypeVar("T")
+M = TypeVar("M")
 #: The servicer context of one call (request and response types vary by method).
 RpcContext = grpc.aio.ServicerContext[Any, Any]
 
@@ -53,6 +62,7 @@ _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
     403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.ABORTED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED, 415: grpc.StatusCode.INVALID_ARGUMENT,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED, 501: grpc.StatusCode.UNIMPLEMENTED,
     422: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
@@ -65,23 +75,41 @@ def status_code(error: ServeError) -> grpc.StatusCode:
     return _CODES.get(error.status, grpc.StatusCode.INTERNAL)
 
 
+#: Refusals a client can cause at will: one log line per model, code and second, with a count.
+_DIGESTED = frozenset((CallUnimplemented.code, CallLimitReached.code, "receive_timeout", "client_closed_request"))
+
+
+def retry_after_value(retry_after_s: float) -> str:
+    """A `retry-after` trailer value: whole seconds, at least 1 (as HTTP's Retry-After)."""
+    return str(max(1, math.ceil(retry_after_s)))
+
+
 class RpcScope:
     """Runs gRPC handlers inside a request context, as the HTTP middleware does for routes."""
 
     def __init__(self, metrics: ServeMetrics | None, tracing: Tracing | None, access: InferenceAccess,
-                 knobs: LiveKnobs, recent: RecentRequests | None = None) -> None:
+                 knobs: LiveKnobs, recent: RecentRequests | None = None, slots: CallSlots | None = None) -> None:
         self._metrics = metrics
         self._recent = recent
         self._tracing = tracing if tracing is not None and tracing.enabled else None
         self._access = access
         self._knobs = knobs
-        self._refusals = RefusalDigest(log)  # 503s: one line per model, code and second, with a count
+        self._slots = slots if slots is not None else CallSlots(1024)
+        # 503s and the refusals a client causes at will: one line per model, code and second, with a count
+        self._refusals = RefusalDigest(log)
 
-    async def run(self, method: str, context: RpcContext, handler: Callable[[], Awaitable[T]],
-                  probe: bool = False, admin: bool = False) -> T:
-        """Run `handler` for the RPC `method`. Probes are neither timed nor traced as roots; every
-        call but probes and admin calls (which check the admin token) needs an API key when keys
-        are configured."""
+    async def unimplemented(self, context: RpcContext) -> None:
+        """Answer a call servewell does not serve: UNIMPLEMENTED after the key check, logged only in
+        the refusal digest (its method name, chosen by the client, goes into no log or label)."""
+        async def refuse(request: None) -> None:
+            raise CallUnimplemented("this server does not implement the method")
+        await self.run("unimplemented", context, None, refuse)
+
+    async def run(self, method: str, context: RpcContext, incoming: IncomingMessage[M] | None,
+                  handler: Callable[[M], Awaitable[T]], probe: bool = False, admin: bool = False) -> T:
+        """Run `handler` on the request message of the RPC `method`. Probes are neither timed nor
+        traced as roots and take no call slot; every call but probes and admin calls (which check the
+        admin token) needs an API key when keys are configured, checked before the message is read."""
         started = time.perf_counter()
         metadata = context.invocation_metadata()
         given = metadata_value(metadata, "x-request-id")
@@ -100,20 +128,34 @@ class RpcScope:
         status, code = 200, ""
         context.set_trailing_metadata((("x-request-id", request_id),))
         client_token = None
+        received = incoming is None
         try:
             if not probe and not admin and self._access.enabled:
                 client = self._access.check(metadata_value(metadata, "authorization"),
                                             metadata_value(metadata, "x-api-key"))
                 client_token = client_var.set(client or "")
-            return await handler()
+            request: Any = await incoming.receive() if incoming is not None else None
+            received = True
+            if probe:
+                return await handler(request)
+            if not self._slots.try_take():
+                raise CallLimitReached(f"{self._slots.limit} calls are in progress (grpc_max_concurrent_rpcs); "
+                                       "retry later", retry_after_s=1.0)
+            try:
+                return await handler(request)
+            finally:
+                self._slots.give_back()
         except ServeError as exc:
             status, code = exc.status, exc.code
-            if isinstance(exc, Unavailable):
+            if isinstance(exc, Unavailable) or exc.code in _DIGESTED:
                 self._refusals.refused(model_var.get(), exc.code, exc.status, exc.message)
             else:
                 level = logging.WARNING if exc.status >= 500 else logging.INFO
                 log.log(level, "request failed: %s", exc.message, extra={"status": exc.status, "code": exc.code})
-            context.set_trailing_metadata((("x-request-id", request_id), ("servewell-error-code", exc.code)))
+            trailers = [("x-request-id", request_id), ("servewell-error-code", exc.code)]
+            if exc.retry_after_s is not None:
+                trailers.append(("retry-after", retry_after_value(exc.retry_after_s)))
+            context.set_trailing_metadata(tuple(trailers))
             await context.abort(status_code(exc), exc.message)
             raise  # abort raises; this line only satisfies the type checker
         except asyncio.CancelledError:
@@ -128,7 +170,7 @@ class RpcScope:
             raise
         finally:
             elapsed = time.perf_counter() - started
-            self._finish(method, status, code, elapsed, span, probe)
+            self._finish(method, status, code, elapsed, span, probe, received)
             if client_token is not None:
                 client_var.reset(client_token)
             if trace_token is not None:
@@ -141,7 +183,10 @@ class RpcScope:
             placement_var.reset(tokens[3])
 
     def _finish(self, method: str, status: int, code: str, elapsed: float, span: trace.Span | None,
-                probe: bool) -> None:
+                probe: bool, received: bool) -> None:
+        # A call whose message never arrived is counted, but is neither a slow request nor one the
+        # console keeps: a slowloris would flood both (1,200 warnings when its connections closed).
         record_outcome(protocol="grpc", route=f"grpc {method}", status=status, error_code=code, elapsed_s=elapsed,
                        span=span, span_attributes={"rpc.grpc.servewell_status": status}, counted=not probe,
-                       metrics=self._metrics, slow_after_s=self._knobs.slow_request_s, recent=self._recent)
+                       metrics=self._metrics, slow_after_s=self._knobs.slow_request_s if received else math.inf,
+                       recent=self._recent if received else None)

@@ -5,23 +5,24 @@ share), served from the same engine and data plane as HTTP.
 Implemented: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, ModelConfig,
 ModelInfer (raw and typed contents), RepositoryIndex, RepositoryModelLoad/Unload (admin). The
 Triton-only calls (statistics, shared-memory regions, trace and log settings, streaming) answer
-UNIMPLEMENTED.
+UNIMPLEMENTED after the key check (`routing.ServiceRouter`). ModelReady needs a key like every
+model call; only ServerLive and ServerReady are probes.
 """
 
 from __future__ import annotations
 
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
-from tritonclient.grpc import service_pb2_grpc
 
 import servewell
 from servewell.api.access import came_through_proxy, check_admin, grpc_peer_host
 from servewell.api.dataplane import DataPlane, select_outputs
 from servewell.api.grpc.codec import decode_request, encode_response, metadata_value
+from servewell.api.grpc.incoming import IncomingMessage
 from servewell.api.grpc.scope import RpcContext, RpcScope
 from servewell.config.model import ModelConfig
 from servewell.engine.protocol import ModelView, ServingEngine, client_shape
-from servewell.errors import InvalidInput
+from servewell.errors import InvalidInput, NotFound, quote
 from servewell.observability.context import request_id_var
 
 EXTENSIONS = ("model_repository", "binary_tensor_data", "classification_free_parameters")
@@ -29,8 +30,9 @@ PLATFORMS = {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch", "pyt
 TRITON_STATES = {"ready": "READY", "loading": "LOADING", "restarting": "LOADING"}
 
 
-class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
-    """Every call runs inside `RpcScope` (request id, trace, metrics, errors as statuses)."""
+class InferenceServicer:
+    """Every call runs inside `RpcScope` (key, message, call slot, request id, trace, metrics, errors
+    as statuses); `routing.ServiceRouter` serves each method defined here, and only those."""
 
     def __init__(self, engine: ServingEngine, plane: DataPlane, scope: RpcScope, admin_token: str | None, *,
                  trust_loopback_admin: bool) -> None:
@@ -42,34 +44,40 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
 
     # --- health and metadata ---------------------------------------------------------------
 
-    async def ServerLive(self, request: pb.ServerLiveRequest, context: RpcContext) -> pb.ServerLiveResponse:
-        async def handle() -> pb.ServerLiveResponse:
+    async def ServerLive(self, incoming: IncomingMessage[pb.ServerLiveRequest],
+                         context: RpcContext) -> pb.ServerLiveResponse:
+        async def handle(request: pb.ServerLiveRequest) -> pb.ServerLiveResponse:
             return pb.ServerLiveResponse(live=True)
-        return await self._scope.run("ServerLive", context, handle, probe=True)
+        return await self._scope.run("ServerLive", context, incoming, handle, probe=True)
 
-    async def ServerReady(self, request: pb.ServerReadyRequest,
+    async def ServerReady(self, incoming: IncomingMessage[pb.ServerReadyRequest],
                           context: RpcContext) -> pb.ServerReadyResponse:
-        async def handle() -> pb.ServerReadyResponse:
+        async def handle(request: pb.ServerReadyRequest) -> pb.ServerReadyResponse:
             return pb.ServerReadyResponse(ready=self._engine.ready)
-        return await self._scope.run("ServerReady", context, handle, probe=True)
+        return await self._scope.run("ServerReady", context, incoming, handle, probe=True)
 
-    async def ModelReady(self, request: pb.ModelReadyRequest,
+    async def ModelReady(self, incoming: IncomingMessage[pb.ModelReadyRequest],
                          context: RpcContext) -> pb.ModelReadyResponse:
-        async def handle() -> pb.ModelReadyResponse:
+        async def handle(request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
             self._plane.note_model(request.name)
-            view = self._engine.model(request.name, request.version or None)
+            try:
+                view = self._engine.model(request.name, request.version or None)
+            except NotFound:  # say no more than the name asked for: the engine's message lists models
+                asked = f"{quote(request.name)} version {quote(request.version)}" if request.version else quote(
+                    request.name)
+                raise NotFound(f"no model {asked}") from None
             return pb.ModelReadyResponse(ready=view.state == "ready")
-        return await self._scope.run("ModelReady", context, handle, probe=True)
+        return await self._scope.run("ModelReady", context, incoming, handle)
 
-    async def ServerMetadata(self, request: pb.ServerMetadataRequest,
+    async def ServerMetadata(self, incoming: IncomingMessage[pb.ServerMetadataRequest],
                              context: RpcContext) -> pb.ServerMetadataResponse:
-        async def handle() -> pb.ServerMetadataResponse:
+        async def handle(request: pb.ServerMetadataRequest) -> pb.ServerMetadataResponse:
             return pb.ServerMetadataResponse(name="servewell", version=servewell.__version__, extensions=EXTENSIONS)
-        return await self._scope.run("ServerMetadata", context, handle)
+        return await self._scope.run("ServerMetadata", context, incoming, handle)
 
-    async def ModelMetadata(self, request: pb.ModelMetadataRequest,
+    async def ModelMetadata(self, incoming: IncomingMessage[pb.ModelMetadataRequest],
                             context: RpcContext) -> pb.ModelMetadataResponse:
-        async def handle() -> pb.ModelMetadataResponse:
+        async def handle(request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
             self._plane.note_model(request.name)
             view = self._engine.model(request.name, request.version or None)
             config = _valid_config(view)
@@ -80,21 +88,21 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             for spec in config.outputs:
                 response.outputs.add(name=spec.name, datatype=spec.datatype, shape=client_shape(config, spec))
             return response
-        return await self._scope.run("ModelMetadata", context, handle)
+        return await self._scope.run("ModelMetadata", context, incoming, handle)
 
-    async def ModelConfig(self, request: pb.ModelConfigRequest,
+    async def ModelConfig(self, incoming: IncomingMessage[pb.ModelConfigRequest],
                           context: RpcContext) -> pb.ModelConfigResponse:
-        async def handle() -> pb.ModelConfigResponse:
+        async def handle(request: pb.ModelConfigRequest) -> pb.ModelConfigResponse:
             self._plane.note_model(request.name)
             view = self._engine.model(request.name, request.version or None)
             return pb.ModelConfigResponse(config=_model_config(view))
-        return await self._scope.run("ModelConfig", context, handle)
+        return await self._scope.run("ModelConfig", context, incoming, handle)
 
     # --- inference -------------------------------------------------------------------------
 
-    async def ModelInfer(self, request: pb.ModelInferRequest,
+    async def ModelInfer(self, incoming: IncomingMessage[pb.ModelInferRequest],
                          context: RpcContext) -> pb.ModelInferResponse:
-        async def handle() -> pb.ModelInferResponse:
+        async def handle(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
             call = self._plane.call()
             metadata = context.invocation_metadata()
             model = call.open(request.model_name, request.model_version or None, metadata_value(metadata, "x-urgency"))
@@ -112,13 +120,13 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             context.set_trailing_metadata((("x-request-id", request_id_var.get()),
                                            ("server-timing", call.finish(result))))
             return response
-        return await self._scope.run("ModelInfer", context, handle)
+        return await self._scope.run("ModelInfer", context, incoming, handle)
 
     # --- repository --------------------------------------------------------------------------
 
-    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
+    async def RepositoryIndex(self, incoming: IncomingMessage[pb.RepositoryIndexRequest],
                               context: RpcContext) -> pb.RepositoryIndexResponse:
-        async def handle() -> pb.RepositoryIndexResponse:
+        async def handle(request: pb.RepositoryIndexRequest) -> pb.RepositoryIndexResponse:
             response = pb.RepositoryIndexResponse()
             for view in self._engine.models():
                 if request.ready and view.state != "ready":
@@ -126,25 +134,25 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 response.models.add(name=view.name, version=view.version,
                                     state=TRITON_STATES.get(view.state, "UNAVAILABLE"), reason=view.reason or "")
             return response
-        return await self._scope.run("RepositoryIndex", context, handle)
+        return await self._scope.run("RepositoryIndex", context, incoming, handle)
 
-    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+    async def RepositoryModelLoad(self, incoming: IncomingMessage[pb.RepositoryModelLoadRequest],
                                   context: RpcContext) -> pb.RepositoryModelLoadResponse:
-        async def handle() -> pb.RepositoryModelLoadResponse:
+        async def handle(request: pb.RepositoryModelLoadRequest) -> pb.RepositoryModelLoadResponse:
             self._require_admin(context)
             self._plane.note_model(request.model_name)
             await self._engine.load_model(request.model_name)
             return pb.RepositoryModelLoadResponse()
-        return await self._scope.run("RepositoryModelLoad", context, handle, admin=True)
+        return await self._scope.run("RepositoryModelLoad", context, incoming, handle, admin=True)
 
-    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+    async def RepositoryModelUnload(self, incoming: IncomingMessage[pb.RepositoryModelUnloadRequest],
                                     context: RpcContext) -> pb.RepositoryModelUnloadResponse:
-        async def handle() -> pb.RepositoryModelUnloadResponse:
+        async def handle(request: pb.RepositoryModelUnloadRequest) -> pb.RepositoryModelUnloadResponse:
             self._require_admin(context)
             self._plane.note_model(request.model_name)
             await self._engine.unload_model(request.model_name)
             return pb.RepositoryModelUnloadResponse()
-        return await self._scope.run("RepositoryModelUnload", context, handle, admin=True)
+        return await self._scope.run("RepositoryModelUnload", context, incoming, handle, admin=True)
 
     def _require_admin(self, context: RpcContext) -> None:
         metadata = context.invocation_metadata() or ()

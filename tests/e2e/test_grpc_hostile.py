@@ -1,0 +1,288 @@
+"""Hostile gRPC clients (issue 19: idle connections, slowloris, protocol correctness; issue 18:
+GOAWAY at shutdown), each sent for real in a small bounded form against a server with small limits."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import struct
+import time
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.utils import InferenceServerException
+
+from model_dirs import slow_model
+from waiting import eventually
+
+KEY = "hostile-key-one-0123456789"
+SLOW_KEY = "hostile-key-two-0123456789"
+AUTH = {"authorization": f"Bearer {KEY}"}
+CAP = 6
+SLOTS = 4
+RECEIVE_S = 2.0
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, start_module_server):
+    root = tmp_path_factory.mktemp("grpc-hostile")
+    slow_model(root, "slow", 400, max_batch_size=1)
+    started = start_module_server(
+        ["--model-repository", str(root), "--grpc-max-connections", str(CAP), "--grpc-max-concurrent-rpcs",
+         str(SLOTS), "--grpc-receive-timeout-s", str(RECEIVE_S), "--grpc-handshake-timeout-s", "2",
+         "--grpc-idle-timeout-s", "4", "--grpc-max-streams-per-connection", "20"],
+        env={"SERVEWELL_API_KEYS": f"a:{KEY},b:{SLOW_KEY} rate=0.2"},
+    )
+    started.wait_ready()
+    return started
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+
+
+def literal(name: str, value: str) -> bytes:
+    """An HPACK literal header field without indexing, new name, no Huffman (short strings only)."""
+    return b"\x00" + bytes([len(name)]) + name.encode() + bytes([len(value)]) + value.encode()
+
+
+def open_raw(url: str) -> socket.socket:
+    """A TCP connection to the gRPC port that has sent the HTTP/2 preface and an empty SETTINGS."""
+    host, port = url.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock.sendall(PREFACE + frame(4, 0, 0))
+    if frames_until(sock, 4, 2.0):  # the server's SETTINGS, acknowledged as a real client does
+        sock.sendall(frame(4, 1, 0))
+    return sock
+
+
+def send_incomplete_infer(sock: socket.socket, stream: int, key: str = KEY) -> None:
+    """A ModelInfer call whose message declares 1,000 bytes and sends 5."""
+    block = b"".join(literal(n, v) for n, v in ((":method", "POST"), (":scheme", "http"), (":path", INFER),
+                                                  (":authority", "x"), ("content-type", "application/grpc"),
+                                                  ("te", "trailers"), ("authorization", f"Bearer {key}")))
+    sock.sendall(frame(1, 0x4, stream, block) + frame(0, 0, stream, b"\x00" + struct.pack(">I", 1000) + b"abcde"))
+
+
+def closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server closes `sock` within `within_s` (whatever it sends first is read and dropped)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        try:
+            if not sock.recv(65536):
+                return True
+        except TimeoutError:
+            return False
+        except OSError:
+            return True
+    return False
+
+
+def frames_until(sock: socket.socket, kind: int, within_s: float) -> bool:
+    """Whether a frame of `kind` arrives on `sock` within `within_s`."""
+    deadline, buffer = time.monotonic() + within_s, b""
+    while time.monotonic() < deadline:
+        while len(buffer) >= 9:
+            length = int.from_bytes(buffer[:3], "big")
+            if len(buffer) < 9 + length:
+                break
+            if buffer[3] == kind:
+                return True
+            buffer = buffer[9 + length:]
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            return False
+        if not data:
+            return False
+        buffer += data
+    return False
+
+
+def x_input(value: float = 1.0) -> list[triton.InferInput]:
+    t = triton.InferInput("x", [1, 1], "FP32")
+    t.set_data_from_numpy(np.array([[value]], dtype=np.float32))
+    return [t]
+
+
+def code_of(exc: InferenceServerException) -> str:
+    return str(exc.status())
+
+
+def test_connections_past_the_cap_are_closed_and_http_and_grpc_stay_served(server):
+    with triton.InferenceServerClient(server.grpc_url) as legit:
+        assert legit.infer("slow", x_input(), headers=AUTH).as_numpy("y") is not None  # its connection is open
+        flood = [open_raw(server.grpc_url) for _ in range(CAP + 6)]
+        try:
+            time.sleep(1.0)  # the idle timeout (4 s) is further off than this check
+            refused = sum(closed_by_server(sock, 0.05) for sock in flood)
+            assert refused >= 6, f"only {refused} of {len(flood)} connections past the cap of {CAP} were closed"
+            assert httpx.get(server.url + "/v2/health/ready", timeout=5).status_code == 200
+            assert legit.infer("slow", x_input(2.0), headers=AUTH).as_numpy("y") is not None
+            # Idle connections (no call ever) are sent GOAWAY and closed after grpc_idle_timeout_s (4 s).
+            held = [sock for sock in flood if not closed_by_server(sock, 0.01)]
+            assert held and all(closed_by_server(sock, 15.0) for sock in held)
+        finally:
+            for sock in flood:
+                sock.close()
+
+
+def test_a_connection_that_never_speaks_is_closed_after_the_handshake_timeout(server):
+    host, port = server.grpc_url.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as silent:
+        assert not closed_by_server(silent, 0.5)  # it would notice a close
+        assert closed_by_server(silent, 10.0)
+
+
+def test_incomplete_messages_hold_no_call_slot_and_time_out(server):
+    sockets = [open_raw(server.grpc_url) for _ in range(2)]
+    try:
+        for sock in sockets:
+            for index in range(10):  # 20 incomplete calls, 5x the 4 call slots
+                send_incomplete_infer(sock, 1 + 2 * index)
+        time.sleep(0.5)
+        with triton.InferenceServerClient(server.grpc_url) as legit:
+            for value in range(3):
+                assert legit.infer("slow", x_input(value), headers=AUTH).as_numpy("y") is not None
+
+        async def headers_only() -> grpc.StatusCode:
+            async with grpc.aio.insecure_channel(server.grpc_url) as channel:
+                async def never():  # headers, then no message at all
+                    await asyncio.sleep(30)
+                    yield b""
+                call: grpc.aio.StreamUnaryCall[bytes, bytes] = channel.stream_unary(INFER)(
+                    never(), metadata=tuple(AUTH.items()))
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await asyncio.wait_for(call, RECEIVE_S + 10)
+                return refused.value.code()
+
+        started = time.monotonic()
+        assert asyncio.run(headers_only()) == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < RECEIVE_S + 5
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_calls_over_the_slots_get_resource_exhausted_with_retry_after(server):
+    async def burst() -> list[grpc.aio.AioRpcError | pb.ModelInferResponse]:
+        async with grpc.aio.insecure_channel(server.grpc_url) as channel:
+            infer = channel.unary_unary(INFER, request_serializer=pb.ModelInferRequest.SerializeToString,
+                                        response_deserializer=pb.ModelInferResponse.FromString)
+            request = pb.ModelInferRequest(model_name="slow")
+            request.inputs.add(name="x", datatype="FP32", shape=[1, 1]).contents.fp32_contents.append(1.0)
+
+            async def one() -> grpc.aio.AioRpcError | pb.ModelInferResponse:
+                try:
+                    return await infer(request, metadata=tuple(AUTH.items()), timeout=30)
+                except grpc.aio.AioRpcError as exc:
+                    return exc
+            return await asyncio.gather(*(one() for _ in range(SLOTS + 4)))
+
+    results = asyncio.run(burst())
+    refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    assert refused and len(results) - len(refused) >= SLOTS
+    assert {r.code() for r in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    trailers = dict(refused[0].trailing_metadata())
+    assert trailers["servewell-error-code"] == "too_many_calls" and trailers["retry-after"] == "1"
+
+
+def test_a_rate_limited_call_carries_retry_after(server):
+    with triton.InferenceServerClient(server.grpc_url) as client:
+        headers = {"authorization": f"Bearer {SLOW_KEY}"}
+        client.get_server_metadata(headers=headers)
+        channel = grpc.insecure_channel(server.grpc_url)
+        metadata = channel.unary_unary("/inference.GRPCInferenceService/ServerMetadata",
+                                       request_serializer=pb.ServerMetadataRequest.SerializeToString,
+                                       response_deserializer=pb.ServerMetadataResponse.FromString)
+        with pytest.raises(grpc.RpcError) as limited:
+            metadata(pb.ServerMetadataRequest(), metadata=tuple(headers.items()), timeout=10)
+        channel.close()
+    assert limited.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    trailers = dict(limited.value.trailing_metadata())
+    assert trailers["servewell-error-code"] == "rate_limited" and int(trailers["retry-after"]) >= 1
+
+
+def test_unimplemented_calls_check_the_key_and_log_no_traceback(server):
+    before = len(server.log())
+    with triton.InferenceServerClient(server.grpc_url) as client:
+        with pytest.raises(InferenceServerException) as anonymous:
+            client.get_inference_statistics("slow")
+        assert code_of(anonymous.value) == "StatusCode.UNAUTHENTICATED"
+        for _ in range(50):
+            with pytest.raises(InferenceServerException) as unimplemented:
+                client.get_inference_statistics("slow", headers=AUTH)
+            assert code_of(unimplemented.value) == "StatusCode.UNIMPLEMENTED"
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        unknown = channel.unary_unary("/no.such.Service/Nothing")
+        with pytest.raises(grpc.RpcError) as refused:
+            unknown(b"", metadata=tuple(AUTH.items()), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    written = server.log()[before:]
+    assert "Traceback" not in written and "NotImplementedError" not in written
+    assert len(written) < 5_000, f"{len(written)} bytes of log for 51 unimplemented calls"
+
+
+def test_a_malformed_message_is_invalid_argument(server):
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        infer = channel.unary_unary(INFER)  # raw bytes, no serializer
+        with pytest.raises(grpc.RpcError) as malformed:
+            infer(b"\x0a\xff\xff\xff\xff\x0f", metadata=tuple(AUTH.items()), timeout=10)
+    assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ModelInferRequest" in malformed.value.details()
+
+
+def test_raw_and_typed_contents_together_are_refused(server):
+    request = pb.ModelInferRequest(model_name="slow")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, 1]).contents.fp32_contents.append(1.0)
+    request.raw_input_contents.append(np.array([[2.0]], dtype=np.float32).tobytes())
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        infer = channel.unary_unary(INFER, request_serializer=pb.ModelInferRequest.SerializeToString,
+                                    response_deserializer=pb.ModelInferResponse.FromString)
+        with pytest.raises(grpc.RpcError) as both:
+            infer(request, metadata=tuple(AUTH.items()), timeout=10)
+    assert both.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "raw_input_contents" in both.value.details() and "'x'" in both.value.details()
+
+
+def test_model_ready_needs_the_key_and_names_no_other_model(server):
+    with triton.InferenceServerClient(server.grpc_url) as client:
+        with pytest.raises(InferenceServerException) as anonymous:
+            client.is_model_ready("slow")
+        assert code_of(anonymous.value) == "StatusCode.UNAUTHENTICATED"
+        assert client.is_model_ready("slow", headers=AUTH)
+        with pytest.raises(InferenceServerException) as unknown:
+            client.is_model_ready("nope", headers=AUTH)
+    assert code_of(unknown.value) == "StatusCode.NOT_FOUND"
+    assert "nope" in unknown.value.message() and "slow" not in unknown.value.message()
+
+
+def test_shutdown_sends_goaway_when_readiness_turns_false(tmp_path, start_server):
+    slow_model(tmp_path, "slow", 1500, max_batch_size=1)
+    stopping = start_server(["--model-repository", str(tmp_path)], env={"SERVEWELL_SHUTDOWN_DELAY_S": "4"})
+    stopping.wait_ready()
+    watcher = open_raw(stopping.grpc_url)
+    try:
+        assert not frames_until(watcher, 7, 0.5)  # no GOAWAY while serving: it would notice one
+        with triton.InferenceServerClient(stopping.grpc_url) as client:
+            results: list[object] = []
+            client.async_infer("slow", x_input(3.0), lambda result, error: results.append(error or result))
+            time.sleep(0.3)  # the call is in flight
+            stopping.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            assert frames_until(watcher, 7, 2.0), "no GOAWAY within 2 s of SIGTERM (the delay is 4 s)"
+            assert time.monotonic() - signalled < 3.0
+            eventually(lambda: bool(results), 10, lambda: "the call in flight never finished")
+        assert not isinstance(results[0], Exception), results[0]
+        assert httpx.get(stopping.url + "/v2/health/ready", timeout=5).status_code == 503  # HTTP still answers
+    finally:
+        watcher.close()
