@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from bench import attacks_http
 from servewell.perf.httpclient import HttpConnection, ProtocolError, encode_request
 
 HOST = "127.0.0.1"
@@ -209,6 +210,8 @@ ATTACKS: dict[str, Attack] = {
     "heavy_decode": heavy_decode,
     "label_flood": label_flood,
     "mass_disconnects": mass_disconnects,
+    "pipelining": attacks_http.pipelining,
+    "slow_bodies": attacks_http.slow_bodies,
 }
 
 

@@ -46,6 +46,7 @@ from bench.workspace import RESULTS, WORK
 EXAMPLES = Path(__file__).resolve().parents[1] / "src" / "servewell" / "examples" / "images"
 # Label flooding last: the metric series it mints stay for the server's life and would weigh on the others.
 ATTACK_ORDER = ["oversized_headers", "slowloris", "heavy_decode", "mass_disconnects", "label_flood"]
+ATTACK_ORDER += ["pipelining", "slow_bodies"]  # bench/attacks_http.py
 RATE = 20.0
 TARGETS = {"p99_ratio": 2.0, "errors": 0, "rss_ratio": 1.2, "recovery_s": 5.0}
 
