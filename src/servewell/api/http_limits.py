@@ -64,6 +64,8 @@ _HEAD = 1  # some bytes of a request head have arrived
 _BODY = 2  # the head is complete, the body is arriving
 _BUSY = 3  # the whole request has arrived; the app is answering
 _NEVER = float("inf")
+#: At shutdown, how long a connection that has not yet sent its first request gets to send it.
+FRESH_CONNECTION_GRACE_S = 1.0
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -222,6 +224,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         hold_heads(self.cycle)
         if self.keep_alive_policy.closing:
             self.cycle.keep_alive = False
+
+    def shutdown(self) -> None:
+        """uvicorn closed the listener. A connection whose first request may be on its way (none
+        read yet, or a head half in) is not closed under it, which would reset that request: it
+        gets `FRESH_CONNECTION_GRACE_S` to send it, answered with `Connection: close`."""
+        if self._phase == _HEAD or (self._phase == _WAITING and self._heads_done == 0):
+            if not self.transport.is_closing():
+                self._set_deadline(min(self._deadline, self.loop.time() + FRESH_CONNECTION_GRACE_S))
+            return
+        super().shutdown()
 
     def _check_version_and_host(self) -> None:
         version = self.parser.get_http_version()
