@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import io
+import re
 import secrets
 import socket
 import time
@@ -337,3 +339,39 @@ def test_an_image_side_above_the_limit_is_refused_from_its_header(digits_server)
     r = httpx.post(digits_server.url + "/predict", json={"image_base64": png(1, 40000)}, timeout=30)
     error = assert_client_error(r, 413)
     assert "side" in error["message"]
+
+
+def test_protocol_edges_get_json_client_errors(tensor_server):
+    url = tensor_server.url + "/v2/models/echo/infer"
+    tensor = b'{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1]}'
+    twice = assert_client_error(httpx.post(url, content=b'{"inputs": [' + tensor + b", " + tensor + b"]}"))
+    assert "'x' is given more than once" in twice["message"]
+    for priority in (3, 99, 2**40):
+        body = b'{"inputs": [' + tensor + b'], "parameters": {"priority": %d}}' % priority
+        refused = assert_client_error(httpx.post(url, content=body), 422)
+        assert "0..2" in refused["message"]
+    assert httpx.post(url, content=b'{"inputs": [' + tensor + b'], "parameters": {"priority": 2}}').status_code == 200
+    packed = gzip.compress(b'{"inputs": [' + tensor + b"]}")
+    headers = {"Content-Encoding": "gzip"}
+    assert httpx.post(url, content=packed, headers=headers).status_code == 200
+    junk = assert_client_error(httpx.post(url, content=packed + b"junk", headers=headers), 400)
+    assert "after the end" in junk["message"]
+    assert_client_error(httpx.post(url, content=packed[:-4], headers=headers), 400)
+
+
+def test_head_is_answered_like_get_without_a_body(tensor_server):
+    for path in ("/healthz", "/v2/models/echo", "/metrics"):
+        get, head = httpx.get(tensor_server.url + path), httpx.head(tensor_server.url + path)
+        assert head.status_code == get.status_code == 200 and head.content == b"", path
+    assert httpx.head(tensor_server.url + "/predict").status_code == 405  # POST only: still 405
+
+
+def test_docs_load_nothing_from_another_origin(tensor_server):
+    page = httpx.get(tensor_server.url + "/docs")
+    assert page.status_code == 200 and "default-src 'self'" in page.headers["content-security-policy"]
+    assert "http" not in page.text.replace("http-equiv", "")  # every asset is a same-origin path
+    assets = re.findall(r'(?:src|href)="(/console/assets/docs/[^"]+)"', page.text)
+    assert len(assets) == 3
+    for asset in assets:
+        assert httpx.get(tensor_server.url + asset).status_code == 200
+    assert httpx.get(tensor_server.url + "/redoc").status_code == 404  # ReDoc came from a CDN too
