@@ -341,17 +341,28 @@ def test_an_image_side_above_the_limit_is_refused_from_its_header(digits_server)
     assert "side" in error["message"]
 
 
-def test_protocol_edges_get_json_client_errors(tensor_server):
+ECHO_TENSOR = b'{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1]}'
+
+
+def test_an_input_given_twice_is_refused_naming_it(tensor_server):
     url = tensor_server.url + "/v2/models/echo/infer"
-    tensor = b'{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1]}'
-    twice = assert_client_error(httpx.post(url, content=b'{"inputs": [' + tensor + b", " + tensor + b"]}"))
+    twice = assert_client_error(httpx.post(url, content=b'{"inputs": [' + ECHO_TENSOR + b", " + ECHO_TENSOR + b"]}"))
     assert "'x' is given more than once" in twice["message"]
+
+
+def test_a_priority_past_the_models_lanes_is_refused_naming_the_range(tensor_server):
+    url = tensor_server.url + "/v2/models/echo/infer"
     for priority in (3, 99, 2**40):
-        body = b'{"inputs": [' + tensor + b'], "parameters": {"priority": %d}}' % priority
+        body = b'{"inputs": [' + ECHO_TENSOR + b'], "parameters": {"priority": %d}}' % priority
         refused = assert_client_error(httpx.post(url, content=body), 422)
         assert "0..2" in refused["message"]
-    assert httpx.post(url, content=b'{"inputs": [' + tensor + b'], "parameters": {"priority": 2}}').status_code == 200
-    packed = gzip.compress(b'{"inputs": [' + tensor + b"]}")
+    body = b'{"inputs": [' + ECHO_TENSOR + b'], "parameters": {"priority": 2}}'
+    assert httpx.post(url, content=body).status_code == 200
+
+
+def test_a_gzip_body_followed_by_junk_or_cut_short_is_400(tensor_server):
+    url = tensor_server.url + "/v2/models/echo/infer"
+    packed = gzip.compress(b'{"inputs": [' + ECHO_TENSOR + b"]}")
     headers = {"Content-Encoding": "gzip"}
     assert httpx.post(url, content=packed, headers=headers).status_code == 200
     junk = assert_client_error(httpx.post(url, content=packed + b"junk", headers=headers), 400)
