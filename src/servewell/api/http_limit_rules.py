@@ -22,6 +22,7 @@ class HttpLimits:
     min_body_rate_bytes_s: float = 1024.0
     body_rate_grace_s: float = 2.0
     send_timeout_s: float = 30.0
+    max_body_bytes: int = 1_048_576
 
     @classmethod
     def from_settings(cls, settings: ServerConfig) -> HttpLimits:
@@ -29,7 +30,7 @@ class HttpLimits:
         return cls(settings.max_header_bytes, settings.max_header_count, settings.max_url_bytes,
                    settings.header_timeout_s, settings.body_timeout_s, settings.max_connections,
                    settings.reserved_connections, settings.max_pipelined_requests, settings.min_body_rate_bytes_s,
-                   settings.body_rate_grace_s, settings.send_timeout_s)
+                   settings.body_rate_grace_s, settings.send_timeout_s, settings.max_body_bytes)
 
 
 def body_deadline(started_at: float, received: int, limits: HttpLimits) -> float:

@@ -147,7 +147,7 @@ def test_a_head_growing_past_the_budget_in_small_reads_gets_431():
 
 def test_an_answer_before_the_body_ended_leaves_the_connection_waiting_not_stuck():
     async def run() -> None:
-        protocol, transport = connect()
+        protocol, transport = connect(dataclasses.replace(LIMITS, max_body_bytes=4))  # too big to wait for
         protocol.data_received(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
         await settle()
         assert statuses(transport) == [413]
@@ -313,5 +313,18 @@ def test_answers_nobody_reads_are_dropped_after_the_send_timeout():
         assert not transport.aborted
         await asyncio.sleep(0.2)
         assert transport.aborted
+
+    asyncio.run(run())
+
+
+def test_the_app_starts_only_once_a_body_that_fits_is_all_in():
+    async def run() -> None:
+        protocol, transport = connect()  # a 10-byte body fits max_body_bytes: nothing runs until it is in
+        protocol.data_received(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n01234")
+        await settle()
+        assert statuses(transport) == []
+        protocol.data_received(b"56789")
+        await settle()
+        assert statuses(transport) == [413]
 
     asyncio.run(run())
