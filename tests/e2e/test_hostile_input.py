@@ -248,20 +248,21 @@ def raw_request(port: int, head: str, body: bytes, close_after_s: float = 0.2) -
 
 @pytest.mark.parametrize("route,path", [("/predict", "/predict"), ("/v2/models/{name}/infer", "/v2/models/echo/infer")])
 def test_a_client_that_drops_mid_upload_is_cancelled_not_a_server_error(tensor_server, route, path):
+    """The body never arrives: the app is never started for it (api/http_limits.py reads a body of
+    known size before the app runs), so nothing is counted or logged as a failure; the model is
+    none the worse, as a complete request after it shows."""
     url = tensor_server.url
     before = request_counts(url, route)
-    cancelled = samples(url, "servewell_requests")
     offset = len(tensor_server.log())
     head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
     raw_request(tensor_server.port, head, b'{"inputs": [' + b" " * 5000)
-    after = eventually(lambda: (c := request_counts(url, route)) != before and c)
-    assert after.get("5xx", 0) == before.get("5xx", 0), after
-    assert after.get("4xx", 0) == before.get("4xx", 0) + 1
+    complete = httpx.post(url + "/v2/models/echo/infer", json={"inputs": [
+        {"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1]}]})
+    assert complete.status_code == 200  # proves the counts below were read after the server moved on
+    after = request_counts(url, route)
+    assert after.get("5xx", 0) == before.get("5xx", 0) and after.get("4xx", 0) == before.get("4xx", 0), after
     log = log_since(tensor_server, offset)
     assert "Traceback" not in log and '"level":"error"' not in log and '"level":"warning"' not in log
-    if route != "/predict":  # the model is known before the body: its request counts as cancelled
-        key = ("servewell_requests_total", (("lane", "normal"), ("model", "echo"), ("outcome", "cancelled")))
-        assert samples(url, "servewell_requests")[key] == cancelled.get(key, 0) + 1
 
 
 def test_overload_refusals_are_logged_once_per_model_code_and_second(tensor_server):
