@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from bench import attacks_http
 from bench.attacks_grpc import grpc_idle_connections, grpc_slowloris
 from servewell.perf.httpclient import HttpConnection, ProtocolError, encode_request
 
@@ -213,6 +214,8 @@ ATTACKS: dict[str, Attack] = {
     "mass_disconnects": mass_disconnects,
     "grpc_idle_connections": grpc_idle_connections,
     "grpc_slowloris": grpc_slowloris,
+    "pipelining": attacks_http.pipelining,
+    "slow_bodies": attacks_http.slow_bodies,
 }
 
 

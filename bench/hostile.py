@@ -46,8 +46,9 @@ from bench.workspace import RESULTS, WORK
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "src" / "servewell" / "examples" / "images"
 # Label flooding last: the metric series it mints stay for the server's life and would weigh on the others.
-ATTACK_ORDER = ["oversized_headers", "slowloris", "heavy_decode", "mass_disconnects", "grpc_idle_connections",
-                "grpc_slowloris", "label_flood"]  # gRPC attacks: legitimate gRPC calls are measured too
+# The gRPC attacks measure legitimate gRPC calls too; pipelining and slow_bodies are in bench/attacks_http.py.
+ATTACK_ORDER = ["oversized_headers", "slowloris", "heavy_decode", "mass_disconnects", "pipelining", "slow_bodies",
+                "grpc_idle_connections", "grpc_slowloris", "label_flood"]
 RATE = 20.0
 TARGETS = {"p99_ratio": 2.0, "errors": 0, "rss_ratio": 1.2, "recovery_s": 5.0}
 

@@ -135,6 +135,10 @@ class GracefulServer(uvicorn.Server):
         if self._signals == 1:
             delay_s = self._plan.delay_s if sig == signal.SIGTERM else 0.0
             self._plan.begin(sig.name, delay_s)
+            # Readiness is false: every HTTP/1.1 answer from now on closes its connection (api/http_limits.py).
+            close_after_answers = getattr(self.config.http_protocol_class, "close_after_answers", None)
+            if close_after_answers is not None:
+                close_after_answers(self.server_state.connections)
             self._exit_at = time.monotonic() + delay_s
             if delay_s == 0:
                 self.should_exit = True

@@ -185,3 +185,56 @@ def test_queued_requests_of_a_model_that_loses_its_last_worker_during_shutdown_a
     log = server.log()
     assert "during shutdown; not restarted" in log and "; restarting" not in log
     assert segments_of(server.proc.pid) == []
+
+
+def test_keep_alive_clients_through_sigterm_see_closes_never_resets(tmp_path, servewell_cache):
+    """From the moment readiness turns false every answer carries `Connection: close`, so a
+    keep-alive client never sends on a connection the listener is about to close (6 of 7,365
+    requests were reset before): each request is answered, or refused before it was sent."""
+    server = SessionServer(["--cache-dir", str(servewell_cache)], tmp_path / "server.log",
+                           env={"SERVEWELL_SHUTDOWN_DELAY_S": "2"})
+    outcomes: list[tuple[float, str, bool]] = []  # (sent at, status or error, carried Connection: close)
+    try:
+        server.wait_ready()
+
+        async def user(stop: asyncio.Event) -> None:
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                while not stop.is_set():
+                    sent = time.monotonic()
+                    try:
+                        response = await client.get("/v2/health/live")
+                        closing = response.headers.get("connection", "").lower() == "close"
+                        outcomes.append((sent, str(response.status_code), closing))
+                    except httpx.TransportError as exc:
+                        outcomes.append((sent, type(exc).__name__, False))
+                        if isinstance(exc, httpx.ConnectError):
+                            stop.set()  # the listener is gone: every user stops
+                    await asyncio.sleep(0.005)
+
+        async def main() -> float:
+            stop = asyncio.Event()
+            users = [asyncio.create_task(user(stop)) for _ in range(6)]
+            await asyncio.sleep(1.0)
+            signalled = time.monotonic()
+            os.kill(server.proc.pid, signal.SIGTERM)
+            await asyncio.wait_for(stop.wait(), 30)
+            await asyncio.gather(*users)
+            return signalled
+
+        signalled = asyncio.run(main())
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+    # The listener closes on the first 0.1 s tick after the 2 s delay. A connection the kernel
+    # accepted into the backlog just then is reset by the listener's close (no server can take it
+    # back), so errors other than a refused connection are tolerated only in that instant.
+    listener_closed = signalled + 2.0
+    early = [(round(sent - signalled, 3), label) for sent, label, _ in outcomes
+             if label != "200" and sent < listener_closed - 0.05]
+    assert not early, early  # no ReadError or RemoteProtocolError while the listener was open
+    late = {label for sent, label, _ in outcomes if sent >= listener_closed - 0.05}
+    assert late <= {"200", "ConnectError", "ReadError", "RemoteProtocolError"}, late
+    before = [closing for sent, label, closing in outcomes if label == "200" and sent < signalled]
+    during = [closing for sent, label, closing in outcomes if label == "200" and sent > signalled + 0.1]
+    assert before and not any(before)  # keep-alive as usual until the signal
+    assert during and all(during)  # then every answer closes its connection

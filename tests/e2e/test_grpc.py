@@ -250,3 +250,11 @@ def test_grpc_requests_are_in_the_metrics(digits_server, client):
     client.infer("digits", [tensor("input", np.zeros((1, 1, 8, 8), dtype=np.float32))])
     text = httpx.get(digits_server.url + "/metrics").text
     assert 'route="grpc ModelInfer"' in text and 'model="digits"' in text
+
+
+def test_an_input_given_twice_is_refused_naming_it(client):
+    x = np.zeros((1, 1, 8, 8), dtype=np.float32)
+    with pytest.raises(InferenceServerException) as twice:
+        client.infer("digits", [tensor("input", x), tensor("input", x + 1)])
+    assert status_of(twice.value) == "StatusCode.INVALID_ARGUMENT"
+    assert "'input' is given more than once" in twice.value.message()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import io
+import re
 import secrets
 import socket
 import time
@@ -246,20 +248,21 @@ def raw_request(port: int, head: str, body: bytes, close_after_s: float = 0.2) -
 
 @pytest.mark.parametrize("route,path", [("/predict", "/predict"), ("/v2/models/{name}/infer", "/v2/models/echo/infer")])
 def test_a_client_that_drops_mid_upload_is_cancelled_not_a_server_error(tensor_server, route, path):
+    """The body never arrives: the app is never started for it (api/http_limits.py reads a body of
+    known size before the app runs), so nothing is counted or logged as a failure; the model is
+    none the worse, as a complete request after it shows."""
     url = tensor_server.url
     before = request_counts(url, route)
-    cancelled = samples(url, "servewell_requests")
     offset = len(tensor_server.log())
     head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
     raw_request(tensor_server.port, head, b'{"inputs": [' + b" " * 5000)
-    after = eventually(lambda: (c := request_counts(url, route)) != before and c)
-    assert after.get("5xx", 0) == before.get("5xx", 0), after
-    assert after.get("4xx", 0) == before.get("4xx", 0) + 1
+    complete = httpx.post(url + "/v2/models/echo/infer", json={"inputs": [
+        {"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1]}]})
+    assert complete.status_code == 200  # proves the counts below were read after the server moved on
+    after = request_counts(url, route)
+    assert after.get("5xx", 0) == before.get("5xx", 0) and after.get("4xx", 0) == before.get("4xx", 0), after
     log = log_since(tensor_server, offset)
     assert "Traceback" not in log and '"level":"error"' not in log and '"level":"warning"' not in log
-    if route != "/predict":  # the model is known before the body: its request counts as cancelled
-        key = ("servewell_requests_total", (("lane", "normal"), ("model", "echo"), ("outcome", "cancelled")))
-        assert samples(url, "servewell_requests")[key] == cancelled.get(key, 0) + 1
 
 
 def test_overload_refusals_are_logged_once_per_model_code_and_second(tensor_server):
@@ -337,3 +340,50 @@ def test_an_image_side_above_the_limit_is_refused_from_its_header(digits_server)
     r = httpx.post(digits_server.url + "/predict", json={"image_base64": png(1, 40000)}, timeout=30)
     error = assert_client_error(r, 413)
     assert "side" in error["message"]
+
+
+ECHO_TENSOR = b'{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1]}'
+
+
+def test_an_input_given_twice_is_refused_naming_it(tensor_server):
+    url = tensor_server.url + "/v2/models/echo/infer"
+    twice = assert_client_error(httpx.post(url, content=b'{"inputs": [' + ECHO_TENSOR + b", " + ECHO_TENSOR + b"]}"))
+    assert "'x' is given more than once" in twice["message"]
+
+
+def test_a_priority_past_the_models_lanes_is_refused_naming_the_range(tensor_server):
+    url = tensor_server.url + "/v2/models/echo/infer"
+    for priority in (3, 99, 2**40):
+        body = b'{"inputs": [' + ECHO_TENSOR + b'], "parameters": {"priority": %d}}' % priority
+        refused = assert_client_error(httpx.post(url, content=body), 422)
+        assert "0..2" in refused["message"]
+    body = b'{"inputs": [' + ECHO_TENSOR + b'], "parameters": {"priority": 2}}'
+    assert httpx.post(url, content=body).status_code == 200
+
+
+def test_a_gzip_body_followed_by_junk_or_cut_short_is_400(tensor_server):
+    url = tensor_server.url + "/v2/models/echo/infer"
+    packed = gzip.compress(b'{"inputs": [' + ECHO_TENSOR + b"]}")
+    headers = {"Content-Encoding": "gzip"}
+    assert httpx.post(url, content=packed, headers=headers).status_code == 200
+    junk = assert_client_error(httpx.post(url, content=packed + b"junk", headers=headers), 400)
+    assert "after the end" in junk["message"]
+    assert_client_error(httpx.post(url, content=packed[:-4], headers=headers), 400)
+
+
+def test_head_is_answered_like_get_without_a_body(tensor_server):
+    for path in ("/healthz", "/v2/models/echo", "/metrics"):
+        get, head = httpx.get(tensor_server.url + path), httpx.head(tensor_server.url + path)
+        assert head.status_code == get.status_code == 200 and head.content == b"", path
+    assert httpx.head(tensor_server.url + "/predict").status_code == 405  # POST only: still 405
+
+
+def test_docs_load_nothing_from_another_origin(tensor_server):
+    page = httpx.get(tensor_server.url + "/docs")
+    assert page.status_code == 200 and "default-src 'self'" in page.headers["content-security-policy"]
+    assert "http" not in page.text.replace("http-equiv", "")  # every asset is a same-origin path
+    assets = re.findall(r'(?:src|href)="(/console/assets/docs/[^"]+)"', page.text)
+    assert len(assets) == 3
+    for asset in assets:
+        assert httpx.get(tensor_server.url + asset).status_code == 200
+    assert httpx.get(tensor_server.url + "/redoc").status_code == 404  # ReDoc came from a CDN too

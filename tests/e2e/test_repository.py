@@ -203,3 +203,15 @@ def test_profile_of_an_onnx_worker_is_onnxruntime_s_own_trace(server):
     assert r.status_code == 200, r.text
     events = r.json()
     assert isinstance(events, list) and any(e.get("cat") == "Node" for e in events)  # onnxruntime's format
+
+
+def test_healthz_reasons_name_no_absolute_path(server, repository):
+    """/healthz is open to anyone: load errors show paths relative to the repository (the full
+    text stays in the log and the authenticated answers)."""
+    root, _ = repository
+    models = httpx.get(server.url + "/healthz").json()["models"]
+    reasons = {name: model["reason"] or "" for name, model in models.items()}
+    assert "broken_yaml/model.yaml" in reasons["broken_yaml"], reasons
+    for name, reason in reasons.items():
+        assert str(root) not in reason and str(root.resolve()) not in reason, (name, reason)
+        assert "/.cache/" not in reason and " /" not in reason and "'/" not in reason, (name, reason)

@@ -8,8 +8,9 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 import servewell
-from servewell.api import routes_admin, routes_console, routes_metrics, routes_simple, routes_v2
+from servewell.api import routes_admin, routes_console, routes_docs, routes_metrics, routes_simple, routes_v2
 from servewell.api.errors import install_error_handlers
+from servewell.api.head_requests import HeadAsGetMiddleware
 from servewell.api.key_middleware import ApiKeyMiddleware
 from servewell.api.middleware import RequestContextMiddleware
 from servewell.api.openapi import truthful_openapi
@@ -43,7 +44,9 @@ def create_app(
             if on_shutdown is not None:
                 await on_shutdown()
 
-    app = FastAPI(title="servewell", version=servewell.__version__, description=DESCRIPTION, lifespan=lifespan)
+    # /docs comes from the package (routes_docs.py), not FastAPI's CDN page; ReDoc is not served.
+    app = FastAPI(title="servewell", version=servewell.__version__, description=DESCRIPTION, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
     app.state.servewell = state
     install_error_handlers(app)
     app.include_router(routes_simple.router)
@@ -52,7 +55,11 @@ def create_app(
     app.include_router(routes_admin.repository_router)
     app.include_router(routes_metrics.router)
     app.include_router(routes_console.router)
+    app.include_router(routes_docs.router)
     app.openapi = truthful_openapi(app)  # type: ignore[method-assign]
+    # Added last runs first: the request context (id, metrics, logs) wraps the key check; HEAD is
+    # turned into GET innermost, so logs and metrics still say HEAD.
+    app.add_middleware(HeadAsGetMiddleware)
     # Added last runs first: the request context (id, metrics, logs) wraps the key check.
     app.add_middleware(ApiKeyMiddleware, access=state.access, knobs=state.knobs)
     app.add_middleware(RequestContextMiddleware, knobs=state.knobs, metrics=state.metrics, tracing=tracing,

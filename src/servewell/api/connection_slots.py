@@ -8,7 +8,7 @@ The policy, in order, for a connection that arrives:
 
 1. a regular slot is free: take it;
 2. all regular slots are taken, but some are *waiting* (no request yet, idle between requests,
-   or still sending a request's head): evict the one that has waited longest, take its slot;
+   or still sending a request's head or body): evict the one that has waited longest, take its slot;
 3. every regular connection is serving a request: take a reserve slot, which may only serve the
    probe paths (health, metrics), so probes are answered while the server is full;
 4. every reserve slot is taken too: evict the longest-waiting reserve connection, or refuse.
@@ -17,7 +17,9 @@ Evicting waiting connections is what makes slowloris harmless: an attacker's con
 older than a real client's, so new arrivals push them out, and a real client's request head
 arrives within milliseconds, long before enough newer connections could queue behind it.
 Closing an idle keep-alive connection is ordinary HTTP (nginx does the same when it runs out of
-connections); a connection with a request in progress is never evicted.
+connections); a connection whose whole request has arrived is never evicted. One whose body is
+still arriving is (with a 503): 1,100 bodies trickling one byte every 3 s once held every slot
+for the whole body timeout, while a real client's body arrives in milliseconds.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class ConnectionSlots:
                 return
 
     def busy(self, connection: Evictable) -> None:
-        """`connection` has sent a whole request head: it is not evicted until it waits again."""
+        """`connection` has sent a whole request (head and body): it is not evicted until it waits again."""
         self._regular.waiting.pop(connection, None)
         self._reserve.waiting.pop(connection, None)
 

@@ -179,6 +179,8 @@ class InferenceCall:
             self._lane = self.model.resolve_lane(None, priority)
         inputs: dict[str, np.ndarray] = {}
         for tensor in tensors:
+            if tensor.name in inputs:  # the later one would silently win: refused for HTTP and gRPC alike
+                raise InvalidInput(f"input {quote(tensor.name)} is given more than once; send each input once")
             spec = config.input_spec(tensor.name)
             if spec is None:
                 raise InvalidInput(f"unknown input {quote(tensor.name)}; model '{config.name}' takes "

@@ -14,11 +14,18 @@ has arrived, which a slow client never sends.
   a header-count and a URL-length limit, checked once the head is complete (431, 414);
 - one lazily re-armed timer: a connection's first head must arrive within `header_timeout_s` of it opening,
   a later head within `header_timeout_s` of its first byte (uvicorn's keep-alive timer covers
-  the idle time before), a body within `body_timeout_s` of its head (408 and closed; a
-  connection that sent nothing is closed silently);
+  the idle time before), a body within `body_timeout_s` of its head and, after
+  `body_rate_grace_s`, at `min_body_rate_bytes_s` on average (408 and closed; a connection that
+  sent nothing is closed silently);
 - a slot in `ConnectionSlots` (bounded connections, eviction of waiting ones, a reserve that
   serves only the probe paths), with the process's open-file limit raised to fit them all (or,
-  where the hard limit is too low, `max_connections` lowered to fit it, with a warning).
+  where the hard limit is too low, `max_connections` lowered to fit it, with a warning). A
+  connection counts as waiting, and may be evicted, until its whole request (body included) is in;
+- at most `max_pipelined_requests` requests queued behind the one being answered (the next gets
+  503 in its turn, nothing after it is read), and answers that wait for a client reading nothing
+  dropped after `send_timeout_s` (uvicorn already stops writing past the transport's high-water mark);
+- HTTP/1.0 and 1.1 only (505 otherwise), and exactly one Host header in HTTP/1.1 (400);
+- once readiness turns false (`close_after_answers`), `Connection: close` on every answer.
 
 Refusals answer with the JSON error body where a response is still possible, and are counted
 into one aggregated log line per window (`LimitEventLog`), never one line per connection.
@@ -28,34 +35,28 @@ Malformed HTTP gets a JSON 400 instead of uvicorn's plain-text one.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import resource
-import uuid
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import httptools
-import orjson
-from starlette.types import Receive, Scope, Send
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from servewell.api.connection_slots import ConnectionSlots, SlotKind
+from servewell.api.fd_limits import fit_to_fd_limit
+from servewell.api.http_limit_rules import HttpLimits as HttpLimits  # re-exported: tests and bench build limits here
+from servewell.api.http_limit_rules import KeepAlivePolicy, body_deadline
+from servewell.api.http_refusals import Refusal, StopParsing, connection_limit_app, error_head_and_body, unavailable_app
 from servewell.api.limit_log import LimitEventLog
 from servewell.api.response_writes import hold_heads
-from servewell.config.server import ConfigFileError, ServerConfig
+from servewell.config.server import ServerConfig
 
 log = logging.getLogger("servewell.http")
 
 #: Paths a reserve connection may ask for: what keeps an orchestrator and Prometheus informed.
 PROBE_PATHS = frozenset((b"/healthz", b"/v2/health/live", b"/v2/health/ready", b"/metrics"))
-#: Largest listen backlog passed to uvicorn (its default); smaller when fewer connections are allowed.
-LISTEN_BACKLOG = 2048
-#: Descriptors the frontend needs besides client sockets: listeners, worker pipes and shared
-#: memory, model files, logs, gRPC and OTLP exporters (about 60 with four models; room to spare).
-FD_OVERHEAD = 256
 
 # Where a connection is in its request cycle.
 _WAITING = 0  # no request yet, or idle between requests
@@ -63,59 +64,8 @@ _HEAD = 1  # some bytes of a request head have arrived
 _BODY = 2  # the head is complete, the body is arriving
 _BUSY = 3  # the whole request has arrived; the app is answering
 _NEVER = float("inf")
-
-
-@dataclass(frozen=True, slots=True)
-class HttpLimits:
-    """The limits one server enforces (the matching `ServerConfig` fields)."""
-
-    max_header_bytes: int
-    max_header_count: int
-    max_url_bytes: int
-    header_timeout_s: float
-    body_timeout_s: float
-    max_connections: int
-    reserved_connections: int
-
-    @classmethod
-    def from_settings(cls, settings: ServerConfig) -> HttpLimits:
-        """The limits configured in `settings`."""
-        return cls(settings.max_header_bytes, settings.max_header_count, settings.max_url_bytes,
-                   settings.header_timeout_s, settings.body_timeout_s, settings.max_connections,
-                   settings.reserved_connections)
-
-
-class _Refusal(Exception):
-    """A limit crossed inside a parser callback: answer `status` with the JSON error and close."""
-
-    def __init__(self, status: int, code: str, message: str, event: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.event = status, code, message, event
-
-
-def error_head_and_body(status: int, code: str, message: str, retry_after_s: int | None = None,
-                        extra_headers: list[tuple[bytes, bytes]] | None = None) -> bytes:
-    """A complete `Connection: close` HTTP/1.1 response carrying the JSON error body."""
-    request_id = uuid.uuid4().hex
-    body = orjson.dumps({"error": {"code": code, "message": message, "request_id": request_id}})
-    headers = list(extra_headers or [])
-    headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"), (b"x-request-id", request_id.encode())]
-    if retry_after_s is not None:
-        headers.append((b"retry-after", str(retry_after_s).encode()))
-    lines = [STATUS_LINE[status], *(name + b": " + value + b"\r\n" for name, value in headers), b"\r\n", body]
-    return b"".join(lines)
-
-
-async def _connection_limit_app(scope: Scope, receive: Receive, send: Send) -> None:
-    """What a reserve connection gets for anything but a probe path."""
-    request_id = uuid.uuid4().hex
-    body = orjson.dumps({"error": {"code": "unavailable", "request_id": request_id,
-                                   "message": "the server is at its connection limit; retry shortly"}})
-    await send({"type": "http.response.start", "status": 503, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"retry-after", b"1"), (b"x-request-id", request_id.encode())]})
-    await send({"type": "http.response.body", "body": body})
+#: At shutdown, how long a connection that has not yet sent its first request gets to send it.
+FRESH_CONNECTION_GRACE_S = 1.0
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -124,6 +74,17 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     limits: ClassVar[HttpLimits]
     slots: ClassVar[ConnectionSlots]
     events: ClassVar[LimitEventLog]
+    keep_alive_policy: ClassVar[KeepAlivePolicy]
+
+    @classmethod
+    def close_after_answers(cls, connections: Iterable[object]) -> None:
+        """Readiness turned false: from now on every answer closes its connection, and so does the
+        answer each of `connections` (uvicorn's open ones) is preparing or has queued. Idle ones are
+        left to their keep-alive timer: closing one now would reset a request already on its way."""
+        cls.keep_alive_policy.closing = True
+        for connection in connections:
+            if isinstance(connection, LimitedHttpToolsProtocol):
+                connection.close_after_answer()
 
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -138,6 +99,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = _NEVER
         self._slot = SlotKind.REFUSED
+        self._body_started_at = 0.0
+        self._body_bytes = 0
+        self._pipeline_full = False  # the last request this connection may queue has been parsed
+        self._deferred: tuple[Any, Any] | None = None  # (cycle, app) waiting for its body to be all in
+        self._send_timer: asyncio.TimerHandle | None = None
 
     # Connection lifecycle
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -151,23 +117,30 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
+        self._cancel_send_timer()
         self.slots.release(self)
         super().connection_lost(exc)
 
     def evict(self) -> None:
         """Close this waiting connection to give its slot to a newcomer (`ConnectionSlots`)."""
         self.events.add("evicted")
-        if self._phase == _HEAD:
+        if self._phase in (_HEAD, _BODY):  # a request has begun: it gets its answer
             self._answer_and_close(503, "unavailable", "the server is at its connection limit; retry shortly", 1)
         else:  # idle: closing it is an ordinary keep-alive close
             self._close()
 
     # Bytes in
     def data_received(self, data: bytes) -> None:
+        if self._pipeline_full:
+            # Nothing after the last request it may queue is read: the connection closes after answering it.
+            self.flow.pause_reading()
+            return
         self._unset_keepalive_if_required()
         self._receive(data)
 
     def _receive(self, data: bytes | memoryview) -> None:
+        if self._pipeline_full:
+            return
         if self._phase != _BODY:
             # Counted before the parser sees them: httptools buffers an unfinished header value
             # (re-copying it per chunk), so the bound must hold before parsing, not after.
@@ -182,10 +155,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         heads_before = self._heads_done
         if within > 0:
             self._feed(data[:within])
-            if self.transport.is_closing():
+            if self.transport.is_closing() or self._pipeline_full:
                 return
         if self._heads_done == heads_before:
-            self._refuse(_Refusal(431, "header_too_large", f"the request head exceeds {self.limits.max_header_bytes} "
+            self._refuse(Refusal(431, "header_too_large", f"the request head exceeds {self.limits.max_header_bytes} "
                                   "bytes", "header_too_large"))
             return
         self._receive(data[within:])  # the head ended within budget: the rest is body or the next request
@@ -195,10 +168,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
             refusal = exc.__context__
-            if isinstance(refusal, _Refusal):
+            if isinstance(refusal, StopParsing):
+                return
+            if isinstance(refusal, Refusal):
                 self._refuse(refusal)
             else:
-                self._refuse(_Refusal(400, "bad_request", "malformed HTTP request", "malformed"))
+                self._refuse(Refusal(400, "bad_request", "malformed HTTP request", "malformed"))
         except httptools.HttpParserUpgrade:
             # No protocol upgrades are served (uvicorn runs with ws="none"): the request was answered
             # as plain HTTP, and the connection closes after it, since the parser stops at the upgrade.
@@ -207,10 +182,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             else:
                 self._close()
         except httptools.HttpParserError as exc:
-            self._refuse(_Refusal(400, "bad_request", f"malformed HTTP request: {str(exc)[:100]}", "malformed"))
+            self._refuse(Refusal(400, "bad_request", f"malformed HTTP request: {str(exc)[:100]}", "malformed"))
 
     # Parser callbacks (httptools calls them from feed_data)
     def on_message_begin(self) -> None:
+        if self._pipeline_full:
+            raise StopParsing
         super().on_message_begin()
         self._phase = _HEAD
         if self._deadline == _NEVER:  # a later request's head; the first one's deadline runs from the connect
@@ -220,30 +197,113 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         # The head's byte budget already bounds the URL and the field count (and what parsing them
         # costs), so both are checked once here rather than in a callback per header.
         if len(self.url) > self.limits.max_url_bytes:
-            raise _Refusal(414, "uri_too_long", f"the URL exceeds {self.limits.max_url_bytes} bytes", "url_too_long")
+            raise Refusal(414, "uri_too_long", f"the URL exceeds {self.limits.max_url_bytes} bytes", "url_too_long")
         if len(self.headers) > self.limits.max_header_count:
-            raise _Refusal(431, "too_many_headers", f"the request has more than {self.limits.max_header_count} header "
+            raise Refusal(431, "too_many_headers", f"the request has more than {self.limits.max_header_count} header "
                            "fields", "too_many_headers")
+        self._check_version_and_host()
         self._head_bytes = 0
         self._heads_done += 1
         self._phase = _BODY
-        self._set_deadline(self.loop.time() + self.limits.body_timeout_s)
-        self.slots.busy(self)
+        # The slot stays evictable until the whole body is in (`on_message_complete`): a body that
+        # trickles in cannot hold a slot that complete requests need (1,100 did, before).
+        self._body_started_at = self.loop.time()
+        self._body_bytes = 0
+        self._set_deadline(body_deadline(self._body_started_at, 0, self.limits))
+        if len(self.pipeline) >= self.limits.max_pipelined_requests:
+            self._refuse_past_the_pipeline()
+            return
         if self._slot is SlotKind.RESERVE:
             if httptools.parse_url(self.url).path not in PROBE_PATHS:
                 self.events.add("reserve_refused")
-                self.app = _connection_limit_app
+                self.app = connection_limit_app
             super().on_headers_complete()
             hold_heads(self.cycle)
             self.cycle.keep_alive = False  # a reserve slot serves one request, then frees up
             return
         super().on_headers_complete()
         hold_heads(self.cycle)
+        if self.keep_alive_policy.closing:
+            self.cycle.keep_alive = False
+
+    def shutdown(self) -> None:
+        """uvicorn closed the listener. A connection whose first request may be on its way (none
+        read yet, or a head half in) is not closed under it, which would reset that request: it
+        gets `FRESH_CONNECTION_GRACE_S` to send it, answered with `Connection: close`."""
+        if self._phase == _HEAD or (self._phase == _WAITING and self._heads_done == 0):
+            if not self.transport.is_closing():
+                self._set_deadline(min(self._deadline, self.loop.time() + FRESH_CONNECTION_GRACE_S))
+            return
+        super().shutdown()
+
+    def _check_version_and_host(self) -> None:
+        version = self.parser.get_http_version()
+        if version not in ("1.1", "1.0"):
+            raise Refusal(505, "http_version_not_supported", f"HTTP/{version[:8]} is not served on this port; use "
+                           "HTTP/1.1 (gRPC runs over HTTP/2 on the gRPC port)", "bad_version")
+        if version == "1.1" and sum(1 for name, _ in self.headers if name == b"host") != 1:
+            # RFC 9112 section 3.2: an HTTP/1.1 request without exactly one Host field gets a 400.
+            raise Refusal(400, "bad_request", "an HTTP/1.1 request must carry exactly one Host header", "malformed")
+
+    def _refuse_past_the_pipeline(self) -> None:
+        """This request is one more than the connection may queue behind the answer it waits for:
+        it is answered 503 in its turn, nothing after it is read, and the connection closes then.
+        Each queued request holds its parsed head (a few KB); 200,000 pipelined GETs on one
+        connection took the process from 97 to 705 MB before this bound."""
+        self.events.add("pipeline_full")
+        self._pipeline_full = True
+        self.app = unavailable_app(f"more than {self.limits.max_pipelined_requests} requests were sent on one "
+                                    "connection ahead of their answers; send the rest after reading these")
+        self.slots.busy(self)  # its answers are queued: never evicted, which would answer out of turn
+        super().on_headers_complete()
+        hold_heads(self.cycle)
+        self.cycle.keep_alive = False
+        self.flow.pause_reading()
+        self._deadline = _NEVER  # its answer waits for the ones before it; the body is not needed
+
+    def close_after_answer(self) -> None:
+        """The answer this connection prepares (and each it has queued) closes it."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started:
+            cycle.keep_alive = False
+        for queued, _ in self.pipeline:
+            queued.keep_alive = False
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        """Start the app on `cycle`, or, while a body of known size that fits `max_body_bytes` is still
+        arriving, once it is all in: a body that trickles in then costs no task, no middleware, no
+        log line and no metric, just its bytes (1,100 slow bodies each running the app until its
+        408 slowed every other request 10-30x). Bodies without a length, or with
+        `Expect: 100-continue` (the app's first read sends the 100), start the app at once."""
+        if cycle.more_body and not cycle.waiting_for_100_continue and self._body_fits_buffer():
+            self._deferred = (cycle, app)
+            return
+        super()._start_asgi_task(cycle, app)
+
+    def _body_fits_buffer(self) -> bool:
+        for name, value in self.headers:
+            if name == b"content-length":
+                return value.isdigit() and int(value) <= self.limits.max_body_bytes
+        return False
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._deferred is not None and self._deferred[0] is self.cycle:
+            self.cycle.body += body  # bounded by its Content-Length (uvicorn would pause reading: nobody reads yet)
+            return
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        if self._deferred is not None and self._deferred[0] is self.cycle:
+            cycle, app = self._deferred
+            self._deferred = None
+            super()._start_asgi_task(cycle, app)
+        if self._pipeline_full:
+            return
         self._phase = _BUSY
         self._deadline = _NEVER
+        self.slots.busy(self)
         if self.cycle.response_complete and not self.transport.is_closing():
             # Answered before its body ended (a 413, say): uvicorn armed the keep-alive timer then,
             # and the body's bytes cancelled it; the connection waits for its next request from now.
@@ -278,18 +338,62 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._deadline > self.loop.time():
             self._set_deadline(self._deadline)
             return
-        self._deadline = _NEVER
         if self._phase == _BODY:
-            self.events.add("body_timeout")
-            self._answer_and_close(408, "request_timeout", f"the request body did not arrive within "
-                                   f"{self.limits.body_timeout_s:g} s")
-        elif self._phase == _HEAD:
+            self._on_body_deadline()
+            return
+        self._deadline = _NEVER
+        if self._phase == _HEAD:
             self.events.add("header_timeout")
             self._answer_and_close(408, "request_timeout", f"the request head did not arrive within "
                                    f"{self.limits.header_timeout_s:g} s")
         else:  # opened and sent nothing: there is no request to answer
             self.events.add("idle_timeout")
             self._close()
+
+    def _on_body_deadline(self) -> None:
+        now = self.loop.time()
+        if now < self._body_started_at + self.limits.body_timeout_s:
+            if self.flow.read_paused:
+                # Unread because the app (or the answer before, when pipelined) has not taken what
+                # came: the client is not the slow one. Checked again after the grace.
+                self._set_deadline(now + max(self.limits.body_rate_grace_s, 0.1))
+                return
+            deadline = body_deadline(self._body_started_at, self._body_bytes, self.limits)
+            if deadline > now:
+                self._set_deadline(deadline)
+                return
+            self._deadline = _NEVER
+            self.events.add("slow_body")
+            self._answer_and_close(408, "request_timeout", f"the request body arrived slower than "
+                                   f"{self.limits.min_body_rate_bytes_s:g} bytes/s")
+            return
+        self._deadline = _NEVER
+        self.events.add("body_timeout")
+        self._answer_and_close(408, "request_timeout", f"the request body did not arrive within "
+                               f"{self.limits.body_timeout_s:g} s")
+
+    # Answers nobody reads
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.limits.send_timeout_s, self._on_send_timeout)
+
+    def resume_writing(self) -> None:
+        self._cancel_send_timer()
+        super().resume_writing()
+
+    def _on_send_timeout(self) -> None:
+        # The client has read nothing for send_timeout_s while answers wait: drop what is unsent.
+        self._send_timer = None
+        self.events.add("send_timeout")
+        self._cancel_timer()
+        self.slots.release(self)
+        self.transport.abort()
+
+    def _cancel_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
 
     def _cancel_timer(self) -> None:
         self._deadline = _NEVER
@@ -298,7 +402,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._timer = None
 
     # Answers
-    def _refuse(self, refusal: _Refusal) -> None:
+    def _refuse(self, refusal: Refusal) -> None:
         self.events.add(refusal.event)
         self._answer_and_close(refusal.status, refusal.code, refusal.message)
 
@@ -334,49 +438,8 @@ def limited_protocol(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
     BoundLimitedHttpToolsProtocol.limits = limits
     BoundLimitedHttpToolsProtocol.slots = slots
     BoundLimitedHttpToolsProtocol.events = events
+    BoundLimitedHttpToolsProtocol.keep_alive_policy = KeepAlivePolicy()
     return BoundLimitedHttpToolsProtocol
-
-
-def raise_fd_limit(wanted: int) -> int:
-    """Raise the soft open-file limit towards `wanted` (never past the hard limit, never lower);
-    the soft limit that results (`wanted` when it is unlimited)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return wanted
-    if soft >= wanted:
-        return soft
-    target = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    except (ValueError, OSError):
-        return soft
-    return target
-
-
-def _descriptors_needed(connections: int) -> int:
-    # A burst as large as the backlog can be accepted in one loop iteration before any refusal
-    # closes its socket: the backlog's worth of descriptors must fit too.
-    return connections + min(LISTEN_BACKLOG, connections) + FD_OVERHEAD
-
-
-def fit_to_fd_limit(limits: HttpLimits) -> tuple[HttpLimits, int]:
-    """`limits` with `max_connections` lowered (with a warning) if the open-file limit cannot hold
-    them after raising it, and the listen backlog to use. Refuses to start (`ConfigFileError`)
-    when not even 16 connections fit."""
-    total = limits.max_connections + limits.reserved_connections
-    available = raise_fd_limit(_descriptors_needed(total))
-    if available >= _descriptors_needed(total):
-        return limits, min(LISTEN_BACKLOG, total)
-    fitting = (available - FD_OVERHEAD) // 2 - limits.reserved_connections  # below the backlog cap, both halves grow
-    if fitting < 16:
-        raise ConfigFileError(f"the open-file limit ({available}) leaves room for {max(fitting, 0)} connections "
-                              f"(each needs a descriptor, as does the listen backlog, plus {FD_OVERHEAD} for the "
-                              "server itself): raise `ulimit -n`")
-    log.warning("the open-file limit (%d) holds %d connections, not the configured %d: max_connections lowered; raise "
-                "`ulimit -n` to keep it", available, fitting, limits.max_connections,
-                extra={"fd_limit": available, "max_connections": fitting})
-    backlog = min(LISTEN_BACKLOG, fitting + limits.reserved_connections)
-    return dataclasses.replace(limits, max_connections=fitting), backlog
 
 
 def uvicorn_limit_options(settings: ServerConfig) -> dict[str, Any]:

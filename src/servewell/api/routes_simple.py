@@ -15,6 +15,7 @@ from servewell.api.body import check_content_type, read_body
 from servewell.api.codecs.image import BASE64_PATTERN, decode_base64
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
 from servewell.api.openapi import INFERENCE_HEADERS, error_responses, not_ready_response
+from servewell.api.public_text import without_paths
 from servewell.api.state import AppState, app_state, state_dependency
 from servewell.config.model import ModelConfig
 from servewell.engine.protocol import SchedulingFacts
@@ -117,13 +118,14 @@ async def healthz(state: AppState = Depends(state_dependency)) -> Response:
     """200 when the server is ready (by its readiness policy), 503 otherwise; always with the reason,
     per-model state and readiness, the last worker failure, and memory."""
     models = {}
+    roots = (state.settings.model_repository, state.settings.cache_dir)  # open to anyone: no absolute paths
     for view in state.engine.models():
         models[view.name] = {
             "state": view.state,
             "ready": view.state == "ready",
             "version": view.version,
-            "reason": view.reason,
-            "last_failure": view.last_failure,
+            "reason": without_paths(view.reason, roots),
+            "last_failure": without_paths(view.last_failure, roots),
             "serving_dtype": view.serving_dtype,
             "queue_depth": view.queue_depth,
             "load_s": round(view.load_s, 3) if view.load_s is not None else None,
@@ -140,7 +142,7 @@ async def healthz(state: AppState = Depends(state_dependency)) -> Response:
     doc = {
         "status": readiness.status,
         "ready": readiness.ready,
-        "readiness": {"policy": state.engine.readiness_policy, "reason": readiness.reason},
+        "readiness": {"policy": state.engine.readiness_policy, "reason": without_paths(readiness.reason, roots)},
         "frontend_rss_bytes": rss_bytes(),
         "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
         "models": models,

@@ -213,6 +213,10 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
         raise BadRequest(f"body is not valid {encoding} data") from None
     if len(out) > limit or decompressor.unconsumed_tail:
         raise PayloadTooLarge(f"decompressed body exceeds the limit of {limit} bytes")
+    if not decompressor.eof:
+        raise BadRequest(f"body is truncated {encoding} data")
+    if decompressor.unused_data:  # junk after the stream: what else the client meant is anyone's guess
+        raise BadRequest(f"body has bytes after the end of its {encoding} data")
     return out
 
 

@@ -175,6 +175,21 @@ class ServerConfig(BaseModel):
         16, ge=0, le=10_000,
         description="Connections beyond max_connections that may only ask for health probes and /metrics.",
     )
+    # Per-connection bounds on pipelining, slow bodies and unread answers (issue 19, items 8 and 9).
+    max_pipelined_requests: int = Field(
+        16, ge=1, le=1024, description="Requests one connection may send ahead of the answer it waits for; the "
+        "next one is answered 503 and the connection closes after it (a pipelining client retries the rest).",
+    )
+    min_body_rate_bytes_s: float = Field(
+        1024.0, ge=0, description="Slowest average rate, in bytes per second, at which a request body may arrive "
+        "once body_rate_grace_s has passed (408 and closed below; 0: no minimum).",
+    )
+    body_rate_grace_s: float = Field(
+        2.0, ge=0, description="Time a request body may take before min_body_rate_bytes_s applies.")
+    send_timeout_s: float = Field(
+        30.0, gt=0, description="Time an answer may wait for a client that reads nothing while the connection's "
+        "send buffer is full; the connection is then closed.",
+    )
     readiness: Literal["any", "strict", "required-models"] = Field(
         "any", description="When the server reports ready: any (every first load finished and at least one model "
         "ready: a failed model keeps the others in rotation), strict (every model ready, as Triton), or "

@@ -6,7 +6,8 @@ or add more). Clients name a lane in two vocabularies:
 - urgency (`X-Urgency` header, `/predict`'s `urgency` field): `high` is the first lane, `normal`
   the default lane, `low` the last lane; a lane's own name also works;
 - OIP `parameters.priority`, as Triton defines it: 0 (or absent) is the default lane, 1 the
-  highest, 2 the next, ... (numbers past the last lane mean the last lane); a lane's name also works.
+  highest, 2 the next, ... up to the number of lanes (a larger number is refused, naming the range,
+  so that a client never believes it got a lane the model does not have); a lane's name also works.
 
 When both are given, urgency wins: it is what a gateway or the caller's header says about this
 very request. The default lane is `normal` when the model has one, else its last lane.
@@ -52,7 +53,7 @@ def _from_urgency(lanes: Sequence[str], urgency: str) -> int:
 def _from_priority(lanes: Sequence[str], priority: object) -> int:
     if isinstance(priority, str) and priority in lanes:
         return lanes.index(priority)
-    if isinstance(priority, int) and not isinstance(priority, bool) and priority >= 0:
-        return default_lane(lanes) if priority == 0 else min(priority, len(lanes)) - 1
+    if isinstance(priority, int) and not isinstance(priority, bool) and 0 <= priority <= len(lanes):
+        return default_lane(lanes) if priority == 0 else priority - 1
     raise InvalidInput(f"parameters.priority must be an integer 0..{len(lanes)} (0: default, 1: highest) "
                        f"or one of {list(lanes)}, got {quote(priority)}")

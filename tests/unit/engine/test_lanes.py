@@ -31,7 +31,7 @@ def test_urgency_high_goes_to_the_first_lane_when_a_model_renames_its_lanes() ->
     assert resolve_lane(RENAMED, urgency="low") == 2
     assert resolve_lane(RENAMED, urgency="standard") == 1
     assert resolve_lane(RENAMED, priority="standard") == 1
-    assert resolve_lane(RENAMED, priority=9) == 2  # past the last lane: the last lane
+    assert resolve_lane(RENAMED, priority=3) == 2  # the last of its three lanes
 
 
 def test_urgency_wins_over_priority() -> None:
@@ -46,7 +46,13 @@ def test_unknown_urgency_is_a_client_error_with_a_bounded_message(urgency: str) 
     assert len(info.value.message) < 300
 
 
-@pytest.mark.parametrize("priority", [-1, True, 1.5, "nope", [1], {"a": 1}])
+@pytest.mark.parametrize("priority", [-1, True, 1.5, "nope", [1], {"a": 1}, 3, 99, 2**40])
 def test_bad_priority_is_a_client_error(priority: object) -> None:
     with pytest.raises(InvalidInput):
         resolve_lane(DEFAULT, priority=priority)
+
+
+def test_a_priority_past_the_last_lane_is_refused_naming_the_range() -> None:
+    with pytest.raises(InvalidInput, match=r"0\.\.2 "):
+        resolve_lane(DEFAULT, priority=3)
+    assert resolve_lane(["a", "b", "c"], priority=3) == 2  # a model with three lanes has a priority 3
