@@ -29,7 +29,8 @@ from servewell.api.openapi import error_responses
 from servewell.api.state import AppState, app_state
 from servewell.engine.protocol import ModelView
 from servewell.errors import NotFound, ServeError
-from servewell.observability.console_feed import ALL_MODELS
+from servewell.observability.console_feed import ALL_MODELS, ConsoleFeed
+from servewell.observability.latency_reading import latency_split
 from servewell.observability.process import rss_bytes
 
 router = APIRouter(tags=["console"])
@@ -112,10 +113,13 @@ async def console_state(
         admin, admin_reason = False, exc.message
     feed = state.console
     total, reserved = state.engine.memory_budget
+    readiness = state.engine.readiness()
     doc: dict[str, Any] = {
         "server": {
             "version": servewell.__version__,
-            "ready": state.engine.ready,
+            "ready": readiness.ready,
+            "status": readiness.status,  # /healthz's word: ok, degraded, not_ready, shutting_down
+            "status_reason": readiness.reason,
             "started_at": feed.started_at,
             "frontend_rss_bytes": rss_bytes(),
             "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
@@ -129,7 +133,11 @@ async def console_state(
         "series": {**feed.series(model), "models": feed.models()},
         "recent": feed.recent.to_json(recent) if admin else None,
         "recent_recorded": feed.recent.recorded if admin else None,
+        "alerts": feed.alerts.to_json(),
+        "alerts_evaluated_at": feed.alerts.evaluated_at,
     }
+    for entry in doc["models"]:
+        _add_golden_signals(entry, feed)
     return Response(orjson.dumps(doc), media_type="application/json", headers={"Cache-Control": "no-store"})
 
 
@@ -161,3 +169,11 @@ def _model(view: ModelView, admin_state: AppState | None) -> dict[str, Any]:
         except ServeError:
             doc["batching"] = None  # unloaded or being replaced right now
     return doc
+
+
+def _add_golden_signals(entry: dict[str, Any], feed: ConsoleFeed) -> None:
+    # The models table's per-model req/s, latency and error ratio, and the split of its p99 (uses
+    # the model's compute_by_batch_size when the entry carries one).
+    summary = feed.summary(entry["name"])
+    entry["signals"] = summary
+    entry["latency_split"] = latency_split(summary, entry.get("compute_by_batch_size")).to_json()

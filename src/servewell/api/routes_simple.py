@@ -144,6 +144,7 @@ async def healthz(state: AppState = Depends(state_dependency)) -> Response:
         "frontend_rss_bytes": rss_bytes(),
         "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
         "models": models,
+        "alerts": _active_alerts(state),
     }
     ready = readiness.ready
     return _json(doc, 200 if ready else 503, None if ready else {"Retry-After": "2"})
@@ -154,3 +155,9 @@ def _scheduler_counts(facts: SchedulingFacts | None) -> dict[str, int] | None:
         return None
     return {"batches": facts.batches, "rows": facts.rows, "expired": facts.expired, "cancelled": facts.cancelled,
             "rejected": facts.rejected, "isolated_batches": facts.isolated_batches}
+
+
+def _active_alerts(state: AppState) -> list[dict[str, Any]]:
+    # The server's own golden-signal alerts (observability/alerting.py): informative, they never
+    # change readiness (a load balancer must not drain a slow server and overload the rest).
+    return state.console.alerts.to_json()
