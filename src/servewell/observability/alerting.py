@@ -93,7 +93,8 @@ def _pct(ratio: float) -> str:
 
 RULES: tuple[AlertRule, ...] = (
     AlertRule(
-        "latency_p99", "ServewellLatencyP99OverSLO", "warning", lambda s: s.p99_latency_s, lambda t: t.p99_latency_s, operator.gt, _ms,
+        "latency_p99", "ServewellLatencyP99OverSLO",
+        "warning", lambda s: s.p99_latency_s, lambda t: t.p99_latency_s, operator.gt, _ms,
         "{model}: p99 latency {value} over {threshold}",
         "Find the stage that grew (dashboard 'Latency by stage (p95)'): queue wait -> raise `instances` in "
         "model.yaml and POST /v2/repository/models/{model}/load, or lower `batching.max_wait_ms`; compute -> "
@@ -101,34 +102,39 @@ RULES: tuple[AlertRule, ...] = (
         "raise `decode_threads`.",
     ),
     AlertRule(
-        "error_ratio", "ServewellHighErrorRatio", "critical", lambda s: s.error_ratio, lambda t: t.error_ratio, operator.gt, _pct,
+        "error_ratio", "ServewellHighErrorRatio",
+        "critical", lambda s: s.error_ratio, lambda t: t.error_ratio, operator.gt, _pct,
         "{model}: {value} of requests fail with 5xx (threshold {threshold})",
         "GET /healthz (models.{model}.state, reason, instances[].alive) and the server log lines with "
         "model={model}; if a new version was just loaded, restore the previous directory and POST "
         "/v2/repository/models/{model}/load.",
     ),
     AlertRule(
-        "rejected_ratio", "ServewellRequestsRejected", "warning", lambda s: s.rejected_ratio, lambda t: t.rejected_ratio, operator.gt, _pct,
+        "rejected_ratio", "ServewellRequestsRejected",
+        "warning", lambda s: s.rejected_ratio, lambda t: t.rejected_ratio, operator.gt, _pct,
         "{model}: {value} of requests refused, queue full (threshold {threshold})",
         "Add throughput: raise `instances` in model.yaml (then POST /v2/repository/models/{model}/load) or "
         "`max_batch_size` (PATCH /admin/models/{model}/batching); raise `batching.max_queue_size` only if the "
         "latency SLO allows longer waits.",
     ),
     AlertRule(
-        "queue_saturation", "ServewellQueueSaturated", "warning", lambda s: s.queue_fill_ratio, lambda t: t.queue_fill_ratio, operator.gt, _pct,
+        "queue_saturation", "ServewellQueueSaturated",
+        "warning", lambda s: s.queue_fill_ratio, lambda t: t.queue_fill_ratio, operator.gt, _pct,
         "{model}: queue {value} full (threshold {threshold})",
         "GET /admin/models/{model}/batching for the live `max_queue_size`; add `instances` or raise "
         "`max_batch_size` before requests are refused with 503.",
     ),
     AlertRule(
-        "worker_restarts", "ServewellWorkerRestarts", "warning", lambda s: float(s.worker_restarts), lambda t: float(t.worker_restarts),
+        "worker_restarts", "ServewellWorkerRestarts",
+        "warning", lambda s: float(s.worker_restarts), lambda t: float(t.worker_restarts),
         operator.ge, lambda v: f"{v:.0f}",
         "{model}: {value} worker restart(s)",
         "GET /healthz (models.{model}.restarts, recycles, instances[]) and the log line 'worker ... died'; "
         "restarts for memory mean the worker passed `memory_limit_bytes`: look for a leak or raise the limit.",
     ),
     AlertRule(
-        "memory_headroom", "ServewellWorkerMemoryHigh", "critical", lambda s: s.memory_headroom_ratio, lambda t: t.memory_headroom_ratio,
+        "memory_headroom", "ServewellWorkerMemoryHigh",
+        "critical", lambda s: s.memory_headroom_ratio, lambda t: t.memory_headroom_ratio,
         operator.lt, _pct,
         "{model}: only {value} memory headroom left (threshold {threshold})",
         "GET /healthz (rss_bytes, memory_budget); set or raise `memory_limit_bytes` in model.yaml, lower "

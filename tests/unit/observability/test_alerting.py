@@ -12,6 +12,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from monitoring import ALERTS
 from servewell.config.alerting import AlertingConfig, AlertThresholds
 from servewell.observability.alerting import (
     RULES,
@@ -24,7 +25,6 @@ from servewell.observability.alerting import (
     render_payload,
     run_alerting,
 )
-from monitoring import ALERTS
 from waiting import eventually_async
 
 HEALTHY = SignalSnapshot("digits", p99_latency_s=0.05, error_ratio=0.0, rejected_ratio=0.0, queue_fill_ratio=0.1,
