@@ -213,7 +213,11 @@
       }
       const state = row.insertCell();
       state.appendChild(el("span", "badge " + m.state, m.state));
-      if (m.reason) state.appendChild(el("div", "reason", m.reason));
+      if (m.reason) {
+        const reason = el("div", "reason", m.reason);
+        reason.title = m.reason; // three lines shown, all of it on hover
+        state.appendChild(reason);
+      }
       if (m.load_s !== null) state.appendChild(el("div", "muted small", `loaded in ${m.load_s} s`));
       const instances = row.insertCell();
       if (!m.instances.length) instances.appendChild(el("span", "muted", "–"));
