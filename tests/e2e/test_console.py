@@ -317,7 +317,8 @@ ROW_CELLS = """
 const row = document.querySelector(`#models tr[data-model="${arguments[0]}"]`);
 const cells = {};
 for (const td of row.querySelectorAll('td.num')) cells[td.classList[1]] = td.textContent;
-return [cells, row.textContent];
+const split = document.querySelector(`#models tr.split-row[data-model="${arguments[0]}"]`);
+return [cells, row.textContent + ' ' + split.textContent];
 """
 
 
@@ -412,10 +413,13 @@ def test_the_recent_table_fits_a_1400_px_screen(incident, tmp_path):
         driver.get(incident.url + "/")
         wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#recent-table tbody tr[data-request-id]"))
         assert driver.execute_script("return window.innerWidth") == 1400
+        wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#models tr[data-model="slow"]'))
         headers = driver.find_elements(By.CSS_SELECTOR, "#recent-table thead th")
+        model_headers = driver.find_elements(By.CSS_SELECTOR, "#models thead th")
         cells = driver.find_elements(By.CSS_SELECTOR, "#recent-table tbody tr[data-request-id]:first-child td")
         assert [h.text for h in headers][-3:] == ["total", "stages", "batch"]
-        for element in (*headers, *cells):
+        assert [h.text for h in model_headers][-1] == "errors"
+        for element in (*headers, *cells, *model_headers):
             left, right, box_right, viewport = driver.execute_script(RECT, element)
             assert 0 <= left and right <= box_right + 0.5 and right <= viewport, (element.text, right, box_right)
         assert console_problems(driver) == []

@@ -98,10 +98,11 @@ async def console_state(
     model: str = Query(ALL_MODELS, max_length=200, description="Whose chart series: a model name, or * for all."),
     recent: int = Query(50, ge=0, le=_RECENT_LIMIT, description="How many recent slow/failed requests."),
 ) -> Response:
-    """Server facts, every model (state, reason, instances and their memory, queue per lane,
-    effective max batch size), the chart series of `model` over the last minutes, and (admin
-    only) the recent slow and failed requests and each model's batching settings. Needs an API
-    key when keys are configured."""
+    """Server facts (with `/healthz`'s status and reason), every model (state, reason, instances
+    and their memory, queue per lane, effective max batch size, `signals` over the last 30 s and
+    `latency_split` of its p99 with a reading), the server's active alerts, the chart series of
+    `model` over the last minutes, and (admin only) the recent slow and failed requests and each
+    model's batching settings. Needs an API key when keys are configured."""
     state = app_state(request)
     if model != ALL_MODELS and not state.engine.knows(model):
         raise NotFound("unknown model; use * or one of this server's models")

@@ -197,13 +197,14 @@
     if (!models.length) {
       const row = body.insertRow();
       const cell = el("td", "muted", "no models in the repository");
-      cell.colSpan = 13;
+      cell.colSpan = 12;
       row.appendChild(cell);
       return;
     }
     for (const m of models) {
       const row = body.insertRow();
       row.dataset.model = m.name;
+      row.className = "model-row";
       const name = row.insertCell();
       name.appendChild(el("strong", null, m.name));
       name.appendChild(el("div", "muted small", [m.version && "v" + m.version, m.runtime].filter(Boolean).join(" · ")));
@@ -260,8 +261,15 @@
     const errors = cell("num errors", g.error_ratio === undefined || g.error_ratio === null ? "–"
       : (100 * g.error_ratio).toFixed(g.error_ratio >= 0.1 ? 0 : 1) + "%");
     if (g.error_ratio > 0) errors.classList.add("bad");
-    const split = row.insertCell();
+    // The p99 split gets a line of its own under the model: a column would push the table off-screen.
+    const splitRow = row.parentNode.insertRow();
+    splitRow.className = "split-row";
+    splitRow.dataset.model = m.name;
+    splitRow.insertCell();
+    const split = splitRow.insertCell();
+    split.colSpan = 11;
     split.className = "split";
+    split.appendChild(el("span", "split-label muted small", "p99 split"));
     const ls = m.latency_split;
     if (!ls || !ls.p99_ms) { split.appendChild(el("span", "muted small", ls ? ls.reading : "–")); return; }
     const bar = el("div", "stack wide");
@@ -274,8 +282,9 @@
       bar.appendChild(part);
     }
     split.appendChild(bar);
-    split.appendChild(el("div", "muted small", parts.map(([k, v]) => `${k} ${ms(v)}`).join(" · ")));
-    split.appendChild(el("div", "reading small", ls.reading));
+    split.appendChild(el("span", "muted small", (parts.length ? parts.map(([k, v]) => `${k} ${ms(v)}`).join(" · ")
+      : "no stage measured") + ` of ${ms(ls.p99_ms)}`));
+    split.appendChild(el("span", "reading small", ls.reading));
   }
 
   function markSlowest(body, models) {
