@@ -9,7 +9,13 @@ so they are as fine as the buckets (`--latency-buckets-s`). Points older than `w
 off, and at most `max_models` models are followed: memory is bounded by
 (window / interval) x models points of a few hundred bytes.
 
-The slow and failed requests the console lists live beside the series, in `RecentRequests`.
+The outcome series counts 4xx answers of inference routes as `client_error`: the outcome counter
+only sees requests that reached a model's scheduler, so bad input, unknown models and rate
+limits were missing from the chart. `summary` gives each model's golden signals over the last
+`SUMMARY_WINDOW_S` for the models table (and its p99 split, `latency_reading.py`).
+
+The slow and failed requests the console lists live beside the series, in `RecentRequests`; the
+server's own active alerts (`alerting.ActiveAlerts`) too.
 """
 
 from __future__ import annotations
