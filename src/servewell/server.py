@@ -179,9 +179,10 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tup
         background.append(loop.create_task(console.run()))
         loop.add_signal_handler(signal.SIGHUP,
                                 lambda: background.append(loop.create_task(reloader.check(settle=False))))
-        if metrics is not None and settings.alerting.webhook_url is not None:
+        if metrics is not None:  # always evaluated (console, /healthz); the webhook only delivers
             tracker = SignalTracker(metrics, engine.model_facts)
-            background.append(loop.create_task(run_alerting(settings.alerting, tracker.snapshots, stop)))
+            background.append(loop.create_task(run_alerting(settings.alerting, tracker.snapshots, stop,
+                                                            active=console.alerts)))
 
     async def shutdown() -> None:
         stop_grpc()

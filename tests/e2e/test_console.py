@@ -1,6 +1,10 @@
 """The live console at `/`, in a real headless Chromium against the real server: it loads without
 console errors, its charts draw live data, failed requests are listed by request id, the try-it
-panel reads the example 3, and the page and its JSON follow the API-key and admin rules."""
+panel reads the example 3, and the page and its JSON follow the API-key and admin rules. An
+"incident" server (a fast, a slow, a failing and a broken model) checks what on-call needs: the
+badge says degraded and why, the models table carries each model's req/s, p50/p99, error ratio
+and p99 split, 4xx answers count in the outcome chart, the server's own alerts show in /healthz
+and the console, and the recent table fits a 1,400 px screen."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import base64
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -16,12 +21,14 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from tritonclient.utils import InferenceServerException
 
 from browser import console_problems, headless_chromium
+from model_dirs import factory_model, infer_body, slow_model
 
 IMAGE_PATH = Path(__file__).parents[2] / "src/servewell/examples/images/digit-3-200px.jpg"
 IMAGE_B64 = base64.b64encode(IMAGE_PATH.read_bytes()).decode()
@@ -262,3 +269,224 @@ def test_records_name_their_batch_and_compute_is_shown_by_batch_size(keyed):
     by_size = {row["batch_size"]: row for row in digits["compute_by_batch_size"]}
     assert {1, 4} <= set(by_size) and {str(size) for size in by_size} <= sizes
     assert by_size[4]["count"] >= 1 and 0 < by_size[4]["p50_ms"] <= by_size[4]["p99_ms"]
+
+
+# ---------- the incident server: what an on-call engineer needs to see ----------
+
+FAILS = """
+from torch import nn
+
+
+class Fails(nn.Linear):
+    def forward(self, x):
+        if bool((x != 0).any()):  # the warm-up's zeros pass: the model loads, then fails every request
+            raise RuntimeError("this model fails every batch")
+        return x
+
+
+def build():
+    return Fails(1, 1)
+"""
+SLOW_MS = 250  # far above what the 1 ms model takes, even on a busy machine
+
+
+@pytest.fixture(scope="module")
+def incident(tmp_path_factory, start_module_server):
+    """fast (1 ms a batch), slow (250 ms), fails (every batch raises) and broken (not an ONNX graph:
+    failed, so the server is degraded); alerts evaluated every second."""
+    root = tmp_path_factory.mktemp("incident-models")
+    slow_model(root, "fast", 1.0, max_batch_size=4)
+    slow_model(root, "slow", float(SLOW_MS), max_batch_size=4)
+    factory_model(root, "fails", FAILS)
+    (root / "broken").mkdir()
+    (root / "broken" / "model.onnx").write_bytes(b"this is not an onnx graph")
+    (root / "broken" / "model.yaml").write_text(yaml.safe_dump({
+        "runtime": "onnx", "artifact": "model.onnx", "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}]}))
+    config = tmp_path_factory.mktemp("incident-config") / "config.yaml"
+    config.write_text(yaml.safe_dump({"alerting": {"evaluation_interval_s": 1.0}}))
+    server = start_module_server(["--model-repository", str(root), "--config", str(config)])
+    server.wait_live()
+
+    def settled() -> bool:  # wait_ready would refuse the broken model
+        models = httpx.get(server.url + "/healthz", timeout=5).json()["models"]
+        states = {n: m["state"] for n, m in models.items()}
+        if "loading" in states.values():
+            return False
+        assert states == {"broken": "failed", "fast": "ready", "slow": "ready", "fails": "ready"}, models
+        return True
+
+    wait_for(settled, 180)
+    return server
+
+
+def infer(url: str, model: str, body: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{url}/v2/models/{model}/infer", json=body or infer_body(1.0), timeout=30)
+
+
+class Traffic:
+    """Requests to each model on a thread until stopped (at most `limit_s`): alerts judge every
+    evaluation window, so the failures must go on while the test looks."""
+
+    def __init__(self, url: str, models: tuple[str, ...], limit_s: float = 60.0) -> None:
+        self.stop = threading.Event()
+        self.answers: list[int] = []
+
+        def run() -> None:
+            deadline = time.monotonic() + limit_s
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                for model in models:
+                    self.answers.append(infer(url, model).status_code)
+                time.sleep(0.02)
+
+        self.thread = threading.Thread(target=run, daemon=True)
+
+    def __enter__(self) -> Traffic:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
+def state(url: str, model: str = "*") -> dict:
+    return httpx.get(f"{url}/console/api/state?model={model}", timeout=10).json()
+
+
+def models_of(doc: dict) -> dict[str, dict]:
+    return {m["name"]: m for m in doc["models"]}
+
+
+def wait_for(check, timeout_s: float = 40.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.25)
+
+
+def test_the_badge_shows_degraded_with_the_reason(incident, browser):
+    health = httpx.get(incident.url + "/healthz").json()
+    assert health["status"] == "degraded" and "broken" in health["readiness"]["reason"]
+    browser.get(incident.url + "/")
+    badge = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, '#server-ready[data-status="degraded"]'))
+    assert badge.text == "degraded" and "degraded" in badge.get_attribute("class").split()
+    assert "broken" in browser.find_element(By.ID, "server-reason").text
+    assert console_problems(browser) == []
+
+
+ROW_CELLS = """
+const row = document.querySelector(`#models tr[data-model="${arguments[0]}"]`);
+const cells = {};
+for (const td of row.querySelectorAll('td.num')) cells[td.classList[1]] = td.textContent;
+const split = document.querySelector(`#models tr.split-row[data-model="${arguments[0]}"]`);
+return [cells, row.textContent + ' ' + split.textContent];
+"""
+
+
+def test_each_model_row_has_its_rate_latency_errors_and_p99_split(incident, browser):
+    with Traffic(incident.url, ("fast", "slow", "fails")):
+        def measured():
+            models = models_of(state(incident.url))
+            signals = [models[n]["signals"] for n in ("fast", "slow", "fails")]
+            if all(s and s["latency_p99_ms"] for s in signals) and signals[2]["error_ratio"]:
+                return models
+            return None
+
+        models = wait_for(measured)
+        browser.get(incident.url + "/")
+        wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, '#models tr[data-model="slow"] td.p99.worst'))
+        # Read in one go: the table is redrawn every poll.
+        cells, row_text = browser.execute_script(ROW_CELLS, "slow")
+    fast, slow, fails = models["fast"], models["slow"], models["fails"]
+    assert slow["signals"]["latency_p99_ms"] >= SLOW_MS and slow["signals"]["latency_p99_ms"] > fast["signals"][
+        "latency_p99_ms"]
+    assert slow["signals"]["requests_per_s"] > 0 and fast["signals"]["error_ratio"] == 0
+    assert fails["signals"]["error_ratio"] == 1.0
+    split = slow["latency_split"]
+    assert split["p99_ms"] == slow["signals"]["latency_p99_ms"] and split["compute_ms"] >= SLOW_MS * 0.8
+    assert split["reading"] and set(split) == {"p99_ms", "queue_ms", "compute_ms", "preprocess_ms", "postprocess_ms",
+                                               "reading"}
+    assert re.fullmatch(r"[\d.]+ (ms|s)", cells["p99"]) and re.fullmatch(r"[\d.]+", cells["rps"])
+    assert cells["errors"] == "0.0%"
+    assert "compute" in row_text and split["reading"] in row_text
+    assert console_problems(browser) == []
+
+
+def test_4xx_answers_count_in_the_requests_by_outcome_chart(incident, browser):
+    wrong = {"inputs": [{"name": "nope", "shape": [1, 1], "datatype": "FP32", "data": [1.0]}]}
+    for _ in range(20):
+        assert infer(incident.url, "fast", wrong).status_code == 422
+    # An unknown model is a client error too; it counts among all models.
+    assert infer(incident.url, "no-such-model").status_code == 404
+    wait_for(lambda: max(state(incident.url, "fast")["series"]["columns"]["client_error"], default=0) > 0)
+    browser.get(incident.url + "/")
+    chart_max = """
+const u = window.servewellConsole.charts.requests;
+if (!u) return null;
+const i = u.series.findIndex((s) => s.label === 'client error (4xx)');
+return i < 0 ? -1 : Math.max(0, ...u.data[i].filter((v) => v !== null));
+"""
+    assert wait(browser, lambda d: (d.execute_script(chart_max) or 0) > 0)
+    assert console_problems(browser) == []
+
+
+def test_the_servers_own_alerts_show_in_healthz_and_the_console(incident, browser):
+    assert httpx.get(incident.url + "/healthz").json()["alerts"] == []  # would notice: nothing fails yet
+    with Traffic(incident.url, ("fast", "slow", "fails")) as traffic:
+        def alert():
+            found = [a for a in httpx.get(incident.url + "/healthz").json()["alerts"]
+                     if (a["name"], a["model"]) == ("error_ratio", "fails")]
+            return found[0] if found else None
+
+        fired = wait_for(alert)
+        health = httpx.get(incident.url + "/healthz")
+        assert health.status_code == 200 and health.json()["status"] == "degraded"  # readiness unchanged
+        assert fired["prometheus"] == "ServewellHighErrorRatio" and fired["severity"] == "critical"
+        assert fired["value"] == 1.0 and fired["threshold"] == 0.05 and fired["since"] <= time.time()
+        assert "fails" in fired["summary"] and "/healthz" in fired["action"]
+        assert any(a["name"] == "error_ratio" for a in state(incident.url)["alerts"])
+        browser.get(incident.url + "/")
+        item = wait(browser, lambda d: d.find_element(
+            By.CSS_SELECTOR, '#alerts-list li[data-alert="error_ratio"][data-model="fails"]'))
+        assert "critical" in item.text and "What to do" in item.text
+        if os.environ.get("SERVEWELL_CONSOLE_SCREENSHOT"):  # the incident view: docs/console-incident.png
+            wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, '#models tr[data-model="slow"] td.p99.worst'))
+            time.sleep(4)  # two more points on the charts
+            browser.execute_script("window.scrollTo(0, 0)")
+            browser.save_screenshot(os.environ["SERVEWELL_CONSOLE_SCREENSHOT"].replace(".png", "-incident.png"))
+    assert set(traffic.answers) == {200, 500}
+    assert console_problems(browser) == []
+
+
+RECT = """
+const el = arguments[0];
+const r = el.getBoundingClientRect();
+const box = el.closest('.scroll').getBoundingClientRect();
+return [r.left, r.right, box.right, document.documentElement.clientWidth];
+"""
+
+
+def test_the_recent_table_fits_a_1400_px_screen(incident, tmp_path):
+    for _ in range(3):  # failed requests fill the recent table (a loopback client sees it)
+        assert infer(incident.url, "fails").status_code == 500
+    driver = headless_chromium(tmp_path / "narrow-profile", width=1400, height=1000)
+    try:
+        driver.get(incident.url + "/")
+        wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#recent-table tbody tr[data-request-id]"))
+        assert driver.execute_script("return window.innerWidth") == 1400
+        wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, '#models tr[data-model="slow"]'))
+        headers = driver.find_elements(By.CSS_SELECTOR, "#recent-table thead th")
+        model_headers = driver.find_elements(By.CSS_SELECTOR, "#models thead th")
+        cells = driver.find_elements(By.CSS_SELECTOR, "#recent-table tbody tr[data-request-id]:first-child td")
+        assert [h.text for h in headers][-3:] == ["total", "stages", "batch"]
+        assert [h.text for h in model_headers][-1] == "errors"
+        for element in (*headers, *cells, *model_headers):
+            left, right, box_right, viewport = driver.execute_script(RECT, element)
+            assert 0 <= left and right <= box_right + 0.5 and right <= viewport, (element.text, right, box_right)
+        assert console_problems(driver) == []
+    finally:
+        driver.quit()

@@ -29,7 +29,8 @@ from servewell.api.openapi import error_responses
 from servewell.api.state import AppState, app_state
 from servewell.engine.protocol import ModelView
 from servewell.errors import NotFound, ServeError
-from servewell.observability.console_feed import ALL_MODELS
+from servewell.observability.console_feed import ALL_MODELS, ConsoleFeed
+from servewell.observability.latency_reading import latency_split
 from servewell.observability.process import rss_bytes
 
 router = APIRouter(tags=["console"])
@@ -97,10 +98,11 @@ async def console_state(
     model: str = Query(ALL_MODELS, max_length=200, description="Whose chart series: a model name, or * for all."),
     recent: int = Query(50, ge=0, le=_RECENT_LIMIT, description="How many recent slow/failed requests."),
 ) -> Response:
-    """Server facts, every model (state, reason, instances and their memory, queue per lane,
-    effective max batch size), the chart series of `model` over the last minutes, and (admin
-    only) the recent slow and failed requests and each model's batching settings. Needs an API
-    key when keys are configured."""
+    """Server facts (with `/healthz`'s status and reason), every model (state, reason, instances
+    and their memory, queue per lane, effective max batch size, `signals` over the last 30 s and
+    `latency_split` of its p99 with a reading), the server's active alerts, the chart series of
+    `model` over the last minutes, and (admin only) the recent slow and failed requests and each
+    model's batching settings. Needs an API key when keys are configured."""
     state = app_state(request)
     if model != ALL_MODELS and not state.engine.knows(model):
         raise NotFound("unknown model; use * or one of this server's models")
@@ -114,10 +116,13 @@ async def console_state(
         admin, admin_reason = False, exc.message
     feed = state.console
     total, reserved = state.engine.memory_budget
+    readiness = state.engine.readiness()
     doc: dict[str, Any] = {
         "server": {
             "version": servewell.__version__,
-            "ready": state.engine.ready,
+            "ready": readiness.ready,
+            "status": readiness.status,  # /healthz's word: ok, degraded, not_ready, shutting_down
+            "status_reason": readiness.reason,
             "started_at": feed.started_at,
             "frontend_rss_bytes": rss_bytes(),
             "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
@@ -132,12 +137,15 @@ async def console_state(
         "recent": feed.recent.to_json(recent) if admin else None,
         "recent_recorded": feed.recent.recorded if admin else None,
         "config": state.config_status(),  # rejected config files (live_config.py), shown as a banner
+        "alerts": feed.alerts.to_json(),
+        "alerts_evaluated_at": feed.alerts.evaluated_at,
     }
-    # Each model's compute time by batch size (aggregates, like /metrics). Admin only, like
-    # `recent` (whose records carry batch_id, batch_size, instance, queue_position): the refusals
-    # (401/403/429, 4xx naming no model: `observability/recent_requests.py`), kept apart from it.
+    # Each model's compute time by batch size (aggregates, like /metrics), then its golden signals and
+    # p99 split (which read it). `recent` records carry batch_id, batch_size, instance, queue_position;
+    # refusals (401/403/429, 4xx naming no model: `observability/recent_requests.py`) are kept apart.
     for entry in doc["models"]:
         entry["compute_by_batch_size"] = feed.compute_by_batch_size(entry["name"])
+        _add_golden_signals(entry, feed)
     doc["refusals"] = feed.recent.refusals_json(recent) if admin else None
     return Response(orjson.dumps(doc), media_type="application/json", headers={"Cache-Control": "no-store"})
 
@@ -170,3 +178,11 @@ def _model(view: ModelView, admin_state: AppState | None) -> dict[str, Any]:
         except ServeError:
             doc["batching"] = None  # unloaded or being replaced right now
     return doc
+
+
+def _add_golden_signals(entry: dict[str, Any], feed: ConsoleFeed) -> None:
+    # The models table's per-model req/s, latency and error ratio, and the split of its p99 (uses
+    # the model's compute_by_batch_size when the entry carries one).
+    summary = feed.summary(entry["name"])
+    entry["signals"] = summary
+    entry["latency_split"] = latency_split(summary, entry.get("compute_by_batch_size")).to_json()

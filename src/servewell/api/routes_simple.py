@@ -146,6 +146,7 @@ async def healthz(state: AppState = Depends(state_dependency)) -> Response:
         "frontend_rss_bytes": rss_bytes(),
         "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
         "models": models,
+        "alerts": _active_alerts(state),
     }
     # A rejected config file is degraded configuration, not unreadiness: "ready" stays as it is.
     config = doc["config"] = state.config_status()
@@ -160,3 +161,9 @@ def _scheduler_counts(facts: SchedulingFacts | None) -> dict[str, int] | None:
         return None
     return {"batches": facts.batches, "rows": facts.rows, "expired": facts.expired, "cancelled": facts.cancelled,
             "rejected": facts.rejected, "isolated_batches": facts.isolated_batches}
+
+
+def _active_alerts(state: AppState) -> list[dict[str, Any]]:
+    # The server's own golden-signal alerts (observability/alerting.py): informative, they never
+    # change readiness (a load balancer must not drain a slow server and overload the rest).
+    return state.console.alerts.to_json()

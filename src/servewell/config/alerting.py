@@ -1,4 +1,5 @@
-"""Typed settings of the optional alert webhook (part of the server's config tree)."""
+"""Typed settings of the server's own alert evaluation and its optional webhook (part of the server's
+config tree)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ class AlertThresholds(BaseModel):
 
 
 class AlertingConfig(BaseModel):
-    """The alert webhook of one server; alerting is off while `webhook_url` is unset."""
+    """Alerting of one server: the rules are always evaluated (active alerts in the console and
+    `/healthz`); notifications are sent only while `webhook_url` is set."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -51,7 +53,8 @@ class AlertingConfig(BaseModel):
     min_interval_s: float = Field(
         600.0, ge=0, description="Least time between two notifications of the same alert for the same model."
     )
-    evaluation_interval_s: float = Field(15.0, gt=0, description="Time between two evaluations of the signals.")
+    evaluation_interval_s: float = Field(15.0, gt=0, description="Time between two evaluations of the signals "
+                                         "(each covers the time since the previous one).")
     timeout_s: float = Field(3.0, gt=0, le=60, description="Timeout of one webhook POST, connect to response.")
 
     @field_validator("webhook_url")

@@ -1,14 +1,18 @@
-"""Optional alert webhook: golden-signal snapshots in, chat or HTTP notifications out.
+"""Golden-signal alerts evaluated by the server itself: snapshots in, active alerts and (optional)
+webhook notifications out.
 
-Prometheus with deploy/prometheus/alerts.yml is the main alerting path; this one lets a single server
-without Prometheus tell a person that it is in trouble. It has three parts:
+Prometheus with deploy/prometheus/alerts.yml is the fleet's alerting path; this one lets a single
+server without Prometheus say that it is in trouble: the active alerts are always kept (the console's
+"Active alerts" panel and `/healthz` show them), and a webhook, when configured, delivers them.
+Each rule names the alerts.yml alert it mirrors (`AlertRule.prometheus`). It has four parts:
 
 - `AlertEvaluator` is pure and synchronous: `SignalSnapshot`s and a clock reading in, the alerts due
   out (thresholds from `AlertThresholds`, at most one notification per alert and model per
   `min_interval_s`), so it is tested without sockets or sleeps.
 - `AlertNotifier` renders alerts for a generic JSON receiver, Slack or WeCom and POSTs them with
   `httpx.AsyncClient`; a failed POST is logged at warning and never raised.
-- `run_alerting` ties both together in a background task of the server.
+- `ActiveAlerts` keeps which alerts hold now, since when, for the console and `/healthz`.
+- `run_alerting` ties them together in a background task of the server.
 
 The webhook URL is a secret (chat webhooks embed their key): it is held as `SecretStr` and only its
 host is ever logged.
@@ -69,6 +73,7 @@ class AlertRule:
     """How one signal of a snapshot turns into an alert."""
 
     name: str
+    prometheus: str  # the alert of deploy/prometheus/alerts.yml this rule mirrors
     severity: Severity
     read: Callable[[SignalSnapshot], float | None]
     limit: Callable[[AlertThresholds], float]
@@ -88,7 +93,8 @@ def _pct(ratio: float) -> str:
 
 RULES: tuple[AlertRule, ...] = (
     AlertRule(
-        "latency_p99", "warning", lambda s: s.p99_latency_s, lambda t: t.p99_latency_s, operator.gt, _ms,
+        "latency_p99", "ServewellLatencyP99OverSLO",
+        "warning", lambda s: s.p99_latency_s, lambda t: t.p99_latency_s, operator.gt, _ms,
         "{model}: p99 latency {value} over {threshold}",
         "Find the stage that grew (dashboard 'Latency by stage (p95)'): queue wait -> raise `instances` in "
         "model.yaml and POST /v2/repository/models/{model}/load, or lower `batching.max_wait_ms`; compute -> "
@@ -96,34 +102,39 @@ RULES: tuple[AlertRule, ...] = (
         "raise `decode_threads`.",
     ),
     AlertRule(
-        "error_ratio", "critical", lambda s: s.error_ratio, lambda t: t.error_ratio, operator.gt, _pct,
+        "error_ratio", "ServewellHighErrorRatio",
+        "critical", lambda s: s.error_ratio, lambda t: t.error_ratio, operator.gt, _pct,
         "{model}: {value} of requests fail with 5xx (threshold {threshold})",
         "GET /healthz (models.{model}.state, reason, instances[].alive) and the server log lines with "
         "model={model}; if a new version was just loaded, restore the previous directory and POST "
         "/v2/repository/models/{model}/load.",
     ),
     AlertRule(
-        "rejected_ratio", "warning", lambda s: s.rejected_ratio, lambda t: t.rejected_ratio, operator.gt, _pct,
+        "rejected_ratio", "ServewellRequestsRejected",
+        "warning", lambda s: s.rejected_ratio, lambda t: t.rejected_ratio, operator.gt, _pct,
         "{model}: {value} of requests refused, queue full (threshold {threshold})",
         "Add throughput: raise `instances` in model.yaml (then POST /v2/repository/models/{model}/load) or "
         "`max_batch_size` (PATCH /admin/models/{model}/batching); raise `batching.max_queue_size` only if the "
         "latency SLO allows longer waits.",
     ),
     AlertRule(
-        "queue_saturation", "warning", lambda s: s.queue_fill_ratio, lambda t: t.queue_fill_ratio, operator.gt, _pct,
+        "queue_saturation", "ServewellQueueSaturated",
+        "warning", lambda s: s.queue_fill_ratio, lambda t: t.queue_fill_ratio, operator.gt, _pct,
         "{model}: queue {value} full (threshold {threshold})",
         "GET /admin/models/{model}/batching for the live `max_queue_size`; add `instances` or raise "
         "`max_batch_size` before requests are refused with 503.",
     ),
     AlertRule(
-        "worker_restarts", "warning", lambda s: float(s.worker_restarts), lambda t: float(t.worker_restarts),
+        "worker_restarts", "ServewellWorkerRestarts",
+        "warning", lambda s: float(s.worker_restarts), lambda t: float(t.worker_restarts),
         operator.ge, lambda v: f"{v:.0f}",
         "{model}: {value} worker restart(s)",
         "GET /healthz (models.{model}.restarts, recycles, instances[]) and the log line 'worker ... died'; "
         "restarts for memory mean the worker passed `memory_limit_bytes`: look for a leak or raise the limit.",
     ),
     AlertRule(
-        "memory_headroom", "critical", lambda s: s.memory_headroom_ratio, lambda t: t.memory_headroom_ratio,
+        "memory_headroom", "ServewellWorkerMemoryHigh",
+        "critical", lambda s: s.memory_headroom_ratio, lambda t: t.memory_headroom_ratio,
         operator.lt, _pct,
         "{model}: only {value} memory headroom left (threshold {threshold})",
         "GET /healthz (rss_bytes, memory_budget); set or raise `memory_limit_bytes` in model.yaml, lower "
@@ -161,16 +172,69 @@ class AlertEvaluator:
     def evaluate(self, snapshots: Iterable[SignalSnapshot], now: float) -> list[Alert]:
         """Alerts due at monotonic time `now`; they count as sent whether or not delivery succeeds,
         so a broken webhook is not hammered."""
+        return self.due([a for s in snapshots for a in firing_alerts(s, self.thresholds)], now)
+
+    def due(self, firing: Iterable[Alert], now: float) -> list[Alert]:
+        """Of the `firing` alerts, those to notify at monotonic time `now` (see `evaluate`)."""
         due = []
-        for snapshot in snapshots:
-            for alert in firing_alerts(snapshot, self.thresholds):
-                key = (alert.name, alert.model)
-                last = self._last_sent_at.get(key)
-                if last is not None and now - last < self.min_interval_s:
-                    continue
-                self._last_sent_at[key] = now
-                due.append(alert)
+        for alert in firing:
+            key = (alert.name, alert.model)
+            last = self._last_sent_at.get(key)
+            if last is not None and now - last < self.min_interval_s:
+                continue
+            self._last_sent_at[key] = now
+            due.append(alert)
         return due
+
+
+@dataclass(slots=True, frozen=True)
+class ActiveAlert:
+    """An alert that holds now: what fired, since when (Unix time of the first evaluation that
+    saw it), its latest value and what to do."""
+
+    name: str
+    prometheus: str
+    model: str
+    severity: Severity
+    since: float
+    value: float
+    threshold: float
+    summary: str
+    action: str
+
+
+_PROMETHEUS_NAME = {rule.name: rule.prometheus for rule in RULES}
+
+
+class ActiveAlerts:
+    """The alerts holding after the latest evaluation. An alert stays active while every evaluation
+    finds it firing and ends at the first that does not (below its threshold, or no traffic to
+    judge), as a Prometheus rule without `for:` does. Updated and read on the event loop only."""
+
+    def __init__(self) -> None:
+        self._active: dict[tuple[str, str], ActiveAlert] = {}
+        self.evaluated_at: float | None = None  # Unix time of the latest evaluation; None before the first
+
+    def update(self, firing: Iterable[Alert], now: float) -> None:
+        """Replace the set with `firing`, evaluated at Unix time `now`; an alert that was already
+        active keeps its `since`."""
+        active: dict[tuple[str, str], ActiveAlert] = {}
+        for alert in firing:
+            key = (alert.name, alert.model)
+            before = self._active.get(key)
+            active[key] = ActiveAlert(alert.name, _PROMETHEUS_NAME.get(alert.name, ""), alert.model, alert.severity,
+                                      before.since if before is not None else now, alert.value, alert.threshold,
+                                      alert.summary, alert.action)
+        self._active = active
+        self.evaluated_at = now
+
+    def current(self) -> list[ActiveAlert]:
+        """Active alerts, critical first, then the oldest first."""
+        return sorted(self._active.values(), key=lambda a: (a.severity != "critical", a.since, a.name, a.model))
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """`current()` as JSON-ready dicts (the shape of `/healthz`'s and the console's `alerts`)."""
+        return [asdict(a) for a in self.current()]
 
 
 def render_payload(alerts: Sequence[Alert], fmt: AlertFormat, source: str) -> dict[str, Any]:
@@ -245,22 +309,27 @@ async def run_alerting(
     snapshot_fn: SnapshotFn,
     stop_event: asyncio.Event,
     *,
+    active: ActiveAlerts | None = None,
     client: httpx.AsyncClient | None = None,
     clock: Callable[[], float] = time.monotonic,
+    wall_clock: Callable[[], float] = time.time,
 ) -> None:
-    """Every `evaluation_interval_s` until `stop_event` is set: take snapshots, notify the alerts due.
+    """Every `evaluation_interval_s` until `stop_event` is set: take snapshots, keep the alerts that
+    hold in `active`, and notify the alerts due when a webhook is configured.
 
     `snapshot_fn` runs on the event loop, so it must be cheap and must not block (read counters, no
     I/O); an exception from it is logged and that round skipped. The first evaluation comes one
-    interval after the start. Returns at once when no webhook is configured. A `client` passed in is
-    used and left open; otherwise one is made and closed here.
+    interval after the start. Returns at once when there is neither a webhook nor an `active` set to
+    keep. A `client` passed in is used and left open; otherwise one is made and closed here.
     """
-    if config.webhook_url is None:
+    if config.webhook_url is None and active is None:
         return
     evaluator = AlertEvaluator(config.thresholds, config.min_interval_s)
-    own_client = client is None
-    http = client if client is not None else httpx.AsyncClient(timeout=config.timeout_s)
-    notifier = AlertNotifier(config, http)
+    http: httpx.AsyncClient | None = None
+    own_client = client is None and config.webhook_url is not None
+    if config.webhook_url is not None:
+        http = client if client is not None else httpx.AsyncClient(timeout=config.timeout_s)
+    notifier = AlertNotifier(config, http) if http is not None else None
     try:
         while True:
             try:
@@ -273,9 +342,13 @@ async def run_alerting(
             except Exception:  # a broken producer must not end alerting
                 log.warning("alert signals could not be read; skipping this evaluation", exc_info=True)
                 continue
-            due = evaluator.evaluate(snapshots, clock())
-            if due:
-                await notifier.send(due)
+            firing = [a for s in snapshots for a in firing_alerts(s, config.thresholds)]
+            if active is not None:
+                active.update(firing, wall_clock())
+            if notifier is not None:
+                due = evaluator.due(firing, clock())
+                if due:
+                    await notifier.send(due)
     finally:
-        if own_client:
+        if own_client and http is not None:
             await http.aclose()

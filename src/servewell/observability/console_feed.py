@@ -9,9 +9,15 @@ so they are as fine as the buckets (`--latency-buckets-s`). Points older than `w
 off, and at most `max_models` models are followed: memory is bounded by
 (window / interval) x models points of a few hundred bytes.
 
+The outcome series counts 4xx answers of inference routes as `client_error`: the outcome counter
+only sees requests that reached a model's scheduler, so bad input, unknown models and rate
+limits were missing from the chart. `summary` gives each model's golden signals over the last
+`SUMMARY_WINDOW_S` for the models table (and its p99 split, `latency_reading.py`).
+
 Beside the series: each model's batch compute time by batch size (`compute_by_batch_size`, from
-`servewell_batch_compute_by_size_seconds` over the last one to two minutes), and the slow and
-failed requests the console lists, in `RecentRequests`.
+`servewell_batch_compute_by_size_seconds` over the last one to two minutes), the slow and failed
+requests the console lists (`RecentRequests`), and the server's own active alerts
+(`alerting.ActiveAlerts`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
+from servewell.observability.alerting import ActiveAlerts
 from servewell.observability.metrics import OUTCOMES, LoopHistogram, ServeMetrics
 from servewell.observability.recent_requests import RecentRequests
 
@@ -38,8 +45,14 @@ MAX_MODELS = 64
 #: The compute-by-batch-size view counts the batches since a baseline reading taken every this
 #: many seconds, the older of the last two: one to two periods of batches, never all since start.
 BY_SIZE_PERIOD_S = 60.0
+#: The models table's per-model figures cover this many seconds (long enough for a p99 of a few
+#: hundred requests at modest traffic, short enough to show a change within a minute).
+SUMMARY_WINDOW_S = 30.0
 #: The columns of a point, in order (times in milliseconds, rates per second).
-COLUMNS = ("t", *OUTCOMES, "latency_p50_ms", "latency_p99_ms", "queue_p50_ms", "queue_p99_ms",
+#: 4xx answers of inference routes that no model outcome counts (bad input, unknown model, rate
+#: limited; the scheduler never saw them): without this column they appeared nowhere in the chart.
+CLIENT_ERROR = "client_error"
+COLUMNS = ("t", *OUTCOMES, CLIENT_ERROR, "latency_p50_ms", "latency_p99_ms", "queue_p50_ms", "queue_p99_ms",
            "compute_p50_ms", "compute_p99_ms", "batch_mean", "batches_per_s")
 
 
@@ -107,6 +120,10 @@ class MetricsReading:
     compute: dict[str, HistogramReading] = field(default_factory=dict)
     batch_size: dict[str, HistogramReading] = field(default_factory=dict)
     latency_bounds: tuple[float, ...] = ()
+    # For the per-model summary and latency split (console's models table):
+    client_errors: dict[str, float] = field(default_factory=dict)  # 4xx answers of inference routes
+    preprocess: dict[str, HistogramReading] = field(default_factory=dict)
+    postprocess: dict[str, HistogramReading] = field(default_factory=dict)
 
 
 def read_metrics(metrics: ServeMetrics) -> MetricsReading:
@@ -123,6 +140,16 @@ def read_metrics(metrics: ServeMetrics) -> MetricsReading:
     reading.queue_wait = _read_histogram(metrics.queue_wait)
     reading.compute = _read_histogram(metrics.compute)
     reading.batch_size = _read_histogram(metrics.batch_size)
+    reading.preprocess = _read_histogram(metrics.preprocess)
+    reading.postprocess = _read_histogram(metrics.postprocess)
+    status_at = metrics.request_latency.labelnames.index("status_class")
+    model_at = metrics.request_latency.labelnames.index("model")
+    for values, per_bucket, _total in metrics.request_latency.snapshot():
+        if values[status_at] != "4xx" or not is_inference_route(values[route_at]):
+            continue
+        # A 4xx naming no model of this server still counts among all models.
+        for key in _keys(values[model_at]) or (ALL_MODELS,):
+            reading.client_errors[key] = reading.client_errors.get(key, 0.0) + float(sum(per_bucket))
     return reading
 
 
@@ -169,6 +196,7 @@ def point_between(before: MetricsReading, after: MetricsReading, model: str, ela
     outcomes_now = after.outcomes.get(model, {})
     outcomes_then = before.outcomes.get(model, {})
     rates = [round(counter_increase(outcomes_now.get(o, 0.0), outcomes_then.get(o)) / elapsed_s, 3) for o in OUTCOMES]
+    rates.append(round(_client_errors(before, after, model) / elapsed_s, 3))
     bounds = after.latency_bounds
 
     def window(now: dict[str, HistogramReading], then: dict[str, HistogramReading]) -> HistogramReading | None:
@@ -187,6 +215,44 @@ def point_between(before: MetricsReading, after: MetricsReading, model: str, ela
     return (round(at, 3), *rates, *percentiles(after.latency, before.latency),
             *percentiles(after.queue_wait, before.queue_wait), *percentiles(after.compute, before.compute),
             batch_mean, batch_rate)
+
+
+def _client_errors(before: MetricsReading, after: MetricsReading, model: str) -> float:
+    # Cancelled requests are answered 499 (4xx) and already counted as a model outcome.
+    fours = counter_increase(after.client_errors.get(model, 0.0), before.client_errors.get(model))
+    cancelled = counter_increase(after.outcomes.get(model, {}).get("cancelled", 0.0),
+                                 before.outcomes.get(model, {}).get("cancelled"))
+    return max(0.0, fours - cancelled)
+
+
+def summary_between(before: MetricsReading, after: MetricsReading, model: str, elapsed_s: float) -> dict[str, Any]:
+    """`model`'s golden signals over the `elapsed_s` seconds between two readings, for the models
+    table: answers/s, the share that failed (any outcome but success and cancelled, 4xx included),
+    p50/p99 latency of inference requests, and the p99 of each stage (queue wait and preprocess
+    per request, compute per batch) with the mean batch size, for the latency split."""
+    point = dict(zip(COLUMNS, point_between(before, after, model, elapsed_s, 0.0), strict=True))
+    answered = sum(point[o] or 0.0 for o in (*OUTCOMES, CLIENT_ERROR) if o != "cancelled")
+    failed = answered - (point["success"] or 0.0)
+    bounds = after.latency_bounds
+
+    def p99(now: dict[str, HistogramReading], then: dict[str, HistogramReading]) -> float | None:
+        current = now.get(model)
+        delta = current.since(then.get(model)) if current is not None else None
+        if delta is None or delta.count <= 0 or len(delta.cumulative) != len(bounds) + 1:
+            return None
+        return _ms(quantile(bounds, delta.cumulative, 0.99))
+
+    return {
+        "window_s": round(elapsed_s, 3),
+        "requests_per_s": round(answered + (point["cancelled"] or 0.0), 3),
+        "error_ratio": round(failed / answered, 4) if answered > 0 else None,
+        "latency_p50_ms": point["latency_p50_ms"], "latency_p99_ms": point["latency_p99_ms"],
+        "queue_p50_ms": point["queue_p50_ms"], "queue_p99_ms": point["queue_p99_ms"],
+        "compute_p50_ms": point["compute_p50_ms"], "compute_p99_ms": point["compute_p99_ms"],
+        "preprocess_p99_ms": p99(after.preprocess, before.preprocess),
+        "postprocess_p99_ms": p99(after.postprocess, before.postprocess),
+        "batch_mean": point["batch_mean"],
+    }
 
 
 class ConsoleFeed:
@@ -211,6 +277,10 @@ class ConsoleFeed:
         # (taken at, {(model, batch size label): reading}); the first is the view's baseline.
         self._by_size_baselines: deque[tuple[float, dict[tuple[str, str], HistogramReading]]] = deque(maxlen=2)
         self.started_at = wall_clock()
+        # The models table's summaries cover the last `SUMMARY_WINDOW_S`: the readings since then.
+        self._history: deque[tuple[float, MetricsReading]] = deque(
+            maxlen=max(2, int(min(SUMMARY_WINDOW_S, window_s) // interval_s) + 1))
+        self.alerts = ActiveAlerts()  # kept by the alert evaluation (`run_alerting`), shown by the console
 
     def sample(self) -> None:
         """Take one reading; from the second on, append a point per model seen so far."""
@@ -220,6 +290,7 @@ class ConsoleFeed:
         previous, self._previous = self._previous, (now, reading)
         if not self._by_size_baselines or now - self._by_size_baselines[-1][0] >= BY_SIZE_PERIOD_S:
             self._by_size_baselines.append((now, _read_by_size(self.metrics)))
+        self._history.append((now, reading))
         if previous is None or now <= previous[0]:
             return
         at, elapsed_s = self._wall_clock(), now - previous[0]
@@ -273,3 +344,11 @@ class ConsoleFeed:
         columns: dict[str, Any] = {name: [p[i] for p in points] for i, name in enumerate(COLUMNS)}
         return {"model": model, "interval_s": self.interval_s, "window_s": self.window_s,
                 "enabled": self.metrics is not None, "columns": columns}
+
+    def summary(self, model: str) -> dict[str, Any] | None:
+        """`model`'s `summary_between` over the readings of the last `SUMMARY_WINDOW_S` (None until
+        two readings exist)."""
+        if len(self._history) < 2:
+            return None
+        (then, before), (now, after) = self._history[0], self._history[-1]
+        return summary_between(before, after, model, now - then) if now > then else None

@@ -9,11 +9,15 @@ import logging
 
 import httpx
 import pytest
+import yaml
 from pydantic import ValidationError
 
+from monitoring import ALERTS
 from servewell.config.alerting import AlertingConfig, AlertThresholds
 from servewell.observability.alerting import (
+    RULES,
     WECOM_MAX_BYTES,
+    ActiveAlerts,
     AlertEvaluator,
     AlertNotifier,
     SignalSnapshot,
@@ -232,3 +236,70 @@ def test_run_alerting_notifies_rate_limited_and_survives_broken_snapshots(caplog
     assert "could not be read" in caplog.text
     assert len(receiver.bodies) == 1  # five rounds fired, one notification within min_interval_s
     assert receiver.bodies[0]["alerts"][0]["name"] == "error_ratio"
+
+
+# ---------- the server's own evaluation: active alerts (console, /healthz) ----------
+
+
+class WallClock:
+    """A wall clock that moves only when the test says so."""
+
+    def __init__(self, t: float = 1_700_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_active_alerts_keep_their_start_while_firing_and_end_when_not():
+    active, clock = ActiveAlerts(), WallClock()
+    thresholds = AlertThresholds()
+    assert active.to_json() == [] and active.evaluated_at is None
+    failing = SignalSnapshot("digits", error_ratio=0.5, queue_fill_ratio=0.9)
+    active.update(firing_alerts(failing, thresholds), clock())
+    started = clock.t
+    clock.t += 15
+    active.update(firing_alerts(SignalSnapshot("digits", error_ratio=0.7, queue_fill_ratio=0.9), thresholds), clock())
+    (error, queue) = active.to_json()  # critical first
+    assert (error["name"], error["prometheus"], error["severity"]) == ("error_ratio", "ServewellHighErrorRatio",
+                                                                       "critical")
+    assert error["since"] == started and error["value"] == 0.7 and error["threshold"] == 0.05
+    assert "digits" in error["summary"] and error["action"] and active.evaluated_at == clock.t
+    assert queue["name"] == "queue_saturation"
+    clock.t += 15
+    active.update(firing_alerts(SignalSnapshot("digits", error_ratio=0.0, queue_fill_ratio=0.9), thresholds),
+                  clock())
+    assert names(active.current()) == ["queue_saturation"]
+    clock.t += 15
+    active.update(firing_alerts(HEALTHY, thresholds), clock())  # resolved
+    assert active.current() == []
+    active.update(firing_alerts(failing, thresholds), clock())  # a new episode starts anew
+    assert active.current()[0].since == clock.t
+
+
+def test_run_alerting_without_a_webhook_still_keeps_the_active_alerts():
+    active = ActiveAlerts()
+    config = AlertingConfig(evaluation_interval_s=0.005)
+    clock = WallClock()
+
+    async def main():
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_alerting(config, lambda: [SignalSnapshot("digits", error_ratio=0.5)], stop,
+                                                active=active, wall_clock=clock))
+
+        async def evaluated() -> bool:
+            return bool(active.current())
+
+        await eventually_async(evaluated, 10, "no evaluation without a webhook")
+        stop.set()
+        await asyncio.wait_for(task, 1)
+
+    asyncio.run(main())
+    assert names(active.current()) == ["error_ratio"] and active.current()[0].since == clock.t
+
+
+def test_every_rule_mirrors_an_alert_of_the_prometheus_rules():
+    alerts = {rule["alert"] for group in yaml.safe_load(ALERTS.read_text())["groups"]
+              for rule in group["rules"] if "alert" in rule}
+    assert {rule.prometheus for rule in RULES} <= alerts
+    assert len({rule.prometheus for rule in RULES}) == len(RULES)

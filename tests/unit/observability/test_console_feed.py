@@ -185,3 +185,44 @@ def test_run_samples_on_a_timer_and_stops_when_cancelled():
     asyncio.run(main())
     rates = _column(feed, "success", "m")
     assert len(rates) >= 2 and math.fsum(r for r in rates if r) > 0
+
+
+def test_4xx_answers_count_as_client_errors_without_the_cancelled_ones():
+    metrics = ServeMetrics(latency_buckets=BOUNDS)
+    clocks = Clocks()
+    feed = ConsoleFeed(metrics, interval_s=2.0, window_s=10.0, clock=clocks.mono, wall_clock=clocks.wall)
+    feed.sample()
+    clocks.now += 2.0
+    for _ in range(6):  # bad input: the scheduler never saw them, so no model outcome counts them
+        metrics.observe_request("a", "/v2/models/{name}/infer", 422, 0.001)
+    metrics.count("a", "normal", "cancelled")  # a cancel is answered 499 and already an outcome
+    metrics.observe_request("a", "/predict", 499, 0.001)
+    metrics.observe_request("-", "/v2/models/{name}/infer", 404, 0.001)  # unknown model: all models only
+    metrics.observe_request("a", "/v2/models/{name}", 404, 0.001)  # metadata: not an inference answer
+    feed.sample()
+    assert _column(feed, "client_error", "a") == [3.0]  # 6 over 2 s
+    assert _column(feed, "client_error") == [3.5] and _column(feed, "cancelled", "a") == [0.5]
+
+
+def test_the_models_table_summary_covers_the_recent_window():
+    metrics = ServeMetrics(latency_buckets=BOUNDS)
+    clocks = Clocks()
+    feed = ConsoleFeed(metrics, interval_s=2.0, window_s=60.0, clock=clocks.mono, wall_clock=clocks.wall)
+    feed.sample()
+    assert feed.summary("a") is None  # one reading: nothing to compare yet
+    for _ in range(3):
+        clocks.now += 2.0
+        for _ in range(9):
+            metrics.count("a", "normal", "success")
+            metrics.observe_request("a", "/predict", 200, 0.005)
+        metrics.count("a", "normal", "error")
+        metrics.observe_request("a", "/predict", 500, 0.5)
+        metrics.observe_request("a", "/predict", 422, 0.001)
+        metrics.preprocess.labels("a").observe(0.05)
+        feed.sample()
+    summary = feed.summary("a")
+    assert summary is not None and summary["window_s"] == 6.0
+    assert summary["requests_per_s"] == pytest.approx(11 / 2)  # 9 + 1 error + 1 client error per 2 s
+    assert summary["error_ratio"] == pytest.approx(2 / 11, abs=1e-4)
+    assert summary["latency_p50_ms"] < 10 < 100 < summary["latency_p99_ms"]
+    assert 10 < summary["preprocess_p99_ms"] <= 100 and summary["postprocess_p99_ms"] is None

@@ -5,15 +5,18 @@
 (function () {
   const POLL_MS = 2000;
   const RECENT_ROWS = 100;
-  const OUTCOMES = ["success", "rejected", "deadline_exceeded", "cancelled", "error"];
+  // client_error: 4xx answers no model outcome counts (bad input, unknown model, rate limited).
+  const OUTCOMES = ["success", "rejected", "deadline_exceeded", "cancelled", "error", "client_error"];
+  const OUTCOME_LABELS = { deadline_exceeded: "deadline exceeded", client_error: "client error (4xx)" };
   const COLORS = {
     success: "#1a7f37", rejected: "#d97706", deadline_exceeded: "#7c3aed", cancelled: "#9ca3af", error: "#c62828",
+    client_error: "#db2777",
     p50: "#2563eb", p99: "#c62828", mean: "#2563eb", rate: "#9ca3af",
   };
   const STAGES = ["preprocess", "queue", "compute", "postprocess"];
   const CHARTS = [
     // Success is drawn last, on top: when nothing fails, the zero lines of the others stay under it.
-    { id: "requests", unit: "/s", series: OUTCOMES.slice().reverse().map((o) => ({ key: o, label: o.replace("_", " "), stroke: COLORS[o] })) },
+    { id: "requests", unit: "/s", series: OUTCOMES.slice().reverse().map((o) => ({ key: o, label: OUTCOME_LABELS[o] || o, stroke: COLORS[o] })) },
     { id: "latency", unit: " ms", series: [
       { key: "latency_p50_ms", label: "p50", stroke: COLORS.p50 }, { key: "latency_p99_ms", label: "p99", stroke: COLORS.p99 }] },
     { id: "queue", unit: " ms", series: [
@@ -156,7 +159,9 @@
 
   function render(doc) {
     renderServer(doc.server);
+    renderAlerts(doc.alerts || [], doc.alerts_evaluated_at);
     renderModels(doc.models);
+    renderComputeByBatch(doc.models);
     renderCharts(doc.series);
     renderTryModels(doc.models);
     renderRecent(doc);
@@ -189,9 +194,17 @@
   /* ---------- server and models ---------- */
 
   function renderServer(server) {
+    // The same word as /healthz: ok (green "ready"), degraded (amber, with why), else red.
+    const status = server.status || (server.ready ? "ok" : "not_ready");
+    const look = { ok: ["ready", "ready"], degraded: ["degraded", "degraded"],
+      shutting_down: ["not-ready", "shutting down"] }[status] || ["not-ready", "not ready"];
     const badge = $("server-ready");
-    badge.className = "badge " + (server.ready ? "ready" : "not-ready");
-    badge.textContent = server.ready ? "ready" : "not ready";
+    badge.className = "badge " + look[0];
+    badge.textContent = look[1];
+    badge.dataset.status = status;
+    const reason = $("server-reason");
+    reason.textContent = status === "ok" ? "" : (server.status_reason || "");
+    reason.className = "status-reason " + look[0];
     const budget = server.memory_budget;
     $("server-facts").textContent = [
       "v" + server.version,
@@ -208,13 +221,14 @@
     if (!models.length) {
       const row = body.insertRow();
       const cell = el("td", "muted", "no models in the repository");
-      cell.colSpan = 8;
+      cell.colSpan = 12;
       row.appendChild(cell);
       return;
     }
     for (const m of models) {
       const row = body.insertRow();
       row.dataset.model = m.name;
+      row.className = "model-row";
       const name = row.insertCell();
       name.appendChild(el("strong", null, m.name));
       name.appendChild(el("div", "muted small", [m.version && "v" + m.version, m.runtime].filter(Boolean).join(" · ")));
@@ -224,7 +238,11 @@
       }
       const state = row.insertCell();
       state.appendChild(el("span", "badge " + m.state, m.state));
-      if (m.reason) state.appendChild(el("div", "reason", m.reason));
+      if (m.reason) {
+        const reason = el("div", "reason", m.reason);
+        reason.title = m.reason; // three lines shown, all of it on hover
+        state.appendChild(reason);
+      }
       if (m.load_s !== null) state.appendChild(el("div", "muted small", `loaded in ${m.load_s} s`));
       const instances = row.insertCell();
       if (!m.instances.length) instances.appendChild(el("span", "muted", "–"));
@@ -251,6 +269,112 @@
       const s = m.scheduler;
       row.insertCell().textContent = s ? `${s.batches} · ${s.rows}` : "–";
       row.insertCell().textContent = s ? `${s.rejected} · ${s.expired} · ${s.cancelled}` : "–";
+      renderSignals(row, m);
+    }
+    markSlowest(body, models);
+  }
+
+  /* ---------- per-model golden signals, p99 split, compute by batch size ---------- */
+
+  function renderSignals(row, m) {
+    const g = m.signals || {};
+    const cell = (cls, text) => { const c = row.insertCell(); c.className = cls; c.textContent = text; return c; };
+    cell("num rps", g.requests_per_s === undefined || g.requests_per_s === null ? "–" : num(g.requests_per_s));
+    cell("num p50", ms(g.latency_p50_ms));
+    cell("num p99", ms(g.latency_p99_ms));
+    const errors = cell("num errors", g.error_ratio === undefined || g.error_ratio === null ? "–"
+      : (100 * g.error_ratio).toFixed(g.error_ratio >= 0.1 ? 0 : 1) + "%");
+    if (g.error_ratio > 0) errors.classList.add("bad");
+    // The p99 split gets a line of its own under the model: a column would push the table off-screen.
+    const splitRow = row.parentNode.insertRow();
+    splitRow.className = "split-row";
+    splitRow.dataset.model = m.name;
+    splitRow.insertCell();
+    const split = splitRow.insertCell();
+    split.colSpan = 11;
+    split.className = "split";
+    split.appendChild(el("span", "split-label muted small", "p99 split"));
+    const ls = m.latency_split;
+    if (!ls || !ls.p99_ms) { split.appendChild(el("span", "muted small", ls ? ls.reading : "–")); return; }
+    const bar = el("div", "stack wide");
+    const parts = [["queue", ls.queue_ms], ["compute", ls.compute_ms], ["preprocess", ls.preprocess_ms],
+      ["postprocess", ls.postprocess_ms]].filter(([, v]) => v);
+    bar.title = parts.map(([k, v]) => `${k} ${ms(v)}`).join(" · ") + ` of p99 ${ms(ls.p99_ms)}`;
+    for (const [kind, value] of parts) {
+      const part = el("span", kind);
+      part.style.width = (100 * Math.min(1, value / ls.p99_ms)).toFixed(2) + "%";
+      bar.appendChild(part);
+    }
+    split.appendChild(bar);
+    split.appendChild(el("span", "muted small", (parts.length ? parts.map(([k, v]) => `${k} ${ms(v)}`).join(" · ")
+      : "no stage measured") + ` of ${ms(ls.p99_ms)}`));
+    split.appendChild(el("span", "reading small", ls.reading));
+  }
+
+  function markSlowest(body, models) {
+    // The slow model stands out without picking it in the chart menu.
+    const p99s = models.map((m) => (m.signals && m.signals.latency_p99_ms) || 0);
+    const worst = Math.max(0, ...p99s);
+    if (models.length < 2 || worst <= 0) return;
+    models.forEach((m, i) => {
+      if (p99s[i] === worst) body.querySelector(`tr[data-model="${CSS.escape(m.name)}"] td.p99`).classList.add("worst");
+    });
+  }
+
+  function renderComputeByBatch(models) {
+    const box = $("compute-by-batch");
+    const withRows = models.filter((m) => Array.isArray(m.compute_by_batch_size) && m.compute_by_batch_size.length);
+    box.hidden = withRows.length === 0;
+    clear(box);
+    if (!withRows.length) return;
+    box.appendChild(el("h3", null, "Compute time per batch, by batch size"));
+    for (const m of withRows) {
+      const rows = m.compute_by_batch_size.slice().sort((a, b) => a.batch_size - b.batch_size);
+      const worst = Math.max(1e-9, ...rows.map((r) => r.p99_ms || 0));
+      const table = el("table", "grid by-batch-table");
+      table.dataset.model = m.name;
+      table.createCaption().textContent = m.name;
+      const head = table.createTHead().insertRow();
+      for (const h of ["batch size", "batches", "p50", "p99", ""]) head.appendChild(el("th", null, h));
+      const body = table.createTBody();
+      for (const r of rows) {
+        const row = body.insertRow();
+        row.insertCell().textContent = String(r.batch_size);
+        row.insertCell().textContent = String(r.count);
+        row.insertCell().textContent = ms(r.p50_ms);
+        row.insertCell().textContent = ms(r.p99_ms);
+        const bar = el("div", "hbar");
+        const fill = el("span");
+        fill.style.width = (100 * Math.min(1, (r.p99_ms || 0) / worst)).toFixed(1) + "%";
+        bar.appendChild(fill);
+        row.insertCell().appendChild(bar);
+      }
+      box.appendChild(table);
+    }
+  }
+
+  /* ---------- active alerts ---------- */
+
+  function renderAlerts(alerts, evaluatedAt) {
+    const list = $("alerts-list");
+    clear(list);
+    $("alerts-note").textContent = evaluatedAt
+      ? `evaluated by this server; last at ${clock(evaluatedAt)}` : "evaluated by this server; not yet evaluated";
+    if (!alerts.length) {
+      list.appendChild(el("li", "muted none", "none"));
+      return;
+    }
+    for (const a of alerts) {
+      const item = el("li", "alert " + a.severity);
+      item.dataset.alert = a.name;
+      item.dataset.model = a.model;
+      const head = el("div", "alert-head");
+      head.appendChild(el("span", "badge " + (a.severity === "critical" ? "failed" : "slow"), a.severity));
+      head.appendChild(el("strong", null, a.summary));
+      head.appendChild(el("span", "muted small", `${a.prometheus || a.name} · since ${clock(a.since)}`));
+      item.appendChild(head);
+      item.appendChild(el("div", "small action", "What to do: " + a.action));
+      list.appendChild(item);
     }
   }
 
@@ -341,6 +465,18 @@
     return bar;
   }
 
+  function batchFacts(r) {
+    // Which batch and worker served it (fields present once the server records them).
+    const box = el("div", "batch-facts small");
+    const facts = [];
+    if (r.batch_size !== undefined && r.batch_size !== null) facts.push(`${r.batch_size} rows`);
+    if (r.instance !== undefined && r.instance !== null) facts.push(`#${r.instance}`);
+    if (r.queue_position !== undefined && r.queue_position !== null) facts.push(`pos ${r.queue_position}`);
+    box.textContent = facts.length ? facts.join(" · ") : "–";
+    if (r.batch_id !== undefined && r.batch_id !== null) box.title = `batch ${r.batch_id}`;
+    return box;
+  }
+
   function renderRecent(doc) {
     const note = $("recent-note");
     const body = $("recent-table").tBodies[0];
@@ -354,14 +490,18 @@
       `${doc.server.slow_request_ms} ms; failed: any 4xx/5xx); newest first; no payloads are kept.`;
     const filter = $("recent-filter").value.trim().toLowerCase();
     for (const r of doc.recent) {
-      const haystack = [r.request_id, r.route, r.model, r.code, String(r.status)].join(" ").toLowerCase();
+      const haystack = [r.request_id, r.route, r.model, r.code, String(r.status), r.batch_id || ""].join(" ").toLowerCase();
       if (filter && !haystack.includes(filter)) continue;
       const row = body.insertRow();
       row.dataset.requestId = r.request_id;
       if (filter && r.request_id.toLowerCase() === filter) row.className = "highlight";
       row.insertCell().textContent = clock(r.at);
-      row.insertCell().appendChild(el("code", null, r.request_id));
-      row.insertCell().textContent = r.route;
+      const rid = row.insertCell();
+      rid.className = "rid";
+      rid.appendChild(el("code", null, r.request_id));
+      const route = row.insertCell();
+      route.className = "route";
+      route.textContent = r.route;
       row.insertCell().textContent = r.model || "–";
       const status = row.insertCell();
       if (r.status >= 400) status.appendChild(el("span", "badge failed", `${r.status} ${r.code}`.trim()));
@@ -369,10 +509,11 @@
       if (r.slow) status.appendChild(el("span", "badge slow", "slow"));
       row.insertCell().textContent = ms(r.total_ms);
       row.insertCell().appendChild(stageBar(r.stages_ms, r.total_ms));
+      row.insertCell().appendChild(batchFacts(r));
     }
     if (!body.rows.length) {
       const cell = el("td", "muted", filter ? "nothing matches the filter" : "none yet");
-      cell.colSpan = 7;
+      cell.colSpan = 8;
       body.insertRow().appendChild(cell);
     }
   }
