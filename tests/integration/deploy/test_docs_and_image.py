@@ -178,7 +178,7 @@ def test_readme_kubernetes_table_states_the_manifest_drain_and_ports():
 def test_readme_grace_period_arithmetic_uses_the_manifest_and_default_values():
     pod = yaml.safe_load(DEPLOYMENT.read_text())["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}  # secrets come by valueFrom
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     delay = ServerConfig().shutdown_delay_s
     timeout = float(env["SERVEWELL_SHUTDOWN_TIMEOUT_S"])
