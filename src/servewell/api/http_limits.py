@@ -43,6 +43,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from servewell.api.connection_slots import ConnectionSlots, SlotKind
+from servewell.api.errors import error_document
 from servewell.api.limit_log import LimitEventLog
 from servewell.api.response_writes import hold_heads
 from servewell.config.server import ConfigFileError, ServerConfig
@@ -110,11 +111,11 @@ def error_head_and_body(status: int, code: str, message: str, retry_after_s: int
 async def _connection_limit_app(scope: Scope, receive: Receive, send: Send) -> None:
     """What a reserve connection gets for anything but a probe path."""
     request_id = uuid.uuid4().hex
-    body = orjson.dumps({"error": {"code": "unavailable", "request_id": request_id,
-                                   "message": "the server is at its connection limit; retry shortly"}})
+    body = orjson.dumps(error_document(scope["path"], "unavailable",
+                                       "the server is at its connection limit; retry shortly", request_id))
     await send({"type": "http.response.start", "status": 503, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"retry-after", b"1"), (b"x-request-id", request_id.encode())]})
+        (b"retry-after", b"1"), (b"x-request-id", request_id.encode()), (b"x-error-code", b"unavailable")]})
     await send({"type": "http.response.body", "body": body})
 
 

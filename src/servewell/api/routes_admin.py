@@ -89,14 +89,15 @@ def _state(view: ModelView) -> dict[str, Any]:
 
 
 @repository_router.post("/models/{name}/load", summary="Load or reload a model (zero failed requests)",
-                        responses=error_responses(*_ADMIN_ERRORS, 422))
+                        responses=error_responses(*_ADMIN_ERRORS, 422, oip=True))
 async def load_model(name: str, state: AppState = Depends(require_admin)) -> Response:
     """Read the model's directory again and load it; the new version warms up before traffic moves."""
     view = await state.engine.load_model(name)
     return Response(orjson.dumps(_state(view)), media_type="application/json")
 
 
-@repository_router.post("/models/{name}/unload", summary="Unload a model", responses=error_responses(*_ADMIN_ERRORS))
+@repository_router.post("/models/{name}/unload", summary="Unload a model",
+                        responses=error_responses(*_ADMIN_ERRORS, oip=True))
 async def unload_model(name: str, state: AppState = Depends(require_admin)) -> Response:
     """Finish the model's queued and running requests, then stop its workers."""
     view = await state.engine.unload_model(name)

@@ -79,7 +79,7 @@ class SteadyLoad:
                     code = None
                     if response.status_code != 200:
                         try:
-                            code = response.json()["error"]["code"]
+                            code = response.json()["code"]  # OIP error: {"error": message, "code"}
                         except (ValueError, KeyError, TypeError):
                             code = f"unparsed:{response.text[:80]!r}"
                     elif response.json()["outputs"][0]["data"] != [6.0]:
