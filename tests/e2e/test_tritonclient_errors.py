@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -42,15 +43,18 @@ BOOM = textwrap.dedent('''
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, start_module_server):
-    root = tmp_path_factory.mktemp("tc-errors")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tc-errors")
+
+
+@pytest.fixture(scope="module")
+def server(root, start_module_server):
     slow_model(root, "echo", 0, max_batch_size=4)
     slow_model(root, "gone", 0, max_batch_size=4)
     factory_model(root, "boom", BOOM, max_batch_size=4, warmup=False)
     srv = start_module_server(["--model-repository", str(root), "--admin-token", "tc-admin",
                                "--max-body-bytes", str(MAX_BODY_BYTES), "--config-poll-s", "0"])
     srv.wait_ready()
-    srv.root = root  # type: ignore[attr-defined]
     unloaded = httpx.post(srv.url + "/v2/repository/models/gone/unload", headers=ADMIN, timeout=60)
     assert unloaded.status_code == 200, unloaded.text
     return srv
@@ -62,15 +66,15 @@ def rows(name: str, values: list[float], datatype: str = "FP32") -> triton.Infer
     return tensor
 
 
-def broken_dir(server: Any) -> str:
-    directory = server.root / "broken"
+def broken_dir(root: Path) -> str:
+    directory = root / "broken"
     directory.mkdir(exist_ok=True)
     (directory / "model.yaml").write_text("runtime: onnx\nartifact: model.onnx\n")  # and no model.onnx
     return "broken"
 
 
 # (id, call on the client, status, servewell's code (not shown by tritonclient), words of the message)
-CASES: list[tuple[str, Callable[[triton.InferenceServerClient, Any], Any], int, str, str]] = [
+CASES: list[tuple[str, Callable[[triton.InferenceServerClient, Path], Any], int, str, str]] = [
     ("400-content-encoding", lambda c, s: c.infer("echo", [rows("x", [1.0])], headers={"Content-Encoding": "br"}),
      400, "bad_request", "Content-Encoding"),
     ("401-repository-without-token", lambda c, s: c.load_model("echo"), 401, "unauthorized", "token"),
@@ -90,11 +94,11 @@ CASES: list[tuple[str, Callable[[triton.InferenceServerClient, Any], Any], int, 
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_tritonclient_prints_and_inspects_every_error(server, case):
+def test_tritonclient_prints_and_inspects_every_error(server, root, case):
     _, call, status, _code, words = case
     client = triton.InferenceServerClient(server.url.removeprefix("http://"), network_timeout=60)
     with pytest.raises(InferenceServerException) as info:
-        call(client, server)
+        call(client, root)
     e = info.value
     text = str(e)  # raised TypeError while `error` was an object
     assert isinstance(e.message(), str) and e.status() == str(status), text
