@@ -54,7 +54,7 @@ _WHEN = {
     403: "Admin endpoints answer loopback clients only when no admin token is configured.",
     404: "Unknown model, version or route.",
     408: "The request's head or body arrived slower than the server's timeouts.",
-    409: "Conflicts with work in progress (a profile already being captured).",
+    409: "Conflicts with work in progress (a profile of this model already being captured, or two of others).",
     413: "Body over max_body_bytes, image over max_image_pixels or max_image_side.",
     415: "A Content-Type this route does not take.",
     422: "Well-formed, but the fields or tensors do not match what the route or model takes.",

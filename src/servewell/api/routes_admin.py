@@ -77,8 +77,10 @@ async def patch_batching(name: str, request: Request, state: AppState = Depends(
              responses=error_responses(*_ADMIN_ERRORS, 409, 422, 503))
 async def profile(name: str, seconds: Annotated[float, Query(gt=0, le=60)] = 5.0,
                   instance: Annotated[int, Query(ge=0)] = 0, state: AppState = Depends(require_admin)) -> Response:
-    """Capture `seconds` (at most 60) of one instance's batches with torch.profiler or onnxruntime
-    profiling; returns a trace file that chrome://tracing and ui.perfetto.dev open."""
+    """Capture `seconds` (at most 60) of one instance's batches with torch's profiler (kineto) or
+    onnxruntime's, plus the worker's Python stack sampled at 100 Hz (a track of its own, named
+    by function); returns a trace file that chrome://tracing and ui.perfetto.dev open. The model
+    keeps serving meanwhile. One capture per model and two across models at a time (409 beyond)."""
     trace = await state.engine.profile(name, instance, seconds)
     return Response(trace, media_type="application/json",
                     headers={"Content-Disposition": f'attachment; filename="{name}-{instance}-profile.json"'})
