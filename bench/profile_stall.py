@@ -7,7 +7,8 @@ Two small models are served: `torchm` (PyTorch; its forward calls a Python funct
 2 ms, so the trace has a Python frame to find) and `onnxm` (onnxruntime). Both are captured at
 once, on a fresh server (the first capture in a process is the one that paid for lazy imports).
 Prints one JSON document: per model, ok/s before, during and after the capture, the emptiest
-0.25 s bucket during it (0 = the model stopped answering), and the capture's size and time.
+0.25 s bucket during it (0 = the model stopped answering), the capture's size and time, and
+the workers' own log of how long stopping the profiler held the compute thread.
 """
 
 from __future__ import annotations
@@ -107,13 +108,14 @@ def rates(done: list[tuple[float, bool]], start: float, end: float) -> float:
     return round(ok / (end - start), 1) if end > start else 0.0
 
 
-def emptiest_bucket(done: list[tuple[float, bool]], start: float, end: float) -> int:
+def buckets(done: list[tuple[float, bool]], start: float, end: float) -> list[int]:
+    """Successes in each whole BUCKET_S from `start` to `end`."""
     counts = []
     t = start
     while t + BUCKET_S <= end:
         counts.append(sum(1 for d, good in done if good and t <= d < t + BUCKET_S))
         t += BUCKET_S
-    return min(counts, default=0)
+    return counts
 
 
 async def run(url: str, clients: int, seconds: float, settle_s: float) -> dict[str, Any]:
@@ -134,7 +136,8 @@ async def run(url: str, clients: int, seconds: float, settle_s: float) -> dict[s
             "ok_per_s_before": rates(d, began + 0.5, cap["sent"]),
             "ok_per_s_during": rates(d, cap["sent"], cap["answered"]),
             "ok_per_s_after": rates(d, cap["answered"] + 0.25, until),
-            "emptiest_bucket_during": emptiest_bucket(d, cap["sent"], cap["answered"]),
+            "emptiest_bucket_during": min(buckets(d, cap["sent"], cap["answered"]), default=0),
+            "buckets_from_1s_before": buckets(d, cap["sent"] - 1.0, cap["answered"] + 1.0),
             "failed": sum(1 for _, good in d if not good),
         }
     return out
@@ -168,7 +171,8 @@ def main() -> int:
                 raise SystemExit("the server did not become ready")
             result = asyncio.run(run(url, args.clients, args.seconds, args.settle_s))
             lines = (Path(work) / "server.log").read_text(errors="replace").splitlines()
-            result["server_log_profile_lines"] = [line[:300] for line in lines if "profile" in line.lower()]
+            worker_log = [json.loads(line)["message"] for line in lines
+                          if '"logger":"servewell.workers"' in line and "profile" in line]
         finally:
             server.terminate()
             try:
@@ -176,7 +180,8 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 server.kill()
             log.close()
-    print(json.dumps({"clients": args.clients, "capture_s": args.seconds, "models": result}, indent=1))
+    print(json.dumps({"clients": args.clients, "capture_s": args.seconds, "models": result,
+                      "worker_log": worker_log}, indent=1))
     return 0
 
 

@@ -4,19 +4,21 @@ events (a flame chart on a track of its own) and added to the profiler's trace f
 Neither profiler's own Python recording fits serving: torch's `with_stack` multiplied the time
 its profiler holds the GIL when it stops (2.6 s instead of 0.7 s after 3 s of a busy loop,
 measured: the model answers nothing meanwhile), and onnxruntime records no Python at all.
-Sampling costs a few microseconds per sample and finds any wait of a few sample intervals
-(a `time.sleep` in a forward, a lock, a slow pre-processing function) by name.
+Sampling costs about 0.1 ms of CPU per sample of a 34-frame stack (1.5% of a core at 100 Hz,
+measured on a busy 2-core machine) and finds any wait of a few sample intervals (a `time.sleep`
+in a forward, a lock, a slow pre-processing function) by name.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
 from pathlib import Path
-from types import FrameType
+from types import CodeType
 from typing import Any
 
 #: Samples per second: a wait of 10 ms or more shows in the flame chart.
@@ -30,9 +32,8 @@ MAX_SAMPLE_EVENTS = 100_000
 SAMPLE_TRACK = 1_000_000_001
 
 
-def _frame_name(frame: FrameType) -> str:
-    code = frame.f_code
-    return f"{code.co_qualname} ({Path(code.co_filename).name}:{code.co_firstlineno})"
+def _frame_name(code: CodeType) -> str:
+    return f"{code.co_qualname} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
 
 
 def _epoch_us() -> float:
@@ -50,6 +51,7 @@ class StackSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._open: list[tuple[str, float]] = []  # (frame name, start), outermost first
+        self._names: dict[CodeType, str] = {}  # a frame's name, made once per function
         self.started_us = 0.0
         self.events: list[dict[str, Any]] = []
         self.samples = 0
@@ -73,7 +75,11 @@ class StackSampler:
             frame = sys._current_frames().get(self._thread_id)  # noqa: SLF001 - the documented way to sample
             names: list[str] = []
             while frame is not None and len(names) < MAX_SAMPLE_DEPTH:
-                names.append(_frame_name(frame))
+                code = frame.f_code
+                name = self._names.get(code)
+                if name is None:
+                    name = self._names[code] = _frame_name(code)
+                names.append(name)
                 frame = frame.f_back
             self.samples += 1
             self._advance(names[::-1], _epoch_us())
@@ -100,15 +106,32 @@ class StackSampler:
         return [named, *({**e, "ts": round(e["ts"] - origin_us, 1)} for e in self.events)]
 
 
+_TRACE_EVENTS = re.compile(rb'"traceEvents"\s*:\s*\[')
+_BASE_TIME = re.compile(rb'"baseTimeNanoseconds"\s*:\s*(\d+)')
+#: Where a kineto trace's header ends, at the latest (its base time comes before its events).
+_HEAD_BYTES = 4096
+
+
 def add_to_trace(path: str, sampler: StackSampler) -> None:
-    """Append the sampler's events to a Chrome trace file, on the file's clock: kineto's (torch)
-    counts from `baseTimeNanoseconds`; onnxruntime's (a bare array of events) from the profiled
-    session's creation, which the sampler's start precedes by well under a millisecond."""
+    """Insert the sampler's events at the start of a Chrome trace file's events, on the file's
+    clock: kineto's (torch: `{..., "baseTimeNanoseconds", "traceEvents": [...]}`) counts from its
+    base time; onnxruntime's (a bare array of events) from the profiled session's creation, which
+    the sampler's start precedes by 0.3 ms (measured).
+
+    Spliced into the bytes, not parsed and written again: `json` holds the GIL for the whole of a
+    trace of several MB, and with it the worker's compute thread."""
     trace_path = Path(path)
-    document = json.loads(trace_path.read_bytes())
-    if isinstance(document, dict):
-        origin_us = float(document.get("baseTimeNanoseconds", 0)) / 1000.0
-        document["traceEvents"] = [*document.get("traceEvents", []), *sampler.trace_events(origin_us)]
+    data = trace_path.read_bytes()
+    head = data[:_HEAD_BYTES]
+    events = _TRACE_EVENTS.search(head)
+    if events is not None:
+        base = _BASE_TIME.search(head)
+        origin_us = int(base.group(1)) / 1000.0 if base is not None else 0.0
+        at = events.end()
+    elif data.lstrip().startswith(b"["):
+        origin_us, at = sampler.started_us, data.index(b"[") + 1
     else:
-        document = [*document, *sampler.trace_events(sampler.started_us)]
-    trace_path.write_text(json.dumps(document), encoding="utf-8")
+        raise ValueError(f"{path} is not a Chrome trace file this profiler knows")
+    inserted = b",\n".join(json.dumps(e).encode() for e in sampler.trace_events(origin_us))
+    empty = data[at:].lstrip().startswith(b"]")
+    trace_path.write_bytes(data[:at] + b"\n" + inserted + (b"\n" if empty else b",\n") + data[at:])

@@ -49,7 +49,7 @@ def test_samples_join_a_kineto_trace_on_its_base_time(tmp_path):
     path.write_text(json.dumps({"baseTimeNanoseconds": base_ns, "traceEvents": [{"name": "aten::mul", "ph": "X"}]}))
     add_to_trace(str(path), sampler)
     events = json.loads(path.read_text())["traceEvents"]
-    assert events[0]["name"] == "aten::mul"
+    assert events[-1]["name"] == "aten::mul"  # the profiler's events are all kept
     track = [e for e in events if e.get("ph") == "M"]
     assert track and "Python stack" in track[0]["args"]["name"]
     samples = [e for e in events if e.get("cat") == "python_sample"]
@@ -62,6 +62,20 @@ def test_samples_join_an_onnxruntime_trace_from_the_sampler_start(tmp_path):
     path.write_text(json.dumps([{"name": "model_run", "cat": "Session", "ph": "X", "ts": 10}]))
     add_to_trace(str(path), sampler)
     events = json.loads(path.read_text())
-    assert isinstance(events, list) and events[0]["name"] == "model_run"
+    assert isinstance(events, list) and events[-1]["name"] == "model_run"
     samples = [e for e in events if e.get("cat") == "python_sample"]
     assert samples and all(0 <= e["ts"] < 1_000_000 for e in samples)
+
+
+def test_samples_join_traces_without_events_and_kineto_s_indented_layout(tmp_path):
+    sampler = sampled_while_parked()
+    empty = tmp_path / "empty.json"
+    empty.write_text("[ ]")
+    add_to_trace(str(empty), sampler)
+    assert json.loads(empty.read_text())[0]["name"] == "thread_name"
+    indented = tmp_path / "kineto.json"
+    indented.write_text('{\n    "baseTimeNanoseconds": 1000,\n    "traceEvents": [\n  \n  {\n    "ph": "X"\n  }\n  ],'
+                        '"traceName": "x" }')
+    add_to_trace(str(indented), sampler)
+    doc = json.loads(indented.read_text())
+    assert doc["traceName"] == "x" and doc["traceEvents"][-1] == {"ph": "X"} and len(doc["traceEvents"]) > 2
