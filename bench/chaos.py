@@ -66,7 +66,7 @@ from bench.workspace import RESULTS, link_build, write_model_yaml
 from servewell.perf import loop as load_loop
 from servewell.perf.httpclient import encode_request, fetch
 from servewell.perf.loop import LoadShape, Recorder
-from servewell.perf.oip_http import HttpOipConnection
+from servewell.perf.oip_http import HttpOipConnection, error_code
 
 WORK = RESULTS / "work" / "chaos"
 SHM = Path("/dev/shm")
@@ -398,7 +398,7 @@ async def hanging_load(suite: Suite, server: ServerProcess, repo: Path) -> None:
         started = time.monotonic()
         response = await fetch(HOST, port, "POST", "/v2/repository/models/hanging/load", timeout_s=120.0)
         took = time.monotonic() - started
-        code = orjson.loads(response.body).get("error", {}).get("code") if response.body else None
+        code = error_code(response.body) if response.body else None
         return {"load_answer": f"{response.status} {code or ''}".strip(), "load_answer_after_s": round(took, 2)}
 
     run = await under_load(port, suite.steady(), LOAD_TIMEOUT_S + 8.0, fault, fault_at_s=2.0)

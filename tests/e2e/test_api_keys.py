@@ -11,6 +11,7 @@ import pytest
 import tritonclient.grpc as triton_grpc
 from tritonclient.utils import InferenceServerException
 
+from error_bodies import error_code, error_of
 from servewell.api.keys import key_digest
 
 TEAM_A = "team-a-secret-0123456789abcdef"
@@ -45,7 +46,7 @@ def test_inference_needs_a_key(keyed):
                      httpx.post(keyed.url + "/v2/models/digits/infer", json={"inputs": []})):
         assert response.status_code == 401
         assert response.headers["www-authenticate"] == 'Bearer realm="servewell"'
-        assert response.json()["error"]["code"] == "unauthorized" and response.json()["error"]["request_id"]
+        assert error_code(response) == "unauthorized" and error_of(response)["request_id"]
     wrong = predict(keyed, {"Authorization": "Bearer not-a-valid-key-at-all"})
     assert wrong.status_code == 401 and 'error="invalid_token"' in wrong.headers["www-authenticate"]
 
@@ -73,7 +74,7 @@ def test_a_rate_limited_key_gets_429_with_retry_after(keyed):
     codes = [r.status_code for r in answers]
     assert 200 in codes and 429 in codes, codes
     limited = next(r for r in answers if r.status_code == 429)
-    assert limited.json()["error"]["code"] == "rate_limited" and int(limited.headers["retry-after"]) >= 1
+    assert error_code(limited) == "rate_limited" and int(limited.headers["retry-after"]) >= 1
     assert predict(keyed, {"X-API-Key": TEAM_A}).status_code == 200  # other keys are not affected
     metrics = httpx.get(keyed.url + "/metrics").text
     assert 'servewell_api_key_requests_total{key="team-b",result="rate_limited"}' in metrics

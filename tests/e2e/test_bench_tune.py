@@ -22,6 +22,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from model_dirs import slow_model
 from servewell.config.model import ModelConfig
 
 EXAMPLE_IMAGE = Path(__file__).parents[2] / "src/servewell/examples/images/digit-3-200px.jpg"
@@ -149,7 +150,7 @@ def test_tune_recommends_a_valid_model_yaml_block_and_resumes(servewell_cache, d
     rec = summary["recommendation"]
     best = next(c for c in summary["candidates"] if c["key"] == rec["key"])
     assert rec["score_rps"] == max(c["score_rps"] for c in summary["candidates"]) > 0
-    assert best["best_point"]["p99_ms"] <= 250 and best["best_point"]["errors"] == 0
+    assert best["quoted_point"]["p99_ms"] <= 250 and best["quoted_point"]["errors"] == 0
     # The block pasted into the user's model.yaml gives a valid config with the recommended settings.
     original = yaml.safe_load((model_dir / "model.yaml").read_text())
     pasted = {**copy.deepcopy(original), **yaml.safe_load(rec["model_yaml_block"])}
@@ -170,3 +171,30 @@ def test_tune_recommends_a_valid_model_yaml_block_and_resumes(servewell_cache, d
     assert resumed["resumed"] == len(summary["candidates"]) and resumed["measured_this_run"] == 0
     assert resumed["recommendation"]["key"] == rec["key"]
     assert f"resuming: {len(summary['candidates'])} setting(s)" in again.stderr
+
+
+def test_bench_and_tune_take_a_model_yaml_without_a_name(tmp_path):
+    """The README's model.yaml has no `name:`; `serve` names the model after its directory, and so
+    must bench and tune (both refused it: "is not a model.yaml with a 'name'")."""
+    model_dir = tmp_path / "echo_model"
+    slow_model(tmp_path, "echo_model", 0, max_batch_size=4)
+    assert "name" not in yaml.safe_load((model_dir / "model.yaml").read_text())
+    before = _tree_digest(model_dir)
+    out = tmp_path / "bench"
+    done = servewell("bench", str(model_dir), "--concurrency", "2", "--duration-s", "1", "--warmup-s", "0.2",
+                     "--out", str(out), "--no-plot")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["model"]["name"] == "echo_model" and doc["steps"][0]["ok"] > 0
+
+    out = tmp_path / "tune"
+    done = servewell("tune", str(model_dir), "--slo-p99-ms", "500", "--budget-s", "30", "--step-s", "0.5",
+                     "--warmup-s", "0.1", "--max-concurrency", "4", "--batch-sizes", "1,4", "--waits-ms", "2",
+                     "--no-instances", "--repeats", "1", "--no-plot", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((out / "tune-results.json").read_text())
+    assert summary["model"] == "echo_model" and summary["recommendation"] is not None
+    recommended = yaml.safe_load((out / "recommended-model.yaml").read_text())
+    assert "name" not in recommended  # the user's file, tuned: nothing added that they did not write
+    ModelConfig.model_validate({"name": "echo_model", **recommended})
+    assert _tree_digest(model_dir) == before

@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from error_bodies import error_code
 from faults import SessionServer, closed_loop, segments_of, tally, workers_with_segments
 from model_dirs import infer_body as body
 from model_dirs import slow_model
@@ -153,7 +154,7 @@ def test_the_drain_is_bounded_and_what_is_left_gets_503_shutting_down(tmp_path, 
         assert server.proc.wait(30) == 0
     finally:
         server.stop()
-    codes = [r.status_code if r.status_code == 200 else r.json()["error"]["code"] for r in answers]
+    codes = [r.status_code if r.status_code == 200 else error_code(r) for r in answers]
     assert set(codes) <= {200, "shutting_down"} and "shutting_down" in codes and 200 in codes, codes
     log = server.log()
     assert ("SIGTERM again" in log) if bound == "second SIGTERM" else ("longer than --shutdown-timeout-s" in log)
@@ -180,7 +181,7 @@ def test_queued_requests_of_a_model_that_loses_its_last_worker_during_shutdown_a
         assert server.proc.wait(30) == 0
     finally:
         server.stop()
-    codes = [r.status_code if r.status_code == 200 else r.json()["error"]["code"] for r in answers]
+    codes = [r.status_code if r.status_code == 200 else error_code(r) for r in answers]
     assert set(codes) <= {200, "worker_lost", "shutting_down"} and "shutting_down" in codes, codes
     log = server.log()
     assert "during shutdown; not restarted" in log and "; restarting" not in log

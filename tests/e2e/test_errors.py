@@ -9,6 +9,7 @@ import httpx
 import pytest
 from PIL import Image
 
+from error_bodies import error_of
 from example_images import GOOD_IMAGE
 
 PLANTED = "PLANTED-PAYLOAD-7f3a9c"
@@ -70,7 +71,7 @@ def test_bad_input_gets_a_clear_json_error_and_the_server_keeps_serving(digits_s
     with httpx.Client(base_url=digits_server.url, timeout=30) as client:
         r = client.request(method, path, **kwargs)
         assert r.status_code == status, r.text
-        error = r.json()["error"]
+        error = error_of(r)
         assert error["code"] == code
         assert error["message"] and error["request_id"] == r.headers["x-request-id"]
         good = client.post("/predict", json={"image_base64": GOOD_IMAGE})

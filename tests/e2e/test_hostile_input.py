@@ -20,6 +20,7 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from error_bodies import error_code, error_of
 from example_images import GOOD_IMAGE
 from model_dirs import slow_model
 
@@ -70,7 +71,7 @@ def request_counts(url: str, route: str) -> dict[str, float]:
 
 def assert_client_error(r: httpx.Response, status: int | None = None) -> dict:
     assert 400 <= r.status_code < 500 and (status is None or r.status_code == status), r.text[:500]
-    error = r.json()["error"]
+    error = error_of(r)
     assert error["code"] and error["request_id"] == r.headers["x-request-id"]
     assert len(r.content) < 2048
     return error
@@ -319,7 +320,7 @@ def test_a_second_concurrent_profile_is_409(tensor_server):
 
     first, seconds = asyncio.run(main())
     assert first.status_code == 200
-    assert seconds[-1].status_code == 409 and seconds[-1].json()["error"]["code"] == "conflict"
+    assert seconds[-1].status_code == 409 and error_code(seconds[-1]) == "conflict"
     assert all(r.status_code in (200, 409) for r in seconds)
 
 

@@ -16,6 +16,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from error_bodies import error_code, error_of
 from faults import closed_loop, metric_value, segments_of, tally, workers_with_segments
 from model_dirs import infer_body as body
 from model_dirs import slow_model
@@ -127,8 +128,8 @@ def test_a_batch_over_its_compute_budget_gets_503_worker_hung_and_its_worker_is_
     victim = model_health(server.url, "stuck")["instances"][0]["pid"]
     started = time.monotonic()
     r = httpx.post(server.url + "/v2/models/stuck/infer", json=body(13.0), timeout=60)
-    assert r.status_code == 503 and r.json()["error"]["code"] == "worker_hung", r.text
-    assert "over its compute budget of 1.5 s" in r.json()["error"]["message"]
+    assert r.status_code == 503 and error_code(r) == "worker_hung", r.text
+    assert "over its compute budget of 1.5 s" in error_of(r)["message"]
     assert time.monotonic() - started < 1.5 + SLACK_S + 1.0
     health = wait_replaced(server.url, "stuck", victim)
     assert "compute budget" in health["last_failure"]

@@ -7,6 +7,7 @@ import textwrap
 
 import httpx
 
+from error_bodies import error_code
 from model_dirs import factory_model, slow_model
 from model_dirs import infer_body as body
 from model_dirs import onnx_linear_model as onnx_model
@@ -78,7 +79,7 @@ def test_a_new_model_that_fails_to_load_stays_listed_as_failed_with_its_reason(t
     server.wait_ready()
     factory_model(tmp_path, "broken", BROKEN)
     r = httpx.post(server.url + "/v2/repository/models/broken/load", timeout=120)
-    assert r.status_code == 422 and r.json()["error"]["code"] == "load_failed"
+    assert r.status_code == 422 and error_code(r) == "load_failed"
     health = server.health()
     assert health["ready"] is True  # readiness `any`: the other model keeps the server in rotation
     assert health["models"]["broken"]["state"] == "failed"
@@ -86,7 +87,7 @@ def test_a_new_model_that_fails_to_load_stays_listed_as_failed_with_its_reason(t
     index = {m["name"]: m for m in httpx.post(server.url + "/v2/repository/index").json()}
     assert index["broken"]["state"] == "UNAVAILABLE" and "weights do not match" in index["broken"]["reason"]
     refused = httpx.post(server.url + "/v2/models/broken/infer", json=body(1.0))
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_not_ready"
+    assert refused.status_code == 503 and error_code(refused) == "model_not_ready"
     assert httpx.post(server.url + "/v2/models/small/infer", json=body(1.0)).status_code == 200
 
 
@@ -157,7 +158,7 @@ def test_reload_under_load_has_zero_failed_requests_and_needs_the_admin_token(tm
     unload = httpx.post(server.url + "/v2/repository/models/live/unload", headers={"Authorization": "Bearer s3cret"})
     assert unload.status_code == 200 and unload.json()["state"] == "unloaded"
     r = httpx.post(server.url + "/v2/models/live/infer", json=body(1.0))
-    assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+    assert r.status_code == 503 and error_code(r) == "model_not_ready"
     index = httpx.post(server.url + "/v2/repository/index").json()
     assert index == [{"name": "live", "version": "2", "state": "UNAVAILABLE", "reason": "unloaded by an operator"}]
 

@@ -15,6 +15,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from error_bodies import error_code, error_of
 from waiting import eventually
 
 FACTORY_SOURCE = textwrap.dedent('''
@@ -151,7 +152,7 @@ def test_broken_models_are_reported_with_file_field_and_reason(server, repositor
 def test_requests_to_a_model_that_is_not_ready_get_503_with_retry_after(server):
     r = httpx.post(server.url + "/v2/models/corrupt_onnx/infer", json={
         "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0, 0, 0, 0]}]})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+    assert r.status_code == 503 and error_code(r) == "model_not_ready"
     assert int(r.headers["retry-after"]) >= 1
     ready = httpx.get(server.url + "/v2/models/corrupt_onnx/ready")
     assert ready.status_code == 503
@@ -172,7 +173,7 @@ def test_each_instance_runs_on_the_cpus_its_affinity_entry_names(server):
 
 def test_predict_on_a_tensor_model_says_to_use_infer(server):
     r = httpx.post(server.url + "/predict", json={"image_base64": "aGVsbG8=", "model": "tiny_onnx"})
-    assert r.status_code == 422 and "/v2/models/tiny_onnx/infer" in r.json()["error"]["message"]
+    assert r.status_code == 422 and "/v2/models/tiny_onnx/infer" in error_of(r)["message"]
 
 
 def test_models_command_lists_the_repository_and_why_models_are_invalid(repository):

@@ -55,7 +55,7 @@ async def closed_loop(url: str, model: str, seconds: float, users: int = 8, head
                     await asyncio.sleep(0.05)  # a refused connection comes back at once: do not spin
                     continue
                 doc = r.json()
-                code = doc["error"]["code"] if r.status_code != 200 else None
+                code = doc["code"] if r.status_code != 200 else None  # OIP error: {"error": message, "code"}
                 y = doc["outputs"][0]["data"][0] if r.status_code == 200 else None
                 answers.append(Answer(sent, time.monotonic() - sent, r.status_code, code, value=y))
 

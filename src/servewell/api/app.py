@@ -22,7 +22,8 @@ DESCRIPTION = """servewell serves ONNX, TorchScript and PyTorch models.
 * `POST /predict`: one base64 image in, a label out.
 * `/v2/...`: the Open Inference Protocol v2 (KServe / Triton REST), usable with `tritonclient`.
 * Every response carries `X-Request-ID` and `X-Process-Time`; errors are
-  `{"error": {"code", "message", "request_id"}}`.
+  `{"error": {"code", "message", "request_id"}}`, on `/v2/...` OIP's `{"error": "<message>",
+  "code", "request_id"}`; both with the code in `X-Error-Code`.
 """
 
 

@@ -1,10 +1,17 @@
-"""Every error leaves as `{"error": {"code", "message", "request_id"}}` with the right status."""
+"""Every error leaves as JSON with the right status, a stable code and the request id.
+
+Two shapes, by route: the Open Inference Protocol's (`/v2/...`) is `{"error": "<message>", "code",
+"request_id"}`, because OIP clients read `error` as the message string (tritonclient's
+`InferenceServerException` kept a dict there, and `str(e)` raised TypeError on every 4xx/5xx);
+every other route (`/predict`, `/admin`, `/console`, ...) answers `{"error": {"code", "message",
+"request_id"}}`. Both carry the code in `X-Error-Code` too (and the id in `X-Request-ID`)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import re
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -22,19 +29,32 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized",
                413: "payload_too_large", 415: "unsupported_media_type", 422: "invalid_input"}
 
 
+def is_oip_path(path: str) -> bool:
+    """Whether `path` is an Open Inference Protocol route, whose errors take OIP's shape."""
+    return path == "/v2" or path.startswith("/v2/")
+
+
+def error_document(path: str, code: str, message: str, request_id: str) -> dict[str, Any]:
+    """The JSON error body for a request to `path` (the module docstring gives both shapes)."""
+    if is_oip_path(path):
+        return {"error": message, "code": code, "request_id": request_id}
+    return {"error": {"code": code, "message": message, "request_id": request_id}}
+
+
 def error_response(status: int, code: str, message: str, retry_after_s: float | None = None,
-                   headers: dict[str, str] | None = None) -> Response:
-    """A JSON error response carrying the current request id."""
-    body = {"error": {"code": code, "message": message, "request_id": request_id_var.get()}}
+                   headers: dict[str, str] | None = None, *, path: str = "") -> Response:
+    """A JSON error response to a request for `path`, carrying the current request id."""
+    body = error_document(path, code, message, request_id_var.get())
     error_code_var.set(code)  # each request runs in its own task (context), so this never leaks to the next
     headers = dict(headers or {})
+    headers["X-Error-Code"] = code
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
     return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
 
 
-def serve_error_response(exc: ServeError, refusals: RefusalDigest | None = None) -> Response:
-    """Response for a `ServeError`, logged once (4xx at info, 5xx at warning); refusals (503)
+def serve_error_response(exc: ServeError, refusals: RefusalDigest | None = None, *, path: str = "") -> Response:
+    """Response for a `ServeError` to a request for `path`, logged once (4xx at info, 5xx at warning); refusals (503)
     go to `refusals`, which logs them per model, code and second with a count."""
     if refusals is not None and isinstance(exc, Unavailable):
         refusals.refused(model_var.get(), exc.code, exc.status, exc.message)
@@ -42,7 +62,7 @@ def serve_error_response(exc: ServeError, refusals: RefusalDigest | None = None)
         level = logging.WARNING if exc.status >= 500 else logging.INFO
         log.log(level, "request failed: %s", exc.message, extra={"status": exc.status, "code": exc.code})
     retry = exc.retry_after_s if exc.status in (429, 503) else None
-    return error_response(exc.status, exc.code, exc.message, retry, exc.headers)
+    return error_response(exc.status, exc.code, exc.message, retry, exc.headers, path=path)
 
 
 def allowed_methods(request: Request) -> list[str]:
@@ -62,14 +82,14 @@ def install_error_handlers(app: FastAPI) -> None:
     """Map framework and servewell exceptions onto the JSON error shape."""
     refusals = RefusalDigest(log)
 
-    async def on_serve_error(_: Request, exc: Exception) -> Response:
+    async def on_serve_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ServeError)
-        return serve_error_response(exc, refusals)
+        return serve_error_response(exc, refusals, path=request.scope["path"])
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         code = _HTTP_CODES.get(exc.status_code, "http_error")
-        response = error_response(exc.status_code, code, str(exc.detail))
+        response = error_response(exc.status_code, code, str(exc.detail), path=request.scope["path"])
         response.headers.update(exc.headers or {})
         if exc.status_code == 405:
             # RFC 9110: `Allow` lists every method of the resource. Starlette names only the first
@@ -79,11 +99,12 @@ def install_error_handlers(app: FastAPI) -> None:
                 response.headers["Allow"] = ", ".join(methods)
         return response
 
-    async def on_validation_error(_: Request, exc: Exception) -> Response:
+    async def on_validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error_response(422, "invalid_input", f"field {quote(where)}: {first.get('msg')}")
+        return error_response(422, "invalid_input", f"field {quote(where)}: {first.get('msg')}",
+                              path=request.scope["path"])
 
     app.add_exception_handler(ServeError, on_serve_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)

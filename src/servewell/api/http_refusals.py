@@ -9,6 +9,8 @@ import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
+from servewell.api.errors import error_document
+
 
 class StopParsing(Exception):
     """Raised in a parser callback once a connection has queued all the requests it may: parsing stops."""
@@ -41,10 +43,10 @@ def unavailable_app(message: str) -> ASGIApp:
 
     async def unavailable(scope: Scope, receive: Receive, send: Send) -> None:
         request_id = uuid.uuid4().hex
-        body = orjson.dumps({"error": {"code": "unavailable", "request_id": request_id, "message": message}})
+        body = orjson.dumps(error_document(scope["path"], "unavailable", message, request_id))
         await send({"type": "http.response.start", "status": 503, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"retry-after", b"1"), (b"x-request-id", request_id.encode())]})
+            (b"retry-after", b"1"), (b"x-request-id", request_id.encode()), (b"x-error-code", b"unavailable")]})
         await send({"type": "http.response.body", "body": body})
 
     return unavailable

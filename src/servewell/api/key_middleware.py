@@ -50,7 +50,7 @@ class ApiKeyMiddleware:
         try:
             client = self.access.check(authorization, api_key)
         except ServeError as exc:
-            await serve_error_response(exc)(scope, receive, send)
+            await serve_error_response(exc, path=scope["path"])(scope, receive, send)
             return
         token = client_var.set(client or "")
         try:

@@ -107,7 +107,8 @@ class RequestContextMiddleware:
         except Exception:
             log.exception("unhandled error while serving %s %s", quote(scope.get("method")), quote(scope.get("path")))
             if not response_started:
-                response = error_response(500, "internal", "internal server error; the request id is in this body")
+                response = error_response(500, "internal", "internal server error; the request id is in this body",
+                                          path=scope.get("path", ""))
                 await response(scope, receive, send_with_headers)
         finally:
             self._finish(scope, status, time.perf_counter() - started, span)

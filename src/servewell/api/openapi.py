@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from servewell.api.codecs.tensors import MAX_DIMS
+from servewell.api.errors import is_oip_path
 from servewell.api.http_request import TIMEOUT_PATTERN
 from servewell.config.model import OIP_TO_NUMPY
 from servewell.engine.lanes import URGENCIES
@@ -24,11 +25,27 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    """Body of every 4xx/5xx answer."""
+    """Body of every 4xx/5xx answer but the Open Inference Protocol's (/v2/...)."""
 
     model_config = ConfigDict(title="Error")
 
     error: ErrorDetail
+
+
+class OipErrorBody(BaseModel):
+    """Body of a 4xx/5xx answer on /v2/...: OIP's `{"error": "<message>"}` (what tritonclient and
+    KServe clients read), plus servewell's code and request id beside it."""
+
+    model_config = ConfigDict(title="OipError")
+
+    error: str = Field(description="What went wrong, for people (client strings in it are cut short).")
+    code: str = Field(description="Stable machine-readable code, e.g. invalid_input, overloaded.")
+    request_id: str = Field(description="Id of the request (also in the X-Request-ID header).")
+
+
+def error_schema_ref(path: str) -> dict[str, str]:
+    """The schema reference of error bodies on `path` (a route template or a request path)."""
+    return {"$ref": "#/components/schemas/" + ("OipErrorBody" if is_oip_path(path) else "ErrorBody")}
 
 
 _WHEN = {
@@ -38,8 +55,8 @@ _WHEN = {
          "configured.",
     404: "Unknown model, version or route.",
     408: "The request's head or body arrived slower than the server's timeouts.",
-    409: "Conflicts with work in progress (a profile already being captured) or with the model's state "
-         "(unloaded, failed or being unloaded).",
+    409: "Conflicts with work in progress (a profile of this model already being captured, or two of others) "
+         "or with the model's state (unloaded, failed or being unloaded).",
     413: "Body over max_body_bytes, image over max_image_pixels or max_image_side.",
     415: "A Content-Type this route does not take.",
     422: "Well-formed, but the fields or tensors do not match what the route or model takes.",
@@ -49,15 +66,16 @@ _WHEN = {
          "retry after Retry-After seconds when given.",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}}
+_ERROR_CODE = {"X-Error-Code": {"description": "The stable error code (as in the body).", "schema": {"type": "string"}}}
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """FastAPI `responses` for these statuses, each with the JSON error body."""
+def error_responses(*statuses: int, oip: bool = False) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses` for these statuses, each with the JSON error body (`oip`: OIP's shape,
+    for /v2/... routes)."""
     out: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
-        entry: dict[str, Any] = {"model": ErrorBody, "description": _WHEN[status]}
-        if status in (429, 503):
-            entry["headers"] = _RETRY_AFTER
+        entry: dict[str, Any] = {"model": OipErrorBody if oip else ErrorBody, "description": _WHEN[status],
+                                 "headers": {**_ERROR_CODE, **(_RETRY_AFTER if status in (429, 503) else {})}}
         out[status] = entry
     return out
 
@@ -130,13 +148,13 @@ def truthful_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
         if app.openapi_schema is not None:
             return app.openapi_schema
         doc = generate()
-        error_ref = {"$ref": "#/components/schemas/ErrorBody"}
-        for operations in doc.get("paths", {}).values():
+        for path, operations in doc.get("paths", {}).items():
+            error_ref = error_schema_ref(path)
             for operation in operations.values():
                 responses = operation.get("responses", {})
                 response = responses.get("422")
                 if response is not None and "HTTPValidationError" in str(response):
-                    responses["422"] = {"description": _WHEN[422],
+                    responses["422"] = {"description": _WHEN[422], "headers": _ERROR_CODE,
                                         "content": {"application/json": {"schema": error_ref}}}
                 for response in responses.values():
                     # Errors are JSON whatever the route's own media type (/metrics: text/plain).

@@ -82,8 +82,10 @@ async def patch_batching(name: str, request: Request, state: AppState = Depends(
              responses=error_responses(*_ADMIN_ERRORS, 409, 422, 503))
 async def profile(name: str, seconds: Annotated[float, Query(gt=0, le=60)] = 5.0,
                   instance: Annotated[int, Query(ge=0)] = 0, state: AppState = Depends(require_admin)) -> Response:
-    """Capture `seconds` (at most 60) of one instance's batches with torch.profiler or onnxruntime
-    profiling; returns a trace file that chrome://tracing and ui.perfetto.dev open."""
+    """Capture `seconds` (at most 60) of one instance's batches with torch's profiler (kineto) or
+    onnxruntime's, plus the worker's Python stack sampled at 100 Hz (a track of its own, named
+    by function); returns a trace file that chrome://tracing and ui.perfetto.dev open. The model
+    keeps serving meanwhile. One capture per model and two across models at a time (409 beyond)."""
     trace = await state.engine.profile(name, instance, seconds)
     return Response(trace, media_type="application/json",
                     headers={"Content-Disposition": f'attachment; filename="{name}-{instance}-profile.json"'})
@@ -94,14 +96,15 @@ def _state(view: ModelView) -> dict[str, Any]:
 
 
 @repository_router.post("/models/{name}/load", summary="Load or reload a model (zero failed requests)",
-                        responses=error_responses(*_ADMIN_ERRORS, 422))
+                        responses=error_responses(*_ADMIN_ERRORS, 422, oip=True))
 async def load_model(name: str, state: AppState = Depends(require_admin)) -> Response:
     """Read the model's directory again and load it; the new version warms up before traffic moves."""
     view = await state.engine.load_model(name)
     return Response(orjson.dumps(_state(view)), media_type="application/json")
 
 
-@repository_router.post("/models/{name}/unload", summary="Unload a model", responses=error_responses(*_ADMIN_ERRORS))
+@repository_router.post("/models/{name}/unload", summary="Unload a model",
+                        responses=error_responses(*_ADMIN_ERRORS, oip=True))
 async def unload_model(name: str, state: AppState = Depends(require_admin)) -> Response:
     """Finish the model's queued and running requests, then stop its workers."""
     view = await state.engine.unload_model(name)

@@ -78,8 +78,9 @@ def _metadata(view: ModelView) -> dict[str, Any]:
     return doc
 
 
-@router.get("/models/{name}", summary="Model metadata", responses=error_responses(404))
-@router.get("/models/{name}/versions/{version}", summary="Model metadata (version)", responses=error_responses(404))
+@router.get("/models/{name}", summary="Model metadata", responses=error_responses(404, oip=True))
+@router.get("/models/{name}/versions/{version}", summary="Model metadata (version)",
+            responses=error_responses(404, oip=True))
 async def model_metadata(name: str, version: str | None = None,
                          state: AppState = Depends(state_dependency)) -> Response:
     """Inputs, outputs, platform and versions of a model."""
@@ -87,7 +88,7 @@ async def model_metadata(name: str, version: str | None = None,
     return _json(_metadata(state.engine.model(name, version)))
 
 
-_MODEL_READY_RESPONSES = {**error_responses(404),
+_MODEL_READY_RESPONSES = {**error_responses(404, oip=True),
                           **not_ready_response("The model is not ready (ready: false, its state).")}
 
 
@@ -107,9 +108,9 @@ async def model_ready(name: str, version: str | None = None, state: AppState = D
 
 
 @router.get("/models/{name}/config", summary="Model configuration (Triton extension)",
-            responses=error_responses(404, 422))
+            responses=error_responses(404, 422, oip=True))
 @router.get("/models/{name}/versions/{version}/config", summary="Model configuration (version)",
-            responses=error_responses(404, 422))
+            responses=error_responses(404, 422, oip=True))
 async def model_config(name: str, version: str | None = None, state: AppState = Depends(state_dependency)) -> Response:
     """The model's configuration in Triton's field names, as `tritonclient.get_model_config` expects."""
     state.plane.note_model(name)
@@ -154,7 +155,7 @@ async def repository_index(state: AppState = Depends(state_dependency)) -> Respo
 
 
 _INFER_EXTRA = {"requestBody": INFER_REQUEST_BODY, "parameters": INFERENCE_HEADERS}
-_INFER_ERRORS = error_responses(400, 401, 404, 408, 413, 415, 422, 429, 503)
+_INFER_ERRORS = error_responses(400, 401, 404, 408, 413, 415, 422, 429, 503, oip=True)
 
 
 @router.post("/models/{name}/infer", summary="Inference", openapi_extra=_INFER_EXTRA, responses=_INFER_ERRORS)

@@ -35,6 +35,10 @@ log = logging.getLogger("servewell.engine")
 
 Entry = ModelEntry | InvalidModel
 
+#: Profile captures running at once across models (one per model): each costs its worker the
+#: profiler's overhead and the frontend the trace's memory until it is sent.
+MAX_PROFILE_CAPTURES = 2
+
 
 class ModelSlot:
     """Where one model name's current entry lives; a reload swaps the entry, not the slot."""
@@ -218,7 +222,12 @@ class InferenceEngine:
             raise _not_ready(entry)
         if slot.profiling:
             raise Conflict(f"a profile of model '{name}' is already being captured; try again when it ends")
+        running = sorted(n for n, s in self._slots.items() if s.profiling)
+        if len(running) >= MAX_PROFILE_CAPTURES:
+            raise Conflict(f"{len(running)} profile captures are running ({', '.join(running)}), the most at once; "
+                           "try again when one ends")
         slot.profiling = True
+        log.info("profiling model %s, instance %d, for %g s", name, instance, seconds, extra={"model": name})
         try:
             with tempfile.TemporaryDirectory(prefix="servewell-profile-") as directory:
                 path = await entry.profile(instance, seconds, directory)

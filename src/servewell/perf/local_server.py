@@ -46,15 +46,24 @@ def grpc_supported() -> bool:
 
 
 def read_model_yaml(model_dir: Path) -> dict[str, Any]:
-    """The raw `model.yaml` of a model directory as a mapping."""
+    """The raw `model.yaml` of a model directory as a mapping (as written: `name` may be absent)."""
     path = model_dir / MODEL_FILE
     try:
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as exc:
         raise LocalServerError(f"cannot read {path}: {exc}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
-        raise LocalServerError(f"{path} is not a model.yaml with a 'name'")
+    if not isinstance(doc, dict):
+        raise LocalServerError(f"{path} is not a model.yaml (a mapping of fields)")
+    if "name" in doc and not isinstance(doc["name"], str):
+        raise LocalServerError(f"{path}: 'name' must be a string")
     return doc
+
+
+def model_name(model_dir: Path, doc: dict[str, Any]) -> str:
+    """The name `serve` gives the model: its `name`, or else its directory's name (the README's
+    model.yaml has none)."""
+    name = doc.get("name")
+    return name if isinstance(name, str) else model_dir.resolve().name
 
 
 def stage_model(model_dir: Path, repository: Path, model_yaml: dict[str, Any] | None = None) -> str:
@@ -65,7 +74,7 @@ def stage_model(model_dir: Path, repository: Path, model_yaml: dict[str, Any] | 
     config never touches the user's copy, and large artifacts are not copied).
     """
     model_dir = model_dir.resolve()
-    name = str(read_model_yaml(model_dir)["name"])
+    name = model_name(model_dir, read_model_yaml(model_dir))
     entry = repository / name
     repository.mkdir(parents=True, exist_ok=True)
     if entry.is_symlink() or entry.is_file():

@@ -63,12 +63,18 @@ def infer_body(tensors: Sequence[Tensor], fmt: Format,
 
 
 def error_code(body: bytes) -> str | None:
-    """servewell's machine-readable error code of an error body; None for other servers' bodies."""
+    """servewell's machine-readable error code of an error body; None for other servers' bodies.
+
+    OIP routes answer `{"error": "<message>", "code": ...}`; other routes (and older servewell
+    versions, on every route) `{"error": {"code": ...}}`: both are read."""
     try:
-        error = orjson.loads(body).get("error")
-    except (orjson.JSONDecodeError, AttributeError):
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
         return None
-    code = error.get("code") if isinstance(error, dict) else None
+    if not isinstance(doc, dict):
+        return None
+    error = doc.get("error")
+    code = error.get("code") if isinstance(error, dict) else doc.get("code") if isinstance(error, str) else None
     return str(code) if code is not None else None
 
 

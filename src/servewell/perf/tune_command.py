@@ -32,6 +32,7 @@ from servewell.perf.local_server import (
     LocalServer,
     LocalServerError,
     grpc_supported,
+    model_name,
     read_model_yaml,
     stage_model,
 )
@@ -80,6 +81,7 @@ class TuneRunner:
         self.args = args
         self.model_dir = model_dir
         self.doc = doc
+        self.name = model_name(model_dir, doc)  # as `serve` names it: the directory's, when doc has none
         self.space = space
         self.state = state
         self.workdir = workdir
@@ -130,7 +132,7 @@ class TuneRunner:
         if self.server is not None and self.server_key == candidate.server:
             return self.server
         self.stop_server()  # two servers at once would share the cores being measured
-        doc = apply(self.doc, candidate, self.space.slo_ms, max_batch_size=self.space.ceiling)
+        doc = apply(self.doc, candidate, self.space.slo_ms, max_batch_size=self.space.ceiling, name=self.name)
         repository = self.workdir / f"repo-{len(list(self.workdir.glob('repo-*')))}"
         stage_model(self.model_dir, repository, doc)
         server = LocalServer(repository, Path(self.args.out) / "servewell.log", grpc=self.args.protocol == "grpc")
@@ -171,7 +173,7 @@ class TuneRunner:
         args = self.args
         port = server.grpc_port if args.protocol == "grpc" else server.port
         endpoint = Endpoint(args.protocol or "http", HOST, port)
-        model = str(self.doc["name"])
+        model = self.name
         await self._patch(server.port, model, candidate.batching_patch(self.space.slo_ms))
         target, _ = await prepare_target(endpoint, model, None, args.fmt, input_choice(args), self.headers,
                                          args.timeout_ms / 1000.0)
@@ -245,8 +247,8 @@ def _prepare(args: argparse.Namespace) -> tuple[Path, dict[str, Any], SearchSpac
         raise ValueError("this servewell has no gRPC listener (no --grpc-port); tune over HTTP")
     doc_text = (model_dir / "model.yaml").read_text(encoding="utf-8")
     doc = read_model_yaml(model_dir)
-    try:
-        config = ModelConfig.model_validate(doc)
+    try:  # named as `serve` names it: after its directory, when model.yaml names no model
+        config = ModelConfig.model_validate({"name": model_name(model_dir, doc), **doc})
     except ValueError as exc:
         raise ValueError(f"{model_dir / 'model.yaml'} is not valid: {exc}") from None
     parse_shape_overrides(args.shapes)
@@ -281,7 +283,8 @@ def run_tune(args: argparse.Namespace) -> int:
         progress.note(state.note)
     if state.resumed:
         progress.note(f"resuming: {state.resumed} setting(s) already measured in {state.path}")
-    progress.note(f"tuning '{doc['name']}' for p99 <= {space.slo_ms:g} ms within {args.budget_s:g} s on {cores} "
+    name = model_name(model_dir, doc)
+    progress.note(f"tuning '{name}' for p99 <= {space.slo_ms:g} ms within {args.budget_s:g} s on {cores} "
                   f"cores: batch sizes {list(space.batch_sizes)}, window waits {list(space.waits_ms)} ms, "
                   f"instances x threads {[f'{i}x{t}' for i, t in space.shapes]}"
                   + (f", dtypes {list(space.dtypes)}" if space.dtypes else ""))
@@ -301,6 +304,7 @@ def run_tune(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, doc: dict[str, Any], space: SearchSpace, state: TuneState, ended: str,
             measured: int, out: Path, cores: int, wall_s: float) -> int:
     slo = space.slo_ms
+    name = model_name(Path(args.model_dir), doc)
     rec = recommend(state.results, slo, space.baseline)
     print(candidates_table(state.results, slo, space.baseline, rec.best.candidate if rec else None))
     print()
@@ -310,15 +314,15 @@ def _report(args: argparse.Namespace, doc: dict[str, Any], space: SearchSpace, s
         print(f"\nthe budget ({args.budget_s:g} s) ended the search before '{left[0]}' ({left[1].describe()}); "
               f"rerun the same command to continue (measured settings are kept in {state.path})")
     summary: dict[str, Any] = {
-        "tool": "servewell tune", "model": doc["name"], "model_dir": str(Path(args.model_dir).resolve()),
+        "tool": "servewell tune", "model": name, "model_dir": str(Path(args.model_dir).resolve()),
         "slo_p99_ms": slo, "budget_s": args.budget_s, "wall_s": round(wall_s, 1), "cores": cores,
         "ended": ended, "measured_this_run": measured, "resumed": state.resumed, "context": state.context,
         "candidates": results_json(state.results, slo), "recommendation": None,
     }
     code = 1
     if rec is not None:
-        block = yaml_block(doc, rec.best.candidate, slo)
-        full = apply(doc, rec.best.candidate, slo)
+        block = yaml_block(doc, rec.best.candidate, slo, name=name)
+        full = apply(doc, rec.best.candidate, slo, name=name)
         print(f"\nmodel.yaml settings to paste into {Path(args.model_dir) / 'model.yaml'}:\n")
         print("\n".join("    " + line for line in block.rstrip().splitlines()))
         (out / "recommended-model.yaml").write_text(yaml.safe_dump(full, sort_keys=False), encoding="utf-8")
@@ -334,7 +338,7 @@ def _report(args: argparse.Namespace, doc: dict[str, Any], space: SearchSpace, s
     if rec is not None:
         written.append("recommended-model.yaml")
     if not args.no_plot and any(m.runs for m in state.results.values()):
-        title = f"servewell tune {doc['name']}: p99 vs throughput per setting, {cores} cores, SLO {slo:g} ms"
+        title = f"servewell tune {name}: p99 vs throughput per setting, {cores} cores, SLO {slo:g} ms"
         plot(state.results, slo, space.baseline, title, out / "tune.png")
         written.append("tune.png")
     print(f"\nwrote {', '.join(str(out / w) for w in written)}")

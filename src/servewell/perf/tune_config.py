@@ -42,15 +42,16 @@ def baseline_candidate(config: ModelConfig) -> Candidate:
 
 
 def apply(doc: dict[str, Any], candidate: Candidate, slo_ms: float,
-          max_batch_size: int | None = None) -> dict[str, Any]:
+          max_batch_size: int | None = None, *, name: str | None = None) -> dict[str, Any]:
     """A copy of the raw model.yaml document with the candidate's settings (and, for a server
-    whose batch size is changed live, `max_batch_size` as given), validated."""
+    whose batch size is changed live, `max_batch_size` as given), validated as the server reads
+    it: named `name` (its directory's) when the document names no model."""
     new = copy.deepcopy(doc)
     new.update(_tuned(doc, candidate, slo_ms))
     if max_batch_size is not None and candidate.max_batch_size > 0:
         new["max_batch_size"] = max_batch_size
     try:
-        ModelConfig.model_validate(new)
+        ModelConfig.model_validate(new if name is None or "name" in new else {"name": name, **new})
     except ValueError as exc:
         raise ConfigEditError(f"{candidate.describe()}: {exc}") from None
     return new
@@ -77,8 +78,8 @@ def _tuned(doc: dict[str, Any], candidate: Candidate, slo_ms: float) -> dict[str
     return keys
 
 
-def yaml_block(doc: dict[str, Any], candidate: Candidate, slo_ms: float) -> str:
+def yaml_block(doc: dict[str, Any], candidate: Candidate, slo_ms: float, *, name: str | None = None) -> str:
     """The model.yaml lines to paste: every key the tuner sets (a mapping replaces the user's
     whole mapping, so it carries their other settings in it too)."""
-    apply(doc, candidate, slo_ms)  # raises if the config would not accept it
+    apply(doc, candidate, slo_ms, name=name)  # raises if the config would not accept it
     return yaml.safe_dump(_tuned(doc, candidate, slo_ms), sort_keys=False, default_flow_style=False)

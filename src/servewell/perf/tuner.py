@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from servewell.perf.stats import median, relative_spread
+from servewell.perf.stats import relative_spread
 
 POLICIES = ("idle", "window", "adaptive")
 #: A step that does not raise throughput by this share over the best so far means saturation:
@@ -119,9 +119,21 @@ class Measurement:
         return scores
 
     def score(self, slo_ms: float) -> float:
-        """The median over runs of the best throughput within the SLO; 0 when it never met it."""
+        """The worst run's best throughput within the SLO; 0 when any run never met it.
+
+        A setting is only as good as its worst repeat: a median of two runs averaged a run that
+        met the SLO with one that did not, while the clients and p99 quoted came from the first."""
         scores = self.run_scores(slo_ms)
-        return median(scores) if scores else 0.0
+        return min(scores) if scores else 0.0
+
+    def quoted_point(self, slo_ms: float) -> LadderPoint | None:
+        """The point a recommendation quotes: the best point within the SLO of the worst run
+        (of runs equally bad, the one with the higher p99); None when a run never met the SLO."""
+        points = [self.best_point(slo_ms, run) for run in range(len(self.runs))]
+        if not points or any(p is None for p in points):
+            return None
+        return min((p for p in points if p is not None),
+                   key=lambda p: (p.throughput_rps, -(p.p99_ms or 0.0)))
 
     def spread(self, slo_ms: float) -> float | None:
         """How far repeated runs of this candidate differ, relative to their median."""
@@ -320,7 +332,8 @@ class Search:
 
 @dataclass(frozen=True, slots=True)
 class Recommendation:
-    """The candidate to use, its best point, and how it compares with the baseline and the runner-up."""
+    """The candidate to use, the point quoted for it (its worst run's best), and how it compares
+    with the baseline and the runner-up."""
 
     best: Measurement
     point: LadderPoint
@@ -331,14 +344,15 @@ class Recommendation:
 
 
 def recommend(results: dict[str, Measurement], slo_ms: float, baseline: Candidate) -> Recommendation | None:
-    """The highest-throughput candidate within the SLO (median over its runs); None if none met it."""
+    """The highest-throughput candidate whose every run met the SLO, ranked by its worst run;
+    None if none did."""
     scored = sorted((m for m in results.values() if m.failure is None and m.score(slo_ms) > 0),
                     key=lambda m: m.score(slo_ms), reverse=True)
     if not scored:
         return None
     best = scored[0]
-    point = best.best_point(slo_ms)
-    assert point is not None  # a positive score has a point within the SLO
+    point = best.quoted_point(slo_ms)
+    assert point is not None  # a positive score: every run has a point within the SLO
     runner_up = scored[1] if len(scored) > 1 else None
     spreads = [s for m in scored[:2] if (s := m.spread(slo_ms)) is not None]
     spread = max(spreads) if spreads else None

@@ -11,6 +11,7 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from servewell.workers.messages import (
     WorkerLaunch,
     WorkerLoadFailed,
     WorkerReady,
+    WorkerReply,
 )
 from servewell.workers.profiling import WorkerProfiler
 from servewell.workers.shm import HeartbeatCell, SegmentReader, SharedArena
@@ -138,7 +140,13 @@ def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing
     rows_computed = 0
     steps: list[tuple[str, float]] = []
     set_step_sink(lambda name, seconds: steps.append((name, seconds)), tracing.tracer if tracing else None)
-    profiler = WorkerProfiler()
+    send_lock = threading.Lock()
+
+    def send(reply: WorkerReply) -> None:
+        with send_lock:  # the profiler replies from threads of its own (workers/profiling.py)
+            conn.send(reply)
+
+    profiler = WorkerProfiler(send)
     try:
         while True:
             try:
@@ -148,7 +156,7 @@ def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing
             if isinstance(message, Shutdown):
                 return
             if isinstance(message, (StartProfile, StopProfile)):
-                conn.send(_profile(message, profiler, runtime))
+                _profile(message, profiler, runtime, send)
                 continue
             if not isinstance(message, RunBatch):
                 continue
@@ -163,7 +171,7 @@ def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing
                     reply = _run(message, runtime, reader, arena, rows_computed, steps)
             else:
                 reply = _run(message, runtime, reader, arena, rows_computed, steps)
-            conn.send(reply)
+            send(reply)
             if isinstance(reply, BatchFailed) and reply.fatal:
                 return  # the device is unusable in this process: exit, supervision starts a fresh one
     finally:
@@ -174,15 +182,17 @@ def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing
             tracing.shutdown()
 
 
-def _profile(message: StartProfile | StopProfile, profiler: WorkerProfiler, runtime: ModelRuntime) -> ProfileDone:
-    """Start or stop profiling; always replies, so the frontend never waits forever."""
+def _profile(message: StartProfile | StopProfile, profiler: WorkerProfiler, runtime: ModelRuntime,
+             send: Callable[[WorkerReply], None]) -> None:
+    """Start or stop profiling; the profiler replies (perhaps later, from a thread of its own, so
+    the batches go on meanwhile), or this does when it fails: the frontend never waits forever."""
     try:
         if isinstance(message, StartProfile):
             profiler.start(runtime, message.directory)
-            return ProfileDone(None)
-        return ProfileDone(profiler.stop())
+        else:
+            profiler.stop()
     except Exception as exc:  # a profiler that fails must not take the worker down
-        return ProfileDone(None, _describe(exc))
+        send(ProfileDone(None, _describe(exc)))
 
 
 def _run(message: RunBatch, runtime: ModelRuntime, reader: SegmentReader, arena: SharedArena, rows_computed: int,

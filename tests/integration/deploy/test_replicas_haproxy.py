@@ -80,7 +80,7 @@ class SteadyLoad:
                     code = None
                     if response.status_code != 200:
                         try:
-                            code = response.json()["error"]["code"]
+                            code = response.json()["code"]  # OIP error: {"error": message, "code"}
                         except (ValueError, KeyError, TypeError):
                             code = f"unparsed:{response.text[:80]!r}"
                     elif response.json()["outputs"][0]["data"] != [6.0]:
@@ -260,7 +260,7 @@ def test_model_control_through_haproxy_is_refused_however_its_path_is_encoded(re
     assert answer.status_code == 200, answer.text
     # Ordinary paths with dots and escapes in a model name still pass through to servewell (its 404).
     status, body = raw_request(replicas.port, "GET", "/v2/models/no.such%2Dmodel")
-    assert status == 404 and body["error"]["code"] == "not_found", body
+    assert status == 404 and body["code"] == "not_found"  # the OIP error shape: {"error": message, "code", ...}, body
 
 
 def test_replicas_require_their_admin_token_and_the_console_shows_no_admin_data_through_haproxy(replicas: Replicas):

@@ -88,12 +88,15 @@ def test_valid_bodies_are_valid_in_the_schema(spec, path, method, body):
 
 def test_every_error_response_documents_the_json_error_body(spec):
     for path, operations in spec["paths"].items():
+        body = "OipErrorBody" if path.startswith("/v2/") else "ErrorBody"  # OIP's string `error` on /v2
         for method, operation in operations.items():
             for status, response in operation["responses"].items():
                 if status.startswith("4"):
                     schema = response["content"]["application/json"]["schema"]
-                    assert schema == {"$ref": "#/components/schemas/ErrorBody"}, (method, path, status)
+                    assert schema == {"$ref": f"#/components/schemas/{body}"}, (method, path, status)
+                    assert "X-Error-Code" in response["headers"], (method, path, status)
     assert "HTTPValidationError" not in spec["components"]["schemas"]
+    assert spec["components"]["schemas"]["OipErrorBody"]["properties"]["error"]["type"] == "string"
     infer = spec["paths"]["/v2/models/{name}/infer"]["post"]["responses"]
     assert {"400", "404", "413", "415", "422", "503"} <= set(infer)
     assert "Retry-After" in infer["503"]["headers"]
@@ -116,8 +119,30 @@ def test_405_lists_every_documented_method_of_the_resource(method, path, allow):
             return await client.request(method, path)
 
     r = asyncio.run(call())
-    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert r.status_code == 405 and r.headers["x-error-code"] == "method_not_allowed"
+    code = r.json()["code"] if path.startswith("/v2/") else r.json()["error"]["code"]
+    assert code == "method_not_allowed"
     assert r.headers["allow"] == allow
+
+
+@pytest.mark.parametrize(
+    "path,oip",
+    [("/v2/no-such-route", True), ("/v2/models/m/versions/1/infer/x", True), ("/v2x", False),
+     ("/no-such-route", False), ("/admin/nothing", False)],
+)
+def test_errors_on_oip_routes_carry_the_message_as_error_and_the_rest_beside_it(path, oip):
+    async def call():
+        transport = httpx.ASGITransport(app=create_app(bare_state()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.get(path, headers={"X-Request-ID": "shape-1"})
+
+    r = asyncio.run(call())
+    assert r.status_code == 404 and r.headers["x-error-code"] == "not_found" and r.headers["x-request-id"] == "shape-1"
+    doc = r.json()
+    if oip:  # OIP: `error` is the message, what tritonclient's InferenceServerException holds
+        assert doc == {"error": "Not Found", "code": "not_found", "request_id": "shape-1"}
+    else:
+        assert doc == {"error": {"code": "not_found", "message": "Not Found", "request_id": "shape-1"}}
 
 
 def test_no_route_or_dependency_runs_in_the_thread_pool():

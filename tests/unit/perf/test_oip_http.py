@@ -68,5 +68,7 @@ def test_encoded_images_are_base64_in_json_and_raw_in_binary():
 
 def test_error_codes_are_read_from_servewell_bodies_only():
     assert error_code(b'{"error": {"code": "overloaded", "message": "m", "request_id": "r"}}') == "overloaded"
+    assert error_code(b'{"error": "overloaded; retry", "code": "overloaded", "request_id": "r"}') == "overloaded"
     assert error_code(b'{"error": "Triton says no"}') is None
+    assert error_code(b'["error"]') is None
     assert error_code(b"<html>") is None

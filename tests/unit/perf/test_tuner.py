@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from servewell.perf.tune_report import recommendation_text, results_json
 from servewell.perf.tune_state import TuneState
 from servewell.perf.tuner import (
     Candidate,
@@ -147,12 +148,53 @@ def test_a_gap_smaller_than_the_spread_is_reported_as_noise():
     point = lambda rps: [LadderPoint(8, rps, 1.0, 2.0, 10.0, 0)]  # noqa: E731
     results = {a.key: Measurement(a, [point(100.0), point(90.0)]), b.key: Measurement(b, [point(97.0), point(99.0)])}
     rec = recommend(results, SLO_MS, BASELINE)
-    assert rec.best.candidate == b and rec.runner_up.candidate == a  # medians 98 and 95
+    assert rec.best.candidate == b and rec.runner_up.candidate == a  # worst runs 97 and 90
     assert rec.spread == pytest.approx(10.0 / 95.0)  # a's two runs differed by 10
-    assert rec.within_noise  # a gap of 3% under a spread of 10%
+    assert rec.within_noise  # a gap of 7% under a spread of 10%
     results[b.key] = Measurement(b, [point(150.0), point(152.0)])
     rec = recommend(results, SLO_MS, BASELINE)
     assert rec.best.candidate == b and not rec.within_noise
+
+
+def test_a_setting_with_a_repeat_that_never_met_the_slo_is_not_recommended():
+    """Two runs of `fast`: the first met the SLO at 8 clients, the repeat (from the same level)
+    never did. Its median, 200 req/s, was above `steady`'s 155 only by averaging in a run that
+    failed the SLO; it is not recommended at all."""
+    fast = Candidate(8, "idle", 0, 1, 2)
+    steady = Candidate(4, "idle", 0, 1, 2)
+    results = {
+        fast.key: Measurement(fast, [[LadderPoint(8, 400.0, 10.0, 20.0, 40.0, 0)],
+                                     [LadderPoint(8, 210.0, 30.0, 60.0, 75.0, 0),
+                                      LadderPoint(4, 190.0, 30.0, 55.0, 51.0, 0)]]),
+        steady.key: Measurement(steady, [[LadderPoint(4, 150.0, 5.0, 9.0, 20.0, 0)],
+                                         [LadderPoint(4, 160.0, 5.0, 9.0, 22.0, 0)]]),
+    }
+    assert results[fast.key].score(SLO_MS) == 0.0 and results[fast.key].quoted_point(SLO_MS) is None
+    rec = recommend(results, SLO_MS, BASELINE)
+    assert rec is not None and rec.best.candidate == steady and rec.runner_up is None
+    assert rec.point == LadderPoint(4, 150.0, 5.0, 9.0, 20.0, 0)  # the worse of steady's two runs
+    assert "in every run" in recommendation_text(None, SLO_MS, {fast.key: results[fast.key]})
+
+
+def test_the_recommendation_quotes_the_worst_repeat():
+    """The repeat broke the SLO at 8 clients and held at 4: the setting is still the best, but
+    its figures are the repeat's (4 clients, p99 45 ms), not the first run's 8 clients."""
+    best = Candidate(8, "idle", 0, 1, 2)
+    other = Candidate(2, "idle", 0, 1, 2)
+    first = [LadderPoint(4, 130.0, 5.0, 9.0, 20.0, 0), LadderPoint(8, 200.0, 10.0, 20.0, 30.0, 0)]
+    repeat = [LadderPoint(8, 205.0, 20.0, 40.0, 60.0, 0), LadderPoint(4, 120.0, 15.0, 30.0, 45.0, 0)]
+    results = {best.key: Measurement(best, [first, repeat]),
+               other.key: Measurement(other, [[LadderPoint(2, 100.0, 3.0, 5.0, 8.0, 0)]])}
+    rec = recommend(results, SLO_MS, BASELINE)
+    assert rec is not None and rec.best.candidate == best
+    assert rec.point == repeat[1] and rec.best.score(SLO_MS) == 120.0
+    text = recommendation_text(rec, SLO_MS, results)
+    assert "120.0 req/s" in text and "its worst of 2 runs, at 4 clients" in text and "p99 45.0 ms" in text
+    (row,) = [c for c in results_json(results, SLO_MS) if c["key"] == best.key]
+    assert row["quoted_point"]["p99_ms"] == 45.0 and row["score_rps"] == 120.0
+    # Of two runs equally bad, the one with the higher p99 is quoted.
+    tied = [LadderPoint(4, 120.0, 15.0, 30.0, 48.0, 0)]
+    assert Measurement(best, [repeat, tied]).quoted_point(SLO_MS).p99_ms == 48.0
 
 
 def test_nothing_is_recommended_when_no_setting_met_the_slo():
