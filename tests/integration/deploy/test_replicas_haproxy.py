@@ -260,7 +260,7 @@ def test_model_control_through_haproxy_is_refused_however_its_path_is_encoded(re
     assert answer.status_code == 200, answer.text
     # Ordinary paths with dots and escapes in a model name still pass through to servewell (its 404).
     status, body = raw_request(replicas.port, "GET", "/v2/models/no.such%2Dmodel")
-    assert status == 404 and body["code"] == "not_found"  # the OIP error shape: {"error": message, "code", ...}, body
+    assert status == 404 and body["code"] == "not_found", body  # OIP shape: {"error": message, "code", ...}
 
 
 def test_replicas_require_their_admin_token_and_the_console_shows_no_admin_data_through_haproxy(replicas: Replicas):
