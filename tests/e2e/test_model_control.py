@@ -180,7 +180,7 @@ def test_unload_under_load_answers_model_unloading_never_shutting_down(tmp_path,
             async def user():
                 while not stop.is_set():
                     r = await client.post("/v2/models/draining/infer", json=body(1.0))
-                    error = r.json().get("error") or {} if r.status_code != 200 else {}
+                    error = r.json() if r.status_code != 200 else {}  # OIP shape: {"error": message, "code", ...}
                     answers.append((r.status_code, error.get("code"), r.headers.get("retry-after")))
                     if r.status_code != 200:
                         await asyncio.sleep(0.02)

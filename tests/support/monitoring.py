@@ -21,12 +21,13 @@ HISTOGRAMS = (
     "servewell_batch_compute_seconds", "servewell_batch_transport_seconds", "servewell_postprocess_seconds",
     "servewell_batch_size", "servewell_trace_step_seconds", "servewell_batch_compute_by_size_seconds",
 )
-COUNTERS = ("servewell_requests", "servewell_model_loads", "servewell_worker_restarts")
+COUNTERS = ("servewell_requests", "servewell_model_loads", "servewell_worker_restarts", "servewell_config_reloads")
 GAUGES = (
     "servewell_queue_depth", "servewell_inflight_requests", "servewell_model_state", "servewell_worker_up",
     "servewell_effective_max_batch_size", "servewell_worker_resident_memory_bytes",
     "servewell_worker_private_memory_bytes", "servewell_worker_mapped_file_memory_bytes",
     "servewell_worker_cpu_seconds", "servewell_worker_threads", "servewell_memory_budget_bytes", "servewell_ready",
+    "servewell_config_rejected_files",
 )
 GPU_GAUGES = (
     "servewell_gpu_utilization_ratio", "servewell_gpu_memory_used_bytes", "servewell_gpu_memory_total_bytes",

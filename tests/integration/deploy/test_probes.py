@@ -99,7 +99,7 @@ def loading_server(tmp_path_factory: pytest.TempPathFactory):
     assert set(moved) <= set(c["args"]), c["args"]  # the manifest's own values, moved to this machine
     # The container's gRPC port (8001 by default) is moved too: tests run servers side by side.
     args = [moved.get(a, a) for a in c["args"]] + ["--grpc-port", str(free_port())]
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}  # the admin token: a Secret
     log = tmp_path_factory.mktemp("probes-log") / "server.log"
     process = ChildProcess([sys.executable, "-m", "servewell", "serve", *args], log, env)
     try:
