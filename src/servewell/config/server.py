@@ -177,8 +177,8 @@ class ServerConfig(BaseModel):
     )
     # Per-connection bounds on pipelining, slow bodies and unread answers (issue 19, items 8 and 9).
     max_pipelined_requests: int = Field(
-        16, ge=1, le=1024, description="Requests one connection may send ahead of the answer it waits for; the "
-        "next one is answered 503 and the connection closes after it (a pipelining client retries the rest).",
+        16, ge=1, le=1024, description="Requests one connection may send ahead of the answer it waits for; past "
+        "that, those queued and the next are answered 503 and the connection closes (the client retries them).",
     )
     min_body_rate_bytes_s: float = Field(
         1024.0, ge=0, description="Slowest average rate, in bytes per second, at which a request body may arrive "
