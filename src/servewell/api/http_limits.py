@@ -23,7 +23,8 @@ has arrived, which a slow client never sends.
   connection counts as waiting, and may be evicted, until its whole request (body included) is in;
 - at most `max_pipelined_requests` requests queued behind the one being answered (past that, the
   queued ones and the next get 503 in their turn, nothing after it is read), and answers that
-  wait for a client reading nothing dropped after `send_timeout_s` (uvicorn already stops writing past the transport's high-water mark);
+  wait for a client reading nothing dropped after `send_timeout_s` (uvicorn already stops
+  writing past the transport's high-water mark);
 - HTTP/1.0 and 1.1 only (505 otherwise), and exactly one Host header in HTTP/1.1 (400);
 - once readiness turns false (`close_after_answers`), `Connection: close` on every answer.
 
