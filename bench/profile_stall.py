@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -26,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from bench.processes import HOST, free_port
+from bench.processes import HOST, ServerProcess, free_port
 
 BUCKET_S = 0.25
 
@@ -154,33 +153,19 @@ def main() -> int:
         root = Path(work) / "repo"
         write_models(root)
         port = free_port()
-        log = open(Path(work) / "server.log", "wb")  # closed below
-        server = subprocess.Popen([sys.executable, "-m", "servewell", "serve", "--model-repository", str(root),
-                                   "--host", HOST, "--port", str(port), "--grpc-port", str(free_port())],
-                                  stdout=log, stderr=subprocess.STDOUT)
+        log_path = Path(work) / "server.log"
+        server = ServerProcess("servewell", [sys.executable, "-m", "servewell", "serve", "--model-repository",
+                                             str(root), "--host", HOST, "--port", str(port),
+                                             "--grpc-port", str(free_port())], port, log_path)
+        server.start()
         try:
-            url = f"http://{HOST}:{port}"
-            deadline = time.monotonic() + 180
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.3)
-            else:
-                raise SystemExit("the server did not become ready")
-            result = asyncio.run(run(url, args.clients, args.seconds, args.settle_s))
-            lines = (Path(work) / "server.log").read_text(errors="replace").splitlines()
+            server.wait_ready(180)
+            result = asyncio.run(run(server.url, args.clients, args.seconds, args.settle_s))
+            lines = log_path.read_text(errors="replace").splitlines()
             worker_log = [json.loads(line)["message"] for line in lines
                           if '"logger":"servewell.workers"' in line and "profile" in line]
         finally:
-            server.terminate()
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-            log.close()
+            server.stop(30)
     print(json.dumps({"clients": args.clients, "capture_s": args.seconds, "models": result,
                       "worker_log": worker_log}, indent=1))
     return 0
