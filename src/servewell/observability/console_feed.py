@@ -273,11 +273,11 @@ class ConsoleFeed:
         self._clock = clock
         self._wall_clock = wall_clock
         self._series: dict[str, deque[tuple[float | None, ...]]] = {}
-        self._previous: tuple[float, MetricsReading] | None = None
         # (taken at, {(model, batch size label): reading}); the first is the view's baseline.
         self._by_size_baselines: deque[tuple[float, dict[tuple[str, str], HistogramReading]]] = deque(maxlen=2)
         self.started_at = wall_clock()
-        # The models table's summaries cover the last `SUMMARY_WINDOW_S`: the readings since then.
+        # The readings of the last `SUMMARY_WINDOW_S` (the models table's summaries); the newest is
+        # the one the next point is taken against.
         self._history: deque[tuple[float, MetricsReading]] = deque(
             maxlen=max(2, int(min(SUMMARY_WINDOW_S, window_s) // interval_s) + 1))
         self.alerts = ActiveAlerts()  # kept by the alert evaluation (`run_alerting`), shown by the console
@@ -287,7 +287,7 @@ class ConsoleFeed:
         if self.metrics is None:
             return
         now, reading = self._clock(), read_metrics(self.metrics)
-        previous, self._previous = self._previous, (now, reading)
+        previous = self._history[-1] if self._history else None
         if not self._by_size_baselines or now - self._by_size_baselines[-1][0] >= BY_SIZE_PERIOD_S:
             self._by_size_baselines.append((now, _read_by_size(self.metrics)))
         self._history.append((now, reading))
