@@ -29,6 +29,7 @@ from tritonclient.utils import InferenceServerException
 
 from browser import console_problems, headless_chromium
 from model_dirs import factory_model, infer_body, slow_model
+from waiting import eventually
 
 IMAGE_PATH = Path(__file__).parents[2] / "src/servewell/examples/images/digit-3-200px.jpg"
 IMAGE_B64 = base64.b64encode(IMAGE_PATH.read_bytes()).decode()
@@ -316,7 +317,7 @@ def incident(tmp_path_factory, start_module_server):
         assert states == {"broken": "failed", "fast": "ready", "slow": "ready", "fails": "ready"}, models
         return True
 
-    wait_for(settled, 180)
+    eventually(settled, 180, lambda: f"the models settled: {server.log()[-2000:]}")
     return server
 
 
@@ -358,16 +359,6 @@ def models_of(doc: dict) -> dict[str, dict]:
     return {m["name"]: m for m in doc["models"]}
 
 
-def wait_for(check, timeout_s: float = 40.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.25)
-
-
 def test_the_badge_shows_degraded_with_the_reason(incident, browser):
     health = httpx.get(incident.url + "/healthz").json()
     assert health["status"] == "degraded" and "broken" in health["readiness"]["reason"]
@@ -396,7 +387,7 @@ def test_each_model_row_has_its_rate_latency_errors_and_p99_split(incident, brow
                 return models
             return None
 
-        models = wait_for(measured)
+        models = eventually(measured, 40, "every model's p99 and the failing model's error ratio")
         browser.get(incident.url + "/")
         wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, '#models tr[data-model="slow"] td.p99.worst'))
         # Read in one go: the table is redrawn every poll.
@@ -422,7 +413,8 @@ def test_4xx_answers_count_in_the_requests_by_outcome_chart(incident, browser):
         assert infer(incident.url, "fast", wrong).status_code == 422
     # An unknown model is a client error too; it counts among all models.
     assert infer(incident.url, "no-such-model").status_code == 404
-    wait_for(lambda: max(state(incident.url, "fast")["series"]["columns"]["client_error"], default=0) > 0)
+    eventually(lambda: max(state(incident.url, "fast")["series"]["columns"]["client_error"], default=0) > 0,
+               40, "a client_error point in the fast model's series")
     browser.get(incident.url + "/")
     chart_max = """
 const u = window.servewellConsole.charts.requests;
@@ -442,7 +434,7 @@ def test_the_servers_own_alerts_show_in_healthz_and_the_console(incident, browse
                      if (a["name"], a["model"]) == ("error_ratio", "fails")]
             return found[0] if found else None
 
-        fired = wait_for(alert)
+        fired = eventually(alert, 40, "the error_ratio alert of model fails in /healthz")
         health = httpx.get(incident.url + "/healthz")
         assert health.status_code == 200 and health.json()["status"] == "degraded"  # readiness unchanged
         assert fired["prometheus"] == "ServewellHighErrorRatio" and fired["severity"] == "critical"
