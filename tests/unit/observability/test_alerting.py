@@ -9,10 +9,10 @@ import logging
 
 import httpx
 import pytest
-import yaml
 from pydantic import ValidationError
 
-from monitoring import ALERTS
+from fake_clock import FakeClock
+from monitoring import alerts
 from servewell.config.alerting import AlertingConfig, AlertThresholds
 from servewell.observability.alerting import (
     RULES,
@@ -241,51 +241,42 @@ def test_run_alerting_notifies_rate_limited_and_survives_broken_snapshots(caplog
 # ---------- the server's own evaluation: active alerts (console, /healthz) ----------
 
 
-class WallClock:
-    """A wall clock that moves only when the test says so."""
-
-    def __init__(self, t: float = 1_700_000_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_active_alerts_keep_their_start_while_firing_and_end_when_not():
-    active, clock = ActiveAlerts(), WallClock()
+    active, clock = ActiveAlerts(), FakeClock(1_700_000_000.0)
     thresholds = AlertThresholds()
     assert active.to_json() == [] and active.evaluated_at is None
     failing = SignalSnapshot("digits", error_ratio=0.5, queue_fill_ratio=0.9)
-    active.update(firing_alerts(failing, thresholds), clock())
-    started = clock.t
-    clock.t += 15
-    active.update(firing_alerts(SignalSnapshot("digits", error_ratio=0.7, queue_fill_ratio=0.9), thresholds), clock())
+    active.update(firing_alerts(failing, thresholds), clock.now())
+    started = clock.now()
+    clock.advance(15)
+    active.update(firing_alerts(SignalSnapshot("digits", error_ratio=0.7, queue_fill_ratio=0.9), thresholds),
+                  clock.now())
     (error, queue) = active.to_json()  # critical first
     assert (error["name"], error["prometheus"], error["severity"]) == ("error_ratio", "ServewellHighErrorRatio",
                                                                        "critical")
     assert error["since"] == started and error["value"] == 0.7 and error["threshold"] == 0.05
-    assert "digits" in error["summary"] and error["action"] and active.evaluated_at == clock.t
+    assert "digits" in error["summary"] and error["action"] and active.evaluated_at == clock.now()
     assert queue["name"] == "queue_saturation"
-    clock.t += 15
+    clock.advance(15)
     active.update(firing_alerts(SignalSnapshot("digits", error_ratio=0.0, queue_fill_ratio=0.9), thresholds),
-                  clock())
+                  clock.now())
     assert names(active.current()) == ["queue_saturation"]
-    clock.t += 15
-    active.update(firing_alerts(HEALTHY, thresholds), clock())  # resolved
+    clock.advance(15)
+    active.update(firing_alerts(HEALTHY, thresholds), clock.now())  # resolved
     assert active.current() == []
-    active.update(firing_alerts(failing, thresholds), clock())  # a new episode starts anew
-    assert active.current()[0].since == clock.t
+    active.update(firing_alerts(failing, thresholds), clock.now())  # a new episode starts anew
+    assert active.current()[0].since == clock.now()
 
 
 def test_run_alerting_without_a_webhook_still_keeps_the_active_alerts():
     active = ActiveAlerts()
     config = AlertingConfig(evaluation_interval_s=0.005)
-    clock = WallClock()
+    clock = FakeClock(1_700_000_000.0)
 
     async def main():
         stop = asyncio.Event()
         task = asyncio.create_task(run_alerting(config, lambda: [SignalSnapshot("digits", error_ratio=0.5)], stop,
-                                                active=active, wall_clock=clock))
+                                                active=active, wall_clock=clock.now))
 
         async def evaluated() -> bool:
             return bool(active.current())
@@ -295,11 +286,9 @@ def test_run_alerting_without_a_webhook_still_keeps_the_active_alerts():
         await asyncio.wait_for(task, 1)
 
     asyncio.run(main())
-    assert names(active.current()) == ["error_ratio"] and active.current()[0].since == clock.t
+    assert names(active.current()) == ["error_ratio"] and active.current()[0].since == clock.now()
 
 
 def test_every_rule_mirrors_an_alert_of_the_prometheus_rules():
-    alerts = {rule["alert"] for group in yaml.safe_load(ALERTS.read_text())["groups"]
-              for rule in group["rules"] if "alert" in rule}
-    assert {rule.prometheus for rule in RULES} <= alerts
+    assert {rule.prometheus for rule in RULES} <= {alert["alert"] for alert in alerts()}
     assert len({rule.prometheus for rule in RULES}) == len(RULES)
