@@ -43,7 +43,7 @@ class RefusalDigest:
             window.count += 1
             return
         self._open[key] = _Window(1, message, status)
-        schedule = self._schedule or _loop_call_later
+        schedule = self._schedule or loop_call_later
         schedule(self.window_s, lambda: self._flush(key))
 
     def flush_all(self) -> None:
@@ -64,6 +64,7 @@ class RefusalDigest:
         )
 
 
-def _loop_call_later(delay_s: float, callback: Callable[[], None]) -> object:
-    # In an empty context: the line is about many requests, not the one that opened the window.
+def loop_call_later(delay_s: float, callback: Callable[[], None]) -> object:
+    """The default `Scheduler`: the running event loop's `call_later`, in an empty context (a
+    window's line is about many requests, not the one that opened the window)."""
     return asyncio.get_running_loop().call_later(delay_s, callback, context=contextvars.Context())

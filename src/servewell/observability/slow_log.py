@@ -13,22 +13,18 @@ lines (`api/errors.py`; refusals are summed up by `refusal_log.py`); the metrics
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import heapq
 import itertools
 import logging
 import math
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from servewell.observability.refusal_log import Scheduler, loop_call_later
+
 if TYPE_CHECKING:  # only its attributes are read: no import cycle at run time
     from servewell.observability.recent_requests import RequestRecord
-
-#: Schedules `callback` after `delay_s` seconds (the event loop's `call_later` by default).
-Scheduler = Callable[[float, Callable[[], None]], object]
 
 #: A window's length: prompt enough for an operator watching the log, few lines under load.
 WINDOW_S = 10.0
@@ -84,7 +80,7 @@ class SlowRequestLog:
         window = self._open.get(record.model)
         if window is None:
             window = self._open[record.model] = _Window()
-            schedule = self._schedule or _loop_call_later
+            schedule = self._schedule or loop_call_later
             schedule(self.window_s, lambda: self._flush(record.model))
         if window.logged < self.lines_per_window:
             window.logged += 1
@@ -134,8 +130,3 @@ def _stages(record: RequestRecord) -> str:
     stages = ", ".join(f"{name} {ms:.1f}" for name, ms in record.stages_ms.items())
     batch = "" if record.batch_id is None else f"batch {record.batch_id} of {record.batch_size} on #{record.instance}"
     return "; ".join(part for part in (stages, batch) if part) or "no stages"
-
-
-def _loop_call_later(delay_s: float, callback: Callable[[], None]) -> object:
-    # In an empty context: the summary is about many requests, not the one that opened the window.
-    return asyncio.get_running_loop().call_later(delay_s, callback, context=contextvars.Context())
