@@ -9,27 +9,21 @@ and the key was checked; grpcio's limit stays as a much higher backstop (`backst
 
 from __future__ import annotations
 
-import logging
 import resource
 
-log = logging.getLogger("servewell.api")
+from servewell.api.fd_limits import raise_fd_limit
 
 #: The least gRPC connections the listener keeps, however tight the open-files limit.
 MIN_GRPC_CONNECTIONS = 8
+#: What "the hard limit" is when it is unlimited (macOS): the soft limit is raised this far.
+UNLIMITED_OPEN_FILES = 1_048_576
 
 
 def raise_open_files_limit() -> int:
-    """Raise this process's soft RLIMIT_NOFILE to its hard limit (never down); the soft limit now."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY:
-        hard = max(soft, 1_048_576) if soft != resource.RLIM_INFINITY else soft
-    if soft != resource.RLIM_INFINITY and soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError) as exc:  # a container may forbid it: keep the soft limit
-            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, hard, exc)
-    return int(soft)
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (never down; `UNLIMITED_OPEN_FILES`
+    when the hard limit is unlimited); the soft limit now."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return raise_fd_limit(UNLIMITED_OPEN_FILES if hard == resource.RLIM_INFINITY else hard)
 
 
 def grpc_connection_cap(wanted: int, open_files: int, http_connections: int, reserve: int) -> int:
