@@ -29,12 +29,12 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from servewell.api.grpc.codec import metadata_value
-from servewell.api.grpc.incoming import CallLimitReached, CallUnimplemented, IncomingMessage
+from servewell.api.grpc.incoming import CallLimitReached, CallUnimplemented, IncomingMessage, ReceiveTimeout
 from servewell.api.grpc.limits import CallSlots
 from servewell.api.keys import InferenceAccess
 from servewell.api.request_outcome import record_outcome
 from servewell.api.state import LiveKnobs
-from servewell.errors import ServeError, Unavailable
+from servewell.errors import ClientClosed, ServeError, Unavailable
 from servewell.observability.context import (
     BatchPlacement,
     client_var,
@@ -76,7 +76,7 @@ def status_code(error: ServeError) -> grpc.StatusCode:
 
 
 #: Refusals a client can cause at will: one log line per model, code and second, with a count.
-_DIGESTED = frozenset((CallUnimplemented.code, CallLimitReached.code, "receive_timeout", "client_closed_request"))
+_DIGESTED = frozenset((CallUnimplemented.code, CallLimitReached.code, ReceiveTimeout.code, ClientClosed.code))
 
 
 def retry_after_value(retry_after_s: float) -> str:
