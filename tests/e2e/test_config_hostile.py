@@ -19,20 +19,10 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from model_dirs import slow_model
+from waiting import eventually
 
 KEY = "hostile-config-key-0123456789"
 NEW_KEY = "hostile-config-key-new-987654"
-
-
-def eventually(check: Callable[[], Any], timeout_s: float = 20.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true after {timeout_s} s: {what}")
-        time.sleep(0.05)
 
 
 def billion_laughs() -> str:
@@ -65,7 +55,7 @@ def hostile(tmp_path_factory, start_module_server):
                                   "--api-keys-file", str(keys_file)])
     server.wait_live()  # not wait_ready: it stops at the first failed model, and three are meant to fail
     eventually(lambda: httpx.get(server.url + "/healthz", timeout=5).json()["models"]["slow"]["ready"],
-               timeout_s=120, what="the good model loads beside the hostile ones")
+               120, "the good model loads beside the hostile ones")
     server.root, server.keys_file = root, keys_file
     return server
 
@@ -136,14 +126,14 @@ def test_attack_files_are_rejected_while_serving_and_polling_goes_on(hostile):
             assert httpx.get(hostile.url + "/v2/health/live", timeout=2).status_code == 200
             time.sleep(0.1)
         entry = eventually(lambda: [r for r in health(hostile)["config"]["rejected"]
-                                    if r["file"] == "slow/model.yaml"], what=f"{name} rejected")
+                                    if r["file"] == "slow/model.yaml"], 20, f"{name} rejected")
         assert words.lower() in entry[0]["reason"].lower(), (name, entry)
         assert len(entry[0]["reason"]) < 400 and health(hostile)["status"] == "degraded"
         assert health(hostile)["ready"] and infer(hostile).status_code == 200
         assert admin_config(hostile)["rejected"][0]["path"] == str(model_yaml)
         assert rejected_files_metric(hostile) >= 1
         put(model_yaml, good)  # the next attack must be a change again
-        eventually(lambda: not health(hostile)["config"]["rejected"], what=f"{name} cleared by a good version")
+        eventually(lambda: not health(hostile)["config"]["rejected"], 20, f"{name} cleared by a good version")
     assert max(len(line) for line in hostile.log().splitlines()) < 4000  # a 464 MB log line, once
 
 
@@ -158,9 +148,10 @@ def test_a_half_written_model_yaml_is_applied_only_whole(hostile):
     with open(model_yaml, "w") as f:  # the writer pauses mid-file (no rename)
         f.write(prefix)
         f.flush()
-        eventually(lambda: hostile.log().count("applied once it stays unchanged") > waiting, what="seen, waiting")
+        eventually(lambda: hostile.log().count("applied once it stays unchanged") > waiting, 20, "seen, waiting",
+                   interval_s=0.05)
         f.write(rest)
-    eventually(lambda: hostile.log().count("model.yaml changed:") > before, what="the whole file applied")
+    eventually(lambda: hostile.log().count("model.yaml changed:") > before, 20, "the whole file applied")
     time.sleep(2.5)  # two more polls: a second apply (the prefix, then the whole) would show by now
     assert hostile.log().count("model.yaml changed:") == before + 1
     models = httpx.get(hostile.url + "/admin/config", timeout=5).json()["models"]
@@ -172,10 +163,10 @@ def test_keys_fail_closed_and_a_broken_keys_file_never_stops_the_watcher(hostile
     assert infer(hostile, None).status_code == 401 and infer(hostile).status_code == 200
     put(hostile.keys_file, b"team:" + KEY.encode() + b"\xff\n")  # one non-UTF-8 byte
     eventually(lambda: any(r["file"] == "keys.txt" for r in health(hostile)["config"]["rejected"]),
-               what="non-UTF-8 keys file rejected")
+               20, "non-UTF-8 keys file rejected")
     assert infer(hostile).status_code == 200  # the keys in force stay
     put(hostile.keys_file, "# every key revoked\n")  # the revocation of the last key
-    eventually(lambda: infer(hostile).status_code == 401, what="the revoked key refused")
+    eventually(lambda: infer(hostile).status_code == 401, 20, "the revoked key refused")
     assert infer(hostile, None).status_code == 401  # never open
     state = httpx.get(hostile.url + "/console/api/state", timeout=5)
     assert state.status_code == 401
@@ -189,6 +180,6 @@ def test_keys_fail_closed_and_a_broken_keys_file_never_stops_the_watcher(hostile
     assert reasons and "no API key is in force" in reasons[0]
     assert "rejected, every request that needs an API key is refused" in hostile.log()
     put(hostile.keys_file, f"new:{NEW_KEY}\n")  # the watcher still polls: a new key applies
-    eventually(lambda: infer(hostile, NEW_KEY).status_code == 200, what="the new key in force")
+    eventually(lambda: infer(hostile, NEW_KEY).status_code == 200, 20, "the new key in force")
     assert not [r for r in health(hostile)["config"]["rejected"] if r["file"] == "keys.txt"]
     assert infer(hostile, KEY).status_code == 401

@@ -15,17 +15,7 @@ import pytest
 import yaml
 
 from model_dirs import slow_model
-
-
-def eventually(check: Callable[[], Any], timeout_s: float = 15.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true after {timeout_s} s: {what}")
-        time.sleep(0.1)
+from waiting import eventually
 
 
 def edit_yaml(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
@@ -68,7 +58,7 @@ def test_a_valid_model_yaml_edit_applies_live(live):
     pids = [i["pid"] for i in httpx.get(live.url + "/healthz").json()["models"]["slow"]["instances"]]
     edit_yaml(live.root / "slow" / "model.yaml",
               lambda d: d.update(batching={"policy": "window", "max_wait_ms": 7, "max_queue_size": 1}))
-    eventually(lambda: batching(live)["policy"] == "window", what="the batching policy from the file")
+    eventually(lambda: batching(live)["policy"] == "window", 15, "the batching policy from the file")
     assert batching(live)["max_wait_ms"] == 7 and report(live)["models"]["slow"]["loaded_at"] > before
     # Same workers (nothing reloaded), and the new bound shows in behaviour: a queue of 1 refuses a burst.
     assert [i["pid"] for i in httpx.get(live.url + "/healthz").json()["models"]["slow"]["instances"]] == pids
@@ -81,14 +71,15 @@ def test_a_valid_model_yaml_edit_applies_live(live):
     codes = asyncio.run(burst())
     assert set(codes) <= {200, 503} and 503 in codes, codes
     edit_yaml(live.root / "slow" / "model.yaml", lambda d: d.update(batching={"policy": "idle"}))
-    eventually(lambda: batching(live)["policy"] == "idle" and batching(live)["max_queue_size"] == 256)
+    eventually(lambda: batching(live)["policy"] == "idle" and batching(live)["max_queue_size"] == 256, 15,
+               "the file's batching back in force")
 
 
 def test_an_invalid_model_yaml_is_refused_and_the_old_config_keeps_serving(live):
     path = live.root / "slow" / "model.yaml"
     good = path.read_text()
     edit_yaml(path, lambda d: d.update(max_batch_size=-3))
-    eventually(lambda: "model.yaml rejected" in live.log(), what="a log line about the rejected file")
+    eventually(lambda: "model.yaml rejected" in live.log(), 15, "a log line about the rejected file")
     line = next(line for line in live.log().splitlines() if "model.yaml rejected" in line)
     assert str(path) in line and "max_batch_size" in line  # the file, the field and the reason
     assert httpx.post(live.url + "/v2/models/slow/infer", json=body(1)).status_code == 200
@@ -127,7 +118,7 @@ def test_a_change_that_needs_new_workers_reloads_with_zero_failures_under_load(l
     assert len(codes) > 50 and set(codes) == {200}, {c: codes.count(c) for c in set(codes)}
     new = {i["pid"] for i in httpx.get(live.url + "/healthz").json()["models"]["slow"]["instances"]}
     assert not new & pids  # new workers serve
-    eventually(lambda: "reloaded" in live.log(), what="the reload's log line (after the old version drained)")
+    eventually(lambda: "reloaded" in live.log(), 15, "the reload's log line (after the old version drained)")
 
 
 def test_admin_patch_lasts_until_the_file_changes(live):
@@ -135,7 +126,7 @@ def test_admin_patch_lasts_until_the_file_changes(live):
     assert patched.status_code == 200
     assert report(live)["models"]["slow"]["overrides"] == {"max_wait_ms": 42, "policy": "window"}
     edit_yaml(live.root / "slow" / "model.yaml", lambda d: d.update(batching={"policy": "idle", "max_wait_ms": 3}))
-    eventually(lambda: batching(live)["max_wait_ms"] == 3)
+    eventually(lambda: batching(live)["max_wait_ms"] == 3, 15, "the file's max_wait_ms in force")
     assert batching(live)["policy"] == "idle" and report(live)["models"]["slow"]["overrides"] == {}
     assert "admin overrides" in live.log()
 
@@ -149,27 +140,27 @@ def test_a_configmap_symlink_swap_of_the_config_file_applies_live_settings(live)
                                                         "max_body_bytes": 2_000_000}))
     (live.conf_dir / "..data_tmp").symlink_to("..v2")
     os.replace(live.conf_dir / "..data_tmp", live.conf_dir / "..data")
-    eventually(lambda: report(live)["server"]["settings"]["slow_request_ms"] == 1, what="slow_request_ms")
+    eventually(lambda: report(live)["server"]["settings"]["slow_request_ms"] == 1, 15, "slow_request_ms")
     server = report(live)["server"]
     assert server["settings"]["log_level"] == "debug"
     # max_body_bytes needs a restart; the port also comes from a --port flag, which wins over the file.
     assert server["pending_restart"] == ["max_body_bytes"] and server["settings"]["port"] == live.port
     assert httpx.post(live.url + "/v2/models/slow/infer", json=body(1)).status_code == 200
-    eventually(lambda: "slow request" in live.log(), what="the new slow-request threshold in force")
+    eventually(lambda: "slow request" in live.log(), 15, "the new slow-request threshold in force")
     assert "need a restart" in live.log()
 
 
 def test_an_invalid_config_file_is_refused_and_sighup_rereads(live):
     target = (live.conf_dir / "config.yaml").resolve()
     target.write_text(yaml.safe_dump({"config_poll_s": 0, "log_level": "loud"}))
-    eventually(lambda: "config file rejected" in live.log(), what="a log line about the rejected config file")
+    eventually(lambda: "config file rejected" in live.log(), 15, "a log line about the rejected config file")
     assert "log_level" in next(line for line in live.log().splitlines() if "config file rejected" in line)
     assert report(live)["server"]["settings"]["log_level"] == "debug"  # kept
     # Polling off: only SIGHUP makes the server look.
     target.write_text(yaml.safe_dump({"config_poll_s": 0, "slow_request_ms": 500}))
-    eventually(lambda: report(live)["server"]["settings"]["config_poll_s"] == 0, what="polling turned off")
+    eventually(lambda: report(live)["server"]["settings"]["config_poll_s"] == 0, 15, "polling turned off")
     target.write_text(yaml.safe_dump({"config_poll_s": 0, "slow_request_ms": 700}))
     time.sleep(1.0)
     assert report(live)["server"]["settings"]["slow_request_ms"] == 500  # not polled any more
     live.proc.send_signal(signal.SIGHUP)
-    eventually(lambda: report(live)["server"]["settings"]["slow_request_ms"] == 700, what="SIGHUP reload")
+    eventually(lambda: report(live)["server"]["settings"]["slow_request_ms"] == 700, 15, "SIGHUP reload")
