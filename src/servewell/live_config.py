@@ -274,10 +274,10 @@ class ConfigReloader:
         self._knobs.metrics_need_key = settings.metrics_require_key
 
     async def _reload_model(self, name: str, path: Path) -> None:
-        # Validated whole in a thread first: the engine reads it again on the loop only when it is
-        # a file it can serve, and the rejection keeps each problem's field.
+        # Read and validated in a thread (a 1 MiB file must not stall the event loop), once: the
+        # engine applies this very config, and the rejection keeps each problem's field.
         try:
-            await asyncio.to_thread(read_model_config, path.parent)
+            config = await asyncio.to_thread(read_model_config, path.parent)
         except ModelConfigError as exc:
             self._reject(path, [(p.field, p.reason) for p in exc.problems], "the running version keeps serving")
             return
@@ -289,7 +289,7 @@ class ConfigReloader:
             log.warning("model directory %s resolves to %s, outside the repository %s", name, real,
                         self._engine.repository, extra={"model": name})
         try:
-            outcome = await self._engine.reconfigure_model(name)
+            outcome = await self._engine.reconfigure_model(name, config)
         except ServeError as exc:
             self._reject(path, [(TOP_LEVEL, exc.message)], "the running version keeps serving")
             return

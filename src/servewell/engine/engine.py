@@ -172,9 +172,10 @@ class InferenceEngine:
 
     # --- control plane ---------------------------------------------------------------------
 
-    async def load_model(self, name: str) -> ModelView:
+    async def load_model(self, name: str, config: ModelConfig | None = None) -> ModelView:
         """(Re)load a model from its repository directory with zero failed requests: the new
-        version loads and warms up while the old one serves; then traffic moves and the old drains."""
+        version loads and warms up while the old one serves; then traffic moves and the old drains.
+        `config`: its model.yaml, already read and checked (read here when not given)."""
         if self.draining:
             raise ShuttingDown("the server is shutting down and loads no model")
         directory = self.repository / name
@@ -183,10 +184,11 @@ class InferenceEngine:
         slot = self._slots.get(name)
         lock = slot.lock if slot is not None else self._first_load_locks.setdefault(name, asyncio.Lock())
         async with lock:
-            try:
-                config = read_model_config(directory)
-            except ValueError as exc:
-                raise LoadFailed(str(exc)) from None
+            if config is None:
+                try:
+                    config = read_model_config(directory)
+                except ValueError as exc:
+                    raise LoadFailed(str(exc)) from None
             fresh = ModelEntry(name, directory, config, self._services)
             await fresh.load()
             if fresh.state != "ready":
@@ -245,16 +247,13 @@ class InferenceEngine:
         the server restarts. `Conflict` when the model is unloaded, failed or stopping."""
         return self._valid(name).update_batching(changes)
 
-    async def reconfigure_model(self, name: str) -> str:
-        """Apply a changed `model.yaml` of a loaded model: live when only batching settings changed,
-        else through a zero-failure reload. Returns what happened (for the log); an invalid file
-        raises `LoadFailed` and the running version keeps serving unchanged."""
+    async def reconfigure_model(self, name: str, config: ModelConfig) -> str:
+        """Apply `config`, a changed `model.yaml` of a loaded model that the caller read and checked
+        (off the event loop): live when only batching settings changed, else through a zero-failure
+        reload. Returns what happened (for the log); a failed reload raises `LoadFailed` and the
+        running version keeps serving unchanged."""
         slot = self._slot(name, None)
         async with slot.lock:
-            try:
-                config = read_model_config(self.repository / name)
-            except ValueError as exc:
-                raise LoadFailed(str(exc)) from None
             entry = slot.entry
             if isinstance(entry, ModelEntry) and entry.state == "unloaded":
                 return "not applied: the model was unloaded by an operator (load it through the repository API)"
@@ -263,7 +262,7 @@ class InferenceEngine:
             if isinstance(entry, ModelEntry) and entry.state == "ready" and entry.live_changes_only(config):
                 dropped = entry.apply_batching(config)
                 return "applied live" + (f"; admin overrides {sorted(dropped)} replaced by the file" if dropped else "")
-        await self.load_model(name)
+        await self.load_model(name, config)
         return "reloaded (new workers warmed up before traffic moved)"
 
     def config_report(self) -> dict[str, Any]:
