@@ -6,9 +6,9 @@ On the first SIGTERM (what Kubernetes, systemd and `docker stop` send):
    restarted from now on, but the server keeps accepting and serving for `shutdown_delay_s`
    (default 5 s): load balancers notice and stop sending before anything is refused; the gRPC
    listener sends every connection GOAWAY and refuses new ones at once (its calls in flight finish);
-2. the listeners close (HTTP and gRPC): new connections are refused, idle keep-alive connections
-   closed, and every request already accepted is finished: the drain, at most `shutdown_timeout_s`
-   (default 20 s); what is still waiting then is answered 503 `shutting_down`;
+2. the HTTP listener closes (gRPC's already did): new connections are refused, idle keep-alive
+   connections closed, and every request already accepted is finished: the drain, at most
+   `shutdown_timeout_s` (default 20 s); what is still waiting then is answered 503 `shutting_down`;
 3. the workers, idle by then, are told to exit (killed after 2 s, at once if the drain was cut
    short); queued spans get at most 1 s to reach the collector; the process exits with status 0.
 

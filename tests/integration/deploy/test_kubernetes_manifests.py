@@ -57,7 +57,8 @@ KEDA_PROMETHEUS_KEYS = {
     "timeout",
     "identityOwner",
 }
-#: Drain after SIGTERM today (uvicorn's graceful timeout) and the margin for the workers to exit.
+#: The drain bound the manifests set, and the margin after it: the shutdown delay (5 s by default)
+#: and the workers' exit (about 3 s), with room to spare.
 DRAIN_S, WORKER_EXIT_S = 30, 10
 OVERLAYS = ("cpu", "gpu")
 VARIANTS = list(itertools.product(OVERLAYS, ("hpa", "keda"), ("pvc", "url")))
