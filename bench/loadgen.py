@@ -18,7 +18,7 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -54,13 +54,14 @@ class LoadSpec:
     max_requests: int
     grace_s: float
     seed: int
+    headers: dict[str, str] = field(default_factory=dict)  # sent with every request
 
 
 class RequestMaker:
     """Pre-encoded requests: every body variant, as a normal and as an urgent request."""
 
     def __init__(self, spec: LoadSpec) -> None:
-        extra = {"X-Request-Timeout-Ms": f"{spec.timeout_ms:g}"} if spec.timeout_ms else {}
+        extra = {**spec.headers, **({"X-Request-Timeout-Ms": f"{spec.timeout_ms:g}"} if spec.timeout_ms else {})}
         host = f"{spec.host}:{spec.port}"
         self._normal = [encode_request("POST", host, spec.path, b, extra) for b in spec.bodies]
         self._urgent = [encode_request("POST", host, spec.path, b, {**extra, "X-Urgency": "high"}) for b in spec.bodies]
@@ -205,6 +206,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[LoadSpec, Path | None]:
     p.add_argument("--max-requests", type=int, default=200_000, help="hard cap on requests sent")
     p.add_argument("--grace-s", type=float, default=10.0, help="wait this long for answers after the end")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--header", action="append", default=[], metavar="NAME:VALUE",
+                   help="header sent with every request (repeatable), e.g. Inference-Header-Content-Length:120")
     p.add_argument("--out", type=Path, default=None, help="write the summary JSON here (default: stdout)")
     args = p.parse_args(argv)
     url = urlsplit(args.url)
@@ -218,8 +221,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[LoadSpec, Path | None]:
         url.hostname, url.port or 80, args.path, [f.read_bytes() for f in args.body_file], args.mode,
         args.concurrency, args.rate, args.duration_s, args.warmup_s, args.urgent_fraction, args.timeout_ms,
         args.model, args.max_connections, args.max_requests, args.grace_s, args.seed,
+        dict(_header(p, h) for h in args.header),
     )
     return spec, args.out
+
+
+def _header(parser: argparse.ArgumentParser, text: str) -> tuple[str, str]:
+    name, sep, value = text.partition(":")
+    if not sep or not name.strip() or any(c in text for c in "\r\n"):
+        parser.error(f"--header {text!r}: expected NAME:VALUE on one line")
+    return name.strip(), value.strip()
 
 
 def main(argv: list[str] | None = None) -> int:

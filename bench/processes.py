@@ -147,10 +147,13 @@ def run_module(module: str, args: list[str], timeout_s: float, log_path: Path | 
 
 
 def closed_loop(url: str, path: str, bodies: list[Path], clients: int, seconds: float, warmup_s: float,
-                out: Path, log_path: Path) -> dict:
-    """Run `bench.loadgen` as a closed loop of `clients` for `seconds` after `warmup_s`; its summary."""
+                out: Path, log_path: Path, headers: dict[str, str] | None = None) -> dict:
+    """Run `bench.loadgen` as a closed loop of `clients` for `seconds` after `warmup_s` (each
+    request with `headers`); its summary."""
     args = ["--url", url, "--path", path, "--mode", "closed", "--concurrency", str(clients),
             "--duration-s", f"{seconds:g}", "--warmup-s", f"{warmup_s:g}", "--out", str(out), "--grace-s", "15"]
+    for name, value in (headers or {}).items():
+        args += ["--header", f"{name}:{value}"]
     for body in bodies:
         args += ["--body-file", str(body)]
     run_module("bench.loadgen", args, timeout_s=seconds + warmup_s + 60, log_path=log_path)

@@ -107,6 +107,26 @@ def mlp_bodies() -> list[Path]:
     return paths
 
 
+def mlp_binary_bodies() -> tuple[list[Path], int]:
+    """The same rows as `mlp_bodies` in the binary tensor extension (raw FP32 after a JSON header,
+    outputs asked for in binary, as tritonclient sends them), and the JSON header's length in bytes
+    (the same for every body: the `Inference-Header-Content-Length` to send)."""
+    out = WORK / "bodies"
+    out.mkdir(parents=True, exist_ok=True)
+    paths, lengths = [], set()
+    for source in sorted(WORK.glob("mlp_input_*.npy")):
+        row = np.load(source).astype("<f4")
+        header = orjson.dumps({"inputs": [{"name": "input", "shape": [1, int(row.shape[0])], "datatype": "FP32",
+                                           "parameters": {"binary_data_size": row.nbytes}}],
+                               "parameters": {"binary_data_output": True}})
+        path = out / f"mlp_{source.stem.rsplit('_', 1)[1]}.bin"
+        path.write_bytes(header + row.tobytes())
+        paths.append(path)
+        lengths.add(len(header))
+    (length,) = lengths
+    return paths, length
+
+
 def prepare(models: list[ServedModel]) -> Workspace:
     """Repository and bodies for `models` (builds must exist under WORK/build)."""
     repository = write_repository(models)

@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
+from prometheus_client.parser import text_string_to_metric_families
 
 from servewell.examples.digits import DIGITS_PREPROCESS, load_split, render_digit
 from servewell.imaging import transform_image
@@ -158,3 +159,72 @@ def test_urgent_request_is_served(digits_server):
                    json={"image_base64": base64.b64encode(image).decode(), "urgency": "high"},
                    headers={"X-Urgency": "high"})
     assert r.status_code == 200
+
+
+FAST_PATH = "servewell_http_fast_path_requests"
+INFER, INFER_VERSION = "/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"
+
+
+def _samples(url: str, family_name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    found = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        if family.name == family_name:
+            for sample in family.samples:
+                if sample.name.endswith(("_total", "_count")):
+                    found[tuple(sorted(sample.labels.items()))] = sample.value
+    return found
+
+
+def _grown(before: dict, after: dict) -> dict:
+    return {key: value - before.get(key, 0) for key, value in after.items() if value != before.get(key, 0)}
+
+
+def test_inference_requests_take_the_fast_path_and_everything_else_goes_through_fastapi(digits_server):
+    url = digits_server.url
+    image = base64.b64encode(sorted(p for p in EXAMPLES.iterdir() if p.suffix == ".png")[0].read_bytes()).decode()
+    tensor = {"inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [0.0] * 64}]}
+    version = httpx.get(url + "/v2/models/digits").json()["versions"][0]
+    fast_before = _samples(url, FAST_PATH)
+    timed_before = _samples(url, "servewell_request_duration_seconds")
+
+    answers = [httpx.post(url + "/predict", json={"image_base64": image}),
+               httpx.post(url + "/v2/models/digits/infer", json=tensor),
+               httpx.post(url + f"/v2/models/digits/versions/{version}/infer", json=tensor)]
+    assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
+    assert all(r.headers["x-request-id"] and "compute;dur=" in r.headers["server-timing"] for r in answers)
+    # A refusal on the fast path: OIP's error shape, the code in X-Error-Code, the request id.
+    missing = httpx.post(url + "/v2/models/nope/infer", json=tensor, headers={"X-Request-ID": "fast-404"})
+    assert missing.status_code == 404 and missing.headers["x-error-code"] == "not_found"
+    assert missing.json() == {"error": missing.json()["error"], "code": "not_found", "request_id": "fast-404"}
+    # Left to FastAPI, which answers them as it always did.
+    wrong_method = httpx.get(url + "/v2/models/digits/infer")
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert httpx.head(url + "/v2/models/digits/infer").status_code == 405
+    slash = httpx.post(url + "/v2/models/digits/infer/", json=tensor)
+    assert slash.status_code == 307 and slash.headers["location"].endswith("/v2/models/digits/infer")
+    assert httpx.get(url + "/v2/models/digits").status_code == 200
+
+    # Exactly the POSTs to the three inference templates were dispatched without FastAPI's routing.
+    assert _grown(fast_before, _samples(url, FAST_PATH)) == {
+        (("route", "/predict"),): 1, (("route", INFER),): 2, (("route", INFER_VERSION),): 1}
+    # ... and the request metrics still name them by their route template.
+    timed = _grown(timed_before, _samples(url, "servewell_request_duration_seconds"))
+    assert timed[(("model", "digits"), ("route", INFER_VERSION), ("status_class", "2xx"))] == 1
+    assert timed[(("model", "-"), ("route", INFER), ("status_class", "4xx"))] == 2  # the 404 and the GET's 405
+
+
+def test_openapi_documents_the_inference_operations_with_their_request_bodies(digits_server):
+    paths = httpx.get(digits_server.url + "/openapi.json").json()["paths"]
+    for path, media in (("/predict", {"application/json"}),
+                        (INFER, {"application/json", "application/octet-stream"}),
+                        (INFER_VERSION, {"application/json", "application/octet-stream"})):
+        operation = paths[path]["post"]
+        assert operation["requestBody"]["required"] is True and set(operation["requestBody"]["content"]) == media
+        assert {"200", "400", "404", "413", "415", "422", "503"} <= set(operation["responses"]), path
+        names = {(p["in"], p["name"]) for p in operation["parameters"]}
+        assert {("header", "X-Urgency"), ("header", "X-Request-Timeout-Ms")} <= names, path
+    predict_body = paths["/predict"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert predict_body["required"] == ["image_base64"]
+    infer_body = paths[INFER_VERSION]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert infer_body["required"] == ["inputs"]
+    assert {p["name"] for p in paths[INFER_VERSION]["post"]["parameters"] if p["in"] == "path"} == {"name", "version"}

@@ -22,6 +22,8 @@ HISTOGRAMS = (
     "servewell_batch_size", "servewell_trace_step_seconds", "servewell_batch_compute_by_size_seconds",
 )
 COUNTERS = ("servewell_requests", "servewell_model_loads", "servewell_worker_restarts", "servewell_config_reloads")
+#: Counters for diagnosis only: exposed, deliberately on neither the dashboard nor the rules.
+DIAGNOSTIC_COUNTERS = ("servewell_http_fast_path_requests",)
 GAUGES = (
     "servewell_queue_depth", "servewell_inflight_requests", "servewell_model_state", "servewell_worker_up",
     "servewell_effective_max_batch_size", "servewell_worker_resident_memory_bytes",
@@ -36,7 +38,7 @@ GPU_GAUGES = (
 #: Series names as Prometheus stores them.
 SERIES = frozenset(
     [f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")]
-    + [f"{c}_total" for c in COUNTERS] + list(GAUGES) + list(GPU_GAUGES)
+    + [f"{c}_total" for c in COUNTERS + DIAGNOSTIC_COUNTERS] + list(GAUGES) + list(GPU_GAUGES)
 )
 METRIC_NAME = re.compile(r"\bservewell_[a-z0-9_]+")
 RECORDED_NAME = re.compile(r"\bservewell:[a-z0-9_:]+")

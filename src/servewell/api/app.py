@@ -11,10 +11,12 @@ import servewell
 from servewell.api import routes_admin, routes_console, routes_docs, routes_metrics, routes_simple, routes_v2
 from servewell.api.errors import install_error_handlers
 from servewell.api.head_requests import HeadAsGetMiddleware
+from servewell.api.hot_routes import HotRoute, HotRouteDispatcher, HotRouteTable
 from servewell.api.key_middleware import ApiKeyMiddleware
 from servewell.api.middleware import RequestContextMiddleware
 from servewell.api.openapi import truthful_openapi
 from servewell.api.state import AppState
+from servewell.observability.metrics import ServeMetrics
 from servewell.observability.tracing import Tracing
 
 DESCRIPTION = """servewell serves ONNX, TorchScript and PyTorch models.
@@ -49,7 +51,7 @@ def create_app(
     app = FastAPI(title="servewell", version=servewell.__version__, description=DESCRIPTION, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.servewell = state
-    install_error_handlers(app)
+    answer_serve_error = install_error_handlers(app)
     app.include_router(routes_simple.router)
     app.include_router(routes_v2.router)
     app.include_router(routes_admin.router)
@@ -58,11 +60,28 @@ def create_app(
     app.include_router(routes_console.router)
     app.include_router(routes_docs.router)
     app.openapi = truthful_openapi(app)  # type: ignore[method-assign]
+    # Innermost: POST to an inference path runs its endpoint here, past FastAPI's routing and
+    # dependency solving (api/hot_routes.py); the routes stay registered above for /openapi.json
+    # and for every request the dispatcher leaves to FastAPI.
+    table = HotRouteTable([*routes_simple.hot_routes(), *routes_v2.hot_routes()])
+    app.add_middleware(HotRouteDispatcher, table=table, on_error=answer_serve_error,
+                       on_dispatch=_fast_path_counter(state.metrics))
     # Added last runs first: the request context (id, metrics, logs) wraps the key check; HEAD is
-    # turned into GET innermost, so logs and metrics still say HEAD.
+    # turned into GET inside both, so logs and metrics still say HEAD.
     app.add_middleware(HeadAsGetMiddleware)
     # Added last runs first: the request context (id, metrics, logs) wraps the key check.
     app.add_middleware(ApiKeyMiddleware, access=state.access, knobs=state.knobs)
     app.add_middleware(RequestContextMiddleware, knobs=state.knobs, metrics=state.metrics, tracing=tracing,
                        recent=state.console.recent)
     return app
+
+
+def _fast_path_counter(metrics: ServeMetrics | None) -> Callable[[HotRoute], None] | None:
+    if metrics is None:
+        return None
+    counter = metrics.fast_path_requests
+
+    def count(route: HotRoute) -> None:
+        counter.labels(route.path).inc()
+
+    return count

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -78,13 +79,18 @@ def allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Map framework and servewell exceptions onto the JSON error shape."""
+def install_error_handlers(app: FastAPI) -> Callable[[ServeError, str], Response]:
+    """Map framework and servewell exceptions onto the JSON error shape; returns the `ServeError`
+    answer (exception, request path) for the routes FastAPI does not dispatch (api/hot_routes.py),
+    sharing the handler's refusal digest."""
     refusals = RefusalDigest(log)
+
+    def answer_serve_error(exc: ServeError, path: str) -> Response:
+        return serve_error_response(exc, refusals, path=path)
 
     async def on_serve_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ServeError)
-        return serve_error_response(exc, refusals, path=request.scope["path"])
+        return answer_serve_error(exc, request.scope["path"])
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -109,3 +115,4 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ServeError, on_serve_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
+    return answer_serve_error

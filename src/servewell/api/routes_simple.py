@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any, Literal
 
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from servewell.api.body import check_content_type, read_body
 from servewell.api.codecs.image import BASE64_PATTERN, decode_base64
+from servewell.api.hot_routes import HotRoute
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
 from servewell.api.openapi import INFERENCE_HEADERS, error_responses, not_ready_response
 from servewell.api.public_text import without_paths
@@ -53,8 +55,11 @@ def _json(doc: Any, status: int = 200, headers: dict[str, str] | None = None) ->
     return Response(orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), status, headers, "application/json")
 
 
+PREDICT_PATH = "/predict"
+
+
 @router.post(
-    "/predict",
+    PREDICT_PATH,
     response_model=PredictResponse,
     openapi_extra={"requestBody": {"required": True, "content": {
         "application/json": {"schema": PredictRequest.model_json_schema()}}},
@@ -91,6 +96,15 @@ async def predict(request: Request) -> Response:
     with call.postprocessing():
         body_out = orjson.dumps({"result": interpret(config, result.outputs), "request_id": request_id_var.get()})
     return Response(body_out, 200, {"Server-Timing": call.finish(result)}, "application/json")
+
+
+def hot_routes() -> list[HotRoute]:
+    """`predict` for the dispatcher that runs it without FastAPI's routing (api/hot_routes.py)."""
+
+    async def endpoint(request: Request, params: Mapping[str, str]) -> Response:
+        return await predict(request)
+
+    return [HotRoute("POST", PREDICT_PATH, endpoint)]
 
 
 def interpret(config: ModelConfig, outputs: dict[str, np.ndarray]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ that `tritonclient` uses: model config, repository index, binary tensor data."""
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -14,6 +15,7 @@ import servewell
 from servewell.api.body import check_content_type, read_body
 from servewell.api.codecs.tensors import encode_infer_response, parse_infer_request
 from servewell.api.dataplane import select_outputs
+from servewell.api.hot_routes import HotRoute
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
 from servewell.api.openapi import INFER_REQUEST_BODY, INFERENCE_HEADERS, error_responses, not_ready_response
 from servewell.api.state import AppState, app_state, state_dependency
@@ -158,9 +160,12 @@ _INFER_EXTRA = {"requestBody": INFER_REQUEST_BODY, "parameters": INFERENCE_HEADE
 _INFER_ERRORS = error_responses(400, 401, 404, 408, 413, 415, 422, 429, 503, oip=True)
 
 
-@router.post("/models/{name}/infer", summary="Inference", openapi_extra=_INFER_EXTRA, responses=_INFER_ERRORS)
-@router.post("/models/{name}/versions/{version}/infer", summary="Inference (version)", openapi_extra=_INFER_EXTRA,
-             responses=_INFER_ERRORS)
+INFER_PATH = "/models/{name}/infer"
+INFER_VERSION_PATH = "/models/{name}/versions/{version}/infer"
+
+
+@router.post(INFER_PATH, summary="Inference", openapi_extra=_INFER_EXTRA, responses=_INFER_ERRORS)
+@router.post(INFER_VERSION_PATH, summary="Inference (version)", openapi_extra=_INFER_EXTRA, responses=_INFER_ERRORS)
 async def infer(name: str, request: Request, version: str | None = None) -> Response:
     """Run the model on JSON (or binary-extension) tensors."""
     state = app_state(request)
@@ -189,6 +194,17 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
         return Response(body_out, 200, headers, "application/json")
     headers["Inference-Header-Content-Length"] = str(json_length)
     return Response(body_out, 200, headers, "application/octet-stream")
+
+
+def hot_routes() -> list[HotRoute]:
+    """`infer` for the dispatcher that runs it without FastAPI's routing (api/hot_routes.py);
+    FastAPI keeps the same routes for /openapi.json and for the requests the dispatcher leaves."""
+
+    async def endpoint(request: Request, params: Mapping[str, str]) -> Response:
+        return await infer(params["name"], request, params.get("version"))
+
+    return [HotRoute("POST", router.prefix + INFER_PATH, endpoint),
+            HotRoute("POST", router.prefix + INFER_VERSION_PATH, endpoint)]
 
 
 def _header_length(request: Request) -> int | None:

@@ -228,6 +228,10 @@ class ServeMetrics:
         self.trace_steps = LoopHistogram(
             "servewell_trace_step_seconds", "Durations of trace_step() blocks in model code.",
             ["step"], buckets=latency_buckets, registry=r)
+        self.fast_path_requests = LoopCounter(
+            "servewell_http_fast_path_requests", "HTTP inference requests dispatched straight to their endpoint, "
+            "without FastAPI's routing (by route template; the rest of the API goes through FastAPI).",
+            ["route"], registry=r)
 
     def observe_request(self, model: str, route: str, status: int, seconds: float) -> None:
         """Record one finished HTTP request (any status)."""
