@@ -120,7 +120,8 @@ def test_worker_over_its_memory_limit_is_drained_and_replaced(tmp_path, start_se
 
     model = eventually(replaced, 60, "the leaky worker was not recycled")
     assert model["restarts"] == 0, model
-    assert httpx.post(server.url + "/v2/models/leaky/infer", json=body(0.0)).status_code == 200
+    # 60 s like the calls above: a fresh worker on a loaded machine took over httpx's default 5 s.
+    assert httpx.post(server.url + "/v2/models/leaky/infer", json=body(0.0), timeout=60).status_code == 200
     assert "exceeds memory_limit_bytes" in server.log()
 
 
