@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import BinaryIO, cast
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from servewell.runtimes.onnx_external_data import (
+from servewell.engine.onnx_external_data import (
     MAX_GRAPH_DEPTH,
     OnnxFormatError,
     external_data_files,
@@ -87,7 +88,7 @@ def test_raw_data_is_skipped_not_read(tmp_path: Path) -> None:
     assert path.stat().st_size > 50_000_000
     counting = CountingFile(path)
     try:
-        assert external_data_locations(counting, path.stat().st_size) == ["ext.bin"]
+        assert external_data_locations(cast(BinaryIO, counting), path.stat().st_size) == ["ext.bin"]
     finally:
         counting.close()
     assert counting.bytes_read < 1_000_000, counting.bytes_read
