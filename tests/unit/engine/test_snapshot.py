@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from servewell.config.model import ModelConfig
-from servewell.engine.model_files import model_files
+from servewell.engine.model_files import model_files, unlisted_files
 from servewell.engine.snapshot import SnapshotError, SnapshotStore, copy_bytes
 
 FILES = ["model.safetensors", "factory.py", "sub/labels.txt"]
@@ -148,3 +148,13 @@ def test_a_snapshot_has_a_size_cap(tmp_path: Path) -> None:
     assert list((tmp_path / "small").iterdir()) == []  # nothing left behind
     with pytest.raises(SnapshotError, match="not a path inside"):
         SnapshotStore(tmp_path / "small").take(source, "m-3", ["../m/factory.py"])
+
+
+def test_a_failure_naming_a_file_left_out_of_the_snapshot_is_found(tmp_path: Path) -> None:
+    source = model_dir(tmp_path)
+    snapshot = SnapshotStore(tmp_path / "snapshots").take(source, "m-1", ["model.safetensors"])
+    reason = (f"the factory failed: FileNotFoundError: [Errno 2] No such file or directory: "
+              f"'{snapshot.directory}/sub/labels.txt'; also {snapshot.directory}/model.safetensors and "
+              f"{snapshot.directory}/absent.json")
+    # Only the file that is in the repository but not in the snapshot: not a copied one, not a missing one.
+    assert unlisted_files(reason, snapshot.directory, source) == ["sub/labels.txt"]
