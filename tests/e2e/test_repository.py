@@ -273,7 +273,7 @@ def test_a_model_directory_outside_the_repository_is_refused_by_the_setting_and_
     (unlisted_dir / "hidden.json").write_text('{"hidden": 8}')
     save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(unlisted_dir / "model.safetensors"))
     srv = start_server(["--model-repository", str(repo), "--models-outside-repository", "refuse", "--admin-token", "t",
-                        "--cache-dir", str(tmp_path / "cache"), "--load-timeout-s", "120"])
+                        "--cache-dir", str(tmp_path / "cache"), "--load-timeout-s", "120", "--config-poll-s", "0.2"])
     srv.wait_live()
 
     def index() -> dict:
@@ -297,3 +297,13 @@ def test_a_model_directory_outside_the_repository_is_refused_by_the_setting_and_
     reason = models["unlisted_file"]["reason"]
     assert "hidden.json" in reason and "extra_files" in reason and "snapshots" not in reason, reason
     assert str(repo / "unlisted_file" / "hidden.json") in reason, reason
+    # A served model's directory swapped for a symlink out of the repository: the change is refused.
+    shutil.copytree(repo / "tiny_onnx", tmp_path / "swapped")
+    write_config(tmp_path / "swapped", runtime="onnx", artifact="model.onnx", version="2")
+    shutil.rmtree(repo / "tiny_onnx")
+    (repo / "tiny_onnx").symlink_to(tmp_path / "swapped")
+    eventually(lambda: "models_outside_repository: refuse" in "".join(
+        line for line in srv.log().splitlines() if "model.yaml rejected" in line and "tiny_onnx" in line), 30,
+        lambda: f"no rejection of the swapped model.yaml:\n{srv.log()[-3000:]}")
+    assert index()["tiny_onnx"]["version"] == "1"
+    assert httpx.post(srv.url + "/v2/models/tiny_onnx/infer", json=body).status_code == 200

@@ -269,6 +269,7 @@ class ModelEntry:
         store = self._services.snapshots
         if store is None:
             return self.directory
+
         def take() -> Snapshot:  # the files of the very config being loaded
             return store.take(self.directory, f"{self.name}-{self.version}", model_files(self.config, self.directory))
 
