@@ -38,6 +38,8 @@ from typing import Any
 import httpx
 
 from bench.processes import ServerProcess, free_port
+from servewell.engine.model_files import model_files
+from servewell.engine.repository import read_model_config
 from servewell.engine.snapshot import SnapshotStore
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -62,8 +64,9 @@ def snapshot_copy_times(model_dir: Path, rounds: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=WORK) as root:
         for _ in range(rounds):
             store = SnapshotStore(Path(root))
-            first = store.take(model_dir, "resnet50")
-            again = store.take(model_dir, "resnet50")
+            files = model_files(read_model_config(model_dir), model_dir)
+            first = store.take(model_dir, "resnet50", files)
+            again = store.take(model_dir, "resnet50", files)
             fresh.append(first.seconds)
             linked.append(again.seconds)
             store.release(first)

@@ -285,6 +285,10 @@ class ConfigReloader:
             self._reject(path, [(TOP_LEVEL, str(exc))], "the running version keeps serving")
             return
         real = outside_repository(self._engine.repository, path.parent)
+        if real is not None and self.settings.models_outside_repository == "refuse":
+            why = f"the model directory resolves to {real}, outside the repository (models_outside_repository: refuse)"
+            self._reject(path, [(TOP_LEVEL, why)], "the running version keeps serving")
+            return
         if real is not None:  # a model directory swapped for a symlink out of the repository
             log.warning("model directory %s resolves to %s, outside the repository %s", name, real,
                         self._engine.repository, extra={"model": name})

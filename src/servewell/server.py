@@ -127,7 +127,8 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tup
                              tracing.settings)
     engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes,
                              metrics, tracing, default_model, workers=workers, snapshots=snapshot_store(settings),
-                             readiness=settings.readiness, required_models=settings.required_models)
+                             readiness=settings.readiness, required_models=settings.required_models,
+                             models_outside_repository=settings.models_outside_repository)
     if metrics is not None:
         set_step_sink(lambda name, seconds: metrics.trace_steps.labels(name).observe(seconds), tracing.tracer)
         gpus = GpuProbe()

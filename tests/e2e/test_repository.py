@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import onnx
 import pytest
 import torch
 import yaml
@@ -38,6 +40,13 @@ FACTORY_SOURCE = textwrap.dedent('''
 ''')
 
 
+# A factory that reads a file beside it which model.yaml does not list in extra_files.
+READS_AN_UNLISTED_FILE = FACTORY_SOURCE.replace("def build(hidden: int = 8):", """def build():
+    import json
+    import pathlib
+    hidden = json.loads((pathlib.Path(__file__).parent / "hidden.json").read_text())["hidden"]""")
+
+
 def tiny_module() -> torch.nn.Module:
     namespace: dict = {}
     exec(FACTORY_SOURCE, namespace)  # the same source the server's factory imports
@@ -58,6 +67,7 @@ def write_config(directory: Path, **fields) -> None:
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     root = tmp_path_factory.mktemp("repo")
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
     module = tiny_module()
     example = torch.zeros(2, 4)
 
@@ -72,6 +82,23 @@ def repository(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     write_config(pinned_dir, runtime="onnx", artifact="model.onnx", threads=1, instances=2,
                  cpu_affinity=[[cpus[0]], [cpus[-1]]])
     (pinned_dir / "model.onnx").symlink_to(onnx_dir / "model.onnx")
+
+    # Weights in an external-data file in a subfolder, beside a big file and a linked data folder
+    # the model does not use: the snapshot copies the three files the model uses, nothing else.
+    external_dir = root / "external_onnx"
+    write_config(external_dir, runtime="onnx", artifact="model.onnx", threads=1)
+    (external_dir / "weights").mkdir()
+    onnx.save_model(onnx.load(str(onnx_dir / "model.onnx")), str(external_dir / "model.onnx"),
+                    save_as_external_data=True, location="weights/tiny.bin", size_threshold=0)
+    (external_dir / "dataset.bin").write_bytes(bytes(4 << 20))
+    (elsewhere / "data").mkdir()
+    (elsewhere / "data" / "big.bin").write_bytes(bytes(4 << 20))
+    (external_dir / "data").symlink_to(elsewhere / "data")
+
+    # A model directory that is a symlink to a folder outside the repository (served, with a warning).
+    write_config(elsewhere / "linked", runtime="onnx", artifact="model.onnx", threads=1)
+    shutil.copyfile(onnx_dir / "model.onnx", elsewhere / "linked" / "model.onnx")
+    (root / "outside_link").symlink_to(elsewhere / "linked")
 
     ts_dir = root / "tiny_ts"
     write_config(ts_dir, runtime="torchscript", artifact="model.pt", torchscript={"freeze": True})
@@ -102,20 +129,25 @@ def repository(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     return root, module
 
 
-GOOD = ("tiny_onnx", "pinned_onnx", "tiny_ts", "tiny_pt", "tiny_pt_statedict")
+GOOD = ("tiny_onnx", "pinned_onnx", "tiny_ts", "tiny_pt", "tiny_pt_statedict", "external_onnx", "outside_link")
+FAILING = ("corrupt_onnx", "pickled")
 
 
 @pytest.fixture(scope="module")
-def server(repository, start_module_server):
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def server(repository, cache_dir, start_module_server):
     root, _ = repository
-    srv = start_module_server(["--model-repository", str(root)])
+    srv = start_module_server(["--model-repository", str(root), "--cache-dir", str(cache_dir)])
     srv.wait_live()
 
     def settled() -> bool:
         srv.check_running()
         states = {m["name"]: m["state"] for m in httpx.post(srv.url + "/v2/repository/index", timeout=10).json()}
-        return all(states.get(n) == "READY" for n in GOOD) and states.get("corrupt_onnx") == "UNAVAILABLE" \
-            and states.get("pickled") == "UNAVAILABLE"
+        return all(states.get(n) == "READY" for n in GOOD) and all(states.get(n) == "UNAVAILABLE" for n in FAILING)
 
     eventually(settled, 180, lambda: f"models not settled:\n{srv.log()[-3000:]}")
     return srv
@@ -216,3 +248,62 @@ def test_healthz_reasons_name_no_absolute_path(server, repository):
     for name, reason in reasons.items():
         assert str(root) not in reason and str(root.resolve()) not in reason, (name, reason)
         assert "/.cache/" not in reason and " /" not in reason and "'/" not in reason, (name, reason)
+
+
+def test_a_snapshot_holds_only_the_files_the_model_uses(server, cache_dir):
+    # The ONNX graph names weights/tiny.bin; the 4 MB sibling and the linked 4 MB folder stay out.
+    (snapshot,) = (cache_dir / "snapshots").glob("*-external_onnx-1-*")
+    files = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
+    assert files == ["model.onnx", "model.yaml", "weights/tiny.bin"]
+
+
+def test_a_model_directory_outside_the_repository_serves_with_a_warning(server):
+    assert "model directory outside_link resolves to" in server.log()  # and it serves: see GOOD
+
+
+def test_a_model_directory_outside_the_repository_is_refused_by_the_setting_and_a_left_out_file_is_named(
+        repository, tmp_path, start_server):
+    root, module = repository
+    repo = tmp_path / "repo"
+    shutil.copytree(root / "tiny_onnx", repo / "tiny_onnx")
+    (repo / "outside_link").symlink_to((root / "outside_link").resolve())
+    unlisted_dir = repo / "unlisted_file"
+    write_config(unlisted_dir, runtime="pytorch", artifact="model.safetensors", pytorch={"factory": "reads:build"})
+    (unlisted_dir / "reads.py").write_text(READS_AN_UNLISTED_FILE)
+    (unlisted_dir / "hidden.json").write_text('{"hidden": 8}')
+    save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(unlisted_dir / "model.safetensors"))
+    srv = start_server(["--model-repository", str(repo), "--models-outside-repository", "refuse", "--admin-token", "t",
+                        "--cache-dir", str(tmp_path / "cache"), "--load-timeout-s", "120", "--config-poll-s", "0.2"])
+    srv.wait_live()
+
+    def index() -> dict:
+        srv.check_running()
+        return {m["name"]: m for m in httpx.post(srv.url + "/v2/repository/index", timeout=10).json()}
+
+    eventually(lambda: index()["tiny_onnx"]["state"] == "READY" and index()["unlisted_file"]["state"] == "UNAVAILABLE",
+               180, lambda: f"models not settled:\n{srv.log()[-3000:]}")
+    models = index()
+    assert models["outside_link"]["state"] == "UNAVAILABLE", models
+    assert "outside the model repository" in models["outside_link"]["reason"], models
+    assert "models_outside_repository: refuse" in models["outside_link"]["reason"], models
+    body = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+    assert httpx.post(srv.url + "/v2/models/tiny_onnx/infer", json=body).status_code == 200
+    r = httpx.post(srv.url + "/v2/models/outside_link/infer", json=body)
+    assert r.status_code == 503 and error_code(r) == "model_not_ready", r.text
+    load = httpx.post(srv.url + "/v2/repository/models/outside_link/load", headers={"Authorization": "Bearer t"},
+                      timeout=60)
+    assert load.status_code >= 400 and "models_outside_repository: refuse" in load.text, load.text
+    # The factory reads hidden.json, which model.yaml does not list: the reason names it and the fix.
+    reason = models["unlisted_file"]["reason"]
+    assert "hidden.json" in reason and "extra_files" in reason and "snapshots" not in reason, reason
+    assert str(repo / "unlisted_file" / "hidden.json") in reason, reason
+    # A served model's directory swapped for a symlink out of the repository: the change is refused.
+    shutil.copytree(repo / "tiny_onnx", tmp_path / "swapped")
+    write_config(tmp_path / "swapped", runtime="onnx", artifact="model.onnx", version="2")
+    shutil.rmtree(repo / "tiny_onnx")
+    (repo / "tiny_onnx").symlink_to(tmp_path / "swapped")
+    eventually(lambda: "models_outside_repository: refuse" in "".join(
+        line for line in srv.log().splitlines() if "model.yaml rejected" in line and "tiny_onnx" in line), 30,
+        lambda: f"no rejection of the swapped model.yaml:\n{srv.log()[-3000:]}")
+    assert index()["tiny_onnx"]["version"] == "1"
+    assert httpx.post(srv.url + "/v2/models/tiny_onnx/infer", json=body).status_code == 200

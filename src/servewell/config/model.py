@@ -42,6 +42,14 @@ __all__ = [
 
 #: Runtimes whose section may be left out (every setting in it has a default).
 _OPTIONAL_SECTIONS = ("onnx", "torchscript")
+#: Entries of `extra_files`, and characters of one: a list, not a second repository.
+MAX_EXTRA_FILES = 256
+MAX_EXTRA_FILE_CHARS = 1000
+
+
+def is_pattern(entry: str) -> bool:
+    """Whether an `extra_files` entry is a glob (which may match nothing) rather than a name."""
+    return any(c in entry for c in "*?[")
 #: Artifact suffix that holds weights only, which only the pytorch runtime can load.
 _WEIGHTS_ONLY_SUFFIX = ".safetensors"
 
@@ -55,6 +63,12 @@ class ModelConfig(StrictModel):
     artifact: str = Field(
         description="Model file relative to the model directory: .onnx, TorchScript .pt, or weights "
         "(.safetensors or a state-dict .pt) for the pytorch runtime."
+    )
+    extra_files: list[str] = Field(
+        default_factory=list, max_length=MAX_EXTRA_FILES,
+        description="Other files the model reads (labels, tokenizer, a JSON the factory opens), relative to the "
+        "model directory; globs and whole directories allowed. The snapshot copies only the artifact, its ONNX "
+        "external data, model.yaml, the *.py files of a pytorch model and these.",
     )
     inputs: list[TensorSpec] = Field(min_length=1, description="Input tensors (shape without the batch dimension).")
     outputs: list[TensorSpec] = Field(min_length=1, description="Output tensors (shape without the batch dimension).")
@@ -141,6 +155,20 @@ class ModelConfig(StrictModel):
         if not artifact or path.is_absolute() or ".." in path.parts or "\\" in artifact:
             raise config_error(f"{artifact!r} must be a file name relative to the model directory, without '..'")
         return artifact
+
+    @field_validator("extra_files")
+    @classmethod
+    def _extra_files_inside_model_directory(cls, entries: list[str]) -> list[str]:
+        problems = Problems(cls.__name__)
+        for index, entry in enumerate(entries):
+            path = PurePosixPath(entry)
+            if len(entry) > MAX_EXTRA_FILE_CHARS:
+                problems.add((index,), f"is {len(entry)} characters long; at most {MAX_EXTRA_FILE_CHARS}")
+            elif not entry or path.is_absolute() or ".." in path.parts or "\\" in entry or "\x00" in entry:
+                problems.add((index,), f"{entry!r} must be a path or pattern relative to the model directory, "
+                             "without '..'", entry)
+        problems.raise_if_any()
+        return entries
 
     @field_validator("cpu_affinity", mode="before")
     @classmethod

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from servewell.config.bounded_yaml import cut, load_bounded, short_yaml_error
 from servewell.config.file_read import DEFAULT_MAX_CONFIG_BYTES, ConfigReadError, read_config_bytes
-from servewell.config.model import ModelConfig
+from servewell.config.model import ModelConfig, is_pattern
 from servewell.config.problems import TOP_LEVEL, FieldProblem, field_problems
 
 CONFIG_FILE = "model.yaml"
@@ -76,6 +76,10 @@ def read_model_yaml(directory: Path, max_bytes: int = DEFAULT_MAX_CONFIG_BYTES) 
     artifact = directory / config.artifact
     if not artifact.is_file():
         problems.append(FieldProblem("artifact", f"file {artifact} does not exist"))
+    for index, entry in enumerate(config.extra_files):
+        if not is_pattern(entry) and not (directory / entry).exists():
+            problems.append(FieldProblem(f"extra_files.{index}", f"{directory / entry} does not exist (a glob "
+                                         "pattern may match nothing; a named file must exist)"))
     if problems:
         raise ModelConfigError(path, problems)
     return config

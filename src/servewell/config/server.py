@@ -229,6 +229,10 @@ class ServerConfig(BaseModel):
         16 << 30, ge=1, description="Most bytes one model snapshot may copy; a bigger model directory serves from the "
         "repository's files (logged). Symlinked directories inside a model directory are never copied.",
     )
+    models_outside_repository: Literal["warn", "refuse"] = Field(
+        "warn", description="A model directory that resolves outside the model repository (a symlink out): warn "
+        "and load it, or refuse it (failed, with the reason, at start, load and reload; the other models serve).",
+    )
 
     @field_validator("admin_token")
     @classmethod

@@ -19,7 +19,7 @@ import numpy as np
 from servewell.config.model import ModelConfig
 from servewell.engine.lanes import resolve_lane
 from servewell.engine.memory_budget import MemoryBudget, machine_memory_budget
-from servewell.engine.model_entry import EntryServices, InvalidModel, LoadProgressFn, ModelEntry
+from servewell.engine.model_entry import EntryServices, InvalidModel, LoadProgressFn, ModelEntry, OutsidePolicy
 from servewell.engine.protocol import ModelState, ModelView, Readiness, RequestResult, SchedulingFacts
 from servewell.engine.readiness import ReadinessPolicy, evaluate_readiness
 from servewell.engine.repository import read_model_config, scan_repository
@@ -120,11 +120,13 @@ class InferenceEngine:
         snapshots: SnapshotStore | None = None,
         readiness: ReadinessPolicy = "any",
         required_models: Sequence[str] = (),
+        models_outside_repository: OutsidePolicy = "warn",
     ) -> None:
         self.repository = repository
         self.budget = MemoryBudget(memory_budget_bytes or machine_memory_budget())
         self._services = EntryServices(load_timeout_s, self.budget, metrics, tracing, on_progress,
-                                       workers=workers, snapshots=snapshots)
+                                       workers=workers, snapshots=snapshots, repository=repository,
+                                       outside_repository=models_outside_repository)
         self._default_model = default_model
         self._slots: dict[str, ModelSlot] = {}
         self._first_load_locks: dict[str, asyncio.Lock] = {}  # names with a directory but no slot yet

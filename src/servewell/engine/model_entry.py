@@ -19,7 +19,9 @@ from typing import Any, Literal
 from servewell.config.model import ModelConfig
 from servewell.engine.clock import Clock
 from servewell.engine.memory_budget import MemoryBudget, estimate_model_memory
+from servewell.engine.model_files import model_files, unlisted_files
 from servewell.engine.protocol import InstanceInfo, ModelState
+from servewell.engine.repository import outside_repository
 from servewell.engine.scheduler import ModelScheduler
 from servewell.engine.snapshot import Snapshot, SnapshotError, SnapshotStore
 from servewell.errors import Conflict, ModelReloading, ModelUnloading, ShuttingDown, Unavailable, WorkerLost
@@ -39,6 +41,9 @@ LoadProgressFn = Callable[[str, int, str, float], None]
 #: unload or a reload from a shutdown: before, all three said `shutting_down` (issue 19.17: 382 of
 #: 3,116 predictions during unload/reload races, on a server that was not shutting down).
 StopCause = Literal["unloading", "reloading", "shutting_down"]
+
+#: What happens to a model directory that resolves outside the repository (`models_outside_repository`).
+OutsidePolicy = Literal["warn", "refuse"]
 
 #: Retry-After of a request refused by a version that is being replaced: the new version serves now.
 RELOADING_RETRY_S = 1.0
@@ -72,6 +77,8 @@ class EntryServices:
     clock: Clock | None = None
     workers: WorkerSettings | None = None
     snapshots: SnapshotStore | None = None  # None: workers read the repository's files directly
+    repository: Path | None = None  # the model repository, to notice a model directory that resolves outside it
+    outside_repository: OutsidePolicy = "warn"  # `models_outside_repository`: warn (at the scan) or refuse
 
 
 class ModelEntry:
@@ -206,6 +213,12 @@ class ModelEntry:
         """Check the memory budget, snapshot the model directory, then start every instance; ready
         once all have warmed up."""
         self._set_state("loading")
+        refused = self._outside_refusal()
+        if refused is not None:
+            self._count_load(False)
+            self._set_state("failed", refused)
+            log.error("%s not loaded: %s", self.label, self.reason, extra={"model": self.name})
+            return
         budget = self._services.budget
         try:
             budget.reserve(self, estimate_model_memory(self.config, self.directory), self.label)
@@ -221,8 +234,15 @@ class ModelEntry:
             await self.pool.start(private)
         except WorkerLoadError as exc:
             self._count_load(False)
+            reason = str(exc)
+            if private != self.directory:
+                unlisted = unlisted_files(reason, private, self.directory)
+                if unlisted:
+                    reason += (f" ({', '.join(unlisted)}: in the model directory but not in its snapshot, which "
+                               "copies only the files the model is known to use; list them in model.yaml's "
+                               "extra_files)")
             # The workers loaded the snapshot; the operator knows the files by their repository path.
-            self._set_state("failed", str(exc).replace(str(private), str(self.directory)))
+            self._set_state("failed", reason.replace(str(private), str(self.directory)))
             budget.release(self)
             await self._release_snapshot()
             log.error("%s failed to load: %s", self.label, self.reason, extra={"model": self.name})
@@ -232,14 +252,29 @@ class ModelEntry:
         self._set_state("ready")
         log.info("%s ready in %.2f s", self.label, self.load_s, extra={"model": self.name})
 
+    def _outside_refusal(self) -> str | None:
+        """Why the model is refused for resolving outside the repository (None: it may load)."""
+        services = self._services
+        if services.outside_repository != "refuse" or services.repository is None:
+            return None
+        real = outside_repository(services.repository, self.directory)
+        if real is None:
+            return None
+        return (f"refused before loading: the model directory resolves to {real}, outside the model repository "
+                f"{services.repository} (models_outside_repository: refuse)")
+
     async def _private_directory(self) -> Path:
         """The server's own copy of the model directory for the workers to load (see `snapshot`); the
         repository's directory itself when snapshots are off or cannot be made."""
         store = self._services.snapshots
         if store is None:
             return self.directory
+
+        def take() -> Snapshot:  # the files of the very config being loaded
+            return store.take(self.directory, f"{self.name}-{self.version}", model_files(self.config, self.directory))
+
         try:
-            snapshot = await asyncio.to_thread(store.take, self.directory, f"{self.name}-{self.version}")
+            snapshot = await asyncio.to_thread(take)
         except SnapshotError as exc:
             log.error("%s: %s; its workers read the repository's files directly, so overwriting them in place "
                       "can crash them", self.label, exc, extra={"model": self.name})

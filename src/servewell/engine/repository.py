@@ -50,8 +50,9 @@ def outside_repository(root: Path, directory: Path) -> Path | None:
 
 def scan_repository(root: Path) -> list[ModelSource]:
     """Every model directory under `root`, sorted by name, valid or not. A model directory that
-    resolves outside `root` is served but logged as a warning: whoever can write the repository
-    can point a model anywhere the server may read."""
+    resolves outside `root` is logged as a warning (and refused when it loads, with
+    `models_outside_repository: refuse`): whoever can write the repository can point a model
+    anywhere the server may read."""
     if not root.is_dir():
         raise FileNotFoundError(f"model repository {root} is not a directory")
     sources: list[ModelSource] = []

@@ -16,10 +16,11 @@ copied again, so a reload that changes only model.yaml copies nothing. `copy_fil
 kernel copy without passing the bytes through this process, and clones the blocks on file systems
 that can (XFS, btrfs). A file that changes while it is being copied is copied again.
 
-A symlinked *file* is copied (an artifact linked from a model store is common); a symlinked
-*directory* inside the model directory is not followed: one pointing at a data folder made a
-232 KB model's snapshot copy 695 MB. A snapshot bigger than `max_bytes` is refused (the model then
-serves from the repository's files, with an error logged).
+Only the files the model uses are copied (`engine.model_files` chooses them from its config):
+a data folder linked into a 232 KB model's directory once made its snapshot copy 695 MB. A
+symlinked *file* is copied (an artifact linked from a model store is common); a symlinked
+*directory* is never listed through. A snapshot bigger than `max_bytes` is refused (the model
+then serves from the repository's files, with an error logged).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from servewell.workers.shm import pid_alive
 
@@ -44,7 +45,6 @@ FileIdentity = tuple[int, int, int, int, int]  # device, inode, size, mtime_ns, 
 COPY_ATTEMPTS = 3
 #: Default for `snapshot_max_bytes`: the most one snapshot may copy.
 DEFAULT_SNAPSHOT_MAX_BYTES = 16 << 30
-_SKIPPED_DIRECTORIES = frozenset(("__pycache__", ".git"))
 _FALLBACK_ERRNOS = frozenset((errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF))
 
 
@@ -100,10 +100,10 @@ class SnapshotStore:
         self._lock = threading.Lock()
         self._serials = itertools.count(1)
 
-    def take(self, source: Path, label: str) -> Snapshot:
-        """Copy the model directory `source` (files of any depth; symlinked files followed, symlinked
-        directories not) into a new private, read-only directory; `SnapshotError` when it cannot
-        (over `max_bytes` included)."""
+    def take(self, source: Path, label: str, files: Iterable[str]) -> Snapshot:
+        """Copy `files` (paths relative to the model directory `source`, as `engine.model_files`
+        chooses them; symlinks followed, a missing one skipped) into a new private, read-only
+        directory; `SnapshotError` when it cannot (over `max_bytes` included)."""
         started = time.perf_counter()
         safe_label = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:100]
         self.root.mkdir(parents=True, exist_ok=True)
@@ -115,35 +115,34 @@ class SnapshotStore:
             except FileExistsError:
                 continue  # another store of this process used the name
         try:
-            files, copied, reused = self._copy_tree(source, target)
+            count, copied, reused = self._copy_files(source, target, files)
         except OSError as exc:
             shutil.rmtree(target, ignore_errors=True)
             if isinstance(exc, SnapshotError):
                 raise
             raise SnapshotError(f"cannot copy {source} into {target}: {exc}") from exc
-        return Snapshot(target, files, copied, reused, time.perf_counter() - started)
+        return Snapshot(target, count, copied, reused, time.perf_counter() - started)
 
-    def _copy_tree(self, source: Path, target: Path) -> tuple[int, int, int]:
-        files = copied = reused = 0
-        # followlinks=False: a symlinked directory is listed but never entered (nor copied).
-        for directory, subdirectories, names in os.walk(source, followlinks=False):
-            subdirectories[:] = [d for d in subdirectories if d not in _SKIPPED_DIRECTORIES
-                                 and not os.path.islink(os.path.join(directory, d))]
-            relative = Path(directory).relative_to(source)
-            (target / relative).mkdir(parents=True, exist_ok=True)
-            for name in names:
-                path = Path(directory) / name
-                if not path.is_file():
-                    continue  # sockets, fifos, dangling links
-                if copied + reused + path.stat().st_size > self.max_bytes:
-                    raise SnapshotError(f"{source} holds more than snapshot_max_bytes ({self.max_bytes} bytes)")
-                size, was_reused = self._copy_file(path, target / relative / name)
-                files += 1
-                if was_reused:
-                    reused += size
-                else:
-                    copied += size
-        return files, copied, reused
+    def _copy_files(self, source: Path, target: Path, files: Iterable[str]) -> tuple[int, int, int]:
+        count = copied = reused = 0
+        for name in files:
+            relative = PurePosixPath(name)
+            if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+                raise SnapshotError(f"{name!r} is not a path inside the model directory {source}")
+            path = source / relative
+            if not path.is_file():
+                continue  # absent (the load names it), a directory, a socket, a dangling link
+            if copied + reused + path.stat().st_size > self.max_bytes:
+                raise SnapshotError(f"the files of {source} hold more than snapshot_max_bytes ({self.max_bytes} "
+                                    "bytes)")
+            (target / relative).parent.mkdir(parents=True, exist_ok=True)
+            size, was_reused = self._copy_file(path, target / relative)
+            count += 1
+            if was_reused:
+                reused += size
+            else:
+                copied += size
+        return count, copied, reused
 
     def _copy_file(self, source: Path, target: Path) -> tuple[int, bool]:
         """Copy one file (or link an unchanged earlier copy); (bytes, whether it was reused)."""

@@ -142,7 +142,8 @@ def build_on_meta(factory: Callable[..., object], kwargs: Mapping[str, object]) 
         with torch.device("meta"), _SkipInitOnMeta():
             module = factory(**kwargs)
     except Exception as exc:
-        raise ModelLoadError(f"the factory failed: {exc!r}") from exc
+        # str(), not repr(): an OSError's repr leaves out the file it could not open.
+        raise ModelLoadError(f"the factory failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(module, torch.nn.Module):
         raise ModelLoadError(f"the factory returned {type(module).__name__}, not a torch.nn.Module")
     return module

@@ -47,6 +47,24 @@ def test_name_and_artifact_are_checked_against_the_directory(tmp_path: Path) -> 
     assert [p.field for p in caught.value.problems] == ["name", "artifact"]
 
 
+def test_extra_files_are_relative_bounded_and_a_named_one_must_exist(tmp_path: Path) -> None:
+    directory = write(tmp_path / "tiny", yaml.safe_dump({**valid_fields(),
+                                                         "extra_files": ["labels.txt", "tok/*.json", "gone.json"]}))
+    (directory / "model.onnx").write_bytes(b"onnx")
+    (directory / "labels.txt").write_text("cat\n")
+    with pytest.raises(ModelConfigError) as caught:
+        read_model_yaml(directory)  # a pattern may match nothing; a named file must be there
+    assert [p.field for p in caught.value.problems] == ["extra_files.2"]
+    assert "gone.json does not exist" in caught.value.problems[0].reason
+    write(directory, yaml.safe_dump({**valid_fields(), "extra_files": ["/etc/passwd", "../x", "ok", "a" * 1001]}))
+    with pytest.raises(ModelConfigError) as caught:
+        read_model_yaml(directory)
+    assert [p.field for p in caught.value.problems] == ["extra_files.0", "extra_files.1", "extra_files.3"]
+    write(directory, yaml.safe_dump({**valid_fields(), "extra_files": ["x"] * 257}))
+    with pytest.raises(ModelConfigError, match="at most 256"):
+        read_model_yaml(directory)
+
+
 @pytest.mark.parametrize(("text", "reason"), [("- a\n- b\n", "expected a mapping of fields, got list"),
                                               ("a: [1\n", "not valid YAML")])
 def test_a_file_that_is_not_a_mapping_is_a_top_level_problem(tmp_path: Path, text: str, reason: str) -> None:

@@ -1,5 +1,6 @@
 """Private snapshots of model directories: a copy that an in-place rewrite of the original cannot
-touch, unchanged files linked instead of copied again, torn copies retried, nothing left behind."""
+touch, unchanged files linked instead of copied again, torn copies retried, nothing left behind,
+and only the files the model uses copied."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from servewell.config.model import ModelConfig
+from servewell.engine.model_files import model_files, unlisted_files
 from servewell.engine.snapshot import SnapshotError, SnapshotStore, copy_bytes
+
+FILES = ["model.safetensors", "factory.py", "sub/labels.txt"]
 
 
 def model_dir(root: Path) -> Path:
@@ -25,7 +30,7 @@ def model_dir(root: Path) -> Path:
 def test_a_snapshot_is_a_private_read_only_copy_that_in_place_rewrites_do_not_reach(tmp_path: Path) -> None:
     source = model_dir(tmp_path)
     store = SnapshotStore(tmp_path / "snapshots")
-    snapshot = store.take(source, "m-1")
+    snapshot = store.take(source, "m-1", FILES)
     copy = snapshot.directory / "model.safetensors"
     assert copy.read_bytes() == b"A" * 100_000 and (snapshot.directory / "sub" / "labels.txt").is_file()
     assert not (snapshot.directory / "__pycache__").exists()
@@ -42,9 +47,9 @@ def test_a_snapshot_is_a_private_read_only_copy_that_in_place_rewrites_do_not_re
 def test_an_unchanged_file_is_linked_from_the_previous_snapshot_and_a_changed_one_copied(tmp_path: Path) -> None:
     source = model_dir(tmp_path)
     store = SnapshotStore(tmp_path / "snapshots")
-    first = store.take(source, "m-1")
+    first = store.take(source, "m-1", FILES)
     (source / "factory.py").write_text("def build(): return 2\n")
-    second = store.take(source, "m-2")
+    second = store.take(source, "m-2", FILES)
     inode = os.stat(first.directory / "model.safetensors").st_ino
     assert os.stat(second.directory / "model.safetensors").st_ino == inode
     assert (second.directory / "factory.py").read_text() == "def build(): return 2\n"
@@ -52,7 +57,7 @@ def test_an_unchanged_file_is_linked_from_the_previous_snapshot_and_a_changed_on
     assert second.reused_bytes >= 100_000
     store.release(first)  # the old version stops: the new one keeps its (linked) files
     assert not first.directory.exists() and (second.directory / "model.safetensors").read_bytes() == b"A" * 100_000
-    third = store.take(source, "m-3")
+    third = store.take(source, "m-3", FILES)
     assert third.reused_bytes >= 100_000  # linked from the second, which still exists
     store.release(second)
     store.release(third)
@@ -75,12 +80,12 @@ def test_a_file_rewritten_during_its_copy_is_copied_again_and_one_that_never_set
                 f.write(b"new")
 
     store = SnapshotStore(tmp_path / "snapshots", copy=copy_racing_a_writer)
-    snapshot = store.take(source, "m")
+    snapshot = store.take(source, "m", ["model.safetensors"])
     assert (snapshot.directory / "model.safetensors").read_bytes() == weights.read_bytes()  # the settled file
     weights.write_bytes(b"newer" * 1000)  # a new version, being written by a writer that never stops
     rewrites["left"] = 10**6
     with pytest.raises(SnapshotError, match="kept changing"):
-        store.take(source, "m")
+        store.take(source, "m", ["model.safetensors"])
     assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == [snapshot.directory.name]
 
 
@@ -92,17 +97,64 @@ def test_snapshots_of_servers_that_no_longer_run_are_removed(tmp_path: Path) -> 
     assert [p.name for p in root.iterdir()] == [f"{os.getpid()}-m-1-1"]
 
 
-def test_a_symlinked_directory_inside_is_not_copied_and_a_snapshot_has_a_size_cap(tmp_path: Path) -> None:
+def pytorch_config(**fields: object) -> ModelConfig:
+    return ModelConfig.model_validate({
+        "name": "m", "runtime": "pytorch", "artifact": "model.safetensors", "pytorch": {"factory": "factory:build"},
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}], **fields})
+
+
+def test_only_the_files_a_model_uses_are_copied_never_a_linked_folder_or_a_big_sibling(tmp_path: Path) -> None:
     # A link to a data folder made a 232 KB model's snapshot copy 695 MB.
     source = model_dir(tmp_path)
+    (source / "model.yaml").write_text("(the config)")
     outside = tmp_path / "data"
     outside.mkdir()
     (outside / "big.bin").write_bytes(b"D" * 300_000)
     (source / "data").symlink_to(outside)
-    (source / "weights.bin").symlink_to(outside / "big.bin")  # a symlinked *file* is still copied
-    snapshot = SnapshotStore(tmp_path / "snapshots").take(source, "m-1")
-    assert not (snapshot.directory / "data").exists()
+    (source / "dataset.npy").write_bytes(b"N" * 500_000)  # a big file beside the model, used by nothing
+    (source / "helpers").mkdir()
+    (source / "helpers" / "__init__.py").write_text("")
+    (source / "helpers" / "layers.py").write_text("X = 1\n")  # imported by the factory
+    (source / "weights.bin").symlink_to(outside / "big.bin")  # a named symlinked *file* is still copied
+    store = SnapshotStore(tmp_path / "snapshots")
+    snapshot = store.take(source, "m-1", model_files(pytorch_config(), source))
+    copied = sorted(p.relative_to(snapshot.directory).as_posix() for p in snapshot.directory.rglob("*") if p.is_file())
+    assert copied == ["factory.py", "helpers/__init__.py", "helpers/layers.py", "model.safetensors", "model.yaml"]
+    assert snapshot.copied_bytes < 101_000  # before: 100 KB + 500 KB + the 300 KB folder (+ the linked file)
+    listed = pytorch_config(extra_files=["sub/labels.txt", "weights.bin", "data/*.bin"])
+    snapshot = store.take(source, "m-2", model_files(listed, source))
     assert (snapshot.directory / "weights.bin").stat().st_size == 300_000
+    assert (snapshot.directory / "sub" / "labels.txt").read_text() == "cat\ndog\n"
+    assert not (snapshot.directory / "data").exists() and not (snapshot.directory / "dataset.npy").exists()
+
+
+def test_extra_files_select_by_name_directory_and_glob(tmp_path: Path) -> None:
+    source = model_dir(tmp_path)
+    (source / "tok" / "deep").mkdir(parents=True)
+    for name in ("tok/vocab.json", "tok/deep/merges.txt", "a.json", "sub/b.json", "notes.md"):
+        (source / name).write_text(name)
+    onnx = {"runtime": "onnx", "artifact": "model.onnx", "pytorch": None}
+    config = pytorch_config(**onnx, extra_files=["tok", "**/*.json", "sub/*.txt", "nothing/*.bin"])
+    assert model_files(config, source) == ["model.yaml", "model.onnx", "tok/vocab.json", "tok/deep/merges.txt",
+                                           "a.json", "sub/b.json", "sub/labels.txt"]
+    assert model_files(pytorch_config(**onnx), source) == ["model.yaml", "model.onnx"]  # no .py for onnx
+
+
+def test_a_snapshot_has_a_size_cap(tmp_path: Path) -> None:
+    source = model_dir(tmp_path)
     with pytest.raises(SnapshotError, match="snapshot_max_bytes"):
-        SnapshotStore(tmp_path / "small", max_bytes=200_000).take(source, "m-2")
+        SnapshotStore(tmp_path / "small", max_bytes=50_000).take(source, "m-2", FILES)
     assert list((tmp_path / "small").iterdir()) == []  # nothing left behind
+    with pytest.raises(SnapshotError, match="not a path inside"):
+        SnapshotStore(tmp_path / "small").take(source, "m-3", ["../m/factory.py"])
+
+
+def test_a_failure_naming_a_file_left_out_of_the_snapshot_is_found(tmp_path: Path) -> None:
+    source = model_dir(tmp_path)
+    snapshot = SnapshotStore(tmp_path / "snapshots").take(source, "m-1", ["model.safetensors"])
+    reason = (f"the factory failed: FileNotFoundError: [Errno 2] No such file or directory: "
+              f"'{snapshot.directory}/sub/labels.txt'; also {snapshot.directory}/model.safetensors and "
+              f"{snapshot.directory}/absent.json")
+    # Only the file that is in the repository but not in the snapshot: not a copied one, not a missing one.
+    assert unlisted_files(reason, snapshot.directory, source) == ["sub/labels.txt"]
