@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
-from google.protobuf import json_format
+from google.protobuf import json_format  # type: ignore[import-untyped]  # no stubs installed
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc

@@ -8,7 +8,7 @@ from typing import Any, get_args
 import numpy as np
 import orjson
 import pytest
-from google.protobuf import json_format
+from google.protobuf import json_format  # type: ignore[import-untyped]  # no stubs installed
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 
