@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
+from google.protobuf import json_format  # type: ignore[import-untyped]  # no stubs installed
+from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from model_dirs import slow_model
+from model_dirs import infer_body, onnx_mlp_model, slow_model, torchscript_mlp_model
 from servewell.examples.digits import DIGITS_PREPROCESS, load_split, render_digit
 from servewell.imaging import transform_image
 
@@ -31,6 +33,8 @@ def slow_server(tmp_path_factory, start_module_server):
     root = tmp_path_factory.mktemp("grpc-slow")
     slow_model(root, "slow", 100, max_batch_size=4)
     slow_model(root, "one_at_a_time", 200, max_batch_size=1)
+    onnx_mlp_model(root, "tiny_onnx", metadata={"team": "vision"})
+    torchscript_mlp_model(root, "tiny_ts", max_batch_size=0, batching={"policy": "window", "max_wait_ms": 2})
     server = start_module_server(["--model-repository", str(root), "--admin-token", "s3cret"])
     server.wait_ready()
     return server
@@ -258,3 +262,43 @@ def test_an_input_given_twice_is_refused_naming_it(client):
         client.infer("digits", [tensor("input", x), tensor("input", x + 1)])
     assert status_of(twice.value) == "StatusCode.INVALID_ARGUMENT"
     assert "'input' is given more than once" in twice.value.message()
+
+
+#: One model of each runtime in `slow_server`, with the Triton platform both ports must name.
+PLATFORM_OF = {"tiny_onnx": "onnxruntime_onnx", "tiny_ts": "pytorch_libtorch", "slow": "pytorch"}
+
+
+@pytest.mark.parametrize("model", sorted(PLATFORM_OF))
+def test_http_and_grpc_tell_the_same_model_config_and_metadata(slow_server, model):
+    with triton.InferenceServerClient(slow_server.grpc_url) as c:
+        grpc_config = c.get_model_config(model).config
+        grpc_meta = c.get_model_metadata(model)
+    http_config = httpx.get(f"{slow_server.url}/v2/models/{model}/config").json()
+    http_meta = httpx.get(f"{slow_server.url}/v2/models/{model}").json()
+    # Parsed strictly into Triton's messages: a field they lack fails here, a value that differs fails below.
+    assert json_format.ParseDict(http_config, mc.ModelConfig()) == grpc_config
+    extras = {"state", "parameters"}  # HTTP metadata's own fields, which ModelMetadataResponse has no room for
+    oip_meta = {key: value for key, value in http_meta.items() if key not in extras}
+    assert json_format.ParseDict(oip_meta, pb.ModelMetadataResponse()) == grpc_meta
+    assert grpc_meta.platform == grpc_config.platform == PLATFORM_OF[model]
+    assert grpc_config.dynamic_batching.priority_levels == 2  # the default lanes: high, normal
+
+
+def test_the_timeout_parameter_has_one_rule_on_both_ports(slow_server):
+    fraction = httpx.post(slow_server.url + "/v2/models/slow/infer", json=infer_body(1.0, timeout=1500.5))
+    assert fraction.status_code == 422 and "parameters.timeout" in fraction.json()["error"]  # OIP: a message
+
+    def grpc_infer(timeout: float) -> pb.ModelInferResponse:
+        request = pb.ModelInferRequest(model_name="slow")
+        request.inputs.add(name="x", datatype="FP32", shape=[1, 1])
+        request.raw_input_contents.append(np.array([[1.0]], dtype=np.float32).tobytes())
+        request.parameters["timeout"].double_param = timeout
+        with grpc.insecure_channel(slow_server.grpc_url) as channel:
+            return service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
+
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_infer(1500.5)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "parameters.timeout" in refused.value.details()
+    assert grpc_infer(10_000_000.0).model_name == "slow"  # a whole double (10 s) is the int it names, as over HTTP
+    whole = httpx.post(slow_server.url + "/v2/models/slow/infer", json=infer_body(1.0, timeout=10_000_000.0))
+    assert whole.status_code == 200

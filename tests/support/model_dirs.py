@@ -107,3 +107,18 @@ def onnx_mlp_model(root: Path, name: str, **fields: Any) -> Path:
         "outputs": [{"name": "y", "datatype": "FP32", "shape": [3]}], **fields,
     }))
     return directory
+
+
+def torchscript_mlp_model(root: Path, name: str, **fields: Any) -> Path:
+    """`nn.Linear(4, 3)` traced to TorchScript (input `x` [4], output `y` [3]); `fields` replace
+    model.yaml's. Returns the directory."""
+    directory = root / name
+    directory.mkdir(parents=True)
+    torch.manual_seed(0)
+    torch.jit.trace(torch.nn.Linear(4, 3), torch.zeros(2, 4)).save(str(directory / "model.pt"))
+    (directory / "model.yaml").write_text(yaml.safe_dump({
+        "runtime": "torchscript", "artifact": "model.pt", "max_batch_size": 8,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [3]}], **fields,
+    }))
+    return directory

@@ -60,6 +60,31 @@ log = logging.getLogger("servewell.http")
 #: Paths a reserve connection may ask for: what keeps an orchestrator and Prometheus informed.
 PROBE_PATHS = frozenset((b"/healthz", b"/v2/health/live", b"/v2/health/ready", b"/metrics"))
 
+#: The uvicorn releases these subclasses were written and tested against: [first, end) as (major, minor).
+#: pyproject.toml pins `uvicorn[standard]` to the same range; tests/unit/api/test_uvicorn_private_api.py
+#: fails with a message naming the version when the installed one is outside it.
+UVICORN_TESTED = ((0, 55), (0, 56))
+#: Every private uvicorn name servewell relies on (this module, http_refusals.py, response_writes.py,
+#: shutdown.py), by where it lives: methods we override or call, and attributes we read or replace.
+#: The same test checks each still exists on the installed uvicorn, so an upgrade fails there, not in serving.
+UVICORN_PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
+    "uvicorn.protocols.http.httptools_impl.HttpToolsProtocol": (
+        "connection_made", "connection_lost", "data_received", "on_message_begin", "on_headers_complete",
+        "on_body", "on_message_complete", "on_response_complete", "shutdown", "pause_writing", "resume_writing",
+        "timeout_keep_alive_handler", "_start_asgi_task", "_unset_keepalive_if_required",
+        "app", "loop", "parser", "transport", "flow", "cycle", "pipeline", "headers", "server_state",
+        "timeout_keep_alive", "timeout_keep_alive_task",
+    ),
+    "uvicorn.protocols.http.httptools_impl.RequestResponseCycle": (
+        "transport", "send", "body", "more_body", "keep_alive", "disconnected", "message_event",
+        "response_started", "response_complete", "waiting_for_100_continue",
+    ),
+    "uvicorn.protocols.http.flow_control.FlowControl": ("pause_reading", "read_paused"),
+    "uvicorn.server.ServerState": ("connections", "default_headers"),
+    "uvicorn.server.Server": ("server_state", "should_exit", "on_tick", "shutdown", "capture_signals", "handle_exit"),
+    "uvicorn.protocols.http.httptools_impl": ("STATUS_LINE",),
+}
+
 # Where a connection is in its request cycle.
 _WAITING = 0  # no request yet, or idle between requests
 _HEAD = 1  # some bytes of a request head have arrived

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from servewell.api.codecs.tensors import MAX_DIMS
 from servewell.api.errors import is_oip_path
 from servewell.api.http_request import TIMEOUT_PATTERN
+from servewell.api.model_document import MAX_TIMEOUT_US
 from servewell.config.model import OIP_TO_NUMPY
 from servewell.engine.lanes import URGENCIES
 
@@ -122,7 +123,9 @@ INFER_REQUEST_BODY: dict[str, Any] = {
                 "parameters": {"type": "object", "properties": {
                     "priority": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "minLength": 1}],
                                  "description": "0: default lane, 1: highest, 2: next...; or a lane name."},
-                    "timeout": {"type": "number", "exclusiveMinimum": 0, "description": "Deadline in microseconds."},
+                    "timeout": {"type": "integer", "minimum": 0, "maximum": MAX_TIMEOUT_US,
+                                "description": "Deadline in whole microseconds, as in Triton (0: none, the "
+                                "model's default_timeout_ms; a whole float such as 5000.0 counts)."},
                     "binary_data_output": {"type": "boolean"},
                 }},
                 "inputs": {"type": "array", "minItems": 1, "items": _TENSOR},

@@ -17,16 +17,14 @@ from servewell.api.codecs.tensors import encode_infer_response, parse_infer_requ
 from servewell.api.dataplane import select_outputs
 from servewell.api.hot_routes import HotRoute
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
+from servewell.api.model_document import TRITON_STATES, config_json, metadata_json, model_document, timeout_us_of
 from servewell.api.openapi import INFER_REQUEST_BODY, INFERENCE_HEADERS, error_responses, not_ready_response
 from servewell.api.state import AppState, app_state, state_dependency
-from servewell.config.model import TensorSpec
-from servewell.engine.protocol import ModelView, client_shape
-from servewell.errors import BadRequest, InvalidInput, PayloadTooLarge, quote
+from servewell.engine.protocol import ModelView
+from servewell.errors import BadRequest, PayloadTooLarge, quote
 
 router = APIRouter(prefix="/v2", tags=["Open Inference Protocol v2"])
 
-PLATFORMS = {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch", "pytorch": "pytorch"}
-TRITON_STATES = {"ready": "READY", "loading": "LOADING", "restarting": "LOADING"}
 
 
 def _json(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -58,18 +56,13 @@ async def health_ready(state: AppState = Depends(state_dependency)) -> Response:
 
 
 def _metadata(view: ModelView) -> dict[str, Any]:
-    doc: dict[str, Any] = {"name": view.name, "versions": [view.version], "state": view.state}
+    """OIP metadata (model_document.py, as gRPC tells it) plus our state and parameters; a model whose
+    model.yaml is invalid gets its state and reason only."""
     config = view.config
     if config is None:
-        doc["reason"] = view.reason
-        return doc
-    doc["platform"] = PLATFORMS[config.runtime]
-    doc["inputs"] = [
-        {"name": t.name, "datatype": t.datatype, "shape": client_shape(config, t)} for t in config.inputs
-    ]
-    doc["outputs"] = [
-        {"name": t.name, "datatype": t.datatype, "shape": client_shape(config, t)} for t in config.outputs
-    ]
+        return {"name": view.name, "versions": [view.version], "state": view.state, "reason": view.reason}
+    doc = metadata_json(model_document(view))
+    doc["state"] = view.state
     doc["parameters"] = {"max_batch_size": config.max_batch_size, **config.metadata}
     if view.scheduling is not None and config.max_batch_size:
         doc["parameters"]["effective_max_batch_size"] = view.scheduling.max_batch_size
@@ -114,34 +107,10 @@ async def model_ready(name: str, version: str | None = None, state: AppState = D
 @router.get("/models/{name}/versions/{version}/config", summary="Model configuration (version)",
             responses=error_responses(404, 422, oip=True))
 async def model_config(name: str, version: str | None = None, state: AppState = Depends(state_dependency)) -> Response:
-    """The model's configuration in Triton's field names, as `tritonclient.get_model_config` expects."""
+    """The model's configuration in Triton's field names, as `tritonclient.get_model_config` expects: the
+    same fields and values as gRPC's ModelConfig (model_document.py)."""
     state.plane.note_model(name)
-    view = state.engine.model(name, version)
-    config = view.config
-    if config is None:
-        raise InvalidInput(f"model '{name}' is invalid: {view.reason}")
-
-    def tensor(t: TensorSpec) -> dict[str, Any]:
-        data_type = "TYPE_STRING" if t.datatype == "BYTES" else f"TYPE_{t.datatype}"
-        return {"name": t.name, "data_type": data_type, "dims": t.shape}
-
-    kind = "KIND_GPU" if config.device.startswith("cuda") else "KIND_CPU"
-    return _json({
-        "name": config.name,
-        "platform": PLATFORMS[config.runtime],
-        "backend": config.runtime,
-        "max_batch_size": view.scheduling.max_batch_size if view.scheduling and config.max_batch_size else
-        config.max_batch_size,
-        "input": [tensor(t) for t in config.inputs],
-        "output": [tensor(t) for t in config.outputs],
-        "instance_group": [{"count": config.instances, "kind": kind}],
-        "dynamic_batching": {
-            "policy": config.batching.policy,
-            "max_queue_delay_microseconds": int(config.batching.max_wait_ms * 1000),
-        },
-        "parameters": {"serving_dtype": {"string_value": view.serving_dtype}} if view.serving_dtype else {},
-        "servewell": config.model_dump(mode="json", exclude_none=True),
-    })
+    return _json(config_json(model_document(state.engine.model(name, version))))
 
 
 @router.post("/repository/index", summary="Repository index")
@@ -238,10 +207,6 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
 
 
 def _timeout_ms(parameters: dict[str, Any]) -> float | None:
-    """Deadline from OIP `parameters.timeout`, in microseconds as Triton and tritonclient define it."""
-    timeout = parameters.get("timeout")
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise InvalidInput(f"parameters.timeout must be a positive number of microseconds, got {quote(timeout)}")
-    return timeout / 1000.0
+    """Deadline from OIP `parameters.timeout` (microseconds, the rule of model_document.timeout_us_of)."""
+    timeout_us = timeout_us_of(parameters.get("timeout"))
+    return timeout_us / 1000.0 if timeout_us is not None else None

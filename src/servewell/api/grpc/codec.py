@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 
 from servewell.api.codecs.tensors import DecodedTensor, tensor_from_raw, tensor_from_values, tensor_to_raw
+from servewell.api.model_document import ModelDocument, timeout_us_of
 from servewell.errors import InvalidInput, quote
 
 #: Which typed-contents field carries each datatype (FP16 and BF16 travel only as raw contents).
@@ -63,11 +65,9 @@ def decode_request(request: pb.ModelInferRequest) -> GrpcInferRequest:
             array = tensor_from_values(tensor.name, tensor.datatype, shape, getattr(tensor.contents, field))
         tensors.append(DecodedTensor(tensor.name, tensor.datatype, array, from_binary=True))
     parameters = {key: parameter_value(value) for key, value in request.parameters.items()}
-    timeout = parameters.get("timeout")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0):
-        raise InvalidInput(f"parameters.timeout must be a positive number of microseconds, got {quote(timeout)}")
+    timeout_us = timeout_us_of(parameters.get("timeout"))  # int64, uint64 or a whole double: the HTTP rule
     requested = [output.name for output in request.outputs] or None
-    return GrpcInferRequest(tensors, requested, parameters.get("priority"), timeout)
+    return GrpcInferRequest(tensors, requested, parameters.get("priority"), timeout_us)
 
 
 def encode_response(model: str, version: str, request_id: str, outputs: dict[str, np.ndarray]) -> pb.ModelInferResponse:
@@ -78,6 +78,31 @@ def encode_response(model: str, version: str, request_id: str, outputs: dict[str
         response.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
         response.raw_output_contents.append(blob)
     return response
+
+
+def metadata_message(doc: ModelDocument) -> pb.ModelMetadataResponse:
+    """`ModelMetadataResponse` of a model: the fields of `model_document.metadata_json`."""
+    response = pb.ModelMetadataResponse(name=doc.name, versions=doc.versions, platform=doc.platform)
+    for t in doc.inputs:
+        response.inputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+    for t in doc.outputs:
+        response.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+    return response
+
+
+def config_message(doc: ModelDocument) -> mc.ModelConfig:
+    """Triton's `ModelConfig` message of a model: the fields of `model_document.config_json`."""
+    return mc.ModelConfig(
+        name=doc.name, platform=doc.platform, backend=doc.backend, max_batch_size=doc.max_batch_size,
+        input=[mc.ModelInput(name=t.name, data_type=mc.DataType.Value(t.data_type), dims=t.dims) for t in doc.inputs],
+        output=[mc.ModelOutput(name=t.name, data_type=mc.DataType.Value(t.data_type), dims=t.dims)
+                for t in doc.outputs],
+        instance_group=[mc.ModelInstanceGroup(count=doc.instance_count,
+                                              kind=mc.ModelInstanceGroup.Kind.Value(doc.instance_kind))],
+        dynamic_batching=mc.ModelDynamicBatching(max_queue_delay_microseconds=doc.max_queue_delay_us,
+                                                 priority_levels=doc.priority_levels),
+        parameters={key: mc.ModelParameter(string_value=value) for key, value in doc.parameters.items()},
+    )
 
 
 def metadata_value(metadata: Any, key: str) -> str | None:

@@ -11,23 +11,20 @@ model call; only ServerLive and ServerReady are probes.
 
 from __future__ import annotations
 
-from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 
 import servewell
 from servewell.api.access import came_through_proxy, check_admin, grpc_peer_host
 from servewell.api.dataplane import DataPlane, select_outputs
-from servewell.api.grpc.codec import decode_request, encode_response, metadata_value
+from servewell.api.grpc.codec import config_message, decode_request, encode_response, metadata_message, metadata_value
 from servewell.api.grpc.incoming import IncomingMessage
 from servewell.api.grpc.scope import RpcContext, RpcScope
-from servewell.config.model import ModelConfig
-from servewell.engine.protocol import ModelView, ServingEngine, client_shape
-from servewell.errors import InvalidInput, NotFound, quote
+from servewell.api.model_document import TRITON_STATES, model_document
+from servewell.engine.protocol import ServingEngine
+from servewell.errors import NotFound, quote
 from servewell.observability.context import request_id_var
 
 EXTENSIONS = ("model_repository", "binary_tensor_data", "classification_free_parameters")
-PLATFORMS = {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch", "pytorch": "pytorch"}
-TRITON_STATES = {"ready": "READY", "loading": "LOADING", "restarting": "LOADING"}
 
 
 class InferenceServicer:
@@ -79,15 +76,7 @@ class InferenceServicer:
                             context: RpcContext) -> pb.ModelMetadataResponse:
         async def handle(request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
             self._plane.note_model(request.name)
-            view = self._engine.model(request.name, request.version or None)
-            config = _valid_config(view)
-            response = pb.ModelMetadataResponse(name=view.name, versions=[view.version],
-                                                platform=PLATFORMS[config.runtime])
-            for spec in config.inputs:
-                response.inputs.add(name=spec.name, datatype=spec.datatype, shape=client_shape(config, spec))
-            for spec in config.outputs:
-                response.outputs.add(name=spec.name, datatype=spec.datatype, shape=client_shape(config, spec))
-            return response
+            return metadata_message(model_document(self._engine.model(request.name, request.version or None)))
         return await self._scope.run("ModelMetadata", context, incoming, handle)
 
     async def ModelConfig(self, incoming: IncomingMessage[pb.ModelConfigRequest],
@@ -95,7 +84,7 @@ class InferenceServicer:
         async def handle(request: pb.ModelConfigRequest) -> pb.ModelConfigResponse:
             self._plane.note_model(request.name)
             view = self._engine.model(request.name, request.version or None)
-            return pb.ModelConfigResponse(config=_model_config(view))
+            return pb.ModelConfigResponse(config=config_message(model_document(view)))
         return await self._scope.run("ModelConfig", context, incoming, handle)
 
     # --- inference -------------------------------------------------------------------------
@@ -159,32 +148,3 @@ class InferenceServicer:
         check_admin(self._admin_token, metadata_value(metadata, "authorization"), grpc_peer_host(context.peer()),
                     proxied=came_through_proxy(key for key, _ in metadata),
                     trust_loopback=self._trust_loopback_admin)
-
-
-def _valid_config(view: ModelView) -> ModelConfig:
-    if view.config is None:
-        raise InvalidInput(f"model '{view.name}' is invalid: {view.reason}")
-    return view.config
-
-
-def _model_config(view: ModelView) -> mc.ModelConfig:
-    """The model's configuration in Triton's message, as `tritonclient.grpc.get_model_config` expects."""
-    config = _valid_config(view)
-    live_max = view.scheduling.max_batch_size if view.scheduling and config.max_batch_size else config.max_batch_size
-
-    def dtype(datatype: str) -> int:
-        return int(mc.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"))
-
-    return mc.ModelConfig(
-        name=config.name, platform=PLATFORMS[config.runtime], backend=config.runtime, max_batch_size=live_max,
-        input=[mc.ModelInput(name=t.name, data_type=dtype(t.datatype), dims=t.shape) for t in config.inputs],
-        output=[mc.ModelOutput(name=t.name, data_type=dtype(t.datatype), dims=t.shape) for t in config.outputs],
-        instance_group=[mc.ModelInstanceGroup(
-            count=config.instances,
-            kind=mc.ModelInstanceGroup.KIND_GPU if config.device.startswith("cuda") else mc.ModelInstanceGroup.KIND_CPU,
-        )],
-        dynamic_batching=mc.ModelDynamicBatching(
-            max_queue_delay_microseconds=int(config.batching.max_wait_ms * 1000),
-            priority_levels=len(config.batching.lanes),
-        ),
-    )
