@@ -54,7 +54,7 @@ from servewell.workers.shm import HeartbeatCell, SegmentReader, SharedArena, new
 log = logging.getLogger("servewell.workers")
 
 ProgressCallback = Callable[[str, float], None]
-WorkerState = Literal["starting", "ready", "hung", "exited", "stopped"]
+WorkerState = Literal["starting", "ready", "hung", "exiting", "exited", "stopped"]
 
 _JEMALLOC_PATHS = (
     "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
@@ -64,6 +64,9 @@ _JEMALLOC_PATHS = (
 _spawn_lock = threading.Lock()
 #: How often a worker's heartbeat thread increments its counter.
 HEARTBEAT_INTERVAL_S = 0.1
+#: How long a worker whose pipe closed may take to exit before it is killed (one normally exits
+#: within a millisecond of its pipe closing; its requests are answered once it has).
+EXIT_GRACE_S = 5.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -327,7 +330,10 @@ class WorkerHandle:
         return WorkerLost(why)
 
     def _lost(self) -> None:
-        if self.state in ("exited", "stopped", "hung") and not self.alive:
+        """The worker is gone (its pipe closed) or declared hung. Its exit code is read without
+        waiting: when the process has not been reaped yet, it is reaped off the event loop and the
+        loss is finished then (the log line, `exit_reason` and the errors name the exit code)."""
+        if self.state in ("exited", "stopped", "hung", "exiting") and not self.alive:
             return  # already handled (declared hung, then its pipe closed)
         was_ready = self.state == "ready"
         self.alive = False
@@ -336,13 +342,57 @@ class WorkerHandle:
             self.state = "hung"
             self.exit_reason = f"hung ({self.hung_reason}); killed"
             self._reap_later()
-        else:
+            self._finish_loss(was_ready)
+            return
+        code = process.exitcode if process else None  # waitpid(WNOHANG): never blocks
+        if process is None or code is not None or self._loop is None:
             self.state = "exited"
-            code = process.exitcode if process else None
-            if process is not None and code is None:
-                process.join(timeout=0.5)  # the pipe closes as the process exits: this is short
-                code = process.exitcode
             self.exit_reason = describe_exit(code)
+            self._finish_loss(was_ready)
+            return
+        # The pipe closes as the process exits, a moment before it can be reaped: the loop watches for
+        # the exit and never waits for it (it used to, in `process.join`, which blocks for as long as
+        # a worker that closed its pipe and its sentinel lives on, however short the timeout).
+        self.state = "exiting"
+        self.exit_reason = "exiting (exit status not yet known)"
+        self._watch_exit(self._loop, process, was_ready)
+
+    def _watch_exit(self, loop: asyncio.AbstractEventLoop, process: multiprocessing.process.BaseProcess,
+                    was_ready: bool) -> None:
+        """Call `_reaped` when the process exits (its pidfd turns readable) or `EXIT_GRACE_S` later."""
+        try:
+            pidfd = os.pidfd_open(process.pid or 0)
+        except (AttributeError, OSError):  # no pidfd here (not Linux 5.3+), or already reaped: a thread waits
+            waiter = loop.run_in_executor(None, process.join, EXIT_GRACE_S)
+            waiter.add_done_callback(lambda _: self._reaped(was_ready))
+            return
+
+        def settle() -> None:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            overdue.cancel()
+            self._reaped(was_ready)
+
+        loop.add_reader(pidfd, settle)
+        overdue = loop.call_later(EXIT_GRACE_S, settle)
+
+    def _reaped(self, was_ready: bool) -> None:
+        if self.state != "exiting":
+            return  # stopped meanwhile: `stop` answered everything
+        process = self._process
+        code = process.exitcode if process else None
+        self.state = "exited"
+        if process is not None and code is None:
+            # It closed its pipe, so it can serve nothing more, yet it did not exit: end it.
+            process.kill()
+            self._reap_later()
+            self.exit_reason = f"closed its pipe but did not exit within {EXIT_GRACE_S:g} s; killed"
+        else:
+            self.exit_reason = describe_exit(code)
+        self._finish_loss(was_ready)
+
+    def _finish_loss(self, was_ready: bool) -> None:
+        """Answer everything the lost worker held, free its segments, tell the pool."""
         reason = f"worker process {self.pid} {self.exit_reason}"
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(WorkerLoadError(f"{reason} while loading"))
@@ -400,6 +450,9 @@ class WorkerHandle:
                 await loop.run_in_executor(None, self._process.join, 5.0)
         was_running = self.alive
         self.alive = False
+        if self.state == "exiting" and self._process is not None:  # its pipe had closed: now it is reaped
+            self.state = "exited"
+            self.exit_reason = describe_exit(self._process.exitcode)
         if self.state in ("starting", "ready") or was_running:
             self.state = "stopped"
         self._stop_reading()
