@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 
@@ -35,6 +34,7 @@ from servewell.engine.batch_runner import BatchOutcome
 from servewell.errors import ModelError, ServeError, WorkerHung, WorkerLost
 from servewell.observability.tracing import TracingSettings
 from servewell.workers.entry import WORKER_IGNORED_SIGNALS, run_worker
+from servewell.workers.lifecycle import WorkerLifecycle, WorkerPhase, WorkerState, describe_exit
 from servewell.workers.messages import (
     BatchDone,
     BatchFailed,
@@ -54,7 +54,7 @@ from servewell.workers.shm import HeartbeatCell, SegmentReader, SharedArena, new
 log = logging.getLogger("servewell.workers")
 
 ProgressCallback = Callable[[str, float], None]
-WorkerState = Literal["starting", "ready", "hung", "exiting", "exited", "stopped"]
+__all__ = ["WorkerHandle", "WorkerLoadError", "WorkerSettings", "WorkerState", "describe_exit", "find_jemalloc"]
 
 _JEMALLOC_PATHS = (
     "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
@@ -86,19 +86,6 @@ def find_jemalloc() -> str | None:
             return path
     found = ctypes.util.find_library("jemalloc")
     return found if found and os.path.isabs(found) else None
-
-
-def describe_exit(code: int | None) -> str:
-    """A process's exit status in words: "exit code 3", "killed by SIGKILL (exit code -9)"."""
-    if code is None:
-        return "exit status unknown"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"killed by {name} (exit code {code})"
-    return f"exit code {code}"
 
 
 class WorkerLoadError(Exception):
@@ -137,15 +124,32 @@ class WorkerHandle:
         self._heartbeat: HeartbeatCell | None = None
         self._beat = 0
         self._beat_at = 0.0
-        self.alive = False
-        self.state: WorkerState = "starting"
+        self._life = WorkerLifecycle()
         self.rss_bytes = 0
         self.rows_computed = 0
         self.ready_at: float | None = None
-        self.exit_reason = ""
-        self.hung_reason: str | None = None
         self._on_lost = on_lost
         self._on_batch_done = on_batch_done
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker can take batches (loading or ready)."""
+        return self._life.alive
+
+    @property
+    def state(self) -> WorkerState:
+        """starting, ready, hung, exiting, exited or stopped."""
+        return self._life.phase.state
+
+    @property
+    def exit_reason(self) -> str:
+        """How the worker ended, in words ("exit code 3", "hung (...); killed"); empty while it runs."""
+        return self._life.exit_reason
+
+    @property
+    def hung_reason(self) -> str | None:
+        """Why it was declared hung, if it was."""
+        return self._life.hung_reason
 
     @property
     def pid(self) -> int | None:
@@ -172,16 +176,18 @@ class WorkerHandle:
         self._spawn(process)
         child.close()
         self._conn = parent
-        self.alive = True
+        self._life.spawned()
         self._loop.add_reader(parent.fileno(), self._on_readable)
         try:
             info = await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
         except TimeoutError:
             self.kill()
             raise WorkerLoadError(f"load did not finish within {timeout_s:g} s; the worker was killed") from None
+        if self._life.phase is not WorkerPhase.LOADING:  # it died (or was stopped) just after saying ready
+            raise WorkerLoadError(f"worker process {self.pid} {self.exit_reason or 'stopped'} right after loading")
         self.rss_bytes = info.rss_bytes
         self.ready_at = self._beat_at = time.monotonic()
-        self.state = "ready"
+        self._life.loaded()
         return info
 
     def _spawn(self, process: multiprocessing.process.BaseProcess) -> None:
@@ -253,10 +259,12 @@ class WorkerHandle:
         never close: a process in uninterruptible sleep outlives SIGKILL for a while)."""
         if not self.alive:
             return
-        self.hung_reason = reason
+        was_ready = self._life.phase is WorkerPhase.READY
         self.kill()
         self._stop_reading()
-        self._lost()
+        self._life.hung(reason)
+        self._reap_later()
+        self._finish_loss(was_ready)
 
     async def profile(self, seconds: float, directory: str) -> str:
         """Profile this worker's batches for `seconds`; the path of the Chrome trace file."""
@@ -301,7 +309,8 @@ class WorkerHandle:
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(message)
         elif isinstance(message, WorkerLoadFailed):
-            self.alive = False
+            if self._life.phase is WorkerPhase.LOADING:
+                self._life.load_failed()
             if self._ready is not None and not self._ready.done():
                 self._ready.set_exception(WorkerLoadError(message.reason))
         elif isinstance(message, BatchDone):
@@ -330,31 +339,22 @@ class WorkerHandle:
         return WorkerLost(why)
 
     def _lost(self) -> None:
-        """The worker is gone (its pipe closed) or declared hung. Its exit code is read without
-        waiting: when the process has not been reaped yet, it is reaped off the event loop and the
-        loss is finished then (the log line, `exit_reason` and the errors name the exit code)."""
-        if self.state in ("exited", "stopped", "hung", "exiting") and not self.alive:
+        """The worker's pipe closed. Its exit code is read without waiting: when the process has not
+        been reaped yet, the loop watches for its exit and the loss is finished then (the log line,
+        `exit_reason` and the errors name the exit code)."""
+        if self._life.ended:
             return  # already handled (declared hung, then its pipe closed)
-        was_ready = self.state == "ready"
-        self.alive = False
+        was_ready = self._life.phase is WorkerPhase.READY
         process = self._process
-        if self.hung_reason is not None:
-            self.state = "hung"
-            self.exit_reason = f"hung ({self.hung_reason}); killed"
-            self._reap_later()
-            self._finish_loss(was_ready)
-            return
         code = process.exitcode if process else None  # waitpid(WNOHANG): never blocks
         if process is None or code is not None or self._loop is None:
-            self.state = "exited"
-            self.exit_reason = describe_exit(code)
+            self._life.exited(describe_exit(code))
             self._finish_loss(was_ready)
             return
         # The pipe closes as the process exits, a moment before it can be reaped: the loop watches for
         # the exit and never waits for it (it used to, in `process.join`, which blocks for as long as
         # a worker that closed its pipe and its sentinel lives on, however short the timeout).
-        self.state = "exiting"
-        self.exit_reason = "exiting (exit status not yet known)"
+        self._life.exiting()
         self._watch_exit(self._loop, process, was_ready)
 
     def _watch_exit(self, loop: asyncio.AbstractEventLoop, process: multiprocessing.process.BaseProcess,
@@ -377,18 +377,17 @@ class WorkerHandle:
         overdue = loop.call_later(EXIT_GRACE_S, settle)
 
     def _reaped(self, was_ready: bool) -> None:
-        if self.state != "exiting":
+        if self._life.phase is not WorkerPhase.EXITING:
             return  # stopped meanwhile: `stop` answered everything
         process = self._process
         code = process.exitcode if process else None
-        self.state = "exited"
         if process is not None and code is None:
             # It closed its pipe, so it can serve nothing more, yet it did not exit: end it.
             process.kill()
             self._reap_later()
-            self.exit_reason = f"closed its pipe but did not exit within {EXIT_GRACE_S:g} s; killed"
+            self._life.exited(f"closed its pipe but did not exit within {EXIT_GRACE_S:g} s; killed")
         else:
-            self.exit_reason = describe_exit(code)
+            self._life.exited(describe_exit(code))
         self._finish_loss(was_ready)
 
     def _finish_loss(self, was_ready: bool) -> None:
@@ -448,13 +447,10 @@ class WorkerHandle:
             if self._process.is_alive():
                 self._process.kill()
                 await loop.run_in_executor(None, self._process.join, 5.0)
-        was_running = self.alive
-        self.alive = False
-        if self.state == "exiting" and self._process is not None:  # its pipe had closed: now it is reaped
-            self.state = "exited"
-            self.exit_reason = describe_exit(self._process.exitcode)
-        if self.state in ("starting", "ready") or was_running:
-            self.state = "stopped"
+        if self._life.phase is WorkerPhase.EXITING:  # its pipe had closed: now it is reaped
+            self._life.exited(describe_exit(self._process.exitcode if self._process else None))
+        elif not self._life.ended:
+            self._life.stopped()
         self._stop_reading()
         error = WorkerLost("the worker was stopped before the batch finished")
         for future in self._pending.values():
