@@ -14,13 +14,9 @@ handle's name prefix, and all of them are removed whenever the worker ends, howe
 from __future__ import annotations
 
 import asyncio
-import ctypes.util
 import itertools
 import logging
 import multiprocessing
-import os
-import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +29,7 @@ from servewell.config.model import ModelConfig
 from servewell.engine.batch_runner import BatchOutcome
 from servewell.errors import ModelError, ServeError, WorkerHung, WorkerLost
 from servewell.observability.tracing import TracingSettings
-from servewell.workers.entry import WORKER_IGNORED_SIGNALS, run_worker
+from servewell.workers.entry import run_worker
 from servewell.workers.lifecycle import WorkerLifecycle, WorkerPhase, WorkerState, describe_exit
 from servewell.workers.messages import (
     BatchDone,
@@ -49,6 +45,7 @@ from servewell.workers.messages import (
     WorkerReady,
     WorkerReply,
 )
+from servewell.workers.process_start import find_jemalloc, spawn, watch_exit
 from servewell.workers.shm import HeartbeatCell, SegmentReader, SharedArena, new_prefix, remove_segments
 
 log = logging.getLogger("servewell.workers")
@@ -56,12 +53,6 @@ log = logging.getLogger("servewell.workers")
 ProgressCallback = Callable[[str, float], None]
 __all__ = ["WorkerHandle", "WorkerLoadError", "WorkerSettings", "WorkerState", "describe_exit", "find_jemalloc"]
 
-_JEMALLOC_PATHS = (
-    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
-    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
-    "/usr/lib/libjemalloc.so.2",
-)
-_spawn_lock = threading.Lock()
 #: How often a worker's heartbeat thread increments its counter.
 HEARTBEAT_INTERVAL_S = 0.1
 #: How long a worker whose pipe closed may take to exit before it is killed (one normally exits
@@ -77,15 +68,6 @@ class WorkerSettings:
     log_level: str = "info"
     log_format: str = "json"
     tracing: TracingSettings | None = None
-
-
-def find_jemalloc() -> str | None:
-    """Path of libjemalloc if the machine has it."""
-    for path in _JEMALLOC_PATHS:
-        if os.path.exists(path):
-            return path
-    found = ctypes.util.find_library("jemalloc")
-    return found if found and os.path.isabs(found) else None
 
 
 class WorkerLoadError(Exception):
@@ -173,7 +155,7 @@ class WorkerHandle:
             daemon=True,
         )
         self._process = process
-        self._spawn(process)
+        spawn(process, self.config.name, self.config.allocator == "jemalloc")
         child.close()
         self._conn = parent
         self._life.spawned()
@@ -189,32 +171,6 @@ class WorkerHandle:
         self.ready_at = self._beat_at = time.monotonic()
         self._life.loaded()
         return info
-
-    def _spawn(self, process: multiprocessing.process.BaseProcess) -> None:
-        """Start the process with SIGINT and SIGTERM blocked (the child inherits the mask and
-        ignores them before unblocking); with `allocator: jemalloc`, preloaded into the child only."""
-        preload = None
-        if self.config.allocator == "jemalloc":
-            preload = find_jemalloc()
-            if preload is None:
-                log.warning("model %s: allocator jemalloc requested but libjemalloc is not installed "
-                            "(Debian: libjemalloc2); using the system allocator", self.config.name)
-        with _spawn_lock:
-            # A signal sent to the frontend meanwhile stays pending and is handled when unblocked.
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_IGNORED_SIGNALS)
-            previous = os.environ.get("LD_PRELOAD")
-            try:
-                if preload is not None:
-                    # spawn execs a fresh interpreter with this process's environment: set it just for the start.
-                    os.environ["LD_PRELOAD"] = preload if not previous else f"{preload}:{previous}"
-                process.start()
-            finally:
-                if preload is not None:
-                    if previous is None:
-                        os.environ.pop("LD_PRELOAD", None)
-                    else:
-                        os.environ["LD_PRELOAD"] = previous
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None) -> BatchOutcome:
         """Run one batch made of the row blocks in `parts`, concatenated along axis 0."""
@@ -355,26 +311,7 @@ class WorkerHandle:
         # the exit and never waits for it (it used to, in `process.join`, which blocks for as long as
         # a worker that closed its pipe and its sentinel lives on, however short the timeout).
         self._life.exiting()
-        self._watch_exit(self._loop, process, was_ready)
-
-    def _watch_exit(self, loop: asyncio.AbstractEventLoop, process: multiprocessing.process.BaseProcess,
-                    was_ready: bool) -> None:
-        """Call `_reaped` when the process exits (its pidfd turns readable) or `EXIT_GRACE_S` later."""
-        try:
-            pidfd = os.pidfd_open(process.pid or 0)
-        except (AttributeError, OSError):  # no pidfd here (not Linux 5.3+), or already reaped: a thread waits
-            waiter = loop.run_in_executor(None, process.join, EXIT_GRACE_S)
-            waiter.add_done_callback(lambda _: self._reaped(was_ready))
-            return
-
-        def settle() -> None:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
-            overdue.cancel()
-            self._reaped(was_ready)
-
-        loop.add_reader(pidfd, settle)
-        overdue = loop.call_later(EXIT_GRACE_S, settle)
+        watch_exit(self._loop, process, EXIT_GRACE_S, lambda: self._reaped(was_ready))
 
     def _reaped(self, was_ready: bool) -> None:
         if self._life.phase is not WorkerPhase.EXITING:
