@@ -17,23 +17,22 @@ from typing import Any
 import numpy as np
 
 from servewell.config.model import ModelConfig
+from servewell.engine.entry import Entry, InvalidModel
 from servewell.engine.lanes import resolve_lane
 from servewell.engine.memory_budget import MemoryBudget, machine_memory_budget
-from servewell.engine.model_entry import EntryServices, InvalidModel, LoadProgressFn, ModelEntry, OutsidePolicy
-from servewell.engine.protocol import ModelState, ModelView, Readiness, RequestResult, SchedulingFacts
+from servewell.engine.model_entry import EntryServices, LoadProgressFn, ModelEntry, OutsidePolicy
+from servewell.engine.protocol import ModelState, ModelView, Readiness, RequestResult
 from servewell.engine.readiness import ReadinessPolicy, evaluate_readiness
 from servewell.engine.repository import read_model_config, scan_repository
 from servewell.engine.snapshot import SnapshotStore
 from servewell.engine.validation import check_inputs
-from servewell.errors import Conflict, LoadFailed, ModelNotReady, NotFound, ShuttingDown, quote
-from servewell.observability.metrics import ModelSample, ServeMetrics, WorkerSample
+from servewell.errors import Conflict, LoadFailed, NotFound, ShuttingDown, quote
+from servewell.observability.metrics import ModelSample, ServeMetrics
 from servewell.observability.signals import ModelFacts
 from servewell.observability.tracing import Tracing
 from servewell.workers.handle import WorkerSettings
 
 log = logging.getLogger("servewell.engine")
-
-Entry = ModelEntry | InvalidModel
 
 #: Profile captures running at once across models (one per model): each costs its worker the
 #: profiler's overhead and the frontend the trace's memory until it is sent.
@@ -88,19 +87,11 @@ class ServedModelHandle:
 def _ready(entry: Entry) -> ModelEntry:
     """`entry` if it takes new requests; otherwise the error that says why (the model is not ready,
     or it is being unloaded or replaced: its own 503 code, never `shutting_down`)."""
-    if not isinstance(entry, ModelEntry) or entry.state != "ready":
-        raise _not_ready(entry)
-    refusal = entry.refusal()
+    ready = entry.ready_entry()
+    refusal = ready.refusal()
     if refusal is not None:
         raise refusal
-    return entry
-
-
-def _not_ready(entry: Entry) -> ModelNotReady:
-    state = "invalid" if isinstance(entry, InvalidModel) else entry.state
-    retry = None if state in ("failed", "invalid", "unloaded") else 2.0
-    detail = f": {entry.reason}" if entry.reason else ""
-    return ModelNotReady(f"model '{entry.name}' is {state}{detail}", retry_after_s=retry or 5.0)
+    return ready
 
 
 class InferenceEngine:
@@ -148,7 +139,7 @@ class InferenceEngine:
         if self._readiness_policy == "required-models" and unknown:
             log.error("required models %s are not in the repository %s: the server stays not ready", unknown,
                       self.repository)
-        await asyncio.gather(*(s.entry.load() for s in self._slots.values() if isinstance(s.entry, ModelEntry)))
+        await asyncio.gather(*(s.entry.load() for s in self._slots.values()))
 
     # --- the data plane's entry point -----------------------------------------------------
 
@@ -163,7 +154,7 @@ class InferenceEngine:
         """The configured default model, else the only or first valid model."""
         if self._default_model is not None and self._default_model in self._slots:
             return self._default_model
-        valid = [name for name, slot in self._slots.items() if isinstance(slot.entry, ModelEntry)]
+        valid = [name for name, slot in self._slots.items() if slot.entry.state != "invalid"]
         if not valid:
             raise NotFound("the repository has no valid model")
         return valid[0]
@@ -203,27 +194,23 @@ class InferenceEngine:
             slot = self._slots.get(name)
             if slot is None:
                 self._slots[name] = ModelSlot(fresh)
-                return self._view(fresh)
+                return fresh.view()
             old, slot.entry = slot.entry, fresh  # from here on, new requests go to the new version
-            if isinstance(old, ModelEntry):
-                await old.stop("reloading", reason="replaced by a reload")  # drains what the old version had accepted
-            return self._view(fresh)
+            await old.stop("reloading", reason="replaced by a reload")  # drains what the old version had accepted
+            return fresh.view()
 
     async def unload_model(self, name: str) -> ModelView:
         """Stop serving a model: queued and running requests finish, then its workers stop."""
         slot = self._slot(name, None)
         async with slot.lock:
             entry = slot.entry
-            if isinstance(entry, ModelEntry):
-                await entry.stop("unloading", "unloaded", "unloaded by an operator")
-            return self._view(entry)
+            await entry.stop("unloading", "unloaded", "unloaded by an operator")
+            return entry.view()
 
     async def profile(self, name: str, instance: int, seconds: float) -> bytes:
         """A Chrome/Perfetto trace of one instance's batches over `seconds` (one at a time per model)."""
         slot = self._slot(name, None)
-        entry = slot.entry
-        if not isinstance(entry, ModelEntry) or entry.state != "ready":
-            raise _not_ready(entry)
+        entry = slot.entry.ready_entry()
         if slot.profiling:
             raise Conflict(f"a profile of model '{name}' is already being captured; try again when it ends")
         running = sorted(n for n, s in self._slots.items() if s.profiling)
@@ -257,46 +244,33 @@ class InferenceEngine:
         slot = self._slot(name, None)
         async with slot.lock:
             entry = slot.entry
-            if isinstance(entry, ModelEntry) and entry.state == "unloaded":
+            if entry.state == "unloaded":
                 return "not applied: the model was unloaded by an operator (load it through the repository API)"
-            if isinstance(entry, ModelEntry) and entry.state in ("ready", "restarting") and config == entry.config:
+            if entry.state in ("ready", "restarting") and config == entry.config:
                 return "unchanged"
-            if isinstance(entry, ModelEntry) and entry.state == "ready" and entry.live_changes_only(config):
-                dropped = entry.apply_batching(config)
+            if entry.state == "ready" and (serving := entry.ready_entry()).live_changes_only(config):
+                dropped = serving.apply_batching(config)
                 return "applied live" + (f"; admin overrides {sorted(dropped)} replaced by the file" if dropped else "")
         await self.load_model(name, config)
         return "reloaded (new workers warmed up before traffic moved)"
 
     def config_report(self) -> dict[str, Any]:
         """Per model: the active config, when it was read, and admin overrides in force."""
-        report: dict[str, Any] = {}
-        for name, slot in self._slots.items():
-            entry = slot.entry
-            if isinstance(entry, InvalidModel):
-                report[name] = {"state": "invalid", "reason": entry.reason}
-                continue
-            report[name] = {
-                "state": entry.state, "version": entry.version, "file": str(entry.directory / "model.yaml"),
-                "loaded_at": entry.configured_at, "overrides": dict(entry.overrides),
-                "batching": entry.scheduler.settings(), "config": entry.config.model_dump(mode="json"),
-            }
-        return report
+        return {name: slot.entry.report() for name, slot in self._slots.items()}
 
     def begin_shutdown(self) -> None:
         """Readiness turns false now and no worker is restarted from now on; requests are still
         admitted and served (a load balancer may send some until it notices)."""
         self.draining = True
         for slot in self._slots.values():
-            if isinstance(slot.entry, ModelEntry):
-                slot.entry.close()
+            slot.entry.close()
 
     def abort(self, why: str) -> None:
         """Stop admitting, and answer every queued and running request now with 503 shutting_down
         (the drain ran out of time, or a second signal said so)."""
         self.draining, self.accepting = True, False
         for slot in self._slots.values():
-            if isinstance(slot.entry, ModelEntry):
-                slot.entry.scheduler.fail_all(ShuttingDown(f"the server is shutting down: {why}"), running=True)
+            slot.entry.fail_all(ShuttingDown(f"the server is shutting down: {why}"))
 
     async def stop(self, worker_timeout_s: float = 5.0) -> None:
         """Stop admitting, finish what was admitted, stop every worker (each gets `worker_timeout_s`
@@ -304,7 +278,7 @@ class InferenceEngine:
         self.begin_shutdown()
         self.accepting = False
         await asyncio.gather(*(s.entry.stop("shutting_down", worker_timeout_s=worker_timeout_s)
-                               for s in self._slots.values() if isinstance(s.entry, ModelEntry)))
+                               for s in self._slots.values()))
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -321,7 +295,7 @@ class InferenceEngine:
     def readiness(self) -> Readiness:
         """The readiness verdict, with its reason (`engine/readiness.py`)."""
         states: list[tuple[str, ModelState]] = [
-            (name, "invalid" if isinstance(slot.entry, InvalidModel) else slot.entry.state)
+            (name, slot.entry.state)
             for name, slot in self._slots.items()
         ]
         return evaluate_readiness(self._readiness_policy, self._required_models, states,
@@ -334,41 +308,19 @@ class InferenceEngine:
 
     def models(self) -> list[ModelView]:
         """Every model of the repository, valid or not."""
-        return [self._view(s.entry) for s in self._slots.values()]
+        return [s.entry.view() for s in self._slots.values()]
 
     def model(self, name: str, version: str | None = None) -> ModelView:
         """One model; `NotFound` for an unknown name or version."""
-        return self._view(self._slot(name, version).entry)
+        return self._slot(name, version).entry.view()
 
     def samples(self) -> list[ModelSample]:
         """State of every model for the metrics scrape."""
-        out = []
-        for slot in list(self._slots.values()):
-            entry = slot.entry
-            if isinstance(entry, InvalidModel):
-                out.append(ModelSample(entry.name, "invalid", {}, 0, 0, ()))
-                continue
-            scheduler = entry.scheduler
-            out.append(ModelSample(
-                entry.name, entry.state, scheduler.lane_depths(), scheduler.queue_depth + scheduler.running_rows,
-                scheduler.max_batch_size,
-                tuple(WorkerSample(entry.name, i.instance, i.alive, i.pid) for i in entry.instances()),
-            ))
-        return out
+        return [slot.entry.sample() for slot in list(self._slots.values())]
 
     def model_facts(self) -> list[ModelFacts]:
         """Per-model facts the alert webhook evaluates (queue fill, restarts, memory headroom)."""
-        facts = []
-        for slot in list(self._slots.values()):
-            entry = slot.entry
-            if not isinstance(entry, ModelEntry):
-                continue
-            fill = max(entry.scheduler.lane_depths().values(), default=0) / entry.scheduler.batching.max_queue_size
-            limit = entry.config.memory_limit_bytes
-            rss = max((i.rss_bytes for i in entry.instances()), default=0)
-            facts.append(ModelFacts(entry.name, fill, entry.restarts + entry.recycles,
-                                    1.0 - rss / limit if limit else None))
-        return facts
+        return [f for f in (slot.entry.facts() for slot in list(self._slots.values())) if f is not None]
 
     # --- lookups ---------------------------------------------------------------------------
 
@@ -381,23 +333,7 @@ class InferenceEngine:
         return slot
 
     def _valid(self, name: str) -> ModelEntry:
-        entry = self._slot(name, None).entry
-        if isinstance(entry, InvalidModel):
-            raise ModelNotReady(f"model '{name}' is invalid: {entry.reason}", retry_after_s=None)
-        return entry
-
-    @staticmethod
-    def _view(entry: Entry) -> ModelView:
-        if isinstance(entry, InvalidModel):
-            return ModelView(entry.name, entry.version, "invalid", entry.reason, None, None, 0, 0, (), None)
-        s = entry.scheduler
-        stats = s.stats
-        scheduling = SchedulingFacts(s.queue_depth, s.lane_depths(), s.running_rows, s.max_batch_size,
-                                     stats.batches, stats.rows, stats.expired, stats.cancelled, stats.rejected,
-                                     stats.isolated_batches)
-        return ModelView(entry.name, entry.version, entry.state, entry.reason, entry.config, entry.load_s,
-                         entry.restarts, entry.recycles, entry.instances(), scheduling, entry.serving_dtype,
-                         entry.last_failure)
+        return self._slot(name, None).entry.configurable()
 
 
 def _safe_name(name: str) -> bool:

@@ -2,8 +2,8 @@
 
 The pool (workers/pool.py) supervises the processes and reports through `PoolListener`; this
 class turns those reports into scheduler changes and into the model's state, which has one
-setter. A model whose `model.yaml` is invalid is a plain `InvalidModel` record: it has no
-scheduler or pool to be None.
+setter. It is one `Entry` (engine/entry.py); a model whose `model.yaml` is invalid is the other,
+`InvalidModel`, which has no scheduler or pool to be None.
 """
 
 from __future__ import annotations
@@ -18,15 +18,25 @@ from typing import Any, Literal
 
 from servewell.config.model import ModelConfig
 from servewell.engine.clock import Clock
+from servewell.engine.entry import StopCause, not_ready
 from servewell.engine.memory_budget import MemoryBudget, estimate_model_memory
 from servewell.engine.model_files import model_files, unlisted_files
-from servewell.engine.protocol import InstanceInfo, ModelState
+from servewell.engine.protocol import InstanceInfo, ModelState, ModelView, SchedulingFacts
 from servewell.engine.repository import outside_repository
 from servewell.engine.scheduler import ModelScheduler
 from servewell.engine.snapshot import Snapshot, SnapshotError, SnapshotStore
-from servewell.errors import Conflict, ModelReloading, ModelUnloading, ShuttingDown, Unavailable, WorkerLost
+from servewell.errors import (
+    Conflict,
+    ModelReloading,
+    ModelUnloading,
+    ServeError,
+    ShuttingDown,
+    Unavailable,
+    WorkerLost,
+)
 from servewell.observability.batch_telemetry import BatchTelemetry
-from servewell.observability.metrics import ServeMetrics
+from servewell.observability.metrics import ModelSample, ServeMetrics, WorkerSample
+from servewell.observability.signals import ModelFacts
 from servewell.observability.tracing import Tracing
 from servewell.workers.handle import WorkerHandle, WorkerLoadError, WorkerSettings
 from servewell.workers.pool import RESTART_REASONS, PoolState, RestartReason, WarmupFacts, WorkerPool
@@ -36,12 +46,6 @@ log = logging.getLogger("servewell.engine")
 #: (model, instance, stage, elapsed_s) while a worker loads.
 LoadProgressFn = Callable[[str, int, str, float], None]
 
-#: Why a version stops taking requests: an operator unloads it, a reload replaces it, or the server
-#: stops. Each has its own 503 code, so a client (and an operator reading the counts) can tell an
-#: unload or a reload from a shutdown: before, all three said `shutting_down` (issue 19.17: 382 of
-#: 3,116 predictions during unload/reload races, on a server that was not shutting down).
-StopCause = Literal["unloading", "reloading", "shutting_down"]
-
 #: What happens to a model directory that resolves outside the repository (`models_outside_repository`).
 OutsidePolicy = Literal["warn", "refuse"]
 
@@ -49,20 +53,6 @@ OutsidePolicy = Literal["warn", "refuse"]
 RELOADING_RETRY_S = 1.0
 #: Retry-After of a request refused by a model being unloaded: it comes back only when loaded again.
 UNLOADING_RETRY_S = 5.0
-
-
-@dataclass(slots=True, frozen=True)
-class InvalidModel:
-    """A model directory whose `model.yaml` could not be used, and why."""
-
-    name: str
-    directory: Path
-    reason: str
-
-    @property
-    def version(self) -> str:
-        """An invalid model has no version of its own; "1" keeps URLs and listings uniform."""
-        return "1"
 
 
 @dataclass(slots=True, frozen=True)
@@ -181,6 +171,54 @@ class ModelEntry:
             return False
         same = {"batching", "max_batch_size"}
         return config.model_dump(exclude=same) == self.config.model_dump(exclude=same)
+
+    # --- the Entry interface (engine/entry.py) ---------------------------------------------
+
+    def ready_entry(self) -> ModelEntry:
+        """This entry if it is ready; `ModelNotReady` with the reason otherwise."""
+        if self.state != "ready":
+            raise not_ready(self.name, self.state, self.reason)
+        return self
+
+    def configurable(self) -> ModelEntry:
+        """This entry: its settings may be read and changed."""
+        return self
+
+    def fail_all(self, error: ServeError) -> None:
+        """Answer every queued and running request with `error` now."""
+        self.scheduler.fail_all(error, running=True)
+
+    def view(self) -> ModelView:
+        """What the API shows of this version."""
+        s = self.scheduler
+        stats = s.stats
+        scheduling = SchedulingFacts(s.queue_depth, s.lane_depths(), s.running_rows, s.max_batch_size,
+                                     stats.batches, stats.rows, stats.expired, stats.cancelled, stats.rejected,
+                                     stats.isolated_batches)
+        return ModelView(self.name, self.version, self.state, self.reason, self.config, self.load_s,
+                         self.restarts, self.recycles, self.instances(), scheduling, self.serving_dtype,
+                         self.last_failure)
+
+    def sample(self) -> ModelSample:
+        """State, queues and workers for a metrics scrape."""
+        s = self.scheduler
+        return ModelSample(self.name, self.state, s.lane_depths(), s.queue_depth + s.running_rows, s.max_batch_size,
+                           tuple(WorkerSample(self.name, i.instance, i.alive, i.pid) for i in self.instances()))
+
+    def facts(self) -> ModelFacts | None:
+        """Queue fill, restarts and memory headroom, for the alert webhook."""
+        fill = max(self.scheduler.lane_depths().values(), default=0) / self.scheduler.batching.max_queue_size
+        limit = self.config.memory_limit_bytes
+        rss = max((i.rss_bytes for i in self.instances()), default=0)
+        return ModelFacts(self.name, fill, self.restarts + self.recycles, 1.0 - rss / limit if limit else None)
+
+    def report(self) -> dict[str, Any]:
+        """The active config, when it was read, and admin overrides in force."""
+        return {
+            "state": self.state, "version": self.version, "file": str(self.directory / "model.yaml"),
+            "loaded_at": self.configured_at, "overrides": dict(self.overrides),
+            "batching": self.scheduler.settings(), "config": self.config.model_dump(mode="json"),
+        }
 
     def _set_state(self, state: ModelState, reason: str | None = None) -> None:
         """The one place the state changes."""

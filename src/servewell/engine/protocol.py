@@ -46,7 +46,7 @@ class InstanceInfo:
     alive: bool
     rss_bytes: int
     rows_computed: int
-    state: str = "ready"  # starting, ready, hung (killed, being replaced), exited, stopped
+    state: str = "ready"  # starting, ready, hung (killed, being replaced), exiting (not yet reaped), exited, stopped
     exit_reason: str = ""  # how the last process of this instance ended (exit code, signal, hung)
 
 

@@ -26,6 +26,7 @@ from servewell.engine.batch_runner import BatchOutcome, BatchRunner, split_rows
 from servewell.engine.batch_watch import BatchWatch, compute_budget_s
 from servewell.engine.clock import Clock, LoopClock, TimerHandle
 from servewell.engine.protocol import RequestResult
+from servewell.engine.runner_roster import RunnerRoster
 from servewell.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -84,18 +85,14 @@ class ModelScheduler:
         self._queue: BatchQueue[PendingRequest] = BatchQueue(
             len(self.lanes), self.batching.max_queue_size, self.batching.max_consecutive_high
         )
-        self._runners: list[BatchRunner] = []  # registered: may be handed batches
-        self._idle: list[BatchRunner] = []
-        self._reserved: BatchRunner | None = None  # the instance kept for the first lane, when configured
-        self._reserved_free = False
-        self._running = 0
-        self._running_requests = 0
+        self._runners: RunnerRoster[BatchRunner] = RunnerRoster()  # who may be handed a batch, and who is free
         self._timer: TimerHandle | None = None
         self._accepting = True
         self._drained: asyncio.Event | None = None
         self._learned = LearnedLoad()
         self._warmup_latency_s: dict[int, float] = {}  # batch size -> seconds, from the workers' warm-up
-        self._in_flight: dict[int, list[Request]] = {}  # the batches running now, by a serial
+        #: The batches handed to runners and not yet ended, by a serial (the one record of what runs).
+        self._in_flight: dict[int, list[Request]] = {}
         self._serials = itertools.count()
         self.stats = SchedulerStats()
 
@@ -150,10 +147,8 @@ class ModelScheduler:
         self.max_batch_size = size
         self._queue.max_queue_size = updated.max_queue_size
         self._queue.max_consecutive_high = updated.max_consecutive_high
-        if not updated.reserve_instance_for_high and self._reserved is not None:
-            if self._reserved_free:
-                self._idle.append(self._reserved)
-            self._reserved, self._reserved_free = None, False
+        if not updated.reserve_instance_for_high:
+            self._runners.unreserve()
         self._pump()
         return self.settings()
 
@@ -165,29 +160,16 @@ class ModelScheduler:
 
     def add_runner(self, runner: BatchRunner) -> None:
         """Make a ready runner available for batches."""
-        self._runners.append(runner)
-        self._free(runner)
+        self._runners.add(runner, self.batching.reserve_instance_for_high)
         self._pump()
 
     def remove_runner(self, runner: BatchRunner) -> None:
         """Hand `runner` no more batches (it died, or is being drained and replaced); a batch it is
         running still completes or fails through its own future."""
-        if runner in self._runners:
-            self._runners.remove(runner)
-        if runner in self._idle:
-            self._idle.remove(runner)
-        if runner is self._reserved:
-            self._reserved, self._reserved_free = None, False
+        self._runners.remove(runner)
 
-    def _free(self, runner: BatchRunner) -> None:
-        if runner not in self._runners or not runner.alive:
-            return
-        if self.batching.reserve_instance_for_high and self._reserved is None and len(self._runners) >= 2:
-            self._reserved = runner
-        if runner is self._reserved:
-            self._reserved_free = True
-        else:
-            self._idle.append(runner)
+    def _release(self, runner: BatchRunner) -> None:
+        self._runners.release(runner, self.batching.reserve_instance_for_high)
 
     # --- requests ------------------------------------------------------------------------
 
@@ -203,7 +185,7 @@ class ModelScheduler:
     @property
     def running_rows(self) -> int:
         """Requests inside batches on runners right now."""
-        return self._running_requests
+        return sum(len(batch) for batch in self._in_flight.values())
 
     def admit(self, lane: int) -> None:
         """Refuse at once (`Overloaded`, `ShuttingDown`) what `submit` would refuse, before the
@@ -281,25 +263,25 @@ class ModelScheduler:
             lane = self._queue.next_lane()
             if lane is None:
                 break
-            runner = self._take_runner(lane)
+            runner = self._runners.take(lane)
             if runner is None and lane != 0 and self._queue.depth(0):
                 lane = 0  # only the reserved instance is free, and urgent work waits
-                runner = self._take_runner(lane)
+                runner = self._runners.take(lane)
             if runner is None:
                 break
             head = self._queue.head(lane)
             wait_until = self._wait_until(lane, head, now) if head is not None else None
             if wait_until is not None:
                 wake_at = wait_until
-                self._free(runner)
+                self._release(runner)
                 break
             batch = self._viable(self._queue.take_batch(self.max_batch_size, lane), now)
             if not batch:
-                self._free(runner)
+                self._release(runner)
                 continue
-            self._running += 1
-            self._running_requests += len(batch)
-            asyncio.get_running_loop().create_task(self._execute(runner, batch))
+            serial = next(self._serials)
+            self._in_flight[serial] = batch  # in flight from now: drain waits for it
+            asyncio.get_running_loop().create_task(self._execute(runner, serial, batch))
         deadline = self._queue.next_deadline()
         if deadline is not None and (wake_at is None or deadline < wake_at):
             wake_at = deadline
@@ -332,17 +314,6 @@ class ModelScheduler:
             batch.append(item)
         return batch
 
-    def _take_runner(self, lane: int) -> BatchRunner | None:
-        """A free runner for a batch of `lane`: the reserved one serves only the first lane."""
-        if lane == 0 and self._reserved is not None and self._reserved_free and self._reserved.alive:
-            self._reserved_free = False
-            return self._reserved
-        while self._idle:
-            runner = self._idle.pop()
-            if runner.alive:
-                return runner
-        return None
-
     def _wait_until(self, lane: int, head: Request, now: float) -> float | None:
         """When a batch of `lane` led by `head` must start; None means now."""
         if lane == 0 or not self._accepting:
@@ -350,16 +321,14 @@ class ModelScheduler:
         oldest = self._queue.oldest_enqueued_at(lane)
         op = BatchOpportunity(
             now, oldest if oldest is not None else head.enqueued_at,
-            self._queue.ready_rows(lane, head.shape_key), self.max_batch_size, max(1, len(self._runners)),
+            self._queue.ready_rows(lane, head.shape_key), self.max_batch_size, max(1, self._runners.registered),
         )
         limits = PolicyLimits(self.batching.max_wait_ms / 1000.0, self.batching.latency_slo_ms / 1000.0)
         return POLICIES[self.batching.policy](op, limits, self._learned)
 
-    async def _execute(self, runner: BatchRunner, batch: list[Request]) -> None:
+    async def _execute(self, runner: BatchRunner, serial: int, batch: list[Request]) -> None:
         rows = sum(item.rows for item in batch)
         span = self._telemetry.start_batch([(item.payload.trace, item.lane) for item in batch], rows, runner.instance)
-        serial = next(self._serials)
-        self._in_flight[serial] = batch
         try:
             error = await self._run_watched(runner, batch, span)
             still_open = [item for item in batch if not item.payload.future.done()]
@@ -380,9 +349,7 @@ class ModelScheduler:
         finally:
             del self._in_flight[serial]
             self._telemetry.end_batch(span, any(_failed(item) for item in batch))
-            self._running -= 1
-            self._running_requests -= len(batch)
-            self._free(runner)
+            self._release(runner)
             self._pump()
 
     def _fail_open(self, items: list[Request], error: ServeError | None) -> None:
@@ -451,7 +418,7 @@ class ModelScheduler:
         """Seconds until the queue would drain at the learned batch latency."""
         latency = self._learned.latency
         per_batch = latency.predict(self.max_batch_size) if latency.observed else 0.05
-        batches = len(self._queue) / self.max_batch_size / max(1, len(self._runners))
+        batches = len(self._queue) / self.max_batch_size / max(1, self._runners.registered)
         return max(1.0, batches * per_batch)
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -481,7 +448,7 @@ class ModelScheduler:
         self._pump()
 
     def _check_drained(self) -> None:
-        if self._drained is not None and not len(self._queue) and not self._running:
+        if self._drained is not None and not len(self._queue) and not self._in_flight:
             self._drained.set()
 
 

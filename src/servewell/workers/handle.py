@@ -14,19 +14,14 @@ handle's name prefix, and all of them are removed whenever the worker ends, howe
 from __future__ import annotations
 
 import asyncio
-import ctypes.util
 import itertools
 import logging
 import multiprocessing
-import os
-import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 
@@ -34,7 +29,8 @@ from servewell.config.model import ModelConfig
 from servewell.engine.batch_runner import BatchOutcome
 from servewell.errors import ModelError, ServeError, WorkerHung, WorkerLost
 from servewell.observability.tracing import TracingSettings
-from servewell.workers.entry import WORKER_IGNORED_SIGNALS, run_worker
+from servewell.workers.entry import run_worker
+from servewell.workers.lifecycle import WorkerLifecycle, WorkerPhase, WorkerState, describe_exit
 from servewell.workers.messages import (
     BatchDone,
     BatchFailed,
@@ -49,21 +45,19 @@ from servewell.workers.messages import (
     WorkerReady,
     WorkerReply,
 )
+from servewell.workers.process_start import find_jemalloc, spawn, watch_exit
 from servewell.workers.shm import HeartbeatCell, SegmentReader, SharedArena, new_prefix, remove_segments
 
 log = logging.getLogger("servewell.workers")
 
 ProgressCallback = Callable[[str, float], None]
-WorkerState = Literal["starting", "ready", "hung", "exited", "stopped"]
+__all__ = ["WorkerHandle", "WorkerLoadError", "WorkerSettings", "WorkerState", "describe_exit", "find_jemalloc"]
 
-_JEMALLOC_PATHS = (
-    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
-    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
-    "/usr/lib/libjemalloc.so.2",
-)
-_spawn_lock = threading.Lock()
 #: How often a worker's heartbeat thread increments its counter.
 HEARTBEAT_INTERVAL_S = 0.1
+#: How long a worker whose pipe closed may take to exit before it is killed (one normally exits
+#: within a millisecond of its pipe closing; its requests are answered once it has).
+EXIT_GRACE_S = 5.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,28 +68,6 @@ class WorkerSettings:
     log_level: str = "info"
     log_format: str = "json"
     tracing: TracingSettings | None = None
-
-
-def find_jemalloc() -> str | None:
-    """Path of libjemalloc if the machine has it."""
-    for path in _JEMALLOC_PATHS:
-        if os.path.exists(path):
-            return path
-    found = ctypes.util.find_library("jemalloc")
-    return found if found and os.path.isabs(found) else None
-
-
-def describe_exit(code: int | None) -> str:
-    """A process's exit status in words: "exit code 3", "killed by SIGKILL (exit code -9)"."""
-    if code is None:
-        return "exit status unknown"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"killed by {name} (exit code {code})"
-    return f"exit code {code}"
 
 
 class WorkerLoadError(Exception):
@@ -134,15 +106,32 @@ class WorkerHandle:
         self._heartbeat: HeartbeatCell | None = None
         self._beat = 0
         self._beat_at = 0.0
-        self.alive = False
-        self.state: WorkerState = "starting"
+        self._life = WorkerLifecycle()
         self.rss_bytes = 0
         self.rows_computed = 0
         self.ready_at: float | None = None
-        self.exit_reason = ""
-        self.hung_reason: str | None = None
         self._on_lost = on_lost
         self._on_batch_done = on_batch_done
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker can take batches (loading or ready)."""
+        return self._life.alive
+
+    @property
+    def state(self) -> WorkerState:
+        """starting, ready, hung, exiting, exited or stopped."""
+        return self._life.phase.state
+
+    @property
+    def exit_reason(self) -> str:
+        """How the worker ended, in words ("exit code 3", "hung (...); killed"); empty while it runs."""
+        return self._life.exit_reason
+
+    @property
+    def hung_reason(self) -> str | None:
+        """Why it was declared hung, if it was."""
+        return self._life.hung_reason
 
     @property
     def pid(self) -> int | None:
@@ -166,46 +155,22 @@ class WorkerHandle:
             daemon=True,
         )
         self._process = process
-        self._spawn(process)
+        spawn(process, self.config.name, self.config.allocator == "jemalloc")
         child.close()
         self._conn = parent
-        self.alive = True
+        self._life.spawned()
         self._loop.add_reader(parent.fileno(), self._on_readable)
         try:
             info = await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
         except TimeoutError:
             self.kill()
             raise WorkerLoadError(f"load did not finish within {timeout_s:g} s; the worker was killed") from None
+        if self._life.phase is not WorkerPhase.LOADING:  # it died (or was stopped) just after saying ready
+            raise WorkerLoadError(f"worker process {self.pid} {self.exit_reason or 'stopped'} right after loading")
         self.rss_bytes = info.rss_bytes
         self.ready_at = self._beat_at = time.monotonic()
-        self.state = "ready"
+        self._life.loaded()
         return info
-
-    def _spawn(self, process: multiprocessing.process.BaseProcess) -> None:
-        """Start the process with SIGINT and SIGTERM blocked (the child inherits the mask and
-        ignores them before unblocking); with `allocator: jemalloc`, preloaded into the child only."""
-        preload = None
-        if self.config.allocator == "jemalloc":
-            preload = find_jemalloc()
-            if preload is None:
-                log.warning("model %s: allocator jemalloc requested but libjemalloc is not installed "
-                            "(Debian: libjemalloc2); using the system allocator", self.config.name)
-        with _spawn_lock:
-            # A signal sent to the frontend meanwhile stays pending and is handled when unblocked.
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_IGNORED_SIGNALS)
-            previous = os.environ.get("LD_PRELOAD")
-            try:
-                if preload is not None:
-                    # spawn execs a fresh interpreter with this process's environment: set it just for the start.
-                    os.environ["LD_PRELOAD"] = preload if not previous else f"{preload}:{previous}"
-                process.start()
-            finally:
-                if preload is not None:
-                    if previous is None:
-                        os.environ.pop("LD_PRELOAD", None)
-                    else:
-                        os.environ["LD_PRELOAD"] = previous
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None) -> BatchOutcome:
         """Run one batch made of the row blocks in `parts`, concatenated along axis 0."""
@@ -250,10 +215,12 @@ class WorkerHandle:
         never close: a process in uninterruptible sleep outlives SIGKILL for a while)."""
         if not self.alive:
             return
-        self.hung_reason = reason
+        was_ready = self._life.phase is WorkerPhase.READY
         self.kill()
         self._stop_reading()
-        self._lost()
+        self._life.hung(reason)
+        self._reap_later()
+        self._finish_loss(was_ready)
 
     async def profile(self, seconds: float, directory: str) -> str:
         """Profile this worker's batches for `seconds`; the path of the Chrome trace file."""
@@ -298,7 +265,8 @@ class WorkerHandle:
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(message)
         elif isinstance(message, WorkerLoadFailed):
-            self.alive = False
+            if self._life.phase is WorkerPhase.LOADING:
+                self._life.load_failed()
             if self._ready is not None and not self._ready.done():
                 self._ready.set_exception(WorkerLoadError(message.reason))
         elif isinstance(message, BatchDone):
@@ -327,22 +295,40 @@ class WorkerHandle:
         return WorkerLost(why)
 
     def _lost(self) -> None:
-        if self.state in ("exited", "stopped", "hung") and not self.alive:
+        """The worker's pipe closed. Its exit code is read without waiting: when the process has not
+        been reaped yet, the loop watches for its exit and the loss is finished then (the log line,
+        `exit_reason` and the errors name the exit code)."""
+        if self._life.ended:
             return  # already handled (declared hung, then its pipe closed)
-        was_ready = self.state == "ready"
-        self.alive = False
+        was_ready = self._life.phase is WorkerPhase.READY
         process = self._process
-        if self.hung_reason is not None:
-            self.state = "hung"
-            self.exit_reason = f"hung ({self.hung_reason}); killed"
+        code = process.exitcode if process else None  # waitpid(WNOHANG): never blocks
+        if process is None or code is not None or self._loop is None:
+            self._life.exited(describe_exit(code))
+            self._finish_loss(was_ready)
+            return
+        # The pipe closes as the process exits, a moment before it can be reaped: the loop watches for
+        # the exit and never waits for it (it used to, in `process.join`, which blocks for as long as
+        # a worker that closed its pipe and its sentinel lives on, however short the timeout).
+        self._life.exiting()
+        watch_exit(self._loop, process, EXIT_GRACE_S, lambda: self._reaped(was_ready))
+
+    def _reaped(self, was_ready: bool) -> None:
+        if self._life.phase is not WorkerPhase.EXITING:
+            return  # stopped meanwhile: `stop` answered everything
+        process = self._process
+        code = process.exitcode if process else None
+        if process is not None and code is None:
+            # It closed its pipe, so it can serve nothing more, yet it did not exit: end it.
+            process.kill()
             self._reap_later()
+            self._life.exited(f"closed its pipe but did not exit within {EXIT_GRACE_S:g} s; killed")
         else:
-            self.state = "exited"
-            code = process.exitcode if process else None
-            if process is not None and code is None:
-                process.join(timeout=0.5)  # the pipe closes as the process exits: this is short
-                code = process.exitcode
-            self.exit_reason = describe_exit(code)
+            self._life.exited(describe_exit(code))
+        self._finish_loss(was_ready)
+
+    def _finish_loss(self, was_ready: bool) -> None:
+        """Answer everything the lost worker held, free its segments, tell the pool."""
         reason = f"worker process {self.pid} {self.exit_reason}"
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(WorkerLoadError(f"{reason} while loading"))
@@ -398,10 +384,10 @@ class WorkerHandle:
             if self._process.is_alive():
                 self._process.kill()
                 await loop.run_in_executor(None, self._process.join, 5.0)
-        was_running = self.alive
-        self.alive = False
-        if self.state in ("starting", "ready") or was_running:
-            self.state = "stopped"
+        if self._life.phase is WorkerPhase.EXITING:  # its pipe had closed: now it is reaped
+            self._life.exited(describe_exit(self._process.exitcode if self._process else None))
+        elif not self._life.ended:
+            self._life.stopped()
         self._stop_reading()
         error = WorkerLost("the worker was stopped before the batch finished")
         for future in self._pending.values():

@@ -7,16 +7,49 @@ from __future__ import annotations
 
 import asyncio
 import os
+import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
+from safetensors.torch import save_file
 
 from servewell.engine.repository import read_model_config
 from servewell.errors import WorkerLost
 from servewell.workers.handle import WorkerHandle, WorkerLoadError
+
+#: A model that, once `armed` exists, closes every file descriptor of its process (its pipe to the
+#: frontend among them) on its next batch and stays alive until `release` exists, then exits 7.
+LINGERING_FACTORY = textwrap.dedent('''
+    import os
+    import time
+
+    import torch
+    from torch import nn
+
+
+    class Lingering(nn.Module):
+        def __init__(self, armed: str, release: str):
+            super().__init__()
+            self.armed, self.release = armed, release
+            self.scale = nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            if os.path.exists(self.armed):
+                os.closerange(3, 65536)
+                ends_at = time.monotonic() + 60
+                while not os.path.exists(self.release) and time.monotonic() < ends_at:
+                    time.sleep(0.01)
+                os._exit(7)
+            return x * self.scale
+
+
+    def build(armed: str, release: str):
+        return Lingering(armed, release)
+''')
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +135,49 @@ def test_a_worker_that_dies_is_noticed_at_once_and_refuses_batches(tmp_path, lin
             assert not handle.alive
             with pytest.raises(WorkerLost):
                 await handle.run({"x": [np.zeros((1, 4), dtype=np.float32)]})
+        finally:
+            await handle.stop()
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_lingers_after_its_pipe_closes_does_not_stall_the_loop(tmp_path):
+    """The pipe closes before the process can be reaped: the loop keeps running meanwhile (it used to
+    wait for the exit in `process.join` on the loop: here for as long as the process lived), and
+    the exit code is still what the batch's error and `exit_reason` say once the process exits."""
+    directory = tmp_path / "lingering"
+    directory.mkdir()
+    (directory / "factory.py").write_text(LINGERING_FACTORY)
+    save_file({"scale": torch.ones(1)}, str(directory / "model.safetensors"))
+    armed, release = tmp_path / "armed", tmp_path / "release"
+    (directory / "model.yaml").write_text(yaml.safe_dump({
+        "runtime": "pytorch", "artifact": "model.safetensors", "max_batch_size": 1,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}],
+        "pytorch": {"factory": "factory:build", "factory_kwargs": {"armed": str(armed), "release": str(release)}},
+    }))
+
+    async def main() -> None:
+        lost = asyncio.Event()
+        handle = WorkerHandle(read_model_config(directory), directory, on_lost=lambda worker: lost.set())
+        try:
+            await handle.start(timeout_s=120)
+            pid = handle.pid
+            assert pid is not None
+            armed.touch()
+            batch = asyncio.ensure_future(handle.run({"x": [np.ones((1, 1), dtype=np.float32)]}))
+            ends_at = time.monotonic() + 30
+            while handle.alive and time.monotonic() < ends_at:
+                await asyncio.sleep(0.01)
+            assert not handle.alive  # its pipe closed
+            # The loop runs again while the process is still alive (it waits for `release`): the
+            # loss was not waited out on the loop.
+            assert not process_gone(pid)
+            release.touch()
+            await asyncio.wait_for(lost.wait(), 30)
+            with pytest.raises(WorkerLost, match="exit code 7"):
+                await batch
+            assert handle.exit_reason == "exit code 7"
         finally:
             await handle.stop()
 

@@ -1,0 +1,87 @@
+"""Starting a worker process and learning that it exited, without blocking the event loop.
+
+`spawn` starts it with SIGINT and SIGTERM blocked (so a signal meant for the frontend's shutdown
+plan cannot reach it before it ignores them) and, when asked, with jemalloc preloaded into the
+child only. `watch_exit` tells when a process has exited through a pidfd the loop watches, so the
+loop never waits in `process.join`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes.util
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+from servewell.workers.entry import WORKER_IGNORED_SIGNALS
+
+log = logging.getLogger("servewell.workers")
+
+_JEMALLOC_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib/libjemalloc.so.2",
+)
+_spawn_lock = threading.Lock()
+
+
+def find_jemalloc() -> str | None:
+    """Path of libjemalloc if the machine has it."""
+    for path in _JEMALLOC_PATHS:
+        if os.path.exists(path):
+            return path
+    found = ctypes.util.find_library("jemalloc")
+    return found if found and os.path.isabs(found) else None
+
+
+def spawn(process: multiprocessing.process.BaseProcess, model: str, jemalloc: bool) -> None:
+    """Start `process` with SIGINT and SIGTERM blocked (the child inherits the mask and ignores them
+    before unblocking); with `jemalloc`, preloaded into the child only."""
+    preload = None
+    if jemalloc:
+        preload = find_jemalloc()
+        if preload is None:
+            log.warning("model %s: allocator jemalloc requested but libjemalloc is not installed "
+                        "(Debian: libjemalloc2); using the system allocator", model)
+    with _spawn_lock:
+        # A signal sent to the frontend meanwhile stays pending and is handled when unblocked.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_IGNORED_SIGNALS)
+        previous = os.environ.get("LD_PRELOAD")
+        try:
+            if preload is not None:
+                # spawn execs a fresh interpreter with this process's environment: set it just for the start.
+                os.environ["LD_PRELOAD"] = preload if not previous else f"{preload}:{previous}"
+            process.start()
+        finally:
+            if preload is not None:
+                if previous is None:
+                    os.environ.pop("LD_PRELOAD", None)
+                else:
+                    os.environ["LD_PRELOAD"] = previous
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def watch_exit(loop: asyncio.AbstractEventLoop, process: multiprocessing.process.BaseProcess, grace_s: float,
+               settled: Callable[[], None]) -> None:
+    """Call `settled` once, on the loop, when `process` has exited (it can then be reaped without
+    waiting) or `grace_s` later, whichever comes first. Never blocks the loop: `process.join`
+    would, for as long as a process that closed its sentinel lives, whatever its timeout."""
+    try:
+        pidfd = os.pidfd_open(process.pid or 0)
+    except (AttributeError, OSError):  # no pidfd here (not Linux 5.3+), or already reaped: a thread waits
+        waiter = loop.run_in_executor(None, process.join, grace_s)
+        waiter.add_done_callback(lambda _: settled())
+        return
+
+    def settle() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        overdue.cancel()
+        settled()
+
+    loop.add_reader(pidfd, settle)
+    overdue = loop.call_later(grace_s, settle)
