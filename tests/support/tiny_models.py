@@ -74,7 +74,10 @@ def write_tiny_model(root: Path, name: str = "tiny", runtime: str = "onnx", load
     else:
         (directory / "tiny_factory.py").write_text(FACTORY)
         save_file({"scale": np.full(1, 2.0, dtype=np.float32)}, str(directory / "model.safetensors"))
-        config.update(runtime="pytorch", artifact="model.safetensors", pytorch={"factory": "tiny_factory:build"})
+        # The factory reads load_delay_s beside it: snapshots copy only the files a model uses, so it
+        # is listed (a glob, since the file is there only while a delay is set).
+        config.update(runtime="pytorch", artifact="model.safetensors", pytorch={"factory": "tiny_factory:build"},
+                      extra_files=["load_delay_s*"])
         set_load_delay(directory, load_delay_s)
     (directory / "model.yaml").write_text(yaml.safe_dump(config))
     return directory
