@@ -46,7 +46,7 @@ from servewell.config.rejections import RejectedFiles
 from servewell.config.server import LIVE_FIELDS, ConfigFileError, ConfigSource, ServerConfig
 from servewell.config.watch import FileChange, FileWatch
 from servewell.engine.engine import InferenceEngine
-from servewell.engine.repository import outside_repository, read_model_config
+from servewell.engine.repository import outside_refusal, outside_repository, read_model_config
 from servewell.errors import ServeError
 from servewell.observability.tracing import DEFAULT_SAMPLE_RATIO, Tracing
 
@@ -284,11 +284,12 @@ class ConfigReloader:
         except ValueError as exc:
             self._reject(path, [(TOP_LEVEL, str(exc))], "the running version keeps serving")
             return
-        real = outside_repository(self._engine.repository, path.parent)
-        if real is not None and self.settings.models_outside_repository == "refuse":
-            why = f"the model directory resolves to {real}, outside the repository (models_outside_repository: refuse)"
-            self._reject(path, [(TOP_LEVEL, why)], "the running version keeps serving")
+        # Checked here as well as at load: a change applied live (batching only) loads nothing.
+        refused = outside_refusal(self._engine.repository, path.parent, self.settings.models_outside_repository)
+        if refused is not None:
+            self._reject(path, [(TOP_LEVEL, refused)], "the running version keeps serving")
             return
+        real = outside_repository(self._engine.repository, path.parent)
         if real is not None:  # a model directory swapped for a symlink out of the repository
             log.warning("model directory %s resolves to %s, outside the repository %s", name, real,
                         self._engine.repository, extra={"model": name})

@@ -284,7 +284,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                                     "connection ahead of their answers; send the rest after reading these")
         # A client this far ahead is not reading its answers: the requests queued behind the one running
         # are refused the same way instead of run through the app. Answering them cost the light
-        # /predict load its p99 (bench.hostile pipelining: 2.5x the baseline, now about 1.4x).
+        # /predict load its p99 (bench.hostile --rounds 3, pipelining: 2.54x the baseline, now 1.21x).
         self.pipeline = deque((queued, self.app) for queued, _ in self.pipeline)
         self.slots.busy(self)  # its answers are queued: never evicted, which would answer out of turn
         super().on_headers_complete()

@@ -45,13 +45,20 @@ _OPTIONAL_SECTIONS = ("onnx", "torchscript")
 #: Entries of `extra_files`, and characters of one: a list, not a second repository.
 MAX_EXTRA_FILES = 256
 MAX_EXTRA_FILE_CHARS = 1000
+#: Artifact suffix that holds weights only, which only the pytorch runtime can load.
+_WEIGHTS_ONLY_SUFFIX = ".safetensors"
 
 
 def is_pattern(entry: str) -> bool:
     """Whether an `extra_files` entry is a glob (which may match nothing) rather than a name."""
     return any(c in entry for c in "*?[")
-#: Artifact suffix that holds weights only, which only the pytorch runtime can load.
-_WEIGHTS_ONLY_SUFFIX = ".safetensors"
+
+
+def _inside_model_directory(entry: str) -> bool:
+    """Whether a path from model.yaml (`artifact`, `extra_files`) stays inside the model directory."""
+    path = PurePosixPath(entry)
+    return bool(entry) and not path.is_absolute() and ".." not in path.parts and "\\" not in entry \
+        and "\x00" not in entry
 
 
 class ModelConfig(StrictModel):
@@ -151,8 +158,7 @@ class ModelConfig(StrictModel):
     @field_validator("artifact")
     @classmethod
     def _artifact_inside_model_directory(cls, artifact: str) -> str:
-        path = PurePosixPath(artifact)
-        if not artifact or path.is_absolute() or ".." in path.parts or "\\" in artifact:
+        if not _inside_model_directory(artifact):
             raise config_error(f"{artifact!r} must be a file name relative to the model directory, without '..'")
         return artifact
 
@@ -161,10 +167,9 @@ class ModelConfig(StrictModel):
     def _extra_files_inside_model_directory(cls, entries: list[str]) -> list[str]:
         problems = Problems(cls.__name__)
         for index, entry in enumerate(entries):
-            path = PurePosixPath(entry)
             if len(entry) > MAX_EXTRA_FILE_CHARS:
                 problems.add((index,), f"is {len(entry)} characters long; at most {MAX_EXTRA_FILE_CHARS}")
-            elif not entry or path.is_absolute() or ".." in path.parts or "\\" in entry or "\x00" in entry:
+            elif not _inside_model_directory(entry):
                 problems.add((index,), f"{entry!r} must be a path or pattern relative to the model directory, "
                              "without '..'", entry)
         problems.raise_if_any()

@@ -20,10 +20,10 @@ from servewell.config.model import ModelConfig
 from servewell.engine.entry import Entry, InvalidModel
 from servewell.engine.lanes import resolve_lane
 from servewell.engine.memory_budget import MemoryBudget, machine_memory_budget
-from servewell.engine.model_entry import EntryServices, LoadProgressFn, ModelEntry, OutsidePolicy
+from servewell.engine.model_entry import EntryServices, LoadProgressFn, ModelEntry
 from servewell.engine.protocol import ModelState, ModelView, Readiness, RequestResult
 from servewell.engine.readiness import ReadinessPolicy, evaluate_readiness
-from servewell.engine.repository import read_model_config, scan_repository
+from servewell.engine.repository import OutsidePolicy, read_model_config, scan_repository
 from servewell.engine.snapshot import SnapshotStore
 from servewell.engine.validation import check_inputs
 from servewell.errors import Conflict, LoadFailed, NotFound, ShuttingDown, quote

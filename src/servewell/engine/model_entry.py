@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from servewell.config.model import ModelConfig
 from servewell.engine.clock import Clock
@@ -22,7 +22,7 @@ from servewell.engine.entry import StopCause, not_ready
 from servewell.engine.memory_budget import MemoryBudget, estimate_model_memory
 from servewell.engine.model_files import model_files, unlisted_files
 from servewell.engine.protocol import InstanceInfo, ModelState, ModelView, SchedulingFacts
-from servewell.engine.repository import outside_repository
+from servewell.engine.repository import OutsidePolicy, outside_refusal
 from servewell.engine.scheduler import ModelScheduler
 from servewell.engine.snapshot import Snapshot, SnapshotError, SnapshotStore
 from servewell.errors import (
@@ -45,9 +45,6 @@ log = logging.getLogger("servewell.engine")
 
 #: (model, instance, stage, elapsed_s) while a worker loads.
 LoadProgressFn = Callable[[str, int, str, float], None]
-
-#: What happens to a model directory that resolves outside the repository (`models_outside_repository`).
-OutsidePolicy = Literal["warn", "refuse"]
 
 #: Retry-After of a request refused by a version that is being replaced: the new version serves now.
 RELOADING_RETRY_S = 1.0
@@ -293,13 +290,10 @@ class ModelEntry:
     def _outside_refusal(self) -> str | None:
         """Why the model is refused for resolving outside the repository (None: it may load)."""
         services = self._services
-        if services.outside_repository != "refuse" or services.repository is None:
+        if services.repository is None:
             return None
-        real = outside_repository(services.repository, self.directory)
-        if real is None:
-            return None
-        return (f"refused before loading: the model directory resolves to {real}, outside the model repository "
-                f"{services.repository} (models_outside_repository: refuse)")
+        why = outside_refusal(services.repository, self.directory, services.outside_repository)
+        return f"refused before loading: {why}" if why else None
 
     async def _private_directory(self) -> Path:
         """The server's own copy of the model directory for the workers to load (see `snapshot`); the

@@ -10,12 +10,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from servewell.config.bounded_yaml import cut
 from servewell.config.model import ModelConfig
 from servewell.config.model_file import read_model_yaml
 
 log = logging.getLogger("servewell.engine")
+
+#: What happens to a model directory that resolves outside the repository (`models_outside_repository`).
+OutsidePolicy = Literal["warn", "refuse"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,6 +50,19 @@ def outside_repository(root: Path, directory: Path) -> Path | None:
         return None if real.is_relative_to(root.resolve()) else real
     except (OSError, RuntimeError):
         return None
+
+
+def outside_refusal(root: Path, directory: Path, policy: OutsidePolicy) -> str | None:
+    """Why the model directory `directory` may not load under `policy` (`models_outside_repository`):
+    with "refuse", one that resolves outside `root`; None when it may load (and "warn" only warns,
+    at the scan and on reload)."""
+    if policy != "refuse":
+        return None
+    real = outside_repository(root, directory)
+    if real is None:
+        return None
+    return (f"the model directory resolves to {real}, outside the model repository {root} "
+            "(models_outside_repository: refuse)")
 
 
 def scan_repository(root: Path) -> list[ModelSource]:

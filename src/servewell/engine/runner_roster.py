@@ -80,7 +80,7 @@ class RunnerRoster(Generic[R]):
         if lane == 0 and reserved is not None and self.phase(reserved) is RunnerPhase.IDLE and reserved.alive:
             self._move(reserved, "take")
             return reserved
-        for runner in reversed(list(self._phases)):
+        for runner in reversed(self._phases):  # a phase changes below, never the keys: no copy needed
             if runner is not reserved and self._phases[runner] is RunnerPhase.IDLE and runner.alive:
                 self._move(runner, "take")
                 return runner
