@@ -94,8 +94,10 @@ def test_console_shows_models_live_charts_and_failed_requests(digits_server, bro
 
     # The chart's data (what the page holds) shows the requests, and the canvas drew them.
     wait(browser, lambda d: (d.execute_script(MAX_SUCCESS_RATE) or 0) > 0)
-    assert browser.execute_script(PIXELS_ABOVE, "requests", SUCCESS_RGB, 0) > 10
-    assert browser.execute_script(PIXELS_ABOVE, "latency", P50_RGB, None) > 10
+    # The canvas is drawn after the data arrives (uPlot redraws on the next frame): wait for the pixels
+    # too, rather than read them in the same instant (that raced once in a full run).
+    wait(browser, lambda d: d.execute_script(PIXELS_ABOVE, "requests", SUCCESS_RGB, 0) > 10)
+    wait(browser, lambda d: d.execute_script(PIXELS_ABOVE, "latency", P50_RGB, None) > 10)
     latency = browser.execute_script("return window.servewellConsole.charts.latency.data[1]")
     assert any(v is not None and 0 < v < 30_000 for v in latency)
 
