@@ -157,6 +157,12 @@ class ShuttingDown(Unavailable):
     code = "shutting_down"
 
 
+class EngineUnavailable(Unavailable):
+    """The engine process is not reachable from this ingress process (killed, restarting)."""
+
+    code = "engine_unavailable"
+
+
 class ModelUnloading(Unavailable):
     """The model is being unloaded by an operator: it finishes what it accepted and takes nothing
     new (it will not come back until loaded again). Not the server shutting down."""

@@ -28,7 +28,9 @@ from servewell.api.http_limits import uvicorn_limit_options
 from servewell.api.keys import InferenceAccess, KeyFormatError
 from servewell.api.state import AppState, LiveKnobs
 from servewell.config.server import ConfigFileError, ConfigSource, ServerConfig
+from servewell.engine.door import EngineDoor
 from servewell.engine.engine import InferenceEngine
+from servewell.engine.envelope import LiveSettings
 from servewell.engine.snapshot import SnapshotStore
 from servewell.live_config import ConfigReloader, load_keys
 from servewell.observability.alerting import run_alerting
@@ -86,7 +88,7 @@ def _log_progress(model: str, instance: int, stage: str, elapsed_s: float) -> No
 GC_YOUNG_THRESHOLD = 10_000
 
 
-def _tune_garbage_collector() -> None:
+def tune_garbage_collector() -> None:
     """Keep the cyclic garbage collector off the request path.
 
     What exists at startup (modules, routes, settings: about 80,000 objects) lives as long as the
@@ -102,6 +104,14 @@ def _tune_garbage_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
+def build_decoder(settings: ServerConfig) -> tuple[DecodeScheduler, tuple[ThreadPoolExecutor, ...]]:
+    """The image decode scheduler and the thread pools it runs on (shut them down at exit)."""
+    pool = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
+    heavy_pool = lower_priority_pool(max(1, settings.decode_threads - 1), settings.decode_heavy_nice, "decode-heavy")
+    decoder = DecodeScheduler(pool, settings.decode_threads, settings.decode_queue_size, heavy_executor=heavy_pool)
+    return decoder, (pool, heavy_pool)
+
+
 def snapshot_store(settings: ServerConfig) -> SnapshotStore | None:
     """Where model versions are copied before their workers load them (None: snapshots off)."""
     if not settings.artifact_snapshots:
@@ -109,11 +119,13 @@ def snapshot_store(settings: ServerConfig) -> SnapshotStore | None:
     return SnapshotStore(settings.cache_dir / "snapshots", max_bytes=settings.snapshot_max_bytes)
 
 
-def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tuple[FastAPI, ShutdownPlan]:
+def build_app(settings: ServerConfig, source: ConfigSource | None = None,
+              door_path: str | None = None) -> tuple[FastAPI, ShutdownPlan]:
     """The app for `settings` and the shutdown it follows (signals, delay, drain: `shutdown`);
     models load in the background once it starts, so liveness answers at once and readiness tells
     the truth while they load. `source` (where the settings came from) is watched for changes;
-    without it, only model.yaml files are."""
+    without it, only model.yaml files are. `door_path`: this is the engine process of a split
+    server, and ingress processes hand in their requests at that unix socket (engine/door.py)."""
     try:
         keys = load_keys(settings)
     except (KeyFormatError, OSError) as exc:
@@ -134,9 +146,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tup
         gpus = GpuProbe()
         metrics.registry.register(StateCollector(engine.samples, process_facts, gpus.read,
                                                  lambda: engine.memory_budget, lambda: engine.ready))
-    pool = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
-    heavy_pool = lower_priority_pool(max(1, settings.decode_threads - 1), settings.decode_heavy_nice, "decode-heavy")
-    decoder = DecodeScheduler(pool, settings.decode_threads, settings.decode_queue_size, heavy_executor=heavy_pool)
+    decoder, pools = build_decoder(settings)
     plane = DataPlane(engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side), metrics,
                       tracing)
     access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
@@ -151,6 +161,10 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tup
         servicer = InferenceServicer(engine, plane, scope, settings.admin_token,
                                      trust_loopback_admin=settings.trust_loopback_admin)
         grpc_listener = build_grpc_listener(settings, servicer, scope)
+    door = None
+    if door_path is not None:
+        door = EngineDoor(engine, door_path,
+                          live=lambda: LiveSettings(reloader.settings, access.ring, access.default_rate_per_s))
     background: list[asyncio.Task[None]] = []
     stop = asyncio.Event()
     shutdown_plan = ShutdownPlan(engine, settings.shutdown_delay_s, settings.shutdown_timeout_s)
@@ -172,9 +186,11 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tup
 
     async def startup() -> None:
         loop = asyncio.get_running_loop()
-        _tune_garbage_collector()
+        tune_garbage_collector()
         if grpc_listener is not None:
             await grpc_listener.start()
+        if door is not None:
+            await door.start()  # ingress processes connect now and see the models load
         background.append(loop.create_task(start_engine_then_watch()))
         background.append(loop.create_task(reloader.run(stop)))
         background.append(loop.create_task(console.run()))
@@ -193,8 +209,10 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tup
             if not task.done():
                 task.cancel()
         await run_after_drain(shutdown_plan, lambda worker_stop_s: engine.stop(worker_stop_s))
-        pool.shutdown(wait=False)
-        heavy_pool.shutdown(wait=False)
+        if door is not None:
+            await door.stop()
+        for pool in pools:
+            pool.shutdown(wait=False)
         await asyncio.to_thread(tracing.shutdown)  # bounded (SHUTDOWN_FLUSH_S)
 
     state = AppState(engine, plane, settings, metrics, access, knobs, reloader.report, console, reloader.status)
@@ -205,7 +223,7 @@ def serve(settings: ServerConfig, source: ConfigSource | None = None) -> None:
     """Run the server until SIGINT/SIGTERM (see `shutdown` for the order: readiness, listeners,
     drain, workers); every accepted request is answered before exit. SIGHUP (and every
     `config_poll_s`) re-reads the configuration files."""
-    _remove_leftovers(settings)
+    remove_leftovers(settings)
     bound_freed_memory()
     app, plan = build_app(settings, source)
     config = uvicorn.Config(
@@ -222,7 +240,7 @@ def serve(settings: ServerConfig, source: ConfigSource | None = None) -> None:
             log.warning("removed %d shared-memory segments left at exit", left)
 
 
-def _remove_leftovers(settings: ServerConfig) -> None:
+def remove_leftovers(settings: ServerConfig) -> None:
     """Remove what servers that were killed (kill -9, OOM) left: shared memory, model snapshots."""
     segments = remove_stale_segments()
     store = snapshot_store(settings)

@@ -118,10 +118,10 @@ class InferenceCall:
             raise RuntimeError("InferenceCall.open() must come first")
         return self._model
 
-    def open(self, name: str, version: str | None = None, urgency: str | None = None) -> ServedModel:
+    async def open(self, name: str, version: str | None = None, urgency: str | None = None) -> ServedModel:
         """Resolve the model, choose the lane from `urgency`, and admit (or refuse at once)."""
         self._plane.note_model(name)
-        model = self._plane.engine.resolve(name, version)
+        model = await self._plane.engine.resolve_async(name, version)
         self._model, self._urgency = model, urgency
         self._lane = model.resolve_lane(urgency)
         model.admit(self._lane)

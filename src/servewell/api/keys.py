@@ -183,6 +183,16 @@ class InferenceAccess:
         """Ids of the keys in force."""
         return self._ring.ids
 
+    @property
+    def ring(self) -> KeyRing:
+        """The keys in force (what a config reload passes on to the ingress processes)."""
+        return self._ring
+
+    @property
+    def default_rate_per_s(self) -> float | None:
+        """The request rate of a key that names none."""
+        return self._default_rate
+
     def replace(self, ring: KeyRing, default_rate_per_s: float | None) -> None:
         """Use new keys and limits from now on (a removed key is refused at its next request)."""
         self._ring, self._default_rate = ring, default_rate_per_s

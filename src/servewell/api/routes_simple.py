@@ -85,7 +85,7 @@ async def predict(request: Request) -> Response:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "(body)"
         raise InvalidInput(f"field {quote(where)}: {err['msg']}") from None
-    model = call.open(req.model or state.engine.default_model_name(), None, urgency or req.urgency)
+    model = await call.open(req.model or state.engine.default_model_name(), None, urgency or req.urgency)
     config = model.config
     if config.image_input is None:
         raise InvalidInput(f"model '{model.name}' takes no images; call /v2/models/{model.name}/infer with tensors")

@@ -139,7 +139,7 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
     """Run the model on JSON (or binary-extension) tensors."""
     state = app_state(request)
     call = state.plane.call()
-    model = call.open(name, version, urgency_of(request))  # 404/503 before reading and decoding the body
+    model = await call.open(name, version, urgency_of(request))  # 404/503 before reading and decoding the body
     check_content_type(request, ("application/json", "application/octet-stream"))
     with call.receiving():
         body = await read_body(request, state.settings.max_body_bytes)

@@ -150,6 +150,10 @@ class InferenceEngine:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
         return ServedModelHandle(slot, self, _ready(slot.entry))
 
+    async def resolve_async(self, name: str, version: str | None = None) -> ServedModelHandle:
+        """`resolve`, for callers that may talk to an engine in another process."""
+        return self.resolve(name, version)
+
     def default_model_name(self) -> str:
         """The configured default model, else the only or first valid model."""
         if self._default_model is not None and self._default_model in self._slots:

@@ -166,6 +166,10 @@ class ServingEngine(Protocol):
         `ShuttingDown`)."""
         ...
 
+    async def resolve_async(self, name: str, version: str | None = None) -> ServedModel:
+        """`resolve`, allowed to ask an engine in another process when its own table is not sure."""
+        ...
+
     def default_model_name(self) -> str:
         """The model `/predict` uses when a request names none."""
         ...

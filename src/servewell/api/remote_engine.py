@@ -1,0 +1,341 @@
+"""The engine as an ingress process sees it: the same `ServingEngine` boundary, over the door.
+
+An ingress process runs the HTTP app and the data plane unchanged; its engine is this object.
+`resolve` answers from the model table the engine pushes (`engine/envelope.py` ModelTable); a
+model the table does not show as ready is asked about once more (`Resolve`), so a table a few
+milliseconds old never refuses a model that just became ready. `infer` sends one `Envelope`
+and returns a future the engine's `Outcome` resolves; cancelling the future (the client went
+away) sends `Cancel`.
+
+When the engine process is gone (killed, restarting), every request waiting on it is answered
+at once with 503 `engine_unavailable`, readiness is false, and the door is dialled again every
+`RECONNECT_S` until the new engine listens.
+
+Only the data plane's calls are served here; the control plane (load, unload, batching,
+profiles, model views) is reached over HTTP, forwarded to the engine's own app
+(`api/forward.py`), so those methods are never called in an ingress process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from opentelemetry import trace
+
+from servewell.config.model import ModelConfig
+from servewell.engine.envelope import (
+    Cancel,
+    Envelope,
+    FrameReader,
+    FrameWriter,
+    Hello,
+    LiveSettings,
+    ModelEntrySummary,
+    ModelTable,
+    Outcome,
+    Resolve,
+    Resolved,
+    ViewAsk,
+    ViewReply,
+)
+from servewell.engine.lanes import resolve_lane
+from servewell.engine.protocol import ModelView, Readiness, RequestResult
+from servewell.errors import EngineUnavailable, ModelNotReady, NotFound, ServeError, ShuttingDown, quote
+from servewell.observability.tracing import traceparent_of
+
+log = logging.getLogger("servewell.ingress")
+
+#: How often a lost door is dialled again.
+RECONNECT_S = 0.1
+#: Longest a `Resolve` waits for the engine.
+RESOLVE_TIMEOUT_S = 2.0
+
+_NO_ENGINE = "the engine process is not reachable (restarting); retry"
+
+
+class RemoteModel:
+    """A ready model of the engine, resolved for one request (`ServedModel`)."""
+
+    __slots__ = ("_engine", "name", "config", "_lanes", "_version")
+
+    def __init__(self, engine: RemoteEngine, entry: ModelEntrySummary, config: ModelConfig) -> None:
+        self._engine = engine
+        self.name = entry.name
+        self.config = config
+        self._lanes = tuple(config.batching.lanes)
+        self._version = entry.version
+
+    def resolve_lane(self, urgency: str | None = None, priority: object = None) -> int:
+        """Lane index for a request's urgency and/or OIP priority (engine/lanes.py)."""
+        return resolve_lane(self._lanes, urgency, priority)
+
+    def admit(self, lane: int) -> None:
+        """Refuse now what the engine would refuse (gone, shutting down); a full lane is the
+        engine's to say when the envelope arrives."""
+        self._engine.check_open()
+
+    def infer(self, inputs: dict[str, np.ndarray], *, lane: int, timeout_ms: float | None, request_id: str,
+              arrived_at: float | None) -> asyncio.Future[RequestResult]:
+        """Send the request to the engine; the future resolves with its outcome."""
+        arrived = arrived_at if arrived_at is not None else asyncio.get_running_loop().time()
+        deadline = None if timeout_ms is None else arrived + timeout_ms / 1000.0
+        return self._engine.send(self.name, self._version, inputs, lane, deadline, arrived, request_id)
+
+
+class RemoteEngine:
+    """The engine process behind the door at `path` (implements the data plane's part of
+    `ServingEngine`)."""
+
+    def __init__(self, path: str, index: int, on_live: Callable[[LiveSettings], None],
+                 view_snapshot: Callable[[], Any] | None = None) -> None:
+        self._path = path
+        self._index = index
+        self._source = f"ingress-{index}-{os.getpid()}"
+        self._on_live = on_live
+        self._view_snapshot = view_snapshot
+        self._writer: FrameWriter | None = None
+        self._table: ModelTable | None = None
+        self._pending: dict[int, asyncio.Future[RequestResult]] = {}
+        self._asks: dict[int, asyncio.Future[ModelEntrySummary | None]] = {}
+        self._ids = itertools.count(1)
+        self._lost: asyncio.Event | None = None
+        self.shutting_down = False  # this ingress is stopping: not ready, whatever the engine says
+        self.connected_once = asyncio.Event()
+
+    # --- the connection --------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Keep a connection to the door until `stop` is set."""
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            lost = self._lost = asyncio.Event()
+            try:
+                await loop.create_unix_connection(lambda: FrameReader(self._on_message, self._on_lost, self._on_open),
+                                                  self._path)
+            except OSError:
+                await _wait(stop, RECONNECT_S)
+                continue
+            await _either(stop, lost)
+        if self._writer is not None:
+            self._writer.transport.close()
+
+    def _on_open(self, transport: asyncio.Transport) -> None:
+        self._writer = FrameWriter(transport)
+        self._writer.send(Hello(self._source, self._index, os.getpid()))
+        log.info("connected to the engine", extra={"event": "engine_connected"})
+
+    def _on_lost(self, exc: BaseException | None) -> None:
+        if self._writer is None:
+            return
+        self._writer, self._table = None, None
+        failure = EngineUnavailable(_NO_ENGINE)
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(failure)
+        self._pending.clear()
+        for ask in self._asks.values():
+            if not ask.done():
+                ask.set_exception(failure)
+        self._asks.clear()
+        if self._lost is not None:
+            self._lost.set()
+        log.warning("lost the engine process%s; answering 503 engine_unavailable until it is back",
+                    f" ({exc})" if exc else "", extra={"event": "engine_lost"})
+
+    def _on_message(self, message: Any) -> None:
+        if isinstance(message, Outcome):
+            future = self._pending.pop(message.call_id, None)
+            if future is None or future.done():
+                return
+            if message.error is not None:
+                future.set_exception(message.error)
+            else:
+                future.set_result(message.result)  # type: ignore[arg-type]
+        elif isinstance(message, ModelTable):
+            self._table = message
+            self.connected_once.set()
+        elif isinstance(message, ViewAsk):
+            if self._writer is not None:
+                snapshot = self._view_snapshot() if self._view_snapshot is not None else None
+                self._writer.send(ViewReply(message.ask_id, snapshot))
+        elif isinstance(message, Resolved):
+            ask = self._asks.pop(message.ask_id, None)
+            if ask is not None and not ask.done():
+                ask.set_result(message.entry)
+        elif isinstance(message, LiveSettings):
+            self._on_live(message)
+
+    # --- the data plane --------------------------------------------------------------------
+
+    def check_open(self) -> None:
+        """Raise what every request would get now: the engine gone, or shutting down."""
+        table = self._table
+        if self._writer is None or table is None:
+            raise EngineUnavailable(_NO_ENGINE)
+        if not table.accepting:
+            raise ShuttingDown("the server is shutting down and accepts no new requests")
+
+    def send(self, model: str, version: str, inputs: dict[str, np.ndarray], lane: int, deadline: float | None,
+             arrived_at: float, request_id: str) -> asyncio.Future[RequestResult]:
+        """One envelope to the engine; its outcome resolves the returned future."""
+        writer = self._writer
+        if writer is None:
+            raise EngineUnavailable(_NO_ENGINE)
+        call_id = next(self._ids)
+        future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        span_context = trace.get_current_span().get_span_context()
+        traceparent = traceparent_of(span_context) if span_context.is_valid and span_context.trace_flags.sampled \
+            else None
+        writer.send(Envelope(call_id, model, version, lane, deadline, arrived_at, request_id, inputs,
+                             traceparent=traceparent))
+        future.add_done_callback(lambda f: self._cancelled(call_id) if f.cancelled() else None)
+        return future
+
+    def fail_all(self, error: ServeError) -> None:
+        """Answer every request waiting on the engine with `error` (a shutdown cut short)."""
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self._pending.clear()
+
+    def _cancelled(self, call_id: int) -> None:
+        if self._pending.pop(call_id, None) is not None and self._writer is not None:
+            self._writer.send(Cancel(call_id))
+
+    async def resolve_async(self, name: str, version: str | None = None) -> RemoteModel:
+        """The ready model `name`: from the table, or asked of the engine when the table does
+        not show it ready (`NotFound`, `ModelNotReady`, `ShuttingDown`, `EngineUnavailable`)."""
+        self.check_open()
+        table = self._table
+        assert table is not None
+        entry = table.models.get(name)
+        if entry is None or entry.state != "ready":
+            entry = await self._ask(name)
+        return self._ready(name, version, entry)
+
+    def resolve(self, name: str, version: str | None = None) -> RemoteModel:
+        """`resolve_async` from the table alone (no question to the engine)."""
+        self.check_open()
+        assert self._table is not None
+        return self._ready(name, version, self._table.models.get(name))
+
+    def _ready(self, name: str, version: str | None, entry: ModelEntrySummary | None) -> RemoteModel:
+        if entry is None:
+            known = sorted(self._table.models)[:20] if self._table is not None else []
+            raise NotFound(f"unknown model {quote(name)}; this server has {known}")
+        if version not in (None, "", entry.version):
+            raise NotFound(f"model '{name}' has no version {quote(version)}; it serves version '{entry.version}'")
+        if entry.state != "ready" or entry.config is None:
+            reason = f": {entry.reason}" if entry.reason else ""
+            raise ModelNotReady(f"model '{name}' is {entry.state}{reason}")
+        return RemoteModel(self, entry, entry.config)
+
+    async def _ask(self, name: str) -> ModelEntrySummary | None:
+        writer = self._writer
+        if writer is None:
+            raise EngineUnavailable(_NO_ENGINE)
+        ask_id = next(self._ids)
+        future: asyncio.Future[ModelEntrySummary | None] = asyncio.get_running_loop().create_future()
+        self._asks[ask_id] = future
+        writer.send(Resolve(ask_id, name))
+        try:
+            return await asyncio.wait_for(future, RESOLVE_TIMEOUT_S)
+        except TimeoutError:
+            raise EngineUnavailable("the engine did not answer in time; retry") from None
+        finally:
+            self._asks.pop(ask_id, None)
+
+    def default_model_name(self) -> str:
+        """The model `/predict` uses when a request names none."""
+        table = self._table
+        if table is None:
+            raise EngineUnavailable(_NO_ENGINE)
+        if table.default_model is None:
+            raise NotFound("the repository has no valid model")
+        return table.default_model
+
+    def knows(self, name: str) -> bool:
+        """Whether `name` is a model of this server (only such names become metric labels)."""
+        table = self._table
+        return table is not None and name in table.models
+
+    # --- health, as far as an ingress answers it itself --------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Whether this ingress should receive traffic."""
+        return self.readiness().ready
+
+    def readiness(self) -> Readiness:
+        """The engine's verdict, unless this ingress is stopping or has lost the engine."""
+        if self.shutting_down:
+            return Readiness(False, "this ingress process is shutting down", shutting_down=True)
+        if self._writer is None or self._table is None:
+            return Readiness(False, _NO_ENGINE)
+        return self._table.readiness
+
+    @property
+    def readiness_policy(self) -> str:
+        """Not known here (the engine's /healthz says it)."""
+        return "engine"
+
+    # --- the control plane lives in the engine's app (forwarded) ------------------------------
+
+    def models(self) -> list[ModelView]:
+        """Not served by an ingress (forwarded to the engine)."""
+        raise _control_plane()
+
+    def model(self, name: str, version: str | None = None) -> ModelView:
+        """Not served by an ingress (forwarded to the engine)."""
+        raise _control_plane()
+
+    def batching(self, name: str) -> dict[str, Any]:
+        """Not served by an ingress (forwarded to the engine)."""
+        raise _control_plane()
+
+    def update_batching(self, name: str, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """Not served by an ingress (forwarded to the engine)."""
+        raise _control_plane()
+
+    async def load_model(self, name: str) -> ModelView:
+        """Not served by an ingress (forwarded to the engine)."""
+        raise _control_plane()
+
+    async def unload_model(self, name: str) -> ModelView:
+        """Not served by an ingress (forwarded to the engine)."""
+        raise _control_plane()
+
+    async def profile(self, name: str, instance: int, seconds: float) -> bytes:
+        """Not served by an ingress (forwarded to the engine)."""
+        raise _control_plane()
+
+    @property
+    def memory_budget(self) -> tuple[int, int]:
+        """Not served by an ingress (forwarded to the engine)."""
+        raise _control_plane()
+
+
+def _control_plane() -> ServeError:
+    return ServeError("an ingress process does not serve the control plane; the request should have been forwarded")
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+async def _either(a: asyncio.Event, b: asyncio.Event) -> None:
+    waits = [asyncio.ensure_future(a.wait()), asyncio.ensure_future(b.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()

@@ -1,0 +1,281 @@
+"""The engine's door: where ingress processes hand in envelopes and get outcomes.
+
+One unix-socket connection per ingress process (`engine/envelope.py` has the messages and the
+framing). An envelope is resolved, validated and queued exactly as an in-process request is
+(`InferenceEngine.resolve(...).infer(...)`), inside the request's trace context and request id,
+so the batch span, the logs and the metrics are the same; its outcome goes back when the future
+resolves. A `Cancel` drops a request that has not run; a connection that closes (its ingress
+died or stopped) cancels everything it still had queued.
+
+The door also keeps every ingress's model table and live settings current (pushed at connect
+and on every change; a change is noticed within `TABLE_POLL_S`, and an ingress that meets a
+model its table lacks asks with `Resolve`), and pulls the ingress processes' share of the
+metrics and console records when a view is read (`pull_views`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry.propagate import extract
+
+from servewell.engine.engine import InferenceEngine
+from servewell.engine.envelope import (
+    Cancel,
+    Envelope,
+    FrameReader,
+    FrameWriter,
+    Hello,
+    LiveSettings,
+    ModelEntrySummary,
+    ModelTable,
+    Outcome,
+    Resolve,
+    Resolved,
+    ViewAsk,
+    ViewReply,
+)
+from servewell.engine.protocol import ModelView, RequestResult
+from servewell.errors import ModelError, ServeError
+from servewell.observability.context import request_id_var
+
+log = logging.getLogger("servewell.engine")
+
+#: How often the door compares the model table with what it last pushed (cheap: a tuple per model).
+TABLE_POLL_S = 0.05
+#: Longest a view read waits for the ingress processes' snapshots before using what it has.
+VIEW_PULL_TIMEOUT_S = 1.0
+
+
+def summarize(view: ModelView) -> ModelEntrySummary:
+    """What an ingress needs of one model."""
+    return ModelEntrySummary(view.name, view.version, view.state, view.reason, view.config)
+
+
+def model_table(engine: InferenceEngine) -> ModelTable:
+    """The engine's models as the ingress processes see them."""
+    models = {view.name: summarize(view) for view in engine.models()}
+    try:
+        default: str | None = engine.default_model_name()
+    except ServeError:
+        default = None
+    return ModelTable(models, default, engine.readiness(), engine.accepting)
+
+
+def _fingerprint(table: ModelTable) -> tuple[Any, ...]:
+    return (tuple((m.name, m.version, m.state, m.reason, id(m.config)) for m in table.models.values()),
+            table.default_model, table.readiness, table.accepting)
+
+
+class _Ingress:
+    """One connected ingress process."""
+
+    __slots__ = ("writer", "pending", "source", "closed")
+
+    def __init__(self, writer: FrameWriter) -> None:
+        self.writer = writer
+        self.pending: dict[int, asyncio.Future[RequestResult]] = {}
+        self.source = ""
+        self.closed = False
+
+
+class EngineDoor:
+    """The unix-socket server ingress processes connect to."""
+
+    def __init__(self, engine: InferenceEngine, path: str, live: Callable[[], LiveSettings],
+                 absorb: Callable[[str, Any], None] | None = None, retire: Callable[[str], None] | None = None) -> None:
+        self._engine = engine
+        self._path = path
+        self._live = live
+        self._absorb = absorb
+        self._retire = retire
+        self._ingresses: set[_Ingress] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._table_task: asyncio.Task[None] | None = None
+        self._last_table: tuple[Any, ...] | None = None
+        self._last_live: tuple[Any, ...] | None = None
+        self._asks: dict[int, asyncio.Future[Any]] = {}
+        self._ask_ids = itertools.count(1)
+
+    @property
+    def connected(self) -> int:
+        """How many ingress processes are connected now."""
+        return len(self._ingresses)
+
+    async def start(self) -> None:
+        """Listen (the socket file is the owner's only)."""
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
+        self._server = await loop.create_unix_server(self._protocol, self._path)
+        os.chmod(self._path, 0o600)
+        self._table_task = loop.create_task(self._watch_table())
+
+    async def stop(self) -> None:
+        """Close the listener and every connection (their queued requests are cancelled)."""
+        if self._table_task is not None:
+            self._table_task.cancel()
+        if self._server is not None:
+            self._server.close()
+        for ingress in list(self._ingresses):
+            ingress.writer.transport.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
+
+    def push_live(self) -> None:
+        """Send the live settings to every ingress (after a config reload applied)."""
+        live = self._live()
+        for ingress in self._ingresses:
+            ingress.writer.send(live)
+
+    def push_table(self) -> None:
+        """Send the model table to every ingress now (it also goes on its own on every change)."""
+        table = model_table(self._engine)
+        self._last_table = _fingerprint(table)
+        for ingress in self._ingresses:
+            ingress.writer.send(table)
+
+    async def pull_views(self, timeout_s: float = VIEW_PULL_TIMEOUT_S) -> None:
+        """Ask every ingress for its metrics and console records and absorb what comes back in
+        time (an ingress that does not answer keeps its previous snapshot)."""
+        if self._absorb is None or not self._ingresses:
+            return
+        asks = []
+        for ingress in list(self._ingresses):
+            ask_id = next(self._ask_ids)
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._asks[ask_id] = future
+            asks.append((ask_id, ingress, future))
+            ingress.writer.send(ViewAsk(ask_id))
+        try:
+            await asyncio.wait([f for _, _, f in asks], timeout=timeout_s)
+        finally:
+            for ask_id, ingress, future in asks:
+                self._asks.pop(ask_id, None)
+                if future.done() and not future.cancelled() and future.exception() is None and ingress.source:
+                    self._absorb(ingress.source, future.result())
+                future.cancel()
+
+    # --- one connection ----------------------------------------------------------------------
+
+    def _protocol(self) -> FrameReader:
+        box: list[_Ingress] = []
+
+        def opened(transport: asyncio.Transport) -> None:
+            ingress = _Ingress(FrameWriter(transport))
+            box.append(ingress)
+            self._ingresses.add(ingress)
+            ingress.writer.send(model_table(self._engine))
+            ingress.writer.send(self._live())
+
+        def received(message: Any) -> None:
+            self._on_message(box[0], message)
+
+        def lost(exc: BaseException | None) -> None:
+            if box:
+                self._on_lost(box[0], exc)
+
+        return FrameReader(received, lost, opened)
+
+    def _on_message(self, ingress: _Ingress, message: Any) -> None:
+        if isinstance(message, Envelope):
+            self._on_envelope(ingress, message)
+        elif isinstance(message, Cancel):
+            future = ingress.pending.get(message.call_id)
+            if future is not None:
+                future.cancel()
+        elif isinstance(message, ViewReply):
+            ask = self._asks.get(message.ask_id)
+            if ask is not None and not ask.done():
+                ask.set_result(message.snapshot)
+        elif isinstance(message, Resolve):
+            entry = None
+            if self._engine.knows(message.model):
+                with contextlib.suppress(ServeError):
+                    entry = summarize(self._engine.model(message.model))
+            ingress.writer.send(Resolved(message.ask_id, entry))
+        elif isinstance(message, Hello):
+            ingress.source = message.source
+            log.info("ingress %d (pid %d) connected", message.index, message.pid,
+                     extra={"event": "ingress_connected", "ingress": message.index, "pid": message.pid})
+        else:
+            log.warning("ignored an unknown message from an ingress: %s", type(message).__name__)
+
+    def _on_envelope(self, ingress: _Ingress, envelope: Envelope) -> None:
+        token = request_id_var.set(envelope.request_id)
+        trace_token = None
+        if envelope.traceparent:
+            trace_token = otel_context.attach(extract({"traceparent": envelope.traceparent}))
+        try:
+            handle = self._engine.resolve(envelope.model, envelope.version)
+            timeout_ms = None if envelope.deadline is None else (envelope.deadline - envelope.arrived_at) * 1000.0
+            future = handle.infer(envelope.inputs, lane=envelope.lane, timeout_ms=timeout_ms,
+                                  request_id=envelope.request_id, arrived_at=envelope.arrived_at)
+        except ServeError as exc:
+            ingress.writer.send(Outcome(envelope.call_id, error=exc))
+            return
+        except Exception as exc:  # a bug must still answer the request
+            log.exception("envelope for model %s failed", envelope.model)
+            ingress.writer.send(Outcome(envelope.call_id, error=ModelError(f"the engine failed: {exc}")))
+            return
+        finally:
+            if trace_token is not None:
+                otel_context.detach(trace_token)
+            request_id_var.reset(token)
+        ingress.pending[envelope.call_id] = future
+        future.add_done_callback(partial(self._answer, ingress, envelope.call_id))
+
+    def _answer(self, ingress: _Ingress, call_id: int, future: asyncio.Future[RequestResult]) -> None:
+        ingress.pending.pop(call_id, None)
+        if ingress.closed or future.cancelled():
+            return  # a cancel from the ingress: it answered its client already
+        error = future.exception()
+        if error is None:
+            ingress.writer.send(Outcome(call_id, result=future.result()))
+        elif isinstance(error, ServeError):
+            ingress.writer.send(Outcome(call_id, error=error))
+        else:
+            ingress.writer.send(Outcome(call_id, error=ModelError(f"the request failed: {error}")))
+
+    def _on_lost(self, ingress: _Ingress, exc: BaseException | None) -> None:
+        if ingress.closed:
+            return
+        ingress.closed = True
+        self._ingresses.discard(ingress)
+        for future in list(ingress.pending.values()):
+            future.cancel()  # its client is gone with its ingress: drop what has not run
+        ingress.pending.clear()
+        if ingress.source and self._retire is not None:
+            self._retire(ingress.source)
+        log.info("ingress %s disconnected%s", ingress.source or "(unnamed)", f": {exc}" if exc else "",
+                 extra={"event": "ingress_disconnected", "source": ingress.source})
+
+    async def _watch_table(self) -> None:
+        while True:
+            await asyncio.sleep(TABLE_POLL_S)
+            if not self._ingresses:
+                continue
+            try:
+                table = model_table(self._engine)
+            except Exception:  # never let the watcher die
+                log.exception("building the model table failed")
+                continue
+            fingerprint = _fingerprint(table)
+            if fingerprint != self._last_table:
+                self._last_table = fingerprint
+                for ingress in self._ingresses:
+                    ingress.writer.send(table)
+            live = self._live()
+            live_print = (id(live.settings), id(live.keys), live.default_rate_per_s)
+            if live_print != self._last_live:
+                self._last_live = live_print
+                for ingress in self._ingresses:
+                    ingress.writer.send(live)

@@ -1,0 +1,223 @@
+"""The message boundary between an ingress process and the engine process.
+
+An inference request crosses it as one `Envelope`: id, model, version, lane, tenant (API key id),
+an absolute deadline, the trace context and the input tensors; the engine answers with one
+`Outcome` (the request's own output rows and timings, or the `ServeError` that refused it).
+Around them: the engine pushes its model table (`ModelTable`) and live settings
+(`LiveSettings`), pulls each ingress's share of the metrics and console records (`ViewAsk` /
+`ViewReply`), and an ingress asks about a model it does not know yet (`Resolve`).
+
+Deadlines and arrival times are absolute `time.monotonic()` seconds (the event loop's clock):
+CLOCK_MONOTONIC is one clock for every process of the machine, so the number means the same
+thing from the HTTP parser to the worker.
+
+Frames on the unix socket: a 4-byte big-endian length, then a pickled list of messages. Every
+message written while the event loop runs one step goes out in one frame (`FrameWriter`), so
+under load many envelopes or outcomes share one write and one read. Pickle is safe here for
+the same reason it is on the worker pipes: both ends are servewell processes of one server,
+and the socket lives in the supervisor's private (0700) run directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from servewell.config.model import ModelConfig
+from servewell.engine.protocol import Readiness, RequestResult
+from servewell.errors import ServeError
+
+#: Largest frame either side accepts (a batch of envelopes with their tensors): a larger length
+#: prefix means a broken peer, and the connection is closed.
+MAX_FRAME_BYTES = 1 << 30
+_HEADER = struct.Struct(">I")
+
+
+@dataclass(slots=True)
+class Envelope:
+    """One inference request on its way to the engine."""
+
+    call_id: int  # unique per ingress connection; the outcome and a cancel name it
+    model: str
+    version: str | None
+    lane: int
+    deadline: float | None  # absolute monotonic seconds; None: the model's default timeout from arrived_at
+    arrived_at: float  # absolute monotonic seconds when the request reached the ingress
+    request_id: str
+    inputs: dict[str, np.ndarray]
+    tenant: str | None = None  # the API key id, when keys are required
+    traceparent: str | None = None  # W3C trace context of the request's span in the ingress
+
+
+@dataclass(slots=True)
+class Outcome:
+    """The engine's answer to one envelope: a result or the error that refused it."""
+
+    call_id: int
+    result: RequestResult | None = None
+    error: ServeError | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Cancel:
+    """The client went away: drop the request if it has not run yet."""
+
+    call_id: int
+
+
+@dataclass(slots=True, frozen=True)
+class ModelEntrySummary:
+    """What an ingress needs of one model to decode, validate and route its requests."""
+
+    name: str
+    version: str
+    state: str
+    reason: str | None
+    config: ModelConfig | None
+    lanes: tuple[str, ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
+class ModelTable:
+    """Every model of the engine as the ingress processes see them, pushed on every change."""
+
+    models: dict[str, ModelEntrySummary]
+    default_model: str | None
+    readiness: Readiness
+    accepting: bool
+
+
+@dataclass(slots=True, frozen=True)
+class LiveSettings:
+    """Settings that change while serving and that the ingress processes apply too."""
+
+    settings: Any  # ServerConfig as the engine's config reloader applied it
+    keys: Any  # api.keys.KeyRing in force (the engine package does not import api/)
+    default_rate_per_s: float | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Resolve:
+    """An ingress asks about a model missing from its table (or not ready there)."""
+
+    ask_id: int
+    model: str
+
+
+@dataclass(slots=True, frozen=True)
+class Resolved:
+    """The engine's answer to `Resolve`: the model's summary, or None when it has no such model."""
+
+    ask_id: int
+    entry: ModelEntrySummary | None
+
+
+@dataclass(slots=True, frozen=True)
+class ViewAsk:
+    """The engine asks an ingress for its metrics and console records (cumulative)."""
+
+    ask_id: int
+
+
+@dataclass(slots=True)
+class ViewReply:
+    """An ingress's answer to `ViewAsk`."""
+
+    ask_id: int
+    snapshot: Any
+
+
+@dataclass(slots=True, frozen=True)
+class Hello:
+    """The first message of an ingress connection: who it is."""
+
+    source: str  # e.g. "ingress-0-1234": names its share of the metrics
+    index: int
+    pid: int
+
+
+def encode_frame(messages: list[Any]) -> bytes:
+    """One frame holding `messages`."""
+    body = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(body)) + body
+
+
+class FrameReader(asyncio.Protocol):
+    """Reads frames from a unix socket and hands each message to `on_message`; a malformed
+    frame closes the connection (a broken peer), never the process."""
+
+    def __init__(self, on_message: Callable[[Any], None], on_lost: Callable[[BaseException | None], None],
+                 on_open: Callable[[asyncio.Transport], None]) -> None:
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._on_open = on_open
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._need = _HEADER.size  # bytes that make the next frame (header first)
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio's classes
+        self._on_open(self.transport)  # type: ignore[arg-type]
+
+    def data_received(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered < self._need:
+            return
+        buffer = b"".join(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
+        start = 0
+        messages: list[Any] = []
+        try:
+            while len(buffer) - start >= _HEADER.size:
+                (length,) = _HEADER.unpack_from(buffer, start)
+                if length > MAX_FRAME_BYTES:
+                    raise ValueError(f"a frame of {length} bytes is over the {MAX_FRAME_BYTES} byte bound")
+                end = start + _HEADER.size + length
+                if end > len(buffer):
+                    break
+                messages.extend(pickle.loads(memoryview(buffer)[start + _HEADER.size:end]))
+                start = end
+        except Exception as exc:
+            if self.transport is not None:
+                self.transport.abort()
+            self._chunks, self._buffered = [], 0
+            self._on_lost(exc)
+            return
+        rest = buffer[start:] if start else buffer
+        self._chunks = [rest] if rest else []
+        self._buffered = len(rest)
+        self._need = (_HEADER.size + _HEADER.unpack_from(rest, 0)[0]) if len(rest) >= _HEADER.size else _HEADER.size
+        for message in messages:
+            self._on_message(message)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_lost(exc)
+
+
+@dataclass(slots=True)
+class FrameWriter:
+    """Collects the messages written during one event-loop step and sends them as one frame."""
+
+    transport: asyncio.Transport
+    _pending: list[Any] = field(default_factory=list)
+    _scheduled: bool = False
+
+    def send(self, message: Any) -> None:
+        """Queue `message`; it leaves with the others of this loop step."""
+        self._pending.append(message)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        messages, self._pending = self._pending, []
+        if messages and not self.transport.is_closing():
+            self.transport.write(encode_frame(messages))

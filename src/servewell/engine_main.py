@@ -1,0 +1,100 @@
+"""The engine process of a split server: `python -m servewell.engine_main RUN_DIR`.
+
+It runs what one servewell process ran before the split (model registry, schedulers, worker
+pools, live config, console feed, alerting, metrics, gRPC), minus the public HTTP listener: its
+HTTP app listens on the private unix socket RUN_DIR/engine-http.sock, where the ingress
+processes forward every request that is not an inference request, and inference arrives as
+envelopes at RUN_DIR/engine-door.sock (engine/door.py).
+
+Signals (from the supervisor): SIGUSR1 begins the shutdown (readiness false, gRPC clients get
+GOAWAY, everything is still served while the ingress processes drain); SIGTERM then drains what
+is queued and exits (no further delay: the supervisor spent it in the ingress processes);
+SIGHUP re-reads the configuration files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+
+from servewell.allocator import bound_freed_memory
+from servewell.api.peer import TrustedPeerMiddleware
+from servewell.child_process import ENGINE_DOOR_SOCKET, ENGINE_HTTP_SOCKET, die_with_parent, read_settings
+from servewell.observability.logging import configure_logging
+from servewell.server import build_app, remove_leftovers
+from servewell.shutdown import GracefulServer, ShutdownPlan, uvicorn_graceful_timeout_s
+from servewell.workers.shm import NAME_PREFIX, remove_segments
+
+log = logging.getLogger("servewell.server")
+
+
+class EngineServer(GracefulServer):
+    """uvicorn on the private socket with the engine's signals (see the module doc)."""
+
+    def __init__(self, config: uvicorn.Config, plan: ShutdownPlan) -> None:
+        super().__init__(config, plan)
+        self._begun = False
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """SIGUSR1 begins the shutdown; SIGINT/SIGTERM drain and exit."""
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, self._begin)
+        with super().capture_signals():
+            yield
+        loop.remove_signal_handler(signal.SIGUSR1)
+
+    def _begin(self) -> None:
+        if not self._begun:
+            self._begun = True
+            self._plan.begin("SIGUSR1", self._plan.delay_s)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if not self._begun:
+            self._begun = True
+            self._plan.begin(sig.name, 0.0)
+            self.should_exit = True
+            return
+        if not self.should_exit:
+            self.should_exit = True  # the drain starts now
+            return
+        super()._on_signal(sig)  # a second one: cut short
+
+
+def main(argv: list[str]) -> int:
+    """Run the engine until the supervisor stops it."""
+    run_dir = Path(argv[1])
+    die_with_parent()
+    settings, source = read_settings(run_dir)
+    configure_logging(settings.log_level, settings.log_format)
+    remove_leftovers(settings)
+    bound_freed_memory()
+    app, plan = build_app(settings, source, door_path=str(run_dir / ENGINE_DOOR_SOCKET))
+    http_socket = str(run_dir / ENGINE_HTTP_SOCKET)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(http_socket)
+    config = uvicorn.Config(TrustedPeerMiddleware(app), uds=http_socket, log_config=None, access_log=False,
+                            timeout_graceful_shutdown=uvicorn_graceful_timeout_s(plan), lifespan="on",
+                            timeout_keep_alive=300)
+    started = time.monotonic()
+    try:
+        EngineServer(config, plan).run()
+    finally:
+        left = remove_segments(f"{NAME_PREFIX}{os.getpid()}")
+        if left:
+            log.warning("removed %d shared-memory segments left at exit", left)
+        log.info("engine process exits after %.1f s", time.monotonic() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

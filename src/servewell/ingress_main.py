@@ -1,0 +1,149 @@
+"""An ingress process of a split server: `python -m servewell.ingress_main RUN_DIR INDEX FD`.
+
+It accepts HTTP connections on the listening socket FD (inherited from the supervisor; every
+ingress process accepts from the same socket, so the kernel spreads connections across them and
+a restarted one takes up where the dead one stopped) and does the per-request work that scales
+with processes: HTTP parsing and its limits, request ids, API keys and rate limits, body limits,
+JSON/binary/image decoding, validation, encoding, metrics and logs of the request. Inference goes
+to the engine as envelopes (api/remote_engine.py); every other request (health, metadata, admin,
+metrics, console, docs) is forwarded as it came to the engine's own HTTP app (api/forward.py),
+so those answers are the engine's, whichever ingress a client reached.
+
+SIGTERM: readiness false for shutdown_delay_s (the engine, told at the same moment, says so on
+every health route), then the listener closes and what was accepted drains; SIGINT skips the delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from servewell.api import routes_simple, routes_v2
+from servewell.api.app import create_app
+from servewell.api.codecs.image import ImageLimits
+from servewell.api.dataplane import DataPlane
+from servewell.api.forward import EngineForwarder
+from servewell.api.hot_routes import HotRouteTable
+from servewell.api.http_limits import uvicorn_limit_options
+from servewell.api.keys import InferenceAccess, KeyFormatError
+from servewell.api.remote_engine import RemoteEngine
+from servewell.api.state import AppState, LiveKnobs
+from servewell.child_process import ENGINE_DOOR_SOCKET, ENGINE_HTTP_SOCKET, die_with_parent, read_settings
+from servewell.config.server import ConfigFileError, ServerConfig
+from servewell.engine.envelope import LiveSettings
+from servewell.errors import ShuttingDown
+from servewell.live_config import load_keys
+from servewell.observability.console_feed import ConsoleFeed
+from servewell.observability.logging import configure_logging
+from servewell.observability.metrics import ServeMetrics
+from servewell.observability.tracing import DEFAULT_SAMPLE_RATIO, Tracing, settings_from
+from servewell.server import build_decoder, tune_garbage_collector
+from servewell.shutdown import GracefulServer, ShutdownPlan, uvicorn_graceful_timeout_s
+
+log = logging.getLogger("servewell.ingress")
+
+
+class IngressApp:
+    """Inference requests to this process's app; everything else forwarded to the engine's."""
+
+    def __init__(self, app: ASGIApp, table: HotRouteTable, forward: ASGIApp) -> None:
+        self._app = app
+        self._table = table
+        self._forward = forward
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self._table.match(scope["method"], scope["path"]) is None:
+            await self._forward(scope, receive, send)
+        else:
+            await self._app(scope, receive, send)
+
+
+class IngressShutdown:
+    """What a shutdown drives in an ingress process (`ShutdownTarget`)."""
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self._engine = engine
+
+    def begin_shutdown(self) -> None:
+        """This ingress reports not ready; requests are still served."""
+        self._engine.shutting_down = True
+
+    def abort(self, why: str) -> None:
+        """Answer every request still waiting on the engine with 503 shutting_down."""
+        self._engine.fail_all(ShuttingDown(f"the server is shutting down: {why}"))
+
+
+def build_ingress(settings: ServerConfig, run_dir: Path, index: int) -> tuple[ASGIApp, ShutdownPlan]:
+    """The ingress app and its shutdown plan."""
+    try:
+        keys = load_keys(settings)
+    except (KeyFormatError, OSError) as exc:
+        raise ConfigFileError(f"API keys: {exc}") from None
+    metrics = ServeMetrics(settings.latency_buckets_s) if settings.metrics_enabled else None
+    tracing = Tracing(settings_from(settings.otlp_endpoint, settings.otlp_protocol, settings.trace_sample_ratio),
+                      decides_roots=True)
+    access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
+    knobs = LiveKnobs(settings.slow_request_ms / 1000.0, settings.metrics_require_key)
+    console = ConsoleFeed(metrics)  # only its ring of recent slow/failed requests is filled here
+    console.recent.slow_log.lines_per_window = settings.slow_request_lines_per_model
+
+    def apply_live(live: LiveSettings) -> None:
+        fresh: ServerConfig = live.settings
+        access.replace(live.keys, live.default_rate_per_s)
+        knobs.slow_request_s = fresh.slow_request_ms / 1000.0
+        knobs.metrics_need_key = fresh.metrics_require_key
+        ratio = fresh.trace_sample_ratio
+        tracing.set_sample_ratio(ratio if ratio is not None else DEFAULT_SAMPLE_RATIO)
+        logging.getLogger().setLevel(fresh.log_level.upper())
+
+    engine = RemoteEngine(str(run_dir / ENGINE_DOOR_SOCKET), index, apply_live)
+    decoder, pools = build_decoder(settings)
+    plane = DataPlane(engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side), metrics,
+                      tracing)
+    plan = ShutdownPlan(IngressShutdown(engine), settings.shutdown_delay_s, settings.shutdown_timeout_s)
+    stop = asyncio.Event()
+    background: list[asyncio.Task[None]] = []
+
+    async def startup() -> None:
+        tune_garbage_collector()
+        background.append(asyncio.get_running_loop().create_task(engine.run(stop)))
+
+    async def shutdown() -> None:
+        stop.set()
+        for task in background:
+            task.cancel()
+        for pool in pools:
+            pool.shutdown(wait=False)
+        await asyncio.to_thread(tracing.shutdown)
+
+    state = AppState(engine, plane, settings, metrics, access, knobs, lambda: {}, console)
+    app = create_app(state, startup, shutdown, tracing)
+    table = HotRouteTable([*routes_simple.hot_routes(), *routes_v2.hot_routes()])
+    forward = EngineForwarder(str(run_dir / ENGINE_HTTP_SOCKET))
+    return IngressApp(app, table, forward), plan
+
+
+def main(argv: list[str]) -> int:
+    """Serve until SIGTERM/SIGINT."""
+    run_dir, index, fd = Path(argv[1]), int(argv[2]), int(argv[3])
+    die_with_parent()
+    settings, _ = read_settings(run_dir)
+    configure_logging(settings.log_level, settings.log_format)
+    listener = socket.socket(fileno=fd)
+    app, plan = build_ingress(settings, run_dir, index)
+    options: dict[str, Any] = uvicorn_limit_options(settings)
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=uvicorn_graceful_timeout_s(plan), **options)
+    GracefulServer(config, plan).run(sockets=[listener])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
