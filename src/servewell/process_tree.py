@@ -1,0 +1,217 @@
+"""The pieces of `servewell serve`'s process tree that hold no state: how many ingress processes,
+their command lines, the restart backoff, the private run directory, the public listening socket,
+and a child's tie to its parent's life (PR_SET_PDEATHSIG).
+
+The supervisor (`supervisor.py`) puts them together; the engine and ingress mains read
+`RUN/settings.pickle` (`read_settings`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from servewell.config.server import ConfigSource, ServerConfig
+
+#: Most ingress processes chosen by default: past 8, one engine's event loop (envelopes in and
+#: out for every request) is the likelier limit; more can still be asked for.
+DEFAULT_MAX_INGRESS_PROCESSES = 8
+#: uvicorn's default listen backlog: connections the kernel queues while no ingress accepts
+#: (also while one restarts).
+LISTEN_BACKLOG = 2048
+SETTINGS_FILE = "settings.pickle"
+#: What the engine creates inside the run directory (named here so both sides agree).
+ENGINE_HTTP_SOCKET = "engine-http.sock"
+ENGINE_DOOR_SOCKET = "engine-door.sock"
+ENGINE_MODULE_ARGV = ("-m", "servewell.engine_main")
+INGRESS_MODULE_ARGV = ("-m", "servewell.ingress_main")
+_RUN_PREFIX = "servewell-run-"
+#: Linux's sun_path holds 108 bytes; a run directory whose socket paths would not fit is made elsewhere.
+_MAX_SOCKET_PATH = 100
+_PR_SET_PDEATHSIG = 1
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which a container's cpuset narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def ingress_process_count(configured: int | None, cpus: int | None = None) -> int:
+    """How many ingress processes to run: `configured` when set (0: the single-process server),
+    else one per usable CPU, at least 1 and at most `DEFAULT_MAX_INGRESS_PROCESSES`."""
+    if configured is not None:
+        return configured
+    return max(1, min(DEFAULT_MAX_INGRESS_PROCESSES, usable_cpus() if cpus is None else cpus))
+
+
+@dataclass(slots=True)
+class RestartBackoff:
+    """Seconds to wait before restarting a child that died: `initial_s`, doubling per death up to
+    `max_s`; a child that had run `reset_after_s` or longer before dying starts again from `initial_s`."""
+
+    initial_s: float = 0.1
+    max_s: float = 5.0
+    reset_after_s: float = 30.0
+    _next_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._next_s = self.initial_s
+
+    def delay_after(self, ran_s: float) -> float:
+        """The wait before the next start of a child that ran `ran_s` seconds before it died."""
+        if ran_s >= self.reset_after_s:
+            self._next_s = self.initial_s
+        delay_s = self._next_s
+        self._next_s = min(self.max_s, self._next_s * 2)
+        return delay_s
+
+
+def engine_command(run_dir: Path, module_argv: Sequence[str] = ENGINE_MODULE_ARGV,
+                   python: str = sys.executable) -> list[str]:
+    """`python -m servewell.engine_main RUN`."""
+    return [python, *module_argv, str(run_dir)]
+
+
+def ingress_command(run_dir: Path, index: int, listen_fd: int, module_argv: Sequence[str] = INGRESS_MODULE_ARGV,
+                    python: str = sys.executable) -> list[str]:
+    """`python -m servewell.ingress_main RUN INDEX FD` (FD: the inherited listening socket)."""
+    return [python, *module_argv, str(run_dir), str(index), str(listen_fd)]
+
+
+def _run_parent_candidates() -> list[Path]:
+    # XDG_RUNTIME_DIR is per user, private and emptied at logout: the right home for sockets.
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return [Path(p) for p in (runtime, tempfile.gettempdir(), "/tmp") if p and os.path.isdir(p)]
+
+
+def make_run_dir(parent: Path | None = None) -> Path:
+    """A fresh private directory (mode 0700) named after this process, under `parent`, else
+    $XDG_RUNTIME_DIR, else the system temp dir (the first whose socket paths fit)."""
+    candidates = [parent] if parent is not None else _run_parent_candidates()
+    longest = max(len(ENGINE_HTTP_SOCKET), len(ENGINE_DOOR_SOCKET)) + len(_RUN_PREFIX) + 20
+    for where in candidates:
+        if parent is not None or len(str(where)) + longest <= _MAX_SOCKET_PATH:
+            return Path(tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}-", dir=where))
+    return Path(tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}-", dir="/tmp"))
+
+
+def remove_run_dir(run_dir: Path) -> None:
+    """Remove a run directory and what is in it (sockets, settings); gone already is fine."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_run_dirs(parent: Path | None = None) -> list[Path]:
+    """Remove the run directories of supervisors that no longer run (killed with kill -9), under
+    `parent` or the default places; those of another user or a live process stay. The removed ones."""
+    removed = []
+    uid = os.getuid()
+    for where in [parent] if parent is not None else _run_parent_candidates():
+        for path in where.glob(f"{_RUN_PREFIX}*-*"):
+            pid_text = path.name[len(_RUN_PREFIX):].split("-", 1)[0]
+            try:
+                owned = path.is_dir() and not path.is_symlink() and path.stat().st_uid == uid
+            except OSError:
+                continue
+            if owned and pid_text.isdigit() and not _pid_alive(int(pid_text)):
+                remove_run_dir(path)
+                removed.append(path)
+    return removed
+
+
+def write_settings(run_dir: Path, settings: ServerConfig, source: ConfigSource) -> Path:
+    """Write `(settings, source)` to RUN/settings.pickle (mode 0600) for the children to read."""
+    path = run_dir / SETTINGS_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump((settings, source), f, protocol=pickle.HIGHEST_PROTOCOL)
+    return path
+
+
+def read_settings(run_dir: Path) -> tuple[ServerConfig, ConfigSource]:
+    """What the supervisor wrote to RUN/settings.pickle (a private directory: only it writes there)."""
+    with open(run_dir / SETTINGS_FILE, "rb") as f:
+        settings, source = pickle.load(f)
+    if not isinstance(settings, ServerConfig) or not isinstance(source, ConfigSource):
+        raise TypeError(f"{run_dir / SETTINGS_FILE} does not hold (ServerConfig, ConfigSource)")
+    return settings, source
+
+
+class ListenError(OSError):
+    """The public port could not be bound (in use, no permission, bad address)."""
+
+
+def bind_listener(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> socket.socket:
+    """The public HTTP socket, bound and listening once for every ingress, inheritable: as uvicorn
+    binds it (SO_REUSEADDR; IPv6 when `host` is an IPv6 literal). Raises `ListenError` with
+    uvicorn's wording when it cannot."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        reason = exc.strerror.lower() if exc.strerror else str(exc)
+        raise ListenError(exc.errno or errno.EINVAL,
+                          f"error while attempting to bind on address {(host, port)!r}: {reason}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _libc_prctl() -> Callable[..., int]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    prctl: Callable[..., int] = libc.prctl
+    return prctl
+
+
+def death_signal_preexec(parent_pid: int) -> Callable[[], None]:
+    """A `preexec_fn` for a child of `parent_pid`: in the forked child, before exec, ask the kernel
+    for SIGKILL when the parent dies (survives exec), then exit at once if the parent died already
+    (checked after, so no window is left). Everything it calls is looked up before the fork."""
+    prctl = _libc_prctl()
+    getppid, exit_now = os.getppid, os._exit
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if getppid() != parent_pid:
+            exit_now(1)
+
+    return arm
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """Be killed (SIGKILL) when the parent process dies, and exit now if it died already. The
+    supervisor already arms this before exec (`death_signal_preexec`); calling it again at the
+    top of a child's main is harmless and covers children started some other way. Without
+    `parent_pid`, "died already" means this process was handed to init (parent pid 1)."""
+    if sys.platform != "linux":
+        return
+    if _libc_prctl()(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    parent = os.getppid()
+    if (parent_pid is not None and parent != parent_pid) or parent == 1:
+        os._exit(1)
