@@ -77,7 +77,9 @@ settings = ServerConfig(port=port, shutdown_delay_s=0.2, shutdown_timeout_s=2, g
                         default_model=default_model)
 supervisor = Supervisor(settings, ConfigSource(None, {{}}), ingress_processes=2, engine_argv=[{engine!r}],
                         ingress_argv=[{ingress!r}], run_parent=Path({runs!r}))
-sys.exit(asyncio.run(supervisor.serve()))
+code = asyncio.run(supervisor.serve())
+print("restarts", supervisor.restart_counts())
+sys.exit(code)
 """
 
 
@@ -140,9 +142,13 @@ def dead(pid: int) -> bool:
 
 
 def stop(tree: Tree) -> None:
+    """End the supervisor and, should a test have failed, any child that outlived it."""
     if tree.proc.poll() is None:
         tree.proc.kill()
         tree.proc.wait(10)
+    for pid in tree.pids("engine") + tree.pids("ingress"):
+        if not dead(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_children_get_the_socket_come_back_when_killed_and_stop_in_order(tmp_path: Path):
@@ -185,6 +191,7 @@ def test_children_get_the_socket_come_back_when_killed_and_stop_in_order(tmp_pat
         assert events.index(f"ingress {i} exit") < events.index("engine SIGTERM"), events
     assert all(dead(pid) for pid in (engine, *ingresses))
     assert list(tree.runs.iterdir()) == []  # RUN removed
+    assert "restarts {'engine': 1, 'ingress': 1}" in tree.log()
 
 
 def test_kill_9_of_the_supervisor_takes_the_children_and_the_next_start_removes_its_run_dir(tmp_path: Path):
@@ -213,7 +220,7 @@ def test_a_port_in_use_exits_1_with_one_line_and_starts_nothing(tmp_path: Path):
             assert tree.proc.wait(20) == 1
         finally:
             stop(tree)
-    lines = tree.log().strip().splitlines()
+    lines = [line for line in tree.log().splitlines() if not line.startswith("restarts")]  # the driver's own
     assert len(lines) == 1 and '"event":"listen_failed"' in lines[0] and "address already in use" in lines[0], lines
     assert tree.lines() == [] and list(tree.runs.iterdir()) == []
 
