@@ -54,6 +54,8 @@ listener = socket.socket(fileno=fd)
 listener.setblocking(True)
 def on_term(sig, frame):
     note("ingress", f"{{index}} SIGTERM")
+    if os.environ.get("STAND_IN_INGRESS") == "stubborn":
+        return  # never drains: only SIGKILL ends it
     time.sleep(0.3)  # a drain: the engine must not be told to stop before it ends
     note("ingress", f"{{index}} exit")
     os._exit(0)
@@ -72,8 +74,8 @@ from servewell.config.server import ConfigSource, ServerConfig
 from servewell.observability.logging import configure_logging
 from servewell.supervisor import Supervisor
 configure_logging("info", "json")
-port, default_model = int(sys.argv[1]), sys.argv[2]
-settings = ServerConfig(port=port, shutdown_delay_s=0.2, shutdown_timeout_s=2, grpc_port=0,
+port, default_model, timeout_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+settings = ServerConfig(port=port, shutdown_delay_s=0.2, shutdown_timeout_s=timeout_s, grpc_port=0,
                         default_model=default_model)
 supervisor = Supervisor(settings, ConfigSource(None, {{}}), ingress_processes=2, engine_argv=[{engine!r}],
                         ingress_argv=[{ingress!r}], run_parent=Path({runs!r}))
@@ -116,7 +118,8 @@ class Tree:
             return conn.makefile().readline()
 
 
-def start_tree(tmp_path: Path, default_model: str = "digits", port: int | None = None) -> Tree:
+def start_tree(tmp_path: Path, default_model: str = "digits", port: int | None = None, shutdown_timeout_s: float = 2,
+               env: dict[str, str] | None = None) -> Tree:
     events, runs = tmp_path / "events", tmp_path / "runs"
     runs.mkdir()
     engine, ingress, driver = tmp_path / "engine.py", tmp_path / "ingress.py", tmp_path / "driver.py"
@@ -127,9 +130,9 @@ def start_tree(tmp_path: Path, default_model: str = "digits", port: int | None =
     log_path = tmp_path / "supervisor.log"
     with open(log_path, "wb") as log:
         # A session of its own: the test signals the supervisor's whole process group, as systemd would.
-        proc = subprocess.Popen([sys.executable, str(driver), str(port), default_model], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        proc = subprocess.Popen([sys.executable, str(driver), str(port), default_model, str(shutdown_timeout_s)],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})})
     return Tree(proc, port, events, log_path, runs)
 
 
@@ -234,4 +237,22 @@ def test_a_child_that_exits_2_is_not_restarted_and_the_supervisor_stops_with_2(t
         stop(tree)
     assert '"event":"child_fatal","role":"engine"' in tree.log()
     assert all(dead(pid) for pid in tree.pids("ingress"))
+    assert list(tree.runs.iterdir()) == []
+
+
+def test_a_second_sigterm_kills_the_children_that_would_still_drain(tmp_path: Path):
+    # The stand-in ingress processes ignore SIGTERM; the supervisor would wait 0.2 + 60 + 5 s for them.
+    tree = start_tree(tmp_path, shutdown_timeout_s=60, env={"STAND_IN_INGRESS": "stubborn"})
+    try:
+        tree.wait_started()
+        os.kill(tree.proc.pid, signal.SIGTERM)
+        eventually(lambda: sum("SIGTERM" in w for w in tree.lines()) == 2, 10, "the ingress processes got no SIGTERM",
+                   0.02)
+        os.kill(tree.proc.pid, signal.SIGTERM)
+        assert tree.proc.wait(30) == 0, tree.log()[-3000:]
+    finally:
+        stop(tree)
+    log = tree.log()
+    assert "SIGTERM again: stopping now" in log and '"event":"shutdown_forced"' in log
+    assert all(dead(pid) for pid in tree.pids("engine") + tree.pids("ingress"))
     assert list(tree.runs.iterdir()) == []
