@@ -18,9 +18,10 @@ Contract with the children (`process_tree` holds the names):
   restarted: the supervisor shuts everything down and exits 2, as the single-process server does.
 
 Signals: SIGINT or SIGTERM starts the shutdown: SIGUSR1 to the engine (readiness false, keeps
-serving) and SIGTERM to every ingress at the same moment (each answers not ready for
-shutdown_delay_s, closes its listener, drains); once every ingress has exited (or was killed after
-shutdown_delay_s + shutdown_timeout_s + `INGRESS_EXIT_GRACE_S`) the supervisor closes its copy of
+serving) and the same signal to every ingress at the same moment (SIGTERM: each answers not ready
+for shutdown_delay_s, closes its listener, drains; SIGINT, as from Ctrl-C: the same without the
+delay, as the single-process server does); once every ingress has exited (or was killed after
+[shutdown_delay_s +] shutdown_timeout_s + `INGRESS_EXIT_GRACE_S`) the supervisor closes its copy of
 the listening socket and sends the engine SIGTERM (drain, stop the workers; killed after
 shutdown_timeout_s + `ENGINE_EXIT_GRACE_S`). Nothing restarts once the shutdown began. A second
 SIGINT or SIGTERM kills every child at once. SIGHUP is passed to the engine (configuration reload).
@@ -238,7 +239,7 @@ class Supervisor:
         if code == FATAL_EXIT_CODE:
             log.error("%s says its configuration can never work (exit code %d): not restarted; stopping",
                       child.name, code, extra={"event": EVENT_FATAL, **child.facts})
-            self._begin_stop(f"{child.name} exited with {code}", FATAL_EXIT_CODE)
+            self._begin_stop(f"{child.name} exited with {code}", FATAL_EXIT_CODE, signal.SIGTERM)
             return
         self._schedule_restart(child, child.backoff.delay_after(ran_s))
 
@@ -266,7 +267,7 @@ class Supervisor:
 
     def _on_stop_signal(self, sig: signal.Signals) -> None:
         if not self._stopping:
-            self._begin_stop(sig.name, 0)
+            self._begin_stop(sig.name, 0, sig)
             return
         log.warning("%s again: stopping now", sig.name, extra={"event": EVENT_SHUTDOWN_FORCED, "signal": sig.name})
         for child in self._children:
@@ -274,7 +275,7 @@ class Supervisor:
                 log.warning("%s (pid %s) killed", child.name, child.facts.get("pid"),
                             extra={"event": EVENT_KILLED, **child.facts})
 
-    def _begin_stop(self, why: str, exit_code: int) -> None:
+    def _begin_stop(self, why: str, exit_code: int, ingress_signal: signal.Signals) -> None:
         self._stopping = True
         self._exit_code = exit_code
         for child in self._children:
@@ -282,19 +283,20 @@ class Supervisor:
                 child.restart.cancel()
                 child.restart = None
         s = self._settings
+        delay_s = s.shutdown_delay_s if ingress_signal == signal.SIGTERM else 0.0
         log.info("%s: shutting down; ingress processes turn not ready, serve %.1f s more, then drain for at most "
-                 "%.1f s; the engine stops last", why, s.shutdown_delay_s, s.shutdown_timeout_s,
+                 "%.1f s; the engine stops last", why, delay_s, s.shutdown_timeout_s,
                  extra={"event": EVENT_SHUTDOWN_BEGUN, "reason": why})
-        self._stop_task = asyncio.get_running_loop().create_task(self._stop())
+        self._stop_task = asyncio.get_running_loop().create_task(self._stop(ingress_signal, delay_s))
 
-    async def _stop(self) -> None:
+    async def _stop(self, ingress_signal: signal.Signals, delay_s: float) -> None:
         began = time.monotonic()
         engine, ingresses = self._children[0], self._children[1:]
         engine.signal(signal.SIGUSR1)
         for ingress in ingresses:
-            ingress.signal(signal.SIGTERM)
+            ingress.signal(ingress_signal)
         s = self._settings
-        await _wait_or_kill(ingresses, s.shutdown_delay_s + s.shutdown_timeout_s + INGRESS_EXIT_GRACE_S)
+        await _wait_or_kill(ingresses, delay_s + s.shutdown_timeout_s + INGRESS_EXIT_GRACE_S)
         if self._listener is not None:
             self._listener.close()  # every ingress is gone: nothing accepts on it any more
         engine.signal(signal.SIGTERM)

@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from processes import free_port
 from servewell.process_tree import remove_stale_run_dirs
 from waiting import eventually
@@ -53,13 +55,14 @@ run, index, fd = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 listener = socket.socket(fileno=fd)
 listener.setblocking(True)
 def on_term(sig, frame):
-    note("ingress", f"{{index}} SIGTERM")
+    note("ingress", f"{{index}} {{signal.Signals(sig).name}}")
     if os.environ.get("STAND_IN_INGRESS") == "stubborn":
         return  # never drains: only SIGKILL ends it
     time.sleep(0.3)  # a drain: the engine must not be told to stop before it ends
     note("ingress", f"{{index}} exit")
     os._exit(0)
 signal.signal(signal.SIGTERM, on_term)
+signal.signal(signal.SIGINT, on_term)
 note("ingress", f"{{index}} start")
 while True:
     conn, _ = listener.accept()
@@ -154,7 +157,8 @@ def stop(tree: Tree) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def test_children_get_the_socket_come_back_when_killed_and_stop_in_order(tmp_path: Path):
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_children_get_the_socket_come_back_when_killed_and_stop_in_order(tmp_path: Path, stop_signal: signal.Signals):
     tree = start_tree(tmp_path)
     try:
         tree.wait_started()
@@ -182,15 +186,15 @@ def test_children_get_the_socket_come_back_when_killed_and_stop_in_order(tmp_pat
         eventually(lambda: ["engine", str(engine), "SIGHUP"] in tree.lines(), 10, "SIGHUP not passed on", 0.02)
 
         ingresses = [tree.pids("ingress", str(i))[-1] for i in range(2)]
-        os.killpg(tree.proc.pid, signal.SIGTERM)  # systemd, a container's stop, make, Ctrl-C: the whole group
+        os.killpg(tree.proc.pid, stop_signal)  # systemd, a container's stop, make, Ctrl-C: the whole group
         assert tree.proc.wait(20) == 0, tree.log()[-3000:]
     finally:
         stop(tree)
     events = [" ".join(w[:1] + w[2:]) for w in tree.lines() if int(w[1]) in (engine, *ingresses)]
     assert events.index("engine SIGUSR1") < events.index("engine SIGTERM")
     for i in range(2):
-        # Each ingress got one SIGTERM (from the supervisor only) and had exited before the engine got its.
-        assert events.count(f"ingress {i} SIGTERM") == 1, events
+        # Each ingress got the signal once (from the supervisor only) and had exited before the engine got SIGTERM.
+        assert events.count(f"ingress {i} {stop_signal.name}") == 1, events
         assert events.index(f"ingress {i} exit") < events.index("engine SIGTERM"), events
     assert all(dead(pid) for pid in (engine, *ingresses))
     assert list(tree.runs.iterdir()) == []  # RUN removed
