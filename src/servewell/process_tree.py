@@ -1,9 +1,9 @@
-"""The pieces of `servewell serve`'s process tree that hold no state: how many ingress processes,
-their command lines, the restart backoff, the private run directory, the public listening socket,
-and a child's tie to its parent's life (PR_SET_PDEATHSIG).
+"""The supervisor's side of `servewell serve`'s process tree, the parts that hold no state: how many
+ingress processes, their command lines, the restart backoff, the private run directory, the public
+listening socket, and tying a child's life to the supervisor's (PR_SET_PDEATHSIG, before exec).
 
-The supervisor (`supervisor.py`) puts them together; the engine and ingress mains read
-`RUN/settings.pickle` (`read_settings`).
+The supervisor (`supervisor.py`) puts them together; what the children share at start (the
+settings file, the engine's socket names, `die_with_parent`) is in `child_process.py`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import pickle
 import shutil
 import signal
 import socket
@@ -21,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from servewell.config.server import ConfigSource, ServerConfig
+from servewell.child_process import ENGINE_DOOR_SOCKET, ENGINE_HTTP_SOCKET
 
 #: Most ingress processes chosen by default: past 8, one engine's event loop (envelopes in and
 #: out for every request) is the likelier limit; more can still be asked for.
@@ -29,10 +28,6 @@ DEFAULT_MAX_INGRESS_PROCESSES = 8
 #: uvicorn's default listen backlog: connections the kernel queues while no ingress accepts
 #: (also while one restarts).
 LISTEN_BACKLOG = 2048
-SETTINGS_FILE = "settings.pickle"
-#: What the engine creates inside the run directory (named here so both sides agree).
-ENGINE_HTTP_SOCKET = "engine-http.sock"
-ENGINE_DOOR_SOCKET = "engine-door.sock"
 ENGINE_MODULE_ARGV = ("-m", "servewell.engine_main")
 INGRESS_MODULE_ARGV = ("-m", "servewell.ingress_main")
 _RUN_PREFIX = "servewell-run-"
@@ -141,24 +136,6 @@ def remove_stale_run_dirs(parent: Path | None = None) -> list[Path]:
     return removed
 
 
-def write_settings(run_dir: Path, settings: ServerConfig, source: ConfigSource) -> Path:
-    """Write `(settings, source)` to RUN/settings.pickle (mode 0600) for the children to read."""
-    path = run_dir / SETTINGS_FILE
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        pickle.dump((settings, source), f, protocol=pickle.HIGHEST_PROTOCOL)
-    return path
-
-
-def read_settings(run_dir: Path) -> tuple[ServerConfig, ConfigSource]:
-    """What the supervisor wrote to RUN/settings.pickle (a private directory: only it writes there)."""
-    with open(run_dir / SETTINGS_FILE, "rb") as f:
-        settings, source = pickle.load(f)
-    if not isinstance(settings, ServerConfig) or not isinstance(source, ConfigSource):
-        raise TypeError(f"{run_dir / SETTINGS_FILE} does not hold (ServerConfig, ConfigSource)")
-    return settings, source
-
-
 class ListenError(OSError):
     """The public port could not be bound (in use, no permission, bad address)."""
 
@@ -182,17 +159,12 @@ def bind_listener(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> socket
     return sock
 
 
-def _libc_prctl() -> Callable[..., int]:
-    libc = ctypes.CDLL(None, use_errno=True)
-    prctl: Callable[..., int] = libc.prctl
-    return prctl
-
-
 def death_signal_preexec(parent_pid: int) -> Callable[[], None]:
     """A `preexec_fn` for a child of `parent_pid`: in the forked child, before exec, ask the kernel
     for SIGKILL when the parent dies (survives exec), then exit at once if the parent died already
-    (checked after, so no window is left). Everything it calls is looked up before the fork."""
-    prctl = _libc_prctl()
+    (checked after, so no window is left). Everything it calls is looked up before the fork;
+    `child_process.die_with_parent` at the top of the children's mains then only repeats it."""
+    prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
     getppid, exit_now = os.getppid, os._exit
 
     def arm() -> None:
@@ -201,17 +173,3 @@ def death_signal_preexec(parent_pid: int) -> Callable[[], None]:
             exit_now(1)
 
     return arm
-
-
-def die_with_parent(parent_pid: int | None = None) -> None:
-    """Be killed (SIGKILL) when the parent process dies, and exit now if it died already. The
-    supervisor already arms this before exec (`death_signal_preexec`); calling it again at the
-    top of a child's main is harmless and covers children started some other way. Without
-    `parent_pid`, "died already" means this process was handed to init (parent pid 1)."""
-    if sys.platform != "linux":
-        return
-    if _libc_prctl()(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    parent = os.getppid()
-    if (parent_pid is not None and parent != parent_pid) or parent == 1:
-        os._exit(1)

@@ -4,7 +4,7 @@ It binds the public HTTP socket once and hands it to every ingress (one accept q
 outlives an ingress restart), writes the settings to a private run directory, starts the children,
 watches them through pidfds (never blocking its loop) and restarts one that dies, with a backoff.
 
-Contract with the children (`process_tree` holds the names):
+Contract with the children (`process_tree` builds their command lines, `child_process` holds what they share):
 
 - engine: `python -m servewell.engine_main RUN`; ingress i: `python -m servewell.ingress_main RUN i FD`,
   FD being the inherited listening socket. Same interpreter and environment, stdout and stderr
@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from servewell.child_process import write_settings
 from servewell.config.server import ConfigSource, ServerConfig
 from servewell.process_tree import (
     ENGINE_MODULE_ARGV,
@@ -56,7 +57,6 @@ from servewell.process_tree import (
     make_run_dir,
     remove_run_dir,
     remove_stale_run_dirs,
-    write_settings,
 )
 
 log = logging.getLogger("servewell.supervisor")

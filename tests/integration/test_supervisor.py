@@ -33,7 +33,7 @@ def note(role, text):
 """
 
 ENGINE = _COMMON + """
-from servewell.process_tree import read_settings
+from servewell.child_process import read_settings
 run = Path(sys.argv[1])
 settings, _ = read_settings(run)
 if settings.default_model == "fatal":

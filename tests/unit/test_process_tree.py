@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from servewell.child_process import ENGINE_DOOR_SOCKET, SETTINGS_FILE, read_settings, write_settings
 from servewell.config.server import ConfigSource, ServerConfig, load_server_config
 from servewell.process_tree import (
     DEFAULT_MAX_INGRESS_PROCESSES,
-    ENGINE_DOOR_SOCKET,
     ListenError,
     RestartBackoff,
     bind_listener,
@@ -22,11 +22,9 @@ from servewell.process_tree import (
     ingress_command,
     ingress_process_count,
     make_run_dir,
-    read_settings,
     remove_run_dir,
     remove_stale_run_dirs,
     usable_cpus,
-    write_settings,
 )
 from servewell.supervisor import Supervisor
 
@@ -66,8 +64,8 @@ def test_the_run_dir_is_private_holds_the_settings_and_is_removed(tmp_path: Path
     assert stat.S_IMODE(run.stat().st_mode) == 0o700
     settings = ServerConfig(port=9123, ingress_processes=2)
     source = ConfigSource(None, {"port": 9123})
-    path = write_settings(run, settings, source)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    write_settings(run, settings, source)
+    assert stat.S_IMODE((run / SETTINGS_FILE).stat().st_mode) == 0o600
     assert read_settings(run) == (settings, source)
     remove_run_dir(run)
     assert not run.exists()
