@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import shutil
 import signal
@@ -30,6 +31,8 @@ DEFAULT_MAX_INGRESS_PROCESSES = 8
 LISTEN_BACKLOG = 2048
 ENGINE_MODULE_ARGV = ("-m", "servewell.engine_main")
 INGRESS_MODULE_ARGV = ("-m", "servewell.ingress_main")
+#: Restarts per role so far (`{"engine": 0, "ingress": 2}`), rewritten by the supervisor at each restart.
+RESTARTS_FILE = "restarts.json"
 _RUN_PREFIX = "servewell-run-"
 #: Linux's sun_path holds 108 bytes; a run directory whose socket paths would not fit is made elsewhere.
 _MAX_SOCKET_PATH = 100
@@ -134,6 +137,22 @@ def remove_stale_run_dirs(parent: Path | None = None) -> list[Path]:
                 remove_run_dir(path)
                 removed.append(path)
     return removed
+
+
+def write_restart_counts(run_dir: Path, counts: dict[str, int]) -> None:
+    """Replace RUN/restarts.json with `counts` at once (a reader never sees half a file)."""
+    staging = run_dir / f".{RESTARTS_FILE}"
+    staging.write_text(json.dumps(counts))
+    os.replace(staging, run_dir / RESTARTS_FILE)
+
+
+def read_restart_counts(run_dir: Path) -> dict[str, int]:
+    """The supervisor's restarts per role (`engine`, `ingress`); none yet: an empty dict."""
+    try:
+        counts = json.loads((run_dir / RESTARTS_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+    return {str(role): int(n) for role, n in counts.items()} if isinstance(counts, dict) else {}
 
 
 class ListenError(OSError):

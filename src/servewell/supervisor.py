@@ -12,8 +12,10 @@ Contract with the children (`process_tree` builds their command lines, `child_pr
   supervisor's group, from Ctrl-C, systemd or `docker stop`, reaches the supervisor alone, which
   translates it), killed by the kernel when the supervisor dies (PR_SET_PDEATHSIG, armed before exec).
 - RUN/settings.pickle holds `(ServerConfig, ConfigSource)`; the engine creates RUN/engine-http.sock
-  and RUN/engine-door.sock. RUN is removed at every exit of the supervisor; the run directories of
-  supervisors killed with kill -9 are removed by the next start.
+  and RUN/engine-door.sock. RUN/restarts.json (`read_restart_counts`), rewritten at every restart,
+  holds the restarts per role (`{"engine": 0, "ingress": 2}`), for the engine's metrics. RUN is
+  removed at every exit of the supervisor; the run directories of supervisors killed with kill -9
+  are removed by the next start.
 - A child that exits with status 2 (`FATAL_EXIT_CODE`: its configuration can never work) is not
   restarted: the supervisor shuts everything down and exits 2, as the single-process server does.
 
@@ -57,6 +59,7 @@ from servewell.process_tree import (
     make_run_dir,
     remove_run_dir,
     remove_stale_run_dirs,
+    write_restart_counts,
 )
 
 log = logging.getLogger("servewell.supervisor")
@@ -144,6 +147,7 @@ class Supervisor:
         self._listener: socket.socket | None = None
         self._finished: asyncio.Future[int] | None = None
         self._stop_task: asyncio.Task[None] | None = None
+        self._run_dir: Path | None = None
 
     def restart_counts(self) -> dict[str, int]:
         """Restarts so far per role (`engine`, `ingress`), for the metrics."""
@@ -168,6 +172,7 @@ class Supervisor:
             return 1
         self._listener = listener
         run_dir = make_run_dir(self._run_parent)
+        self._run_dir = run_dir
         self._finished = loop.create_future()
         handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         try:
@@ -253,6 +258,8 @@ class Supervisor:
         if self._stopping:
             return
         self._restarts[child.role] += 1
+        if self._run_dir is not None:
+            write_restart_counts(self._run_dir, self._restarts)
         try:
             self._start(child)
         except OSError as exc:  # e.g. out of processes or memory: try again later

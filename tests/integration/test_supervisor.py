@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from processes import free_port
-from servewell.process_tree import remove_stale_run_dirs
+from servewell.process_tree import read_restart_counts, remove_stale_run_dirs
 from waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,6 +181,7 @@ def test_children_get_the_socket_come_back_when_killed_and_stop_in_order(tmp_pat
         assert f'"event":"child_exited","role":"ingress","index":0,"pid":{victim},"signal":"SIGKILL"' in log, log
         assert '"event":"child_restart_scheduled","role":"engine"' in log
 
+        assert read_restart_counts(run_dir) == {"engine": 1, "ingress": 1}  # for the engine's metrics
         engine = tree.pids("engine")[-1]
         os.kill(tree.proc.pid, signal.SIGHUP)
         eventually(lambda: ["engine", str(engine), "SIGHUP"] in tree.lines(), 10, "SIGHUP not passed on", 0.02)

@@ -22,9 +22,11 @@ from servewell.process_tree import (
     ingress_command,
     ingress_process_count,
     make_run_dir,
+    read_restart_counts,
     remove_run_dir,
     remove_stale_run_dirs,
     usable_cpus,
+    write_restart_counts,
 )
 from servewell.supervisor import Supervisor
 
@@ -67,6 +69,9 @@ def test_the_run_dir_is_private_holds_the_settings_and_is_removed(tmp_path: Path
     write_settings(run, settings, source)
     assert stat.S_IMODE((run / SETTINGS_FILE).stat().st_mode) == 0o600
     assert read_settings(run) == (settings, source)
+    assert read_restart_counts(run) == {}
+    write_restart_counts(run, {"engine": 1, "ingress": 3})
+    assert read_restart_counts(run) == {"engine": 1, "ingress": 3}
     remove_run_dir(run)
     assert not run.exists()
     remove_run_dir(run)  # gone already: fine
