@@ -171,7 +171,11 @@ class Supervisor:
                                                  "port": settings.port})
             return 1
         self._listener = listener
-        run_dir = make_run_dir(self._run_parent)
+        try:
+            run_dir = make_run_dir(self._run_parent)
+        except OSError:
+            listener.close()
+            raise
         self._run_dir = run_dir
         self._finished = loop.create_future()
         handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -295,6 +299,13 @@ class Supervisor:
                  "%.1f s; the engine stops last", why, delay_s, s.shutdown_timeout_s,
                  extra={"event": EVENT_SHUTDOWN_BEGUN, "reason": why})
         self._stop_task = asyncio.get_running_loop().create_task(self._stop(ingress_signal, delay_s))
+        self._stop_task.add_done_callback(self._stop_done)
+
+    def _stop_done(self, task: asyncio.Task[None]) -> None:
+        # A shutdown that failed must still end `serve` (whose `finally` then kills what is left).
+        failure = None if task.cancelled() else task.exception()
+        if failure is not None and self._finished is not None and not self._finished.done():
+            self._finished.set_exception(failure)
 
     async def _stop(self, ingress_signal: signal.Signals, delay_s: float) -> None:
         began = time.monotonic()
