@@ -71,7 +71,7 @@ def _settings(args: argparse.Namespace) -> ServerConfig:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from servewell.observability.logging import configure_logging
-    from servewell.server import serve
+    from servewell.process_tree import ingress_process_count
 
     source = _source(args)
     settings = source.load()
@@ -79,6 +79,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if settings.model_repository is not None and not settings.model_repository.is_dir():
         print(f"servewell: model repository {settings.model_repository} is not a directory", file=sys.stderr)
         return 2
+    if ingress_process_count(settings.ingress_processes) >= 1:
+        from servewell.supervisor import run  # the supervisor never imports the server's stack
+
+        return run(settings, source)
+    from servewell.server import serve
+
     serve(settings, source)
     return 0
 

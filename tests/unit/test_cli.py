@@ -51,6 +51,13 @@ def test_serve_help_lists_every_setting_with_its_default(capsys):
     assert "(default: 0.001,0.0025,0.005" in text  # a list default, as the flag takes it
 
 
+def test_ingress_processes_is_a_serve_flag_whose_default_is_chosen_from_the_cores():
+    from servewell.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--ingress-processes", "0"]).ingress_processes == 0
+    assert build_parser().parse_args(["serve"]).ingress_processes is None  # unset: the rule of process_tree
+
+
 def test_version(capsys):
     code, out, _ = run(capsys, "--version")
     assert code == 0 and out.strip() == f"servewell {__version__}"

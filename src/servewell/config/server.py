@@ -234,6 +234,13 @@ class ServerConfig(BaseModel):
         "and load it, or refuse it (failed, with the reason, at start, load and reload; the other models serve).",
     )
 
+    # The process split (issue 20): supervisor.py, process_tree.py.
+    ingress_processes: int | None = Field(
+        None, ge=0, le=256, description="HTTP front-end processes in front of one engine process, started and "
+        "restarted by a supervisor; default: one per CPU this process may use (its affinity), at least 1 and at "
+        "most 8; 0: everything in one process, no supervisor.",
+    )
+
     @field_validator("admin_token")
     @classmethod
     def _admin_token_not_blank(cls, value: str | None) -> str | None:
