@@ -210,16 +210,18 @@ class ModelScheduler:
         inputs: dict[str, np.ndarray],
         rows: int,
         lane: int,
-        timeout_ms: float | None,
+        deadline: float | None,
         request_id: str,
         arrived_at: float | None = None,
     ) -> asyncio.Future[RequestResult]:
         """Queue a request in lane index `lane`; its future resolves with the result or a `ServeError`.
 
-        The deadline counts from `arrived_at` (clock time when the request reached the server;
-        default now), so decoding time is part of it. Raises `Overloaded` at once when the lane is
-        full, `ShuttingDown` while draining, `DeadlineExceeded` when the deadline has already
-        passed. Cancelling the future (the client went away) drops the request before compute.
+        `deadline` is absolute, in the one deadline unit: `time.monotonic()` seconds, the clock's
+        `now()` (`loop.time()`). None means the model's `default_timeout_ms` (live) counted from
+        `arrived_at` (clock time when the request reached the server; default now), so decoding time
+        is part of it. Raises `Overloaded` at once when the lane is full, `ShuttingDown` while
+        draining, `DeadlineExceeded` when the deadline has already passed. Cancelling the future
+        (the client went away) drops the request before compute.
         """
         if not self._accepting:
             self._telemetry.count(lane, "rejected")
@@ -227,12 +229,13 @@ class ModelScheduler:
         if rows > self.max_batch_size and self.config.max_batch_size > 0:
             raise InvalidInput(f"a batch of {rows} exceeds the current max_batch_size {self.max_batch_size}")
         now = self._clock.now()
-        timeout_s = (timeout_ms if timeout_ms is not None else self.batching.default_timeout_ms) / 1000.0
-        deadline_at = (arrived_at if arrived_at is not None else now) + timeout_s
+        start = arrived_at if arrived_at is not None else now
+        deadline_at = deadline if deadline is not None else start + self.batching.default_timeout_ms / 1000.0
         if deadline_at <= now:
             self.stats.expired += 1
             self._telemetry.count(lane, "deadline_exceeded")
-            raise DeadlineExceeded(f"the request's deadline of {timeout_s * 1000:.0f} ms passed before it was queued")
+            raise DeadlineExceeded(f"the request's deadline of {(deadline_at - start) * 1000:.0f} ms passed before "
+                                   "it was queued")
         future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         shape_key = tuple((name, a.shape[1:], a.dtype.str) for name, a in inputs.items())
         mark = self._telemetry.mark(self._queue.depth(lane))  # queue position: requests ahead in its lane

@@ -61,9 +61,9 @@ def row(value: float, rows: int = 1) -> dict[str, np.ndarray]:
     return {"x": np.full((rows, 2), value, dtype=np.float32)}
 
 
-def submit(s: ModelScheduler, value: float, lane: int = NORMAL, timeout_ms: float | None = None,
+def submit(s: ModelScheduler, value: float, lane: int = NORMAL, deadline: float | None = None,
            rows: int = 1) -> asyncio.Future[RequestResult]:
-    return s.submit(row(value, rows), rows, lane, timeout_ms, f"r{value}")
+    return s.submit(row(value, rows), rows, lane, deadline, f"r{value}")
 
 
 async def settle() -> None:
@@ -181,7 +181,7 @@ def test_expired_request_is_answered_at_its_deadline_and_never_reaches_the_model
         runner.release.clear()
         s.add_runner(runner)
         busy = submit(s, 0)
-        doomed = submit(s, 1, timeout_ms=20)
+        doomed = submit(s, 1, deadline=clock.now() + 0.02)
         clock.advance(0.019)
         await settle()
         assert not doomed.done()
@@ -364,8 +364,22 @@ def test_admission_refuses_a_full_lane_before_any_decoding() -> None:
 def test_deadline_counts_from_arrival_not_from_queueing() -> None:
     async def main(clock: FakeClock) -> None:
         s = ModelScheduler(config(), clock=clock)
-        with pytest.raises(DeadlineExceeded):
-            s.submit(row(1), 1, NORMAL, 50, "late", arrived_at=clock.now() - 0.1)  # decoding took 100 ms
+        arrived = clock.now() - 0.1  # decoding took 100 ms
+        with pytest.raises(DeadlineExceeded, match="deadline of 50 ms passed before it was queued"):
+            s.submit(row(1), 1, NORMAL, arrived + 0.05, "late", arrived_at=arrived)
+    run(main)
+
+
+def test_no_deadline_means_the_live_default_timeout_from_arrival() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(default_timeout_ms=150), clock=clock)
+        s.update({"default_timeout_ms": 100})  # live: the new default counts at once
+        arrived = clock.now() - 0.1
+        with pytest.raises(DeadlineExceeded, match="deadline of 100 ms"):
+            s.submit(row(1), 1, NORMAL, None, "late", arrived_at=arrived)
+        kept = s.submit(row(2), 1, NORMAL, None, "kept", arrived_at=clock.now() - 0.05)
+        assert not kept.done()  # 50 ms of its 100 are left
+        kept.cancel()
     run(main)
 
 
@@ -382,8 +396,8 @@ def test_a_request_that_would_finish_after_its_deadline_is_not_run() -> None:
         await first
         runner.batches.clear()
         runner.release.clear()
-        busy = submit(s, 0, timeout_ms=5000)
-        doomed = submit(s, 1, timeout_ms=300)  # queued behind it
+        busy = submit(s, 0, deadline=clock.now() + 5)
+        doomed = submit(s, 1, deadline=clock.now() + 0.3)  # queued behind it
         await settle()
         clock.advance(0.2)  # busy's batch takes 200 ms too: 100 ms of doomed's budget are left
         runner.release.set()
