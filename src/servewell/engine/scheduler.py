@@ -389,12 +389,21 @@ class ModelScheduler:
             outcome = await runner.run(
                 {spec.name: [item.payload.inputs[spec.name] for item in batch] for spec in self.config.inputs},
                 traceparent_of(span.get_span_context()) if span is not None else None,
+                [item.deadline_at for item in batch],
             )
-            results = split_rows(outcome.outputs, [item.rows for item in batch], self.config.max_batch_size > 0)
+            skipped = set(outcome.skipped)
+            ran = [item for i, item in enumerate(batch) if i not in skipped]
+            results = split_rows(outcome.outputs, [item.rows for item in ran],
+                                 self.config.max_batch_size > 0) if ran else []
         except Exception as exc:  # a bug in splitting or transport must still resolve every future
             return exc if isinstance(exc, ServeError) else ModelError(f"batch failed: {exc}")
         else:
-            self._deliver(batch, results, outcome, started, rows)
+            for i in sorted(skipped):
+                if 0 <= i < len(batch) and not batch[i].payload.future.done():
+                    self._expire(batch[i], "the request's deadline passed before its worker could start the batch; "
+                                           "it was not run")
+            if ran:
+                self._deliver(ran, results, outcome, started, sum(item.rows for item in ran))
             return None
         finally:
             if watch is not None:

@@ -5,7 +5,7 @@ client's short deadline never does."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,7 +47,8 @@ class StuckRunner:
         self.hung: list[str] = []
         self.batches = 0
 
-    async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None) -> BatchOutcome:
+    async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
+                  deadlines: Sequence[float] = ()) -> BatchOutcome:
         self.batches += 1
         x = np.concatenate(parts["x"])
         await self.release.wait()
