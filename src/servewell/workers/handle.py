@@ -86,8 +86,11 @@ class WorkerHandle:
         instance: int = 0,
         on_lost: Callable[[WorkerHandle], None] | None = None,
         on_batch_done: Callable[[WorkerHandle, BatchDone], None] | None = None,
+        device: str = "",
     ) -> None:
         self.config = config
+        #: The device the worker runs on, chosen by the pool ("": the config's `device`).
+        self.device = device or config.device
         self._settings = settings or WorkerSettings()
         self.instance = instance
         self.model_dir = model_dir
@@ -146,7 +149,7 @@ class WorkerHandle:
         settings = self._settings
         launch = WorkerLaunch(
             str(self.model_dir), self.instance, self.segment_prefix, self._heartbeat.name, HEARTBEAT_INTERVAL_S,
-            settings.log_level, settings.log_format, settings.tracing,
+            settings.log_level, settings.log_format, settings.tracing, self.device,
         )
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)

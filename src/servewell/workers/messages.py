@@ -37,6 +37,9 @@ class WorkerLaunch:
     log_level: str = "info"
     log_format: str = "json"
     tracing: TracingSettings | None = None
+    #: The device this instance runs on, chosen by the engine's pool (`workers/devices.py`); the
+    #: worker applies it ("" keeps the model config's `device`).
+    device: str = ""
 
 
 @dataclass(slots=True, frozen=True)

@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol
 from servewell.config.model import ModelConfig
 from servewell.errors import InvalidInput
 from servewell.observability.process import rss_bytes as process_rss_bytes
+from servewell.workers.devices import choose_device, visible_gpu_count
 from servewell.workers.handle import WorkerHandle, WorkerLoadError, WorkerSettings
 from servewell.workers.messages import BatchDone, WorkerReady
 
@@ -102,6 +103,9 @@ class WorkerPool:
         self._settings = settings or WorkerSettings()
         self._on_progress = on_progress
         self._workers: list[WorkerHandle | None] = [None] * config.instances
+        gpus = visible_gpu_count() if config.device == "cuda" else 0
+        #: Each instance's device, decided here (never inside the worker): a restart keeps it.
+        self.devices = tuple(choose_device(config.device, i, gpus) for i in range(config.instances))
         self._retiring: set[WorkerHandle] = set()
         self._tasks: set[asyncio.Task[None]] = set()  # restarts and replacements
         self._watchers: set[asyncio.Task[None]] = set()  # heartbeat and memory checks, until `stop`
@@ -141,7 +145,7 @@ class WorkerPool:
             report = self._on_progress
             progress = lambda stage, elapsed: report(index, stage, elapsed)  # noqa: E731
         worker = WorkerHandle(self.config, self.model_dir, progress, self._settings, index,
-                              on_lost=self._on_lost, on_batch_done=self._after_batch)
+                              on_lost=self._on_lost, on_batch_done=self._after_batch, device=self.devices[index])
         self._workers[index] = worker
         try:
             info = await worker.start(self._load_timeout_s)

@@ -74,7 +74,8 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch) -> 
         conn.send(LoadProgress(stage, elapsed))
 
     try:
-        config = assign_device(config, instance)
+        if launch.device and launch.device != config.device:  # the engine chose it (workers/devices.py)
+            config = config.model_copy(update={"device": launch.device})
         from servewell.runtimes import load_runtime
         from servewell.runtimes.base import DtypeReporting
         from servewell.runtimes.warmup import warm_up
@@ -118,19 +119,6 @@ def _start_heartbeat(launch: WorkerLaunch) -> None:
             time.sleep(launch.heartbeat_interval_s)
 
     threading.Thread(target=beat, name="servewell-heartbeat", daemon=True).start()
-
-
-def assign_device(config: ModelConfig, instance: int) -> ModelConfig:
-    """`device: cuda` spreads instances over the visible GPUs (instance i on cuda:i mod count);
-    an explicit cuda:N is kept. Unverified on a GPU machine in this project's CI."""
-    if config.device != "cuda":
-        return config
-    import torch
-
-    count = torch.cuda.device_count()
-    if count == 0:
-        return config  # the runtime reports the missing GPU with its own clear error
-    return config.model_copy(update={"device": f"cuda:{instance % count}"})
 
 
 def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing | None, prefix: str) -> None:
