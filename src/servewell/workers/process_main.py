@@ -152,19 +152,18 @@ def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing
             rows = message.inputs[0].shape[0] if message.inputs and message.inputs[0].shape else 1
             # Right before compute: requests whose deadline passed on the way are not run.
             plan = plan_rows(message.request_rows or (rows,), message.deadlines, time.monotonic())
+            rows_computed += plan.rows
             steps.clear()
             if not plan.runs:
                 reply: BatchDone | BatchFailed = BatchDone(
                     message.batch_id, arena.name, (), 0.0, rss_bytes(), rows_computed, skipped=plan.skipped)
             elif tracing is not None and tracing.enabled and message.traceparent:
-                rows_computed += plan.rows
                 with tracing.tracer.start_as_current_span(
                     "compute", context=context_from_traceparent(message.traceparent),
                     attributes={"servewell.model": model, "servewell.batch_size": plan.rows},
                 ):
                     reply = _run(message, plan, runtime, reader, arena, rows_computed, steps)
             else:
-                rows_computed += plan.rows
                 reply = _run(message, plan, runtime, reader, arena, rows_computed, steps)
             send(reply)
             if isinstance(reply, BatchFailed) and reply.fatal:
