@@ -8,7 +8,7 @@ Writes, under the work directory:
   `servewell.examples.build`.
 * `flaky/`: a PyTorch model that raises on any negative input (a model with a bug on some inputs).
 * `leaky/`: a PyTorch model that keeps 16 MiB more host memory on every batch (a leak), with
-  `memory_limit_bytes` 1 GiB and no warm-up.
+  `host_memory_limit_bytes` 1 GiB and no warm-up.
 * `hanging/`: a PyTorch model whose factory sleeps for ten minutes (a load that never finishes);
   it is copied into the served repository only when the chaos suite asks the server to load it.
 """
@@ -107,7 +107,7 @@ def build_all(work: Path) -> None:
                    "--runtime", "onnx"]
         subprocess.run(command, check=True, timeout=900)
     factory_model(work / "flaky", FLAKY, max_batch_size=8)
-    factory_model(work / "leaky", LEAKY, max_batch_size=4, warmup=False, memory_limit_bytes=2**30,
+    factory_model(work / "leaky", LEAKY, max_batch_size=4, warmup=False, host_memory_limit_bytes=2**30,
                   pytorch={"factory_kwargs": {"leak_mib": 16}})
     factory_model(work / "hanging", HANGING, max_batch_size=1)
 

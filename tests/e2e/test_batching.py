@@ -4,11 +4,13 @@ reach the model (counted by the worker), a full queue refuses at once, settings 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import httpx
 import pytest
 
-from error_bodies import error_code
+from error_bodies import error_code, error_of
 from model_dirs import infer_body as body
 from model_dirs import slow_model
 from waiting import eventually_async
@@ -20,6 +22,10 @@ def server(tmp_path_factory, start_module_server):
     slow_model(root, "slow", 100, max_batch_size=4)
     slow_model(root, "tiny_queue", 150, max_batch_size=1, batching={"max_queue_size": 2})
     slow_model(root, "one_at_a_time", 200, max_batch_size=1)
+    # Batches of exactly two (the window waits up to 5 s for the second); a stopped worker is not
+    # declared hung by its batch's budget while the transit test holds it.
+    slow_model(root, "pair", 10, max_batch_size=2,
+               batching={"policy": "window", "max_wait_ms": 5000, "compute_timeout_ms": 20000})
     srv = start_module_server(["--model-repository", str(root)])
     srv.wait_ready()
     return srv
@@ -91,6 +97,33 @@ def test_abandoned_request_is_dropped_before_compute(server):
     asyncio.run(main())
     assert rows_computed(server.url, "one_at_a_time") - before == 1
     assert httpx.get(server.url + "/healthz").json()["models"]["one_at_a_time"]["scheduler"]["cancelled"] >= 1
+
+
+def test_a_request_whose_deadline_passes_in_transit_is_skipped_by_the_worker(server):
+    """A batch of two is handed to a worker that cannot read it yet (stopped, well under its
+    heartbeat timeout); one request's deadline passes meanwhile. The worker computes only the
+    other's row (its rows_computed counter says so) and that request gets its own answer."""
+    before = rows_computed(server.url, "pair")
+    worker = httpx.get(server.url + "/healthz").json()["models"]["pair"]["instances"][0]["pid"]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+            os.kill(worker, signal.SIGSTOP)
+            try:
+                patient = asyncio.create_task(c.post("/v2/models/pair/infer", json=body(7)))
+                await asyncio.sleep(0.1)  # queued first, waiting for a batch-mate
+                doomed = await c.post("/v2/models/pair/infer", json=body(8), headers={"X-Request-Timeout-Ms": "400"})
+            finally:
+                os.kill(worker, signal.SIGCONT)
+            return await patient, doomed
+
+    patient, doomed = asyncio.run(main())
+    assert doomed.status_code == 503 and error_code(doomed) == "deadline_exceeded"
+    assert "while its batch was running" in error_of(doomed)["message"]  # it was in the batch sent, not queued
+    assert patient.status_code == 200 and patient.json()["outputs"][0]["data"] == [7.0]
+    assert rows_computed(server.url, "pair") - before == 1  # the doomed row never reached the model
+    health = httpx.get(server.url + "/healthz").json()["models"]["pair"]
+    assert health["scheduler"]["expired"] >= 1 and health["instances"][0]["pid"] == worker  # not replaced
 
 
 def test_full_queue_refuses_at_once_with_retry_after_and_never_500(server):

@@ -105,6 +105,7 @@ def test_a_hanging_load_is_killed_at_the_timeout(tmp_path, start_server):
 
 
 def test_worker_over_its_memory_limit_is_drained_and_replaced(tmp_path, start_server):
+    # The deprecated name of host_memory_limit_bytes, still read (with a warning in the log).
     factory_model(tmp_path, "leaky", LEAKY, max_batch_size=1, memory_limit_bytes=1200 << 20)
     server = start_server(["--model-repository", str(tmp_path)])
     server.wait_ready()
@@ -122,7 +123,8 @@ def test_worker_over_its_memory_limit_is_drained_and_replaced(tmp_path, start_se
     assert model["restarts"] == 0, model
     # 60 s like the calls above: a fresh worker on a loaded machine took over httpx's default 5 s.
     assert httpx.post(server.url + "/v2/models/leaky/infer", json=body(0.0), timeout=60).status_code == 200
-    assert "exceeds memory_limit_bytes" in server.log()
+    assert "exceeds host_memory_limit_bytes" in server.log()
+    assert "memory_limit_bytes is deprecated; it means host_memory_limit_bytes" in server.log()
 
 
 def test_reload_under_load_has_zero_failed_requests_and_needs_the_admin_token(tmp_path, start_server):

@@ -104,6 +104,7 @@ class InferenceCall:
     def __init__(self, plane: DataPlane) -> None:
         self._plane = plane
         self._started = time.perf_counter()
+        #: The one deadline clock: `loop.time()` == `time.monotonic()` seconds (uvloop: in whole ms).
         self.arrived_at = asyncio.get_running_loop().time()
         self._model: ServedModel | None = None
         self._urgency: str | None = None
@@ -201,13 +202,18 @@ class InferenceCall:
         return inputs
 
     async def infer(self, inputs: dict[str, np.ndarray], *, priority: object = None, timeout_ms: float | None = None,
-                    disconnected: Awaitable[None] | None = None) -> RequestResult:
+                    disconnected: Awaitable[None] | None = None, not_after: float | None = None) -> RequestResult:
         """Queue the request and wait for its result. `priority` (OIP) picks the lane unless the
-        request's urgency already did; `disconnected` completes when the client goes away, which
-        drops a request that has not run yet (`ClientClosed`)."""
+        request's urgency already did; `timeout_ms` (the client's, counted from arrival; None: the
+        model's default) becomes the request's one absolute deadline here, bounded by `not_after`
+        (absolute, same clock: a gRPC caller's own deadline); `disconnected` completes when the
+        client goes away, which drops a request that has not run yet (`ClientClosed`)."""
         model = self.model
         lane = self._lane if priority is None or self._urgency else model.resolve_lane(None, priority)
-        future = model.infer(inputs, lane=lane, timeout_ms=timeout_ms, request_id=request_id_var.get(),
+        deadline = self.arrived_at + timeout_ms / 1000.0 if timeout_ms is not None else None
+        if not_after is not None:
+            deadline = min(deadline, not_after) if deadline is not None else not_after
+        future = model.infer(inputs, lane=lane, deadline=deadline, request_id=request_id_var.get(),
                              arrived_at=self.arrived_at)
         if disconnected is None:
             return await future

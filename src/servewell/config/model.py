@@ -12,6 +12,7 @@ request, and `servewell models` shows them all at once.
 
 from __future__ import annotations
 
+import logging
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
@@ -40,6 +41,11 @@ __all__ = [
     "TensorSpec", "TorchScriptSettings", "TorchSettings",
 ]
 
+log = logging.getLogger("servewell.config")
+
+#: The old name of `host_memory_limit_bytes`, still read (with a warning in the log): it meant host
+#: memory for recycling but device memory for warm-up on CUDA, now two settings.
+DEPRECATED_HOST_LIMIT = "memory_limit_bytes"
 #: Runtimes whose section may be left out (every setting in it has a default).
 _OPTIONAL_SECTIONS = ("onnx", "torchscript")
 #: Entries of `extra_files`, and characters of one: a list, not a second repository.
@@ -88,10 +94,15 @@ class ModelConfig(StrictModel):
     device: str = Field("cpu", description="Device of each instance: cpu, cuda or cuda:N.")
     threads: int = Field(1, ge=1, le=256, description="Intra-op threads per instance.")
     warmup: bool = Field(True, description="Run dummy batches up to max_batch_size before the model is reported ready.")
-    memory_limit_bytes: int | None = Field(
-        None, ge=1, description="Memory one instance may use: host RSS, checked after every batch and each "
-        "second (above it the worker is drained and replaced); warm-up lowers the effective max batch size to "
-        "stay below it (device bytes on CUDA).",
+    host_memory_limit_bytes: int | None = Field(
+        None, ge=1, description="Host memory (resident set) one instance may use, checked after every batch and "
+        "each second: above it the worker is drained and replaced. On a CPU device warm-up also lowers the "
+        "effective max batch size to stay below it. Formerly memory_limit_bytes (still read, deprecated).",
+    )
+    device_memory_limit_bytes: int | None = Field(
+        None, ge=1, description="CUDA devices only: device memory one instance may use. A torch runtime caps "
+        "the process's share of the device at it (set_per_process_memory_fraction) and its warm-up lowers the "
+        "effective max batch size to stay below it; onnxruntime caps its CUDA arena (gpu_mem_limit).",
     )
     nice: int = Field(
         5, ge=0, le=19, description="CPU niceness added to the worker process, so the frontend (admission, "
@@ -125,9 +136,19 @@ class ModelConfig(StrictModel):
         runtime = data.get("runtime")
         moved = [key for key in data if key in MOVED_TO_SECTIONS]
         rest = {key: value for key, value in data.items() if key not in moved}
+        problems = Problems(cls.__name__)
+        if DEPRECATED_HOST_LIMIT in rest:
+            if "host_memory_limit_bytes" in rest:
+                problems.add((DEPRECATED_HOST_LIMIT,), "is the deprecated name of host_memory_limit_bytes, which is "
+                             "given too; keep host_memory_limit_bytes only", rest[DEPRECATED_HOST_LIMIT])
+                del rest[DEPRECATED_HOST_LIMIT]
+            else:
+                log.warning("model %s: %s is deprecated; it means host_memory_limit_bytes (resident memory of a "
+                            "worker; device memory is device_memory_limit_bytes): rename it in model.yaml",
+                            data.get("name", "?"), DEPRECATED_HOST_LIMIT)
+                rest["host_memory_limit_bytes"] = rest.pop(DEPRECATED_HOST_LIMIT)
         if runtime in _OPTIONAL_SECTIONS and rest.get(runtime) is None:
             rest[runtime] = {}
-        problems = Problems(cls.__name__)
         for key in moved:
             problems.add((key,), moved_field_reason(key, runtime), data[key])
         try:
@@ -229,6 +250,13 @@ class ModelConfig(StrictModel):
         torch = self.torch_settings
         if torch is not None and torch.gpu_memory_fraction is not None and not self.device.startswith("cuda"):
             problems.add((self.runtime, "gpu_memory_fraction"), f"applies to CUDA devices; device is {self.device}")
+        if self.device_memory_limit_bytes is not None:
+            if not self.device.startswith("cuda"):
+                problems.add(("device_memory_limit_bytes",), f"applies to CUDA devices; device is {self.device} "
+                             "(host memory is host_memory_limit_bytes)")
+            elif torch is not None and torch.gpu_memory_fraction is not None:
+                problems.add(("device_memory_limit_bytes",), f"and {self.runtime}.gpu_memory_fraction both cap "
+                             "device memory; give one of them")
 
     def _check_preprocess(self, spec: ImagePreprocess, problems: Problems) -> None:
         names = [t.name for t in self.inputs]

@@ -6,6 +6,7 @@ importing the scheduler, and tests drive the scheduler with small in-process fak
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,6 +23,9 @@ class BatchOutcome:
     outputs: dict[str, np.ndarray]
     compute_s: float
     steps: tuple[tuple[str, float], ...] = ()
+    #: Requests (indices into the batch's blocks) the runner did not run because their deadline had
+    #: passed when it was about to compute; `outputs` hold the rows of the others, in order.
+    skipped: tuple[int, ...] = ()
 
 
 class BatchRunner(Protocol):
@@ -37,8 +41,12 @@ class BatchRunner(Protocol):
         """Whether it can still run batches; a dead runner is never handed another one."""
         ...
 
-    async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None) -> BatchOutcome:
+    async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
+                  deadlines: Sequence[float] = ()) -> BatchOutcome:
         """Run the batch made of the row blocks in `parts`, concatenated along axis 0 per input.
+        Block i of every input is request i; `deadlines[i]` is its absolute deadline
+        (`time.monotonic()` seconds): a runner may skip the requests whose deadline has passed
+        when it is about to compute, and says which in `BatchOutcome.skipped`.
 
         Raises a `ServeError` (`WorkerLost`, `WorkerHung`, `ModelError`) when the batch cannot be
         answered.

@@ -23,7 +23,8 @@ class Clock(Protocol):
     """Monotonic seconds and one-shot timers."""
 
     def now(self) -> float:
-        """Current time in seconds (monotonic; only differences matter)."""
+        """Current time in seconds on the deadline clock: `time.monotonic()` in production, so an
+        absolute deadline means the same in every process of the server (a fake clock in tests)."""
         ...
 
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:

@@ -76,12 +76,13 @@ class ServedModelHandle:
         """Refuse now what could not be queued (not ready, lane full, shutting down)."""
         self._serving().scheduler.admit(lane)
 
-    def infer(self, inputs: dict[str, np.ndarray], *, lane: int, timeout_ms: float | None, request_id: str,
+    def infer(self, inputs: dict[str, np.ndarray], *, lane: int, deadline: float | None, request_id: str,
               arrived_at: float | None) -> asyncio.Future[RequestResult]:
-        """Validate and queue the request on the version serving now."""
+        """Validate and queue the request on the version serving now (`deadline`: absolute
+        `time.monotonic()` seconds, None for the model's default timeout from `arrived_at`)."""
         entry = self._serving()
         rows = check_inputs(entry.config, inputs)
-        return entry.scheduler.submit(inputs, rows, lane, timeout_ms, request_id, arrived_at)
+        return entry.scheduler.submit(inputs, rows, lane, deadline, request_id, arrived_at)
 
 
 def _ready(entry: Entry) -> ModelEntry:

@@ -205,7 +205,7 @@ class ModelEntry:
     def facts(self) -> ModelFacts | None:
         """Queue fill, restarts and memory headroom, for the alert webhook."""
         fill = max(self.scheduler.lane_depths().values(), default=0) / self.scheduler.batching.max_queue_size
-        limit = self.config.memory_limit_bytes
+        limit = self.config.host_memory_limit_bytes
         rss = max((i.rss_bytes for i in self.instances()), default=0)
         return ModelFacts(self.name, fill, self.restarts + self.recycles, 1.0 - rss / limit if limit else None)
 

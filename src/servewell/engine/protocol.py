@@ -135,12 +135,16 @@ class ServedModel(Protocol):
         inputs: dict[str, np.ndarray],
         *,
         lane: int,
-        timeout_ms: float | None,
+        deadline: float | None,
         request_id: str,
         arrived_at: float | None,
     ) -> asyncio.Future[RequestResult]:
         """Validate and queue one request; the future resolves with its result or a `ServeError`.
-        Cancelling the future drops the request if it has not run yet."""
+        Cancelling the future drops the request if it has not run yet.
+
+        `deadline` and `arrived_at` are absolute `time.monotonic()` seconds (the one deadline unit,
+        equal to the event loop's `loop.time()`); `deadline` None means the model's default timeout
+        (`batching.default_timeout_ms`, live) counted from `arrived_at` (None: now)."""
         ...
 
 

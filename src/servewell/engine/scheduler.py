@@ -210,16 +210,18 @@ class ModelScheduler:
         inputs: dict[str, np.ndarray],
         rows: int,
         lane: int,
-        timeout_ms: float | None,
+        deadline: float | None,
         request_id: str,
         arrived_at: float | None = None,
     ) -> asyncio.Future[RequestResult]:
         """Queue a request in lane index `lane`; its future resolves with the result or a `ServeError`.
 
-        The deadline counts from `arrived_at` (clock time when the request reached the server;
-        default now), so decoding time is part of it. Raises `Overloaded` at once when the lane is
-        full, `ShuttingDown` while draining, `DeadlineExceeded` when the deadline has already
-        passed. Cancelling the future (the client went away) drops the request before compute.
+        `deadline` is absolute, in the one deadline unit: `time.monotonic()` seconds, the clock's
+        `now()` (`loop.time()`). None means the model's `default_timeout_ms` (live) counted from
+        `arrived_at` (clock time when the request reached the server; default now), so decoding time
+        is part of it. Raises `Overloaded` at once when the lane is full, `ShuttingDown` while
+        draining, `DeadlineExceeded` when the deadline has already passed. Cancelling the future
+        (the client went away) drops the request before compute.
         """
         if not self._accepting:
             self._telemetry.count(lane, "rejected")
@@ -227,12 +229,13 @@ class ModelScheduler:
         if rows > self.max_batch_size and self.config.max_batch_size > 0:
             raise InvalidInput(f"a batch of {rows} exceeds the current max_batch_size {self.max_batch_size}")
         now = self._clock.now()
-        timeout_s = (timeout_ms if timeout_ms is not None else self.batching.default_timeout_ms) / 1000.0
-        deadline_at = (arrived_at if arrived_at is not None else now) + timeout_s
+        start = arrived_at if arrived_at is not None else now
+        deadline_at = deadline if deadline is not None else start + self.batching.default_timeout_ms / 1000.0
         if deadline_at <= now:
             self.stats.expired += 1
             self._telemetry.count(lane, "deadline_exceeded")
-            raise DeadlineExceeded(f"the request's deadline of {timeout_s * 1000:.0f} ms passed before it was queued")
+            raise DeadlineExceeded(f"the request's deadline of {(deadline_at - start) * 1000:.0f} ms passed before "
+                                   "it was queued")
         future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         shape_key = tuple((name, a.shape[1:], a.dtype.str) for name, a in inputs.items())
         mark = self._telemetry.mark(self._queue.depth(lane))  # queue position: requests ahead in its lane
@@ -386,12 +389,21 @@ class ModelScheduler:
             outcome = await runner.run(
                 {spec.name: [item.payload.inputs[spec.name] for item in batch] for spec in self.config.inputs},
                 traceparent_of(span.get_span_context()) if span is not None else None,
+                [item.deadline_at for item in batch],
             )
-            results = split_rows(outcome.outputs, [item.rows for item in batch], self.config.max_batch_size > 0)
+            skipped = set(outcome.skipped)
+            ran = [item for i, item in enumerate(batch) if i not in skipped]
+            results = split_rows(outcome.outputs, [item.rows for item in ran],
+                                 self.config.max_batch_size > 0) if ran else []
         except Exception as exc:  # a bug in splitting or transport must still resolve every future
             return exc if isinstance(exc, ServeError) else ModelError(f"batch failed: {exc}")
         else:
-            self._deliver(batch, results, outcome, started, rows)
+            for i in sorted(skipped):
+                if 0 <= i < len(batch) and not batch[i].payload.future.done():
+                    self._expire(batch[i], "the request's deadline passed before its worker could start the batch; "
+                                           "it was not run")
+            if ran:
+                self._deliver(ran, results, outcome, started, sum(item.rows for item in ran))
             return None
         finally:
             if watch is not None:

@@ -130,14 +130,14 @@ RULES: tuple[AlertRule, ...] = (
         operator.ge, lambda v: f"{v:.0f}",
         "{model}: {value} worker restart(s)",
         "GET /healthz (models.{model}.restarts, recycles, instances[]) and the log line 'worker ... died'; "
-        "restarts for memory mean the worker passed `memory_limit_bytes`: look for a leak or raise the limit.",
+        "restarts for memory mean the worker passed `host_memory_limit_bytes`: look for a leak or raise the limit.",
     ),
     AlertRule(
         "memory_headroom", "ServewellWorkerMemoryHigh",
         "critical", lambda s: s.memory_headroom_ratio, lambda t: t.memory_headroom_ratio,
         operator.lt, _pct,
         "{model}: only {value} memory headroom left (threshold {threshold})",
-        "GET /healthz (rss_bytes, memory_budget); set or raise `memory_limit_bytes` in model.yaml, lower "
+        "GET /healthz (rss_bytes, memory_budget); set or raise `host_memory_limit_bytes` in model.yaml, lower "
         "`instances` or `max_batch_size`, or unload unused models (POST /v2/repository/models/NAME/unload).",
     ),
 )

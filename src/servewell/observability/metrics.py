@@ -218,7 +218,7 @@ class ServeMetrics:
             "servewell_model_loads", "Model load attempts by result.", ["model", "result"], registry=r)
         self.worker_restarts = LoopCounter(
             "servewell_worker_restarts", "Worker processes replaced, by reason (crash: died; hung: no heartbeat "
-            "or a batch over its compute budget, killed; memory: over memory_limit_bytes, drained).",
+            "or a batch over its compute budget, killed; memory: over host_memory_limit_bytes, drained).",
             ["model", "reason"], registry=r)
         self.api_key_requests = LoopCounter(
             "servewell_api_key_requests", "Requests that presented a valid API key, by key id and result "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -46,6 +46,10 @@ class ModelRuntime(Protocol):
 
 class PeakMemoryProbe(Protocol):
     """Measures the peak memory used between `reset` and `peak_bytes`."""
+
+    #: What it measures: "host" (resident memory of the process) or "device" (a GPU's memory),
+    #: so warm-up holds it against host_memory_limit_bytes or device_memory_limit_bytes.
+    measures: Literal["host", "device"]
 
     def reset(self) -> None:
         """Start a new measurement at the current usage."""

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import resource
 from pathlib import Path
+from typing import Literal
 
 _KIB = 1024
 
 
 class ProcessPeakMemory:
     """Peak resident set size (RSS) of the calling process between `reset` and `peak_bytes`."""
+
+    measures: Literal["host", "device"] = "host"
 
     def __init__(self, proc: Path = Path("/proc/self")) -> None:
         self._status = proc / "status"

@@ -114,7 +114,7 @@ def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> OnnxRunt
         # Spinning threads look busy to the OS and take cores the frontend and other instances
         # need; measured in bench/: 58% more CPU per image than offline with spinning on 2 cores.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    providers = _providers(config.device, progress)
+    providers = _providers(config.device, config.device_memory_limit_bytes, progress)
     progress("read and optimize graph")
     def make_session(session_options: ort.SessionOptions) -> ort.InferenceSession:
         return ort.InferenceSession(str(path), sess_options=session_options, providers=providers)
@@ -139,14 +139,22 @@ def spin_wait(config: ModelConfig) -> bool:
     return config.instances * config.threads < (os.cpu_count() or 1)
 
 
-def _providers(device: str, progress: ProgressFn) -> list[str | tuple[str, dict[str, str]]]:
+def _providers(device: str, limit_bytes: int | None, progress: ProgressFn) -> list[str | tuple[str, dict[str, str]]]:
     if not device.startswith("cuda"):
         return ["CPUExecutionProvider"]
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         progress(f"device {device} requested but onnxruntime has no CUDA provider; running on CPU")
         return ["CPUExecutionProvider"]
-    device_id = device.partition(":")[2] or "0"
-    return [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
+    return [("CUDAExecutionProvider", cuda_provider_options(device, limit_bytes)), "CPUExecutionProvider"]
+
+
+def cuda_provider_options(device: str, limit_bytes: int | None) -> dict[str, str]:
+    """Options of onnxruntime's CUDA provider for `device` (cuda or cuda:N): its device, and
+    `device_memory_limit_bytes` as the cap of its memory arena (`gpu_mem_limit`). Unverified on a GPU."""
+    options = {"device_id": device.partition(":")[2] or "0"}
+    if limit_bytes is not None:
+        options["gpu_mem_limit"] = str(limit_bytes)
+    return options
 
 
 def _check_names(config: ModelConfig, session: ort.InferenceSession) -> None:

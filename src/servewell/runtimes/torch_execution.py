@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -79,7 +80,8 @@ def limit_device_memory(
     fraction: float | None,
     set_fraction: Callable[[float, int], None] | None = None,
 ) -> None:
-    """Cap this process's share of a CUDA device's memory (`gpu_memory_fraction`); no-op elsewhere.
+    """Cap this process's share of a CUDA device's memory (`gpu_memory_fraction`, or
+    `device_memory_limit_bytes` as a share: `device_memory_share`); no-op elsewhere.
 
     `set_fraction` defaults to `torch.cuda.set_per_process_memory_fraction`.
     """
@@ -89,13 +91,27 @@ def limit_device_memory(
     (set_fraction or torch.cuda.set_per_process_memory_fraction)(fraction, index)
 
 
+def device_memory_share(fraction: float | None, limit_bytes: int | None,
+                        total_bytes: Callable[[], int]) -> float | None:
+    """The share of a CUDA device to cap the process at: `gpu_memory_fraction`, or
+    `device_memory_limit_bytes` over the device's `total_bytes()` (read only when a limit is set);
+    the smaller where both are given, never above the whole device."""
+    if limit_bytes is None:
+        return fraction
+    share = min(1.0, limit_bytes / total_bytes())
+    return share if fraction is None else min(fraction, share)
+
+
 def prepare_torch(config: ModelConfig) -> tuple[torch.device, torch.dtype]:
     """Resolve device and serving dtype, set the thread count and the device memory cap."""
     settings = config.torch_settings or TorchSettings()
     device = resolve_device(config.device)
     dtype = resolve_serving_dtype(settings.dtype, device)
     torch.set_num_threads(config.threads)
-    limit_device_memory(device, settings.gpu_memory_fraction)
+    if device.type == "cuda":  # unverified on a GPU in this project's CI
+        limit_device_memory(device, device_memory_share(
+            settings.gpu_memory_fraction, config.device_memory_limit_bytes,
+            lambda: int(torch.cuda.get_device_properties(device).total_memory)))
     return device, dtype
 
 
@@ -110,6 +126,8 @@ def is_device_failure(exc: BaseException) -> bool:
 
 class CudaPeakMemory:
     """Peak memory allocated by torch on one CUDA device between `reset` and `peak_bytes`."""
+
+    measures: Literal["host", "device"] = "device"
 
     def __init__(self, device: torch.device) -> None:
         self._device = device

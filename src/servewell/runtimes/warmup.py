@@ -1,7 +1,8 @@
 """Warm-up: prove a loaded model answers in the declared shapes, and learn what it can afford.
 
 `warm_up` runs dummy batches of 1, 2, 4, ... up to `max_batch_size` items, measures the peak
-memory of each, and stops growing where `memory_limit_bytes` would be exceeded. With a torch
+memory of each, and stops growing where its memory limit would be exceeded (`host_memory_limit_bytes`, or
+`device_memory_limit_bytes` when the runtime measures a GPU). With a torch
 runtime's `dtype: auto` resolved to bf16 or fp16, it first compares the outputs with an fp32
 reference and falls back to fp32 when they differ by more than `dtype_tolerance`.
 
@@ -42,7 +43,7 @@ class WarmupReport:
     seconds: float
     """Wall time of the whole warm-up."""
     effective_max_batch_size: int
-    """Largest batch size that stayed within `memory_limit_bytes` (and did not run out of device
+    """Largest batch size that stayed within its memory limit (and did not run out of device
     memory); `max_batch_size` when nothing limited it, 0 for a model without a batch dimension."""
     peak_bytes_by_batch: tuple[tuple[int, int], ...]
     """(batch size, peak bytes) for each batch run, the one over the limit included: resident
@@ -104,7 +105,8 @@ def warm_up(runtime: ModelRuntime, config: ModelConfig, progress: ProgressFn | N
 
     Raises `ModelLoadError` when the model fails on a batch, when an output is missing or does
     not have the declared dtype and shape (the batch size, then every fixed dimension), or when
-    even a batch of 1 needs more than `memory_limit_bytes`.
+    even a batch of 1 needs more than its memory limit (`device_memory_limit_bytes` when the runtime
+    measures a GPU's memory, else `host_memory_limit_bytes`).
     """
     say = progress or _ignore
     started = time.perf_counter()
@@ -115,7 +117,9 @@ def warm_up(runtime: ModelRuntime, config: ModelConfig, progress: ProgressFn | N
         check = _check_precision(runtime, config, precision.dtype_tolerance, say)
     probe: PeakMemoryProbe = runtime.peak_memory_probe() if isinstance(runtime, MemoryProbing) else ProcessPeakMemory()
     batched = config.max_batch_size > 0
-    limit = config.memory_limit_bytes
+    # A CUDA runtime's probe measures the device, held against the device limit; else resident memory.
+    limit_name = f"{probe.measures}_memory_limit_bytes"
+    limit = config.device_memory_limit_bytes if probe.measures == "device" else config.host_memory_limit_bytes
     peaks: list[tuple[int, int]] = []
     latencies: list[tuple[int, float]] = []
     effective = 0
@@ -134,10 +138,10 @@ def warm_up(runtime: ModelRuntime, config: ModelConfig, progress: ProgressFn | N
         if limit is not None and peak > limit:
             if batch_size == 1:
                 raise ModelLoadError(
-                    f"the model does not fit its memory_limit_bytes at batch 1: it peaked at {peak} bytes "
+                    f"the model does not fit its {limit_name} at batch 1: it peaked at {peak} bytes "
                     f"({peak / _MIB:.0f} MiB), the limit is {limit} bytes ({limit / _MIB:.0f} MiB)"
                 )
-            say(f"batch {batch_size} peaked at {peak / _MIB:.0f} MiB, over memory_limit_bytes "
+            say(f"batch {batch_size} peaked at {peak / _MIB:.0f} MiB, over {limit_name} "
                 f"({limit / _MIB:.0f} MiB): max batch size {effective}")
             break
         effective = batch_size

@@ -18,7 +18,7 @@ import itertools
 import logging
 import multiprocessing
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -86,8 +86,11 @@ class WorkerHandle:
         instance: int = 0,
         on_lost: Callable[[WorkerHandle], None] | None = None,
         on_batch_done: Callable[[WorkerHandle, BatchDone], None] | None = None,
+        device: str = "",
     ) -> None:
         self.config = config
+        #: The device the worker runs on, chosen by the pool ("": the config's `device`).
+        self.device = device or config.device
         self._settings = settings or WorkerSettings()
         self.instance = instance
         self.model_dir = model_dir
@@ -146,7 +149,7 @@ class WorkerHandle:
         settings = self._settings
         launch = WorkerLaunch(
             str(self.model_dir), self.instance, self.segment_prefix, self._heartbeat.name, HEARTBEAT_INTERVAL_S,
-            settings.log_level, settings.log_format, settings.tracing,
+            settings.log_level, settings.log_format, settings.tracing, self.device,
         )
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
@@ -172,8 +175,10 @@ class WorkerHandle:
         self._life.loaded()
         return info
 
-    async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None) -> BatchOutcome:
-        """Run one batch made of the row blocks in `parts`, concatenated along axis 0."""
+    async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
+                  deadlines: Sequence[float] = ()) -> BatchOutcome:
+        """Run one batch made of the row blocks in `parts`, concatenated along axis 0; the worker
+        skips the blocks (requests) whose `deadlines` passed before it computes."""
         if not self.alive or self._conn is None:
             raise self._gone_error("the worker process is not running")
         if self._arena is None:
@@ -194,7 +199,9 @@ class WorkerHandle:
         future: asyncio.Future[BatchOutcome] = asyncio.get_running_loop().create_future()
         self._pending[batch_id] = future
         try:
-            self._conn.send(RunBatch(batch_id, self._arena.name, refs, traceparent))
+            first = next(iter(parts.values()), [])
+            self._conn.send(RunBatch(batch_id, self._arena.name, refs, traceparent,
+                                     tuple(b.shape[0] if b.ndim else 1 for b in first), tuple(deadlines)))
         except (OSError, ValueError):
             self._pending.pop(batch_id, None)
             raise self._gone_error("the worker process is not running") from None
@@ -274,8 +281,8 @@ class WorkerHandle:
             self.rss_bytes = message.rss_bytes
             self.rows_computed = message.rows_computed
             if future is not None and not future.done():
-                outputs = self._reader.arrays(message.segment, message.outputs, copy=True)
-                future.set_result(BatchOutcome(outputs, message.compute_s, message.steps))
+                outputs = self._reader.arrays(message.segment, message.outputs, copy=True) if message.outputs else {}
+                future.set_result(BatchOutcome(outputs, message.compute_s, message.steps, message.skipped))
             if self._on_batch_done is not None:
                 self._on_batch_done(self, message)
         elif isinstance(message, ProfileDone):

@@ -37,6 +37,9 @@ class WorkerLaunch:
     log_level: str = "info"
     log_format: str = "json"
     tracing: TracingSettings | None = None
+    #: The device this instance runs on, chosen by the engine's pool (`workers/devices.py`); the
+    #: worker applies it ("" keeps the model config's `device`).
+    device: str = ""
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,6 +50,11 @@ class RunBatch:
     segment: str
     inputs: tuple[TensorRef, ...]
     traceparent: str | None = None  # the batch span; the worker's compute span is its child
+    #: Rows of each request, in batch order (empty: one request, the whole batch).
+    request_rows: tuple[int, ...] = ()
+    #: Each request's absolute deadline, `time.monotonic()` seconds (the server's one deadline unit);
+    #: the worker skips the requests whose deadline passed before compute (`workers/expiry.py`).
+    deadlines: tuple[float, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -111,6 +119,9 @@ class BatchDone:
     rows_computed: int = 0  # rows this worker has run since it started, this batch included
     steps: tuple[tuple[str, float], ...] = ()  # trace_step() durations measured during the batch
     oom_limited_batch_size: int | None = None  # largest batch that fit device memory after an OOM split
+    #: Requests (indices into the batch's requests) not run because their deadline had passed; the
+    #: outputs hold the rows of the others only, in order. All of them: nothing was computed.
+    skipped: tuple[int, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)

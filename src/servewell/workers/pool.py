@@ -4,7 +4,7 @@ A worker that dies is noticed at once (its pipe closes) and restarted with expon
 up to a limit after which the pool reports itself failed with the reason. A worker whose
 heartbeat stops (SIGSTOP, a deadlock holding the GIL) or whose batch overruns its budget (the
 scheduler says so through `WorkerHandle.declare_hung`) is killed and restarted the same way. A
-worker that grows past `memory_limit_bytes` is drained (its running batch finishes) and
+worker that grows past `host_memory_limit_bytes` (resident memory) is drained (its running batch finishes) and
 replaced; memory is checked after every batch and once a second. Once the pool is closing (the
 server shuts down) nothing is restarted or replaced.
 
@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol
 from servewell.config.model import ModelConfig
 from servewell.errors import InvalidInput
 from servewell.observability.process import rss_bytes as process_rss_bytes
+from servewell.workers.devices import choose_device, visible_gpu_count
 from servewell.workers.handle import WorkerHandle, WorkerLoadError, WorkerSettings
 from servewell.workers.messages import BatchDone, WorkerReady
 
@@ -102,6 +103,9 @@ class WorkerPool:
         self._settings = settings or WorkerSettings()
         self._on_progress = on_progress
         self._workers: list[WorkerHandle | None] = [None] * config.instances
+        gpus = visible_gpu_count() if config.device == "cuda" else 0
+        #: Each instance's device, decided here (never inside the worker): a restart keeps it.
+        self.devices = tuple(choose_device(config.device, i, gpus) for i in range(config.instances))
         self._retiring: set[WorkerHandle] = set()
         self._tasks: set[asyncio.Task[None]] = set()  # restarts and replacements
         self._watchers: set[asyncio.Task[None]] = set()  # heartbeat and memory checks, until `stop`
@@ -141,7 +145,7 @@ class WorkerPool:
             report = self._on_progress
             progress = lambda stage, elapsed: report(index, stage, elapsed)  # noqa: E731
         worker = WorkerHandle(self.config, self.model_dir, progress, self._settings, index,
-                              on_lost=self._on_lost, on_batch_done=self._after_batch)
+                              on_lost=self._on_lost, on_batch_done=self._after_batch, device=self.devices[index])
         self._workers[index] = worker
         try:
             info = await worker.start(self._load_timeout_s)
@@ -156,7 +160,7 @@ class WorkerPool:
     def _report_warmup(self, info: WorkerReady) -> None:
         if info.effective_max_batch_size:
             self._listener.max_batch_size_limited(
-                info.effective_max_batch_size, "warm-up measured that larger batches break memory_limit_bytes")
+                info.effective_max_batch_size, "warm-up measured that larger batches break the model's memory limit")
         self._listener.warmed_up(WarmupFacts(info.serving_dtype, info.latency_by_batch))
 
     async def profile(self, instance: int, seconds: float, directory: str) -> str:
@@ -250,10 +254,10 @@ class WorkerPool:
                     self._check_memory(worker)
 
     def _check_memory(self, worker: WorkerHandle) -> None:
-        limit = self.config.memory_limit_bytes
+        limit = self.config.host_memory_limit_bytes
         if limit is None or worker in self._retiring or self._closing or worker.rss_bytes <= limit:
             return
-        reason = f"resident memory {worker.rss_bytes >> 20} MiB exceeds memory_limit_bytes {limit >> 20} MiB"
+        reason = f"resident memory {worker.rss_bytes >> 20} MiB exceeds host_memory_limit_bytes {limit >> 20} MiB"
         log.warning("model %s instance %d: %s; draining and replacing worker %s", self.config.name, worker.instance,
                     reason, worker.pid, extra={"model": self.config.name})
         self._retiring.add(worker)

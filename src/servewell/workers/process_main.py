@@ -23,6 +23,7 @@ from servewell.observability.process import rss_bytes
 from servewell.observability.steps import set_step_sink
 from servewell.observability.tracing import Tracing, context_from_traceparent
 from servewell.runtimes.base import DeviceUnusableError, ModelLoadError, ModelRuntime, OomSplitting
+from servewell.workers.expiry import RowPlan, keep_rows, plan_rows
 from servewell.workers.messages import (
     BatchDone,
     BatchFailed,
@@ -73,7 +74,8 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch) -> 
         conn.send(LoadProgress(stage, elapsed))
 
     try:
-        config = assign_device(config, instance)
+        if launch.device and launch.device != config.device:  # the engine chose it (workers/devices.py)
+            config = config.model_copy(update={"device": launch.device})
         from servewell.runtimes import load_runtime
         from servewell.runtimes.base import DtypeReporting
         from servewell.runtimes.warmup import warm_up
@@ -119,19 +121,6 @@ def _start_heartbeat(launch: WorkerLaunch) -> None:
     threading.Thread(target=beat, name="servewell-heartbeat", daemon=True).start()
 
 
-def assign_device(config: ModelConfig, instance: int) -> ModelConfig:
-    """`device: cuda` spreads instances over the visible GPUs (instance i on cuda:i mod count);
-    an explicit cuda:N is kept. Unverified on a GPU machine in this project's CI."""
-    if config.device != "cuda":
-        return config
-    import torch
-
-    count = torch.cuda.device_count()
-    if count == 0:
-        return config  # the runtime reports the missing GPU with its own clear error
-    return config.model_copy(update={"device": f"cuda:{instance % count}"})
-
-
 def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing | None, prefix: str) -> None:
     reader = SegmentReader()
     # Outputs go into a segment named after the frontend's prefix for this worker, so the frontend
@@ -161,16 +150,21 @@ def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing
             if not isinstance(message, RunBatch):
                 continue
             rows = message.inputs[0].shape[0] if message.inputs and message.inputs[0].shape else 1
-            rows_computed += rows
+            # Right before compute: requests whose deadline passed on the way are not run.
+            plan = plan_rows(message.request_rows or (rows,), message.deadlines, time.monotonic())
+            rows_computed += plan.rows
             steps.clear()
-            if tracing is not None and tracing.enabled and message.traceparent:
+            if not plan.runs:
+                reply: BatchDone | BatchFailed = BatchDone(
+                    message.batch_id, arena.name, (), 0.0, rss_bytes(), rows_computed, skipped=plan.skipped)
+            elif tracing is not None and tracing.enabled and message.traceparent:
                 with tracing.tracer.start_as_current_span(
                     "compute", context=context_from_traceparent(message.traceparent),
-                    attributes={"servewell.model": model, "servewell.batch_size": rows},
+                    attributes={"servewell.model": model, "servewell.batch_size": plan.rows},
                 ):
-                    reply = _run(message, runtime, reader, arena, rows_computed, steps)
+                    reply = _run(message, plan, runtime, reader, arena, rows_computed, steps)
             else:
-                reply = _run(message, runtime, reader, arena, rows_computed, steps)
+                reply = _run(message, plan, runtime, reader, arena, rows_computed, steps)
             send(reply)
             if isinstance(reply, BatchFailed) and reply.fatal:
                 return  # the device is unusable in this process: exit, supervision starts a fresh one
@@ -195,9 +189,11 @@ def _profile(message: StartProfile | StopProfile, profiler: WorkerProfiler, runt
         send(ProfileDone(None, _describe(exc)))
 
 
-def _run(message: RunBatch, runtime: ModelRuntime, reader: SegmentReader, arena: SharedArena, rows_computed: int,
-         steps: list[tuple[str, float]]) -> BatchDone | BatchFailed:
+def _run(message: RunBatch, plan: RowPlan, runtime: ModelRuntime, reader: SegmentReader, arena: SharedArena,
+         rows_computed: int, steps: list[tuple[str, float]]) -> BatchDone | BatchFailed:
     inputs = reader.arrays(message.segment, message.inputs, copy=False)
+    if plan.skipped:
+        inputs = keep_rows(inputs, message.request_rows, plan)
     started = time.perf_counter()
     try:
         outputs = runtime.run(inputs)
@@ -209,7 +205,7 @@ def _run(message: RunBatch, runtime: ModelRuntime, reader: SegmentReader, arena:
         del inputs
     oom_limited = runtime.oom_limited_batch_size if isinstance(runtime, OomSplitting) else None
     return BatchDone(message.batch_id, arena.name, refs, compute_s, rss_bytes(), rows_computed, tuple(steps),
-                     oom_limited)
+                     oom_limited, plan.skipped)
 
 
 def _describe(exc: BaseException) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -110,6 +111,29 @@ def test_gpu_memory_fraction_needs_a_cuda_device() -> None:
     assert found == {"torchscript.gpu_memory_fraction": "applies to CUDA devices; device is cpu"}
     ModelConfig.model_validate(fields(runtime="torchscript", artifact="model.pt", device="cuda:0",
                                       torchscript={"gpu_memory_fraction": 0.5}))
+
+
+def test_host_and_device_memory_limits_are_named_apart() -> None:
+    config = ModelConfig.model_validate(fields(device="cuda", host_memory_limit_bytes=2 << 30,
+                                               device_memory_limit_bytes=8 << 30))
+    assert (config.host_memory_limit_bytes, config.device_memory_limit_bytes) == (2 << 30, 8 << 30)
+    assert problems(device_memory_limit_bytes=1 << 30) == {
+        "device_memory_limit_bytes": "applies to CUDA devices; device is cpu (host memory is host_memory_limit_bytes)"}
+    both = problems(runtime="torchscript", artifact="model.pt", device="cuda:0", device_memory_limit_bytes=1 << 30,
+                    torchscript={"gpu_memory_fraction": 0.5})
+    assert both == {"device_memory_limit_bytes": "and torchscript.gpu_memory_fraction both cap device memory; "
+                                                 "give one of them"}
+
+
+def test_memory_limit_bytes_is_read_as_the_deprecated_name_of_the_host_limit(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="servewell.config"):
+        config = ModelConfig.model_validate(fields(memory_limit_bytes=1 << 30))
+    assert config.host_memory_limit_bytes == 1 << 30 and config.device_memory_limit_bytes is None
+    assert "memory_limit_bytes is deprecated; it means host_memory_limit_bytes" in caplog.text
+    assert "memory_limit_bytes" not in config.model_dump()  # one name from here on
+    found = problems(memory_limit_bytes=1 << 30, host_memory_limit_bytes=2 << 30)
+    assert "deprecated name of host_memory_limit_bytes" in found["memory_limit_bytes"]
 
 
 def test_a_validated_config_survives_a_json_round_trip() -> None:

@@ -5,7 +5,7 @@ client's short deadline never does."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,7 +47,8 @@ class StuckRunner:
         self.hung: list[str] = []
         self.batches = 0
 
-    async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None) -> BatchOutcome:
+    async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
+                  deadlines: Sequence[float] = ()) -> BatchOutcome:
         self.batches += 1
         x = np.concatenate(parts["x"])
         await self.release.wait()
@@ -70,8 +71,8 @@ def run(test: Callable[[FakeClock], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(test(FakeClock()))
 
 
-def submit(s: ModelScheduler, value: float, timeout_ms: float | None = None) -> asyncio.Future[Any]:
-    return s.submit({"x": np.full((1, 1), value, dtype=np.float32)}, 1, NORMAL, timeout_ms, f"r{value}")
+def submit(s: ModelScheduler, value: float, deadline: float | None = None) -> asyncio.Future[Any]:
+    return s.submit({"x": np.full((1, 1), value, dtype=np.float32)}, 1, NORMAL, deadline, f"r{value}")
 
 
 # --- the budget ------------------------------------------------------------------------------
@@ -123,7 +124,7 @@ def test_requests_of_a_running_batch_are_answered_at_their_deadlines() -> None:
         s = ModelScheduler(config(), clock=clock)
         runner = StuckRunner()
         s.add_runner(runner)
-        first = submit(s, 1, timeout_ms=2000)
+        first = submit(s, 1, deadline=clock.now() + 2)
         await settle()
         assert runner.batches == 1  # running, and it will not finish by itself
         clock.advance(1.999)
@@ -145,7 +146,7 @@ def test_a_batch_over_its_compute_budget_gets_its_runner_declared_hung() -> None
         s = ModelScheduler(config(compute_timeout_ms=5000), clock=clock)
         runner = StuckRunner()
         s.add_runner(runner)
-        requests = [submit(s, 1, timeout_ms=60_000)]
+        requests = [submit(s, 1, deadline=clock.now() + 60)]
         await settle()
         clock.advance(4.9)
         await settle()
@@ -157,7 +158,7 @@ def test_a_batch_over_its_compute_budget_gets_its_runner_declared_hung() -> None
         assert isinstance(error, WorkerHung) and error.status == 503 and error.code == "worker_hung"
         await settle()
         assert s.running_rows == 0  # the killed runner's batch is over
-        queued = submit(s, 2, timeout_ms=60_000)  # nothing runs it (the only runner is gone) ...
+        queued = submit(s, 2, deadline=clock.now() + 60)  # nothing runs it (the only runner is gone) ...
         await settle()
         assert not queued.done() and runner.batches == 1
         fresh = StuckRunner()  # ... until a replacement is ready
@@ -173,7 +174,7 @@ def test_short_client_deadlines_expire_requests_but_the_budget_decides_hangs() -
         s.observe_warmup(((1, 0.01),))  # budget: the 10 s floor
         runner = StuckRunner()
         s.add_runner(runner)
-        doomed = [submit(s, v, timeout_ms=50) for v in range(3)]
+        doomed = [submit(s, v, deadline=clock.now() + 0.05) for v in range(3)]
         await settle()
         clock.advance(0.05)
         await settle()
@@ -193,7 +194,7 @@ def test_a_finished_batch_leaves_no_timer_behind() -> None:
         runner = StuckRunner()
         runner.release.set()
         s.add_runner(runner)
-        result = await submit(s, 3, timeout_ms=2000)
+        result = await submit(s, 3, deadline=clock.now() + 2)
         assert result.outputs["y"][0, 0] == 6
         await settle()
         assert clock.pending() == []

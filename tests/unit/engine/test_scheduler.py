@@ -4,7 +4,7 @@ future, and every timing rule holds without a single sleep."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,7 @@ from servewell.errors import DeadlineExceeded, InvalidInput, ModelError, Overloa
 from servewell.observability.batch_telemetry import BatchTelemetry
 from servewell.observability.context import BatchPlacement, placement_var
 from servewell.observability.metrics import ServeMetrics, batch_size_bucket
+from servewell.workers.expiry import keep_rows, plan_rows
 
 HIGH, NORMAL = 0, 1  # lane indices of the default lanes ["high", "normal"]
 
@@ -36,34 +37,47 @@ def config(instances: int = 1, max_batch_size: int = 4, **batching: Any) -> Mode
 class FakeRunner:
     """Doubles its input; a batch finishes when the test releases it."""
 
-    def __init__(self, fail_with: Exception | None = None) -> None:
+    def __init__(self, fail_with: Exception | None = None, now: Callable[[], float] | None = None) -> None:
         self.alive = True
         self.instance = 0
         self.batches: list[list[float]] = []
         self.release = asyncio.Event()
         self.release.set()
         self.fail_with = fail_with
+        self.now = now  # given: skip requests whose deadline passed, as a worker does (workers/expiry.py)
 
     def declare_hung(self, reason: str) -> None:
         self.alive = False
 
-    async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None) -> BatchOutcome:
-        x = np.concatenate(parts["x"])
-        self.batches.append(x[:, 0].tolist())
-        await self.release.wait()
+    async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
+                  deadlines: Sequence[float] = ()) -> BatchOutcome:
+        if self.now is None:
+            x = np.concatenate(parts["x"])
+            self.batches.append(x[:, 0].tolist())
+            await self.release.wait()
+            skipped: tuple[int, ...] = ()
+        else:
+            await self.release.wait()
+            rows = [block.shape[0] for block in parts["x"]]
+            plan = plan_rows(rows, deadlines, self.now())
+            if not plan.runs:
+                return BatchOutcome({}, 0.0, skipped=plan.skipped)
+            x = keep_rows({"x": np.concatenate(parts["x"])}, rows, plan)["x"]
+            self.batches.append(x[:, 0].tolist())
+            skipped = plan.skipped
         if self.fail_with is not None:
             self.alive = not isinstance(self.fail_with, WorkerLost)
             raise self.fail_with
-        return BatchOutcome({"y": x * 2}, compute_s=0.001)
+        return BatchOutcome({"y": x * 2}, compute_s=0.001, skipped=skipped)
 
 
 def row(value: float, rows: int = 1) -> dict[str, np.ndarray]:
     return {"x": np.full((rows, 2), value, dtype=np.float32)}
 
 
-def submit(s: ModelScheduler, value: float, lane: int = NORMAL, timeout_ms: float | None = None,
+def submit(s: ModelScheduler, value: float, lane: int = NORMAL, deadline: float | None = None,
            rows: int = 1) -> asyncio.Future[RequestResult]:
-    return s.submit(row(value, rows), rows, lane, timeout_ms, f"r{value}")
+    return s.submit(row(value, rows), rows, lane, deadline, f"r{value}")
 
 
 async def settle() -> None:
@@ -181,7 +195,7 @@ def test_expired_request_is_answered_at_its_deadline_and_never_reaches_the_model
         runner.release.clear()
         s.add_runner(runner)
         busy = submit(s, 0)
-        doomed = submit(s, 1, timeout_ms=20)
+        doomed = submit(s, 1, deadline=clock.now() + 0.02)
         clock.advance(0.019)
         await settle()
         assert not doomed.done()
@@ -191,6 +205,42 @@ def test_expired_request_is_answered_at_its_deadline_and_never_reaches_the_model
         runner.release.set()
         await busy
         assert runner.batches == [[0]]
+    run(main)
+
+
+def test_rows_whose_deadline_passed_in_transit_are_skipped_and_the_rest_get_their_own_rows() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(max_batch_size=8, policy="window", max_wait_ms=10), clock=clock)
+        runner = FakeRunner(now=clock.now)
+        runner.release.clear()
+        s.add_runner(runner)
+        far = clock.now() + 60
+        requests = [submit(s, 1, deadline=far, rows=2), submit(s, 2, deadline=clock.now() + 0.5),
+                    submit(s, 3, deadline=far, rows=3)]
+        clock.advance(0.01)  # the window closes: one batch of the three is handed to the runner
+        await settle()
+        clock.advance(1.0)  # ... which has not started when the middle one's deadline passes
+        await settle()
+        runner.release.set()
+        first, doomed, last = await asyncio.gather(*requests, return_exceptions=True)
+        assert isinstance(doomed, DeadlineExceeded)
+        assert runner.batches == [[1, 1, 3, 3, 3]]  # its row never reached the model
+        assert isinstance(first, RequestResult) and isinstance(last, RequestResult)
+        assert first.outputs["y"][:, 0].tolist() == [2, 2] and last.outputs["y"][:, 0].tolist() == [6, 6, 6]
+        assert s.stats.expired == 1  # answered once (at its deadline), counted once
+        assert first.batch_size == 5
+    run(main)
+
+
+def test_a_runner_that_skips_what_the_engine_has_not_expired_yet_answers_deadline_exceeded() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(max_batch_size=8, policy="window", max_wait_ms=10), clock=clock)
+        s.add_runner(FakeRunner(now=lambda: clock.now() + 1.0))  # its reading is ahead of the engine's timers
+        both = [submit(s, 1, deadline=clock.now() + 0.5), submit(s, 2, deadline=clock.now() + 0.6)]
+        clock.advance(0.01)
+        results = await asyncio.gather(*both, return_exceptions=True)
+        assert all(isinstance(r, DeadlineExceeded) and "it was not run" in str(r) for r in results)
+        assert s.stats.expired == 2 and s.stats.batches == 0  # nothing ran: no batch is counted
     run(main)
 
 
@@ -364,8 +414,22 @@ def test_admission_refuses_a_full_lane_before_any_decoding() -> None:
 def test_deadline_counts_from_arrival_not_from_queueing() -> None:
     async def main(clock: FakeClock) -> None:
         s = ModelScheduler(config(), clock=clock)
-        with pytest.raises(DeadlineExceeded):
-            s.submit(row(1), 1, NORMAL, 50, "late", arrived_at=clock.now() - 0.1)  # decoding took 100 ms
+        arrived = clock.now() - 0.1  # decoding took 100 ms
+        with pytest.raises(DeadlineExceeded, match="deadline of 50 ms passed before it was queued"):
+            s.submit(row(1), 1, NORMAL, arrived + 0.05, "late", arrived_at=arrived)
+    run(main)
+
+
+def test_no_deadline_means_the_live_default_timeout_from_arrival() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(default_timeout_ms=150), clock=clock)
+        s.update({"default_timeout_ms": 100})  # live: the new default counts at once
+        arrived = clock.now() - 0.1
+        with pytest.raises(DeadlineExceeded, match="deadline of 100 ms"):
+            s.submit(row(1), 1, NORMAL, None, "late", arrived_at=arrived)
+        kept = s.submit(row(2), 1, NORMAL, None, "kept", arrived_at=clock.now() - 0.05)
+        assert not kept.done()  # 50 ms of its 100 are left
+        kept.cancel()
     run(main)
 
 
@@ -382,8 +446,8 @@ def test_a_request_that_would_finish_after_its_deadline_is_not_run() -> None:
         await first
         runner.batches.clear()
         runner.release.clear()
-        busy = submit(s, 0, timeout_ms=5000)
-        doomed = submit(s, 1, timeout_ms=300)  # queued behind it
+        busy = submit(s, 0, deadline=clock.now() + 5)
+        doomed = submit(s, 1, deadline=clock.now() + 0.3)  # queued behind it
         await settle()
         clock.advance(0.2)  # busy's batch takes 200 ms too: 100 ms of doomed's budget are left
         runner.release.set()
@@ -399,7 +463,8 @@ def test_a_request_that_would_finish_after_its_deadline_is_not_run() -> None:
 class PickyRunner(FakeRunner):
     """Fails any batch that holds a negative value, as a model with a bug on some inputs does."""
 
-    async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None) -> BatchOutcome:
+    async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
+                  deadlines: Sequence[float] = ()) -> BatchOutcome:
         x = np.concatenate(parts["x"])
         self.batches.append(x[:, 0].tolist())
         await self.release.wait()

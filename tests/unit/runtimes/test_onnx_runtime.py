@@ -11,6 +11,7 @@ import torch
 
 from servewell.config.model import ModelConfig
 from servewell.runtimes import ModelLoadError, load_runtime
+from servewell.runtimes.onnx_runtime import cuda_provider_options
 from servewell.runtimes.warmup import warm_up
 
 # The legacy (TorchScript-based) exporter is the one that works without onnxscript; it warns
@@ -146,3 +147,8 @@ def test_corrupt_file_is_a_load_error(tmp_path: Path) -> None:
     (tmp_path / "model.onnx").write_bytes(b"not a graph")
     with pytest.raises(ModelLoadError, match="onnxruntime cannot load model.onnx"):
         load_runtime(make_config(), tmp_path, lambda stage: None)
+
+
+def test_device_memory_limit_caps_the_cuda_providers_arena() -> None:
+    assert cuda_provider_options("cuda:1", 2 << 30) == {"device_id": "1", "gpu_mem_limit": str(2 << 30)}
+    assert cuda_provider_options("cuda", None) == {"device_id": "0"}

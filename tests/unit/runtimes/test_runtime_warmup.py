@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -35,8 +35,10 @@ class FakeRuntime:
 class ScriptedPeaks:
     """A peak-memory probe that reports `bytes_per_item` times the last batch the runtime saw."""
 
-    def __init__(self, runtime: FakeRuntime, base: int, bytes_per_item: int) -> None:
+    def __init__(self, runtime: FakeRuntime, base: int, bytes_per_item: int,
+                 measures: Literal["host", "device"] = "host") -> None:
         self.runtime, self.base, self.bytes_per_item = runtime, base, bytes_per_item
+        self.measures = measures
 
     def reset(self) -> None:
         pass
@@ -48,9 +50,10 @@ class ScriptedPeaks:
 class ProbedRuntime(FakeRuntime):
     """A fake runtime that brings its own memory probe, as the torch runtimes do."""
 
-    def __init__(self, answer: Callable[[Outputs], Outputs], base: int, bytes_per_item: int) -> None:
+    def __init__(self, answer: Callable[[Outputs], Outputs], base: int, bytes_per_item: int,
+                 measures: Literal["host", "device"] = "host") -> None:
         super().__init__(answer)
-        self.probe = ScriptedPeaks(self, base, bytes_per_item)
+        self.probe = ScriptedPeaks(self, base, bytes_per_item, measures)
 
     def peak_memory_probe(self) -> ScriptedPeaks:
         return self.probe
@@ -129,22 +132,32 @@ def test_warm_up_runs_doubling_batches_and_reports_peaks() -> None:
 def test_memory_limit_lowers_the_effective_max_batch_size_and_stops_the_sweep() -> None:
     runtime = ProbedRuntime(answer_y((1, 5)), base=1000, bytes_per_item=100)
     stages: list[str] = []
-    report = warm_up(runtime, make_config(max_batch_size=16, memory_limit_bytes=1300), stages.append)
+    report = warm_up(runtime, make_config(max_batch_size=16, host_memory_limit_bytes=1300), stages.append)
     assert runtime.batch_sizes == [1, 2, 4]
     assert report.effective_max_batch_size == 2
     assert report.peak_bytes_by_batch == ((1, 1100), (2, 1200), (4, 1400))
-    assert any("over memory_limit_bytes" in stage for stage in stages)
+    assert any("over host_memory_limit_bytes" in stage for stage in stages)
+
+
+def test_a_device_probe_is_held_against_the_device_limit_not_the_host_one() -> None:
+    runtime = ProbedRuntime(answer_y((1, 5)), base=1000, bytes_per_item=100, measures="device")
+    stages: list[str] = []
+    config = make_config(max_batch_size=16, device="cuda", host_memory_limit_bytes=1050,
+                         device_memory_limit_bytes=1300)
+    report = warm_up(runtime, config, stages.append)
+    assert report.effective_max_batch_size == 2  # the host limit (1050) would have refused batch 1
+    assert any("over device_memory_limit_bytes" in stage for stage in stages)
 
 
 def test_a_model_over_its_memory_limit_at_batch_one_fails_to_load_with_the_numbers() -> None:
     runtime = ProbedRuntime(answer_y((1, 5)), base=5 << 20, bytes_per_item=1 << 20)
-    with pytest.raises(ModelLoadError, match=r"memory_limit_bytes at batch 1.*6291456 bytes.*4194304 bytes"):
-        warm_up(runtime, make_config(memory_limit_bytes=4 << 20))
+    with pytest.raises(ModelLoadError, match=r"host_memory_limit_bytes at batch 1.*6291456 bytes.*4194304 bytes"):
+        warm_up(runtime, make_config(host_memory_limit_bytes=4 << 20))
 
 
 def test_memory_limit_without_batch_dimension_keeps_zero() -> None:
     runtime = ProbedRuntime(lambda inputs: {"y": np.zeros((2, 5), dtype=np.float32)}, base=10, bytes_per_item=1)
-    report = warm_up(runtime, make_config(max_batch_size=0, memory_limit_bytes=100))
+    report = warm_up(runtime, make_config(max_batch_size=0, host_memory_limit_bytes=100))
     assert report.effective_max_batch_size == 0
     assert report.peak_bytes_by_batch == ((1, 11),)
 
@@ -161,7 +174,7 @@ def test_real_resident_memory_of_a_model_whose_temporaries_grow_with_the_batch()
     probe = ProcessPeakMemory()
     probe.reset()
     resident = probe.peak_bytes()
-    config = make_config(max_batch_size=8, memory_limit_bytes=resident + 3 * per_item)
+    config = make_config(max_batch_size=8, host_memory_limit_bytes=resident + 3 * per_item)
     report = warm_up(FakeRuntime(allocate), config)
     assert report.effective_max_batch_size == 2
     peaks = dict(report.peak_bytes_by_batch)

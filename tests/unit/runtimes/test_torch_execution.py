@@ -15,6 +15,7 @@ from servewell.runtimes import DeviceUnusableError, ModelLoadError
 from servewell.runtimes.torch_execution import (
     TorchModuleRuntime,
     cpu_has_native_bf16,
+    device_memory_share,
     is_device_failure,
     limit_device_memory,
     outputs_to_numpy,
@@ -158,6 +159,14 @@ def test_gpu_memory_fraction_is_set_for_cuda_devices_only() -> None:
     limit_device_memory(torch.device("cuda", 1), None, lambda fraction, index: calls.append((fraction, index)))
     limit_device_memory(CPU, 0.5, lambda fraction, index: calls.append((fraction, index)))
     assert calls == [(0.5, 1)]
+
+
+def test_device_memory_limit_becomes_a_share_of_the_device() -> None:
+    total = lambda: 16 << 30  # noqa: E731
+    assert device_memory_share(None, 4 << 30, total) == 0.25
+    assert device_memory_share(None, 32 << 30, total) == 1.0  # never above the whole device
+    assert device_memory_share(0.1, 4 << 30, total) == 0.1  # the smaller cap wins
+    assert device_memory_share(0.5, None, lambda: 1 // 0) == 0.5  # no limit: the device is not asked
 
 
 class Scaled(torch.nn.Module):

@@ -11,6 +11,8 @@ model call; only ServerLive and ServerReady are probes.
 
 from __future__ import annotations
 
+import asyncio
+
 from tritonclient.grpc import service_pb2 as pb
 
 import servewell
@@ -100,9 +102,9 @@ class InferenceServicer:
                 inputs = await call.model_inputs(decoded.inputs)
             timeout_ms = decoded.timeout_us / 1000.0 if decoded.timeout_us is not None else None
             remaining_s = context.time_remaining()
-            if remaining_s is not None:  # the caller's gRPC deadline bounds the request's own
-                timeout_ms = min(timeout_ms, remaining_s * 1000.0) if timeout_ms is not None else remaining_s * 1000.0
-            result = await call.infer(inputs, priority=decoded.priority, timeout_ms=timeout_ms)
+            # The caller's gRPC deadline bounds the request's own, as an absolute time on the deadline clock.
+            not_after = asyncio.get_running_loop().time() + remaining_s if remaining_s is not None else None
+            result = await call.infer(inputs, priority=decoded.priority, timeout_ms=timeout_ms, not_after=not_after)
             with call.postprocessing():
                 outputs = select_outputs(model.name, result.outputs, decoded.requested_outputs)
                 response = encode_response(model.name, model.config.version, request.id, outputs)
