@@ -81,11 +81,10 @@ class RemoteModel:
         engine's to say when the envelope arrives."""
         self._engine.check_open()
 
-    def infer(self, inputs: dict[str, np.ndarray], *, lane: int, timeout_ms: float | None, request_id: str,
+    def infer(self, inputs: dict[str, np.ndarray], *, lane: int, deadline: float | None, request_id: str,
               arrived_at: float | None) -> asyncio.Future[RequestResult]:
         """Send the request to the engine; the future resolves with its outcome."""
         arrived = arrived_at if arrived_at is not None else asyncio.get_running_loop().time()
-        deadline = None if timeout_ms is None else arrived + timeout_ms / 1000.0
         return self._engine.send(self.name, self._version, inputs, lane, deadline, arrived, request_id)
 
 

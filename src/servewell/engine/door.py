@@ -216,8 +216,7 @@ class EngineDoor:
             trace_token = otel_context.attach(extract({"traceparent": envelope.traceparent}))
         try:
             handle = self._engine.resolve(envelope.model, envelope.version)
-            timeout_ms = None if envelope.deadline is None else (envelope.deadline - envelope.arrived_at) * 1000.0
-            future = handle.infer(envelope.inputs, lane=envelope.lane, timeout_ms=timeout_ms,
+            future = handle.infer(envelope.inputs, lane=envelope.lane, deadline=envelope.deadline,
                                   request_id=envelope.request_id, arrived_at=envelope.arrived_at)
         except ServeError as exc:
             ingress.writer.send(Outcome(envelope.call_id, error=exc))

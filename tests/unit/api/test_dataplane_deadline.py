@@ -52,6 +52,9 @@ class OneModelEngine:
     def resolve(self, name: str, version: str | None = None) -> RecordingModel:
         return self.model
 
+    async def resolve_async(self, name: str, version: str | None = None) -> RecordingModel:
+        return self.model
+
     def knows(self, name: str) -> bool:
         return True
 
@@ -66,7 +69,7 @@ def deadlines_of(*calls: dict[str, float | None]) -> list[tuple[float | None, fl
                               ImageLimits(1), None, Tracing(TracingSettings(None, "grpc", 0.0)))
             for keywords in calls:
                 call = plane.call()
-                call.open("m")
+                await call.open("m")
                 not_after = keywords.get("not_after_in_s")
                 await call.infer({"x": np.zeros((1, 1), np.float32)}, timeout_ms=keywords.get("timeout_ms"),
                                  not_after=call.arrived_at + not_after if not_after is not None else None)

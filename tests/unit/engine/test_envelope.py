@@ -70,7 +70,7 @@ def test_messages_written_in_one_loop_step_leave_as_one_frame() -> None:
         right.setblocking(False)
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_connection(asyncio.Protocol, sock=left)
-        writer = FrameWriter(transport)  # type: ignore[arg-type]
+        writer = FrameWriter(transport)
         for call_id in range(100):
             writer.send(Cancel(call_id))
         expected = len(encode_frame([Cancel(i) for i in range(100)]))
