@@ -7,7 +7,8 @@ with processes: HTTP parsing and its limits, request ids, API keys and rate limi
 JSON/binary/image decoding, validation, encoding, metrics and logs of the request. Inference goes
 to the engine as envelopes (api/remote_engine.py); every other request (health, metadata, admin,
 metrics, console, docs) is forwarded as it came to the engine's own HTTP app (api/forward.py),
-so those answers are the engine's, whichever ingress a client reached.
+so those answers are the engine's, whichever ingress a client reached. gRPC (OIP v2) is served
+here too, on the gRPC port every ingress binds with SO_REUSEPORT (`IngressGrpc`).
 
 SIGTERM: readiness false for shutdown_delay_s (the engine, told at the same moment, says so on
 every health route), then the listener closes and what was accepted drains; SIGINT skips the delay.
@@ -30,6 +31,9 @@ from servewell.api.app import create_app
 from servewell.api.codecs.image import ImageLimits
 from servewell.api.dataplane import DataPlane
 from servewell.api.forward import EngineForwarder
+from servewell.api.grpc.listener import GrpcListener, build_grpc_listener, call_slots
+from servewell.api.grpc.scope import RpcScope
+from servewell.api.grpc.servicer import InferenceServicer
 from servewell.api.hot_routes import HotRouteTable
 from servewell.api.http_limits import uvicorn_limit_options
 from servewell.api.keys import InferenceAccess, KeyFormatError
@@ -80,6 +84,38 @@ class IngressShutdown:
         self._engine.fail_all(ShuttingDown(f"the server is shutting down: {why}"))
 
 
+class IngressGrpc:
+    """This ingress's share of the gRPC port (SO_REUSEPORT: every ingress binds it and the kernel
+    spreads connections across them): GOAWAY to every connection when the shutdown begins (clients
+    go elsewhere while calls in flight finish within the delay and the drain)."""
+
+    def __init__(self, settings: ServerConfig, plan: ShutdownPlan, servicer: InferenceServicer,
+                 scope: RpcScope) -> None:
+        self._plan = plan
+        self._listener: GrpcListener | None = None
+        if settings.grpc_port:
+            self._listener = build_grpc_listener(settings, servicer, scope, reuse_port=True)
+        self._stopping: list[asyncio.Task[None]] = []
+        plan.on_begin(self.stop)
+        plan.on_listeners_closed(self.stop)
+
+    async def start(self) -> None:
+        """Listen (`OSError` when the port cannot be bound)."""
+        if self._listener is not None:
+            await self._listener.start()
+
+    def stop(self) -> None:
+        """GOAWAY now; calls in flight get the shutdown delay and drain to finish."""
+        if self._listener is not None and not self._stopping:
+            grace_s = self._plan.delay_s + self._plan.timeout_s
+            self._stopping.append(asyncio.get_running_loop().create_task(self._listener.stop(grace_s)))
+
+    async def stopped(self) -> None:
+        """Stop (if not yet) and wait until the listener has."""
+        self.stop()
+        await asyncio.gather(*self._stopping)
+
+
 def build_ingress(settings: ServerConfig, run_dir: Path, index: int) -> tuple[ASGIApp, ShutdownPlan]:
     """The ingress app and its shutdown plan."""
     try:
@@ -108,14 +144,20 @@ def build_ingress(settings: ServerConfig, run_dir: Path, index: int) -> tuple[AS
     plane = DataPlane(engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side), metrics,
                       tracing)
     plan = ShutdownPlan(IngressShutdown(engine), settings.shutdown_delay_s, settings.shutdown_timeout_s)
+    scope = RpcScope(metrics, tracing, access, knobs, console.recent, call_slots(settings))
+    servicer = InferenceServicer(engine, plane, scope, settings.admin_token,
+                                 trust_loopback_admin=settings.trust_loopback_admin)
+    grpc_share = IngressGrpc(settings, plan, servicer, scope)
     stop = asyncio.Event()
     background: list[asyncio.Task[None]] = []
 
     async def startup() -> None:
         tune_garbage_collector()
+        await grpc_share.start()
         background.append(asyncio.get_running_loop().create_task(engine.run(stop)))
 
     async def shutdown() -> None:
+        await grpc_share.stopped()  # gRPC calls in flight finish while the engine still serves them
         stop.set()
         for task in background:
             task.cancel()

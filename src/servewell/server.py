@@ -125,7 +125,8 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     models load in the background once it starts, so liveness answers at once and readiness tells
     the truth while they load. `source` (where the settings came from) is watched for changes;
     without it, only model.yaml files are. `door_path`: this is the engine process of a split
-    server, and ingress processes hand in their requests at that unix socket (engine/door.py)."""
+    server, and ingress processes hand in their requests at that unix socket (engine/door.py);
+    they also serve gRPC, so this process does not listen on the gRPC port."""
     try:
         keys = load_keys(settings)
     except (KeyFormatError, OSError) as exc:
@@ -156,7 +157,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     reloader = ConfigReloader(source or ConfigSource(None, {}), settings, engine, access, tracing, knobs,
                               metrics.registry if metrics is not None else None)
     grpc_listener = None
-    if settings.grpc_port:
+    if settings.grpc_port and door_path is None:  # a split server's gRPC is served by its ingress processes
         scope = RpcScope(metrics, tracing, access, knobs, console.recent, call_slots(settings))
         servicer = InferenceServicer(engine, plane, scope, settings.admin_token,
                                      trust_loopback_admin=settings.trust_loopback_admin)

@@ -13,7 +13,10 @@ at once with 503 `engine_unavailable`, readiness is false, and the door is diall
 
 Only the data plane's calls are served here; the control plane (load, unload, batching,
 profiles, model views) is reached over HTTP, forwarded to the engine's own app
-(`api/forward.py`), so those methods are never called in an ingress process.
+(`api/forward.py`), so its sync methods are never called in an ingress process. The gRPC
+servicer, which answers its control calls itself, uses the async ones (`models_async`,
+`model_async`, `load_model`, `unload_model`): each is one `ControlCall` to the engine, bounded in
+time, and answered with 503 `engine_unavailable` when the engine is gone or does not answer.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from opentelemetry import trace
 from servewell.config.model import ModelConfig
 from servewell.engine.envelope import (
     Cancel,
+    ControlCall,
+    ControlReply,
     Envelope,
     FrameReader,
     FrameWriter,
@@ -56,6 +61,11 @@ log = logging.getLogger("servewell.ingress")
 RECONNECT_S = 0.1
 #: Longest a `Resolve` waits for the engine.
 RESOLVE_TIMEOUT_S = 2.0
+#: Longest a control call that only reads (a model's view, the model list) waits for the engine.
+CONTROL_VIEW_TIMEOUT_S = 5.0
+#: Longest a load or unload waits for the engine: the engine bounds a load by the load timeout
+#: and an unload by its drain; this only makes sure a lost answer cannot hold a call for ever.
+CONTROL_CHANGE_TIMEOUT_S = 900.0
 
 _NO_ENGINE = "the engine process is not reachable (restarting); retry"
 
@@ -102,7 +112,7 @@ class RemoteEngine:
         self._writer: FrameWriter | None = None
         self._table: ModelTable | None = None
         self._pending: dict[int, asyncio.Future[RequestResult]] = {}
-        self._asks: dict[int, asyncio.Future[ModelEntrySummary | None]] = {}
+        self._asks: dict[int, asyncio.Future[Any]] = {}  # Resolve and ControlCall, failed when the door is lost
         self._ids = itertools.count(1)
         self._lost: asyncio.Event | None = None
         self.shutting_down = False  # this ingress is stopping: not ready, whatever the engine says
@@ -170,6 +180,13 @@ class RemoteEngine:
                 ask.set_result(message.entry)
         elif isinstance(message, LiveSettings):
             self._on_live(message)
+        elif isinstance(message, ControlReply):
+            ask = self._asks.pop(message.ask_id, None)
+            if ask is not None and not ask.done():
+                if message.error is not None:
+                    ask.set_exception(message.error)
+                else:
+                    ask.set_result(message.result)
 
     # --- the data plane --------------------------------------------------------------------
 
@@ -305,12 +322,42 @@ class RemoteEngine:
         raise _control_plane()
 
     async def load_model(self, name: str) -> ModelView:
-        """Not served by an ingress (forwarded to the engine)."""
-        raise _control_plane()
+        """(Re)load a model, done by the engine (a control call)."""
+        view: ModelView = await self.control("load_model", (name,), CONTROL_CHANGE_TIMEOUT_S)
+        return view
 
     async def unload_model(self, name: str) -> ModelView:
-        """Not served by an ingress (forwarded to the engine)."""
-        raise _control_plane()
+        """Unload a model, done by the engine (a control call)."""
+        view: ModelView = await self.control("unload_model", (name,), CONTROL_CHANGE_TIMEOUT_S)
+        return view
+
+    async def models_async(self) -> list[ModelView]:
+        """Every model of the engine (a control call)."""
+        views: list[ModelView] = await self.control("models", (), CONTROL_VIEW_TIMEOUT_S)
+        return views
+
+    async def model_async(self, name: str, version: str | None = None) -> ModelView:
+        """One model's view from the engine (a control call; `NotFound` as the engine says it)."""
+        view: ModelView = await self.control("model", (name, version), CONTROL_VIEW_TIMEOUT_S)
+        return view
+
+    async def control(self, method: str, args: tuple[Any, ...], timeout_s: float) -> Any:
+        """Call the engine's control-plane `method` (one of the door's CONTROL_METHODS) and return
+        its result, or raise the `ServeError` it raised; `EngineUnavailable` when the engine is
+        gone, is lost while the call waits, or does not answer within `timeout_s` seconds."""
+        writer = self._writer
+        if writer is None:
+            raise EngineUnavailable(_NO_ENGINE)
+        ask_id = next(self._ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._asks[ask_id] = future
+        writer.send(ControlCall(ask_id, method, args))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            raise EngineUnavailable(f"the engine did not answer in {timeout_s:g} s; retry") from None
+        finally:
+            self._asks.pop(ask_id, None)
 
     async def profile(self, name: str, instance: int, seconds: float) -> bytes:
         """Not served by an ingress (forwarded to the engine)."""

@@ -11,15 +11,21 @@ The door also keeps every ingress's model table and live settings current (pushe
 and on every change; a change is noticed within `TABLE_POLL_S`, and an ingress that meets a
 model its table lacks asks with `Resolve`), and pulls the ingress processes' share of the
 metrics and console records when a view is read (`pull_views`).
+
+An ingress's gRPC servicer reaches the engine's control plane with `ControlCall`: the door calls
+the named engine method, if it is one of `CONTROL_METHODS` (and only then), awaits it when it is
+a coroutine, and answers `ControlReply` with the result or the `ServeError` it raised.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import logging
 import os
+import pickle
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -30,6 +36,8 @@ from opentelemetry.propagate import extract
 from servewell.engine.engine import InferenceEngine
 from servewell.engine.envelope import (
     Cancel,
+    ControlCall,
+    ControlReply,
     Envelope,
     FrameReader,
     FrameWriter,
@@ -44,7 +52,7 @@ from servewell.engine.envelope import (
     ViewReply,
 )
 from servewell.engine.protocol import ModelView, RequestResult
-from servewell.errors import ModelError, ServeError
+from servewell.errors import ModelError, ServeError, quote
 from servewell.observability.context import request_id_var
 
 log = logging.getLogger("servewell.engine")
@@ -53,6 +61,8 @@ log = logging.getLogger("servewell.engine")
 TABLE_POLL_S = 0.05
 #: Longest a view read waits for the ingress processes' snapshots before using what it has.
 VIEW_PULL_TIMEOUT_S = 1.0
+#: The engine methods an ingress may call with `ControlCall`: what its gRPC servicer needs, no more.
+CONTROL_METHODS = frozenset(("models", "model", "load_model", "unload_model"))
 
 
 def summarize(view: ModelView) -> ModelEntrySummary:
@@ -104,6 +114,7 @@ class EngineDoor:
         self._last_live: tuple[Any, ...] | None = None
         self._asks: dict[int, asyncio.Future[Any]] = {}
         self._ask_ids = itertools.count(1)
+        self._control_tasks: set[asyncio.Future[Any]] = set()  # control calls being awaited (strong refs)
 
     @property
     def connected(self) -> int:
@@ -125,6 +136,8 @@ class EngineDoor:
             self._table_task.cancel()
         if self._server is not None:
             self._server.close()
+        for task in list(self._control_tasks):
+            task.cancel()
         for ingress in list(self._ingresses):
             ingress.writer.transport.close()
         with contextlib.suppress(FileNotFoundError):
@@ -202,12 +215,53 @@ class EngineDoor:
                 with contextlib.suppress(ServeError):
                     entry = summarize(self._engine.model(message.model))
             ingress.writer.send(Resolved(message.ask_id, entry))
+        elif isinstance(message, ControlCall):
+            self._on_control(ingress, message)
         elif isinstance(message, Hello):
             ingress.source = message.source
             log.info("ingress %d (pid %d) connected", message.index, message.pid,
                      extra={"event": "ingress_connected", "ingress": message.index, "pid": message.pid})
         else:
             log.warning("ignored an unknown message from an ingress: %s", type(message).__name__)
+
+    def _on_control(self, ingress: _Ingress, call: ControlCall) -> None:
+        if not isinstance(call.method, str) or call.method not in CONTROL_METHODS:
+            log.warning("refused a control call of %s from an ingress", quote(call.method))
+            ingress.writer.send(ControlReply(call.ask_id, error=ServeError(
+                f"the engine does not serve {quote(call.method)} to an ingress process")))
+            return
+        try:
+            result = getattr(self._engine, call.method)(*call.args)
+        except Exception as exc:
+            self._reply_control(ingress, call, None, exc)
+            return
+        if not inspect.isawaitable(result):
+            self._reply_control(ingress, call, result, None)
+            return
+        task = asyncio.ensure_future(result)
+        self._control_tasks.add(task)
+        task.add_done_callback(partial(self._control_done, ingress, call))
+
+    def _control_done(self, ingress: _Ingress, call: ControlCall, task: asyncio.Future[Any]) -> None:
+        self._control_tasks.discard(task)
+        if task.cancelled():
+            self._reply_control(ingress, call, None, ServeError("the engine stopped before the call finished"))
+        else:
+            error = task.exception()
+            self._reply_control(ingress, call, task.result() if error is None else None, error)
+
+    def _reply_control(self, ingress: _Ingress, call: ControlCall, result: Any, error: BaseException | None) -> None:
+        if ingress.closed:
+            return
+        if error is None:
+            try:  # one unpicklable result must not take the frame (and other requests' outcomes) with it
+                pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                error = exc
+        if error is not None and not isinstance(error, ServeError):
+            log.error("control call %s failed: %r", call.method, error)
+            error = ServeError(f"the engine failed: {error}")
+        ingress.writer.send(ControlReply(call.ask_id, result=result if error is None else None, error=error))
 
     def _on_envelope(self, ingress: _Ingress, envelope: Envelope) -> None:
         token = request_id_var.set(envelope.request_id)

@@ -319,6 +319,14 @@ class InferenceEngine:
         """One model; `NotFound` for an unknown name or version."""
         return self._slot(name, version).entry.view()
 
+    async def models_async(self) -> list[ModelView]:
+        """`models` (the gRPC servicer awaits it: an ingress's engine asks the engine process)."""
+        return self.models()
+
+    async def model_async(self, name: str, version: str | None = None) -> ModelView:
+        """`model` (the gRPC servicer awaits it: an ingress's engine asks the engine process)."""
+        return self.model(name, version)
+
     def samples(self) -> list[ModelSample]:
         """State of every model for the metrics scrape."""
         return [slot.entry.sample() for slot in list(self._slots.values())]

@@ -5,7 +5,8 @@ an absolute deadline, the trace context and the input tensors; the engine answer
 `Outcome` (the request's own output rows and timings, or the `ServeError` that refused it).
 Around them: the engine pushes its model table (`ModelTable`) and live settings
 (`LiveSettings`), pulls each ingress's share of the metrics and console records (`ViewAsk` /
-`ViewReply`), and an ingress asks about a model it does not know yet (`Resolve`).
+`ViewReply`), an ingress asks about a model it does not know yet (`Resolve`), and the gRPC
+servicer of an ingress calls the engine's control plane (`ControlCall` / `ControlReply`).
 
 Deadlines and arrival times are absolute `time.monotonic()` seconds (the event loop's clock):
 CLOCK_MONOTONIC is one clock for every process of the machine, so the number means the same
@@ -140,6 +141,25 @@ class Hello:
     source: str  # e.g. "ingress-0-1234": names its share of the metrics
     index: int
     pid: int
+
+
+@dataclass(slots=True, frozen=True)
+class ControlCall:
+    """An ingress calls one of the engine's control-plane methods (`engine/door.py` CONTROL_METHODS:
+    what the gRPC servicer needs, e.g. a model's view or a load); the engine answers `ControlReply`."""
+
+    ask_id: int
+    method: str
+    args: tuple[Any, ...] = ()
+
+
+@dataclass(slots=True)
+class ControlReply:
+    """The engine's answer to `ControlCall`: the method's result, or the `ServeError` it raised."""
+
+    ask_id: int
+    result: Any = None
+    error: ServeError | None = None
 
 
 def encode_frame(messages: list[Any]) -> bytes:

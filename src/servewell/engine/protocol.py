@@ -190,6 +190,14 @@ class ServingEngine(Protocol):
         """One model's view (`NotFound` for an unknown name or version)."""
         ...
 
+    async def models_async(self) -> list[ModelView]:
+        """`models`, allowed to ask an engine in another process (the gRPC servicer uses it)."""
+        ...
+
+    async def model_async(self, name: str, version: str | None = None) -> ModelView:
+        """`model`, allowed to ask an engine in another process (the gRPC servicer uses it)."""
+        ...
+
     def batching(self, name: str) -> dict[str, Any]:
         """A model's live batching settings."""
         ...

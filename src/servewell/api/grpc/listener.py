@@ -53,10 +53,13 @@ def grpc_limits(settings: ServerConfig) -> GrpcLimits:
     )
 
 
-def build_grpc_listener(settings: ServerConfig, servicer: InferenceServicer, scope: RpcScope) -> GrpcListener:
-    """The gRPC listener serving `servicer` within the settings' limits."""
+def build_grpc_listener(settings: ServerConfig, servicer: InferenceServicer, scope: RpcScope, *,
+                        reuse_port: bool = False) -> GrpcListener:
+    """The gRPC listener serving `servicer` within the settings' limits. `reuse_port`: this is one
+    of several ingress processes sharing the port (SO_REUSEPORT: the kernel spreads connections
+    across them); otherwise a second server on the port fails to bind."""
     router = ServiceRouter(servicer, scope, settings.grpc_receive_timeout_s)
-    return GrpcListener(router, settings.host, settings.grpc_port, grpc_limits(settings))
+    return GrpcListener(router, settings.host, settings.grpc_port, grpc_limits(settings), reuse_port=reuse_port)
 
 
 def call_slots(settings: ServerConfig) -> CallSlots:
@@ -68,12 +71,15 @@ def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
-def channel_options(limits: GrpcLimits, connection_cap: int) -> list[tuple[str, int]]:
-    """grpc core channel arguments for `limits` (names as in grpc's `grpc_types.h`)."""
+def channel_options(limits: GrpcLimits, connection_cap: int, reuse_port: bool = False) -> list[tuple[str, int]]:
+    """grpc core channel arguments for `limits` (names as in grpc's `grpc_types.h`); `reuse_port`
+    sets SO_REUSEPORT (grpc's default on Linux, so always said explicitly)."""
     return [
         ("grpc.max_receive_message_length", limits.max_message_bytes),
         ("grpc.max_send_message_length", -1),
-        ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+        # One process: a second server on the same port must fail, not share it. Ingress processes
+        # of a split server: every one binds the port and the kernel spreads connections across them.
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
         ("grpc.max_allowed_incoming_connections", connection_cap),
         ("grpc.max_concurrent_streams", limits.max_streams_per_connection),
         ("grpc.server_handshake_timeout_ms", _ms(limits.handshake_timeout_s)),
@@ -89,8 +95,10 @@ def channel_options(limits: GrpcLimits, connection_cap: int) -> list[tuple[str, 
 class GrpcListener:
     """Serves `InferenceServicer` (through `ServiceRouter`) on `host:port` until stopped."""
 
-    def __init__(self, router: ServiceRouter, host: str, port: int, limits: GrpcLimits) -> None:
+    def __init__(self, router: ServiceRouter, host: str, port: int, limits: GrpcLimits, *,
+                 reuse_port: bool = False) -> None:
         self._router = router
+        self._reuse_port = reuse_port
         self._address = f"{host}:{port}"
         self._limits = limits
         self._server: grpc.aio.Server | None = None
@@ -106,7 +114,7 @@ class GrpcListener:
                         "reserve keep %d", self.connection_cap, limits.max_connections, open_files,
                         limits.descriptors_kept)
         server = grpc.aio.server(
-            options=channel_options(limits, self.connection_cap),
+            options=channel_options(limits, self.connection_cap, self._reuse_port),
             maximum_concurrent_rpcs=backstop_rpcs(self.connection_cap, limits.max_streams_per_connection,
                                                   limits.max_concurrent_rpcs),
         )

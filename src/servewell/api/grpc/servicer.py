@@ -7,6 +7,11 @@ ModelInfer (raw and typed contents), RepositoryIndex, RepositoryModelLoad/Unload
 Triton-only calls (statistics, shared-memory regions, trace and log settings, streaming) answer
 UNIMPLEMENTED after the key check (`routing.ServiceRouter`). ModelReady needs a key like every
 model call; only ServerLive and ServerReady are probes.
+
+In a split server every ingress process serves this (its engine is `RemoteEngine`): inference
+goes as envelopes, model views and repository calls as control calls to the engine process, so
+the servicer only awaits the engine's async methods; ServerReady answers from the ingress's own
+readiness (the engine's verdict as last pushed, false while this ingress stops or has lost it).
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ class InferenceServicer:
         async def handle(request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
             self._plane.note_model(request.name)
             try:
-                view = self._engine.model(request.name, request.version or None)
+                view = await self._engine.model_async(request.name, request.version or None)
             except NotFound:  # say no more than the name asked for: the engine's message lists models
                 asked = f"{quote(request.name)} version {quote(request.version)}" if request.version else quote(
                     request.name)
@@ -78,14 +83,15 @@ class InferenceServicer:
                             context: RpcContext) -> pb.ModelMetadataResponse:
         async def handle(request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
             self._plane.note_model(request.name)
-            return metadata_message(model_document(self._engine.model(request.name, request.version or None)))
+            view = await self._engine.model_async(request.name, request.version or None)
+            return metadata_message(model_document(view))
         return await self._scope.run("ModelMetadata", context, incoming, handle)
 
     async def ModelConfig(self, incoming: IncomingMessage[pb.ModelConfigRequest],
                           context: RpcContext) -> pb.ModelConfigResponse:
         async def handle(request: pb.ModelConfigRequest) -> pb.ModelConfigResponse:
             self._plane.note_model(request.name)
-            view = self._engine.model(request.name, request.version or None)
+            view = await self._engine.model_async(request.name, request.version or None)
             return pb.ModelConfigResponse(config=config_message(model_document(view)))
         return await self._scope.run("ModelConfig", context, incoming, handle)
 
@@ -96,7 +102,8 @@ class InferenceServicer:
         async def handle(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
             call = self._plane.call()
             metadata = context.invocation_metadata()
-            model = await call.open(request.model_name, request.model_version or None, metadata_value(metadata, "x-urgency"))
+            model = await call.open(request.model_name, request.model_version or None,
+                                    metadata_value(metadata, "x-urgency"))
             with call.preprocessing():
                 decoded = decode_request(request)
                 inputs = await call.model_inputs(decoded.inputs)
@@ -119,7 +126,7 @@ class InferenceServicer:
                               context: RpcContext) -> pb.RepositoryIndexResponse:
         async def handle(request: pb.RepositoryIndexRequest) -> pb.RepositoryIndexResponse:
             response = pb.RepositoryIndexResponse()
-            for view in self._engine.models():
+            for view in await self._engine.models_async():
                 if request.ready and view.state != "ready":
                     continue
                 response.models.add(name=view.name, version=view.version,
