@@ -1,0 +1,85 @@
+"""Control calls over the door (what an ingress's gRPC servicer asks the engine process): the door
+serves its whitelist of engine methods, each result or error crossing as it would in-process,
+and refuses every other method name."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from servewell.api.remote_engine import RemoteEngine
+from servewell.engine.door import CONTROL_METHODS, EngineDoor
+from servewell.engine.engine import InferenceEngine
+from servewell.engine.envelope import LiveSettings
+from servewell.errors import EngineUnavailable, NotFound, ServeError
+
+T = TypeVar("T")
+
+
+def _with_door(tmp_path: Path, scenario: Callable[[RemoteEngine, EngineDoor], Awaitable[T]]) -> T:
+    """Run `scenario` with an engine (one model whose model.yaml is invalid: no worker starts)
+    behind a door, and an ingress's RemoteEngine connected to it."""
+    repository = tmp_path / "models"
+    (repository / "broken").mkdir(parents=True)
+    (repository / "broken" / "model.yaml").write_text("not: [valid\n")
+
+    async def run() -> T:
+        engine = InferenceEngine(repository, load_timeout_s=5.0)
+        await engine.start()
+        door = EngineDoor(engine, str(tmp_path / "door.sock"), live=lambda: LiveSettings(None, None))
+        await door.start()
+        remote = RemoteEngine(str(tmp_path / "door.sock"), 0, lambda live: None)
+        stop = asyncio.Event()
+        connection = asyncio.create_task(remote.run(stop))
+        try:
+            await asyncio.wait_for(remote.connected_once.wait(), 5.0)
+            return await scenario(remote, door)
+        finally:
+            stop.set()
+            await door.stop()
+            await asyncio.wait_for(connection, 5.0)
+            await engine.stop(0.0)
+
+    return asyncio.run(run())
+
+
+def test_whitelisted_calls_answer_as_the_engine_would(tmp_path: Path) -> None:
+    async def scenario(remote: RemoteEngine, door: EngineDoor) -> None:
+        views = await remote.models_async()
+        assert [(v.name, v.state) for v in views] == [("broken", "invalid")]
+        view = await remote.model_async("broken")
+        assert view.state == "invalid" and view.reason
+        with pytest.raises(NotFound):
+            await remote.model_async("nope")
+        with pytest.raises(NotFound):
+            await remote.load_model("nope")
+
+    _with_door(tmp_path, scenario)
+
+
+@pytest.mark.parametrize("method", ["stop", "profile", "update_batching", "__class__", "resolve"])
+def test_a_method_off_the_whitelist_is_refused(tmp_path: Path, method: str) -> None:
+    assert method not in CONTROL_METHODS
+
+    async def scenario(remote: RemoteEngine, door: EngineDoor) -> str:
+        with pytest.raises(ServeError) as refused:
+            await remote.control(method, (), 5.0)
+        # the connection still serves: a refusal is an answer, not a broken peer
+        assert [v.name for v in await remote.models_async()] == ["broken"]
+        return str(refused.value)
+
+    assert "does not serve" in _with_door(tmp_path, scenario)
+
+
+def test_a_call_waiting_when_the_door_closes_gets_engine_unavailable(tmp_path: Path) -> None:
+    async def scenario(remote: RemoteEngine, door: EngineDoor) -> None:
+        waiting = asyncio.ensure_future(remote.models_async())
+        await door.stop()  # the engine goes away before the call's frame is even sent
+        with pytest.raises(EngineUnavailable):
+            await asyncio.wait_for(waiting, 5.0)
+
+    _with_door(tmp_path, scenario)
