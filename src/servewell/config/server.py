@@ -40,11 +40,13 @@ class ServerConfig(BaseModel):
                            "GRPCInferenceService); 0 turns it off.")
     grpc_max_concurrent_rpcs: int = Field(
         1024, ge=1, description="gRPC calls served at once, counted from when a call's message is in and its key "
-        "checked; more are refused with RESOURCE_EXHAUSTED and a retry-after trailer.")
+        "checked; more are refused with RESOURCE_EXHAUSTED and a retry-after trailer (per process serving gRPC: each "
+        "ingress process of a split server has its own).")
     # gRPC connection and stream limits (api/grpc/listener.py), so the gRPC port cannot starve HTTP of descriptors.
     grpc_max_connections: int = Field(
         1000, ge=1, le=1_000_000, description="gRPC connections open at once (more are closed on accept); lowered "
-        "at start so that HTTP's connections and fd_reserve always fit under the open-files limit.")
+        "at start so that HTTP's connections and fd_reserve always fit under the open-files limit (per process serving "
+        "gRPC: each ingress process of a split server has its own).")
     grpc_max_streams_per_connection: int = Field(
         100, ge=1, le=10_000, description="Calls one gRPC connection may have open at once (HTTP/2 "
         "MAX_CONCURRENT_STREAMS).")
