@@ -178,6 +178,23 @@ def bind_listener(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> socket
     return sock
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise `ListenError` (as `bind_listener` words it) when something listens on `host:port`.
+    For the gRPC port, which every ingress binds with SO_REUSEPORT: a second server of the same
+    user that sets SO_REUSEPORT too (grpc's default on Linux) would otherwise share it silently,
+    each server answering a share of the other's clients. A socket without SO_REUSEPORT cannot
+    bind where one listens, with or without it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT is no owner
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as exc:
+            reason = exc.strerror.lower() if exc.strerror else str(exc)
+            raise ListenError(exc.errno or errno.EINVAL,
+                              f"error while attempting to bind on address {(host, port)!r}: {reason}") from None
+
+
 def death_signal_preexec(parent_pid: int) -> Callable[[], None]:
     """A `preexec_fn` for a child of `parent_pid`: in the forked child, before exec, ask the kernel
     for SIGKILL when the parent dies (survives exec), then exit at once if the parent died already

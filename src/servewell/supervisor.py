@@ -52,6 +52,7 @@ from servewell.process_tree import (
     ListenError,
     RestartBackoff,
     bind_listener,
+    check_port_free,
     death_signal_preexec,
     engine_command,
     ingress_command,
@@ -170,6 +171,14 @@ class Supervisor:
             log.error("%s", exc.strerror, extra={"event": EVENT_LISTEN_FAILED, "host": settings.host,
                                                  "port": settings.port})
             return 1
+        if settings.grpc_port:  # every ingress binds it with SO_REUSEPORT: a server already there must fail this one
+            try:
+                check_port_free(settings.host, settings.grpc_port)
+            except ListenError as exc:
+                listener.close()
+                log.error("%s", exc.strerror, extra={"event": EVENT_LISTEN_FAILED, "host": settings.host,
+                                                     "port": settings.grpc_port})
+                return 1
         self._listener = listener
         try:
             run_dir = make_run_dir(self._run_parent)

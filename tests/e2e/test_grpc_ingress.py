@@ -126,3 +126,16 @@ def test_each_ingress_serves_grpc_and_the_engine_does_not_listen(split_server):
     finally:
         for channel in channels:
             channel.close()
+
+
+def test_a_second_server_on_the_grpc_port_fails_instead_of_sharing_it(split_server, start_module_server,
+                                                                       tmp_path):
+    # SO_REUSEPORT would let it bind beside the first one's ingress processes and take a share of
+    # their clients; the supervisor checks the port first and stops, as on a busy HTTP port.
+    second = start_module_server(["--model-repository", str(tmp_path), "--grpc-port", str(split_server.grpc_port),
+                                  "--ingress-processes", "1"])
+    assert second.proc.wait(60) == 1, second.log()[-3000:]
+    assert "address already in use" in second.log() and str(split_server.grpc_port) in second.log()
+    with grpc.insecure_channel(split_server.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        assert stub.ModelInfer(infer_request(1.0), timeout=30).model_name == "tiny_onnx"

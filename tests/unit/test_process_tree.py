@@ -18,6 +18,7 @@ from servewell.process_tree import (
     ListenError,
     RestartBackoff,
     bind_listener,
+    check_port_free,
     engine_command,
     ingress_command,
     ingress_process_count,
@@ -114,6 +115,19 @@ def test_a_port_in_use_is_one_clear_error():
             bind_listener("127.0.0.1", port)
     assert raised.value.strerror == (f"error while attempting to bind on address ('127.0.0.1', {port}): "
                                      "address already in use")
+
+
+def test_a_port_shared_with_so_reuseport_is_not_free():
+    # What an ingress of another server holds on its gRPC port: a later SO_REUSEPORT bind would share it.
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ListenError) as raised:
+            check_port_free("127.0.0.1", port)
+        assert "address already in use" in raised.value.strerror
+    check_port_free("127.0.0.1", port)  # free again once closed
 
 
 def test_an_ipv6_literal_binds_ipv6():
