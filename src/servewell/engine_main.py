@@ -4,12 +4,13 @@ It runs what one servewell process ran before the split (model registry, schedul
 pools, live config, console feed, alerting, metrics), minus the public listeners (the ingress
 processes serve HTTP and gRPC; gRPC's model views and repository calls come back here as control
 calls over the door): its HTTP app listens on the private unix socket RUN_DIR/engine-http.sock,
-where the ingress processes forward every request that is not an inference request, and inference arrives as
-envelopes at RUN_DIR/engine-door.sock (engine/door.py).
+where the ingress processes forward every request that is not an inference request, and
+inference arrives as envelopes at RUN_DIR/engine-door.sock (engine/door.py).
 
-Signals (from the supervisor): SIGUSR1 begins the shutdown (readiness false, everything is
-still served while the ingress processes drain); SIGTERM then drains what is queued and exits (no further delay: the supervisor spent it in the ingress processes);
-SIGHUP re-reads the configuration files.
+Signals (from the supervisor): SIGUSR1 begins the shutdown (readiness false, everything is still
+served while the ingress processes drain); SIGTERM then drains what is queued and exits (no
+further delay: the supervisor spent it in the ingress processes); SIGHUP re-reads the
+configuration files.
 """
 
 from __future__ import annotations
