@@ -115,6 +115,7 @@ async def console_state(
     except ServeError as exc:
         admin, admin_reason = False, exc.message
     feed = state.console
+    await feed.view.refresh()  # ingress processes' metrics and recent requests (bounded wait)
     total, reserved = state.engine.memory_budget
     readiness = state.engine.readiness()
     doc: dict[str, Any] = {

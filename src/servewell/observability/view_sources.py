@@ -1,0 +1,136 @@
+"""One view of the whole server: what ingress processes recorded, absorbed by the engine.
+
+An ingress process records the HTTP side (request latency, preprocess/postprocess, outcomes
+refused before the scheduler, API keys, auth failures, fast-path counts, the console's recent
+slow/failed requests and refusals); the engine serves `/metrics`, the console and alerting. Each
+process's `ConsoleFeed` has a `ViewSources` (`feed.view`):
+
+- in an ingress, `view.snapshot()` is a `ViewSnapshot` of its own data (picklable);
+- in the engine, `view.absorb(source, snapshot)` keeps each source's latest and `view.retire(source)`
+  folds a dead one's last into a permanent base (`metrics_merge.py` for the rules); every reader
+  (the families' `collect()` and `snapshot()`, so `/metrics`, the console feed, alerting signals;
+  the recent rings) then sees the sum, as if it were one process. With no source (one process)
+  every reader sees exactly what it saw before.
+- the read paths (`GET /metrics`, `GET /console/api/state`, the console feed's tick, the alert
+  evaluation) `await view.refresh()` first: it runs the refresher the engine installed with
+  `set_refresher` (ask every ingress for a snapshot, absorb them), at most one at a time, and
+  waits for it at most `timeout_s` (1 s): a slow or hung ingress never hangs `/metrics`, which
+  then serves what was absorbed. Without a refresher it returns at once.
+
+Source names: use one per process, `f"ingress-{index}-{pid}"`: a restart is then a new source and
+the supervisor `retire`s the old name when it sees the process die. A restart under the same name
+is handled too (the snapshot's incarnation differs: the old one's is folded into the base first),
+but a name per pid also keeps the two apart in logs. Requests an ingress served after its last
+absorbed snapshot and before it died are not counted (a pull model: ask a draining ingress for
+one last snapshot before it exits to close that gap).
+
+Figures (this machine, 2 shared cores; `MEASURE=1 pytest tests/unit/observability/test_view_sources.py`):
+3 models x 3 lanes x 5 outcomes, 6 routes x 3 status classes, 4 API keys, every family populated
+(253 series): `ServeMetrics.snapshot()` 0.37 ms, pickle of the whole `ViewSnapshot` (with full
+recent rings: 250 records) 1.2 ms, 86 KB; unpickle + absorb 1.1 ms; `generate_latest` of the engine
+registry with 2 sources absorbed 3.1 ms against 2.6 ms with none (figures filled in from the run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from servewell.observability.metrics import ServeMetrics
+from servewell.observability.metrics_merge import MetricsSnapshot
+from servewell.observability.recent_requests import RecentRequests, RecentSnapshot
+
+log = logging.getLogger("servewell.metrics")
+
+#: How long a read path waits for the refresher before it serves what was absorbed: a scrape
+#: timeout is 10 s by default in Prometheus, the console polls every 2 s.
+REFRESH_TIMEOUT_S = 1.0
+#: A refresh that failed or ran late is logged at most once per this many seconds.
+WARN_EVERY_S = 60.0
+
+Refresher = Callable[[], Awaitable[None]]
+
+
+@dataclass(slots=True, frozen=True)
+class ViewSnapshot:
+    """Everything of one process that the engine's views show, cumulative since it started (plain
+    data: picklable). Bounded: the recent rings hold at most 200 + 50 records (a few hundred bytes
+    each), the metrics one entry per label set, bounded by the label values (models, lanes,
+    outcomes, route templates, status classes, key ids): 86 KB pickled for 3 models with full
+    rings, of which the rings are about 75 KB."""
+
+    metrics: MetricsSnapshot | None  # None where metrics are turned off
+    recent: RecentSnapshot
+    pid: int
+    taken_at: float  # Unix time
+
+
+class ViewSources:
+    """This process's views and what it absorbed from others (see the module docstring)."""
+
+    def __init__(self, metrics: ServeMetrics | None, recent: RecentRequests) -> None:
+        self.metrics = metrics
+        self.recent = recent
+        self._refresher: Refresher | None = None
+        self._timeout_s = REFRESH_TIMEOUT_S
+        self._running: asyncio.Task[None] | None = None
+        self._warned_at = float("-inf")
+
+    def snapshot(self) -> ViewSnapshot:
+        """This process's own data (never what it absorbed): what an ingress hands the engine."""
+        return ViewSnapshot(self.metrics.snapshot() if self.metrics is not None else None,
+                            self.recent.view_snapshot(), os.getpid(), time.time())
+
+    def absorb(self, source: str, snapshot: ViewSnapshot) -> bool:
+        """Keep `snapshot` as `source`'s latest; False when it was dropped as stale (an older
+        snapshot than the one kept) or as a retired incarnation's."""
+        kept = self.recent.absorb(source, snapshot.recent)
+        if self.metrics is not None and snapshot.metrics is not None:
+            kept = self.metrics.absorb(source, snapshot.metrics) or kept
+        return kept
+
+    def retire(self, source: str) -> None:
+        """`source` died (or will send no more): what it counted stays in every view for good."""
+        self.recent.retire(source)
+        if self.metrics is not None:
+            self.metrics.retire(source)
+
+    def set_refresher(self, refresher: Refresher | None, timeout_s: float = REFRESH_TIMEOUT_S) -> None:
+        """Install (None: remove) the coroutine function `refresh()` runs before every read."""
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        self._refresher, self._timeout_s = refresher, timeout_s
+
+    async def refresh(self) -> None:
+        """Run the refresher (or join the one running) and wait for it at most `timeout_s`; its
+        failure or lateness is logged, never raised: the caller serves what was absorbed. The
+        refresh goes on after a timeout, and a caller that is cancelled does not cancel it."""
+        refresher = self._refresher
+        if refresher is None:
+            return
+        running = self._running
+        if running is None or running.done():
+            # An empty context: the refresher's log lines are not about the request that woke it.
+            running = self._running = asyncio.get_running_loop().create_task(
+                self._run(refresher), context=contextvars.Context())
+        try:
+            await asyncio.wait_for(asyncio.shield(running), self._timeout_s)
+        except TimeoutError:
+            self._warn("view refresh took over %.1f s; serving what was absorbed", self._timeout_s)
+
+    async def _run(self, refresher: Refresher) -> None:
+        try:
+            await refresher()
+        except Exception:  # a broken source must not break /metrics or the console
+            self._warn("view refresh failed; serving what was absorbed", exc_info=True)
+
+    def _warn(self, message: str, *args: object, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            log.warning(message, *args, exc_info=exc_info)
