@@ -286,10 +286,8 @@ class ServeMetrics:
 
     def snapshot(self) -> MetricsSnapshot:
         """This process's own series of every family, cumulative since this object was made (never
-        what it absorbed), as plain picklable data: what an ingress process hands the engine.
-
-        Cost, measured (tests/unit/observability/test_view_merge.py, `MEASURE` there): see
-        `observability/view_sources.py`."""
+        what it absorbed), as plain picklable data: what an ingress process hands the engine
+        (0.13 ms for 147 series; figures in `observability/view_sources.py`)."""
         histograms, counters = {}, {}
         for family in self.families():
             if isinstance(family, LoopHistogram):
