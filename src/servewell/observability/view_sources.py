@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.metrics_merge import MetricsSnapshot
+from servewell.observability.process import rss_bytes
 from servewell.observability.recent_requests import RecentRequests, RecentSnapshot
 
 log = logging.getLogger("servewell.metrics")
@@ -70,6 +71,7 @@ class ViewSnapshot:
     recent: RecentSnapshot
     pid: int
     taken_at: float  # Unix time
+    rss_bytes: int = 0  # the process's resident memory (the console's frontend memory adds it up)
 
 
 class ViewSources:
@@ -82,11 +84,12 @@ class ViewSources:
         self._timeout_s = REFRESH_TIMEOUT_S
         self._running: asyncio.Task[None] | None = None
         self._warned_at = float("-inf")
+        self._rss: dict[str, int] = {}  # the latest of each live source
 
     def snapshot(self) -> ViewSnapshot:
         """This process's own data (never what it absorbed): what an ingress hands the engine."""
         return ViewSnapshot(self.metrics.snapshot() if self.metrics is not None else None,
-                            self.recent.view_snapshot(), os.getpid(), time.time())
+                            self.recent.view_snapshot(), os.getpid(), time.time(), rss_bytes())
 
     def absorb(self, source: str, snapshot: ViewSnapshot) -> bool:
         """Keep `snapshot` as `source`'s latest; False when it was dropped as stale (an older
@@ -94,13 +97,24 @@ class ViewSources:
         kept = self.recent.absorb(source, snapshot.recent)
         if self.metrics is not None and snapshot.metrics is not None:
             kept = self.metrics.absorb(source, snapshot.metrics) or kept
+        if kept:
+            self._rss[source] = snapshot.rss_bytes
         return kept
 
     def retire(self, source: str) -> None:
         """`source` died (or will send no more): what it counted stays in every view for good."""
         self.recent.retire(source)
+        self._rss.pop(source, None)
         if self.metrics is not None:
             self.metrics.retire(source)
+
+    def sources(self) -> list[str]:
+        """The live sources absorbed, by name."""
+        return sorted(self._rss)
+
+    def absorbed_rss_bytes(self) -> int:
+        """The resident memory the live sources last reported, added up (0 in one process)."""
+        return sum(self._rss.values())
 
     def set_refresher(self, refresher: Refresher | None, timeout_s: float = REFRESH_TIMEOUT_S) -> None:
         """Install (None: remove) the coroutine function `refresh()` runs before every read."""

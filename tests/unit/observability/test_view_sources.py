@@ -153,6 +153,18 @@ def test_counts_never_go_down_across_retire_and_restarts():
     assert 'servewell_requests_total{lane="normal",model="m",outcome="rejected"} 6.0' in samples(engine)
 
 
+def test_sources_and_their_memory_are_the_live_ones():
+    engine = view_of(ServeMetrics())
+    assert engine.sources() == [] and engine.absorbed_rss_bytes() == 0
+    a, b = view_of(ServeMetrics()).snapshot(), view_of(ServeMetrics()).snapshot()
+    engine.absorb("ingress-0-1", a)
+    engine.absorb("ingress-1-2", b)
+    assert engine.sources() == ["ingress-0-1", "ingress-1-2"]
+    assert engine.absorbed_rss_bytes() == a.rss_bytes + b.rss_bytes > 0
+    engine.retire("ingress-0-1")
+    assert engine.sources() == ["ingress-1-2"] and engine.absorbed_rss_bytes() == b.rss_bytes
+
+
 def test_the_engine_alone_reads_as_before():
     engine = ServeMetrics()
     record_engine(engine)
