@@ -24,6 +24,12 @@ but a name per pid also keeps the two apart in logs. Requests an ingress served 
 absorbed snapshot and before it died are not counted (a pull model: ask a draining ingress for
 one last snapshot before it exits to close that gap).
 
+Each request must be recorded by one process only: a request an ingress forwards to the engine
+is timed and listed by the engine's middleware, so the forwarder calls
+`observability.context.mark_recorded_elsewhere()` once the engine's answer began, and the
+ingress's middleware leaves it out (0.6 us per request for the holder; a 503 the ingress answers
+itself, engine unreachable, is recorded by the ingress).
+
 Figures (this machine, 2 shared cores, best of 5; `MEASURE=1 pytest -s tests/unit/observability/
 test_view_sources.py -k pickle` prints a rougher set): an ingress with 3 models x 3 lanes x 5
 outcomes, 6 routes x 3 status classes, 4 API keys, every family populated (147 series) and both
