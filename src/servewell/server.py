@@ -164,7 +164,9 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     door = None
     if door_path is not None:
         door = EngineDoor(engine, door_path,
-                          live=lambda: LiveSettings(reloader.settings, access.ring, access.default_rate_per_s))
+                          live=lambda: LiveSettings(reloader.settings, access.ring, access.default_rate_per_s),
+                          absorb=console.view.absorb, retire=console.view.retire)
+        console.view.set_refresher(door.pull_views)  # /metrics, the console and alerts see every ingress
     background: list[asyncio.Task[None]] = []
     stop = asyncio.Event()
     shutdown_plan = ShutdownPlan(engine, settings.shutdown_delay_s, settings.shutdown_timeout_s)
@@ -199,7 +201,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
         if metrics is not None:  # always evaluated (console, /healthz); the webhook only delivers
             tracker = SignalTracker(metrics, engine.model_facts)
             background.append(loop.create_task(run_alerting(settings.alerting, tracker.snapshots, stop,
-                                                            active=console.alerts)))
+                                                            active=console.alerts, refresh=console.view.refresh)))
 
     async def shutdown() -> None:
         stop_grpc()
