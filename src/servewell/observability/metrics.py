@@ -410,3 +410,19 @@ class StateCollector(Collector):
                     if key in gpu:
                         family.add_metric([str(int(gpu["index"]))], gpu[key])
             yield from families.values()
+
+
+class ProcessRestartsCollector(Collector):
+    """`servewell_process_restarts_total{role}`: how often the supervisor restarted the engine or
+    an ingress process (read at scrape time from what the supervisor writes down)."""
+
+    def __init__(self, read: Callable[[], dict[str, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily("servewell_process_restarts", "Processes of the server restarted by the "
+                                     "supervisor after they died, by role (engine, ingress).", labels=["role"])
+        counts = self._read()
+        for role in ("engine", "ingress"):
+            family.add_metric([role], float(counts.get(role, 0)))
+        return [family]
