@@ -157,6 +157,13 @@ class ShuttingDown(Unavailable):
     code = "shutting_down"
 
 
+class EngineUnavailable(Unavailable):
+    """This ingress process cannot reach the engine process (down, restarting, or all its
+    connections busy): nothing was served. Safe to retry."""
+
+    code = "engine_unavailable"
+
+
 class ModelUnloading(Unavailable):
     """The model is being unloaded by an operator: it finishes what it accepted and takes nothing
     new (it will not come back until loaded again). Not the server shutting down."""
