@@ -217,7 +217,7 @@ class _Exchange:
                     self._watch_client()
                     await connection.read()
                 elif isinstance(event, h11.Response):
-                    return event
+                    break
                 elif not isinstance(event, h11.InformationalResponse):  # 1xx: the engine's, not the client's
                     raise h11.RemoteProtocolError(f"unexpected {type(event).__name__} before the answer")
         except TimeoutError:
@@ -230,6 +230,10 @@ class _Exchange:
                 return None
             raise _FailedBeforeAnswer(f"the engine closed the connection without answering ({exc})",
                                       retryable=True) from None
+        if sum(len(name) + len(value) + 4 for name, value in event.headers) > connection.max_header_bytes:
+            raise _FailedBeforeAnswer(f"the engine's answer head is over {connection.max_header_bytes} bytes",
+                                      retryable=False)
+        return event
 
     async def _forward_answer(self, head: h11.Response) -> None:
         """Send the head, then each body chunk as it arrives (a chunk already followed by the end

@@ -37,6 +37,9 @@ class UpstreamConnection:
         self._writer = writer
         #: Longest wait for one read from, or one drain to, the engine.
         self.io_timeout_s = io_timeout_s
+        #: Largest answer head accepted (h11 bounds only a head still incomplete after a read,
+        #: so a whole head read at once is measured by the caller).
+        self.max_header_bytes = max_header_bytes
         self.protocol = h11.Connection(h11.CLIENT, max_incomplete_event_size=max_header_bytes)
         #: Whether this connection already carried an exchange (so the engine may have closed it).
         self.reused = False
