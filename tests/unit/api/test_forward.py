@@ -22,7 +22,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Message
+from starlette.types import Message, Receive, Scope, Send
 
 from inloop_uvicorn import Served, serving, stop
 from servewell.api.forward import EngineForwarder, EngineStreamBroken
@@ -514,6 +514,63 @@ def test_an_answer_broken_off_after_it_began_aborts_the_client(socket_dir):
         async with raw_engine(path, b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nabc"):
             with pytest.raises(EngineStreamBroken):
                 await call(EngineForwarder(str(path)), http_scope())
+    asyncio.run(main())
+
+
+def test_a_304_with_a_content_length_passes_through_a_real_server(socket_dir):
+    async def main():
+        path = socket_dir / "raw.sock"
+        # RFC 9110 8.6 allows a 304 to name the length of what it stands for; uvicorn refuses to
+        # send a Content-Length it then sees no body for, so the forwarder drops it.
+        async with raw_engine(path, b"HTTP/1.1 304 Not Modified\r\ncontent-length: 42\r\netag: \"v\"\r\n\r\n"):
+            forwarder, raised = EngineForwarder(str(path)), []
+
+            async def app(scope: Scope, receive: Receive, send: Send) -> None:
+                try:
+                    await forwarder(scope, receive, send)
+                except Exception as exc:  # what uvicorn would log and cut the connection for
+                    raised.append(exc)
+                    raise
+
+            async with serving(app) as front:
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.port}") as client:
+                    answer = await client.get("/")
+                    assert answer.status_code == 304 and answer.headers["etag"] == '"v"'
+            assert raised == []
+    asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def closing_on_second_request(path: Path, accepted: list[int]) -> AsyncIterator[None]:
+    """An engine that answers a connection's first request, then closes it when the next one
+    comes (an idle keep-alive connection it closed at the moment the request was written)."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted[0] += 1
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_unix_server(handle, str(path))
+    try:
+        yield
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_a_safe_request_on_a_connection_closed_under_it_is_sent_again_once(socket_dir):
+    async def main():
+        path, accepted = socket_dir / "raw.sock", [0]
+        async with closing_on_second_request(path, accepted):
+            forwarder = EngineForwarder(str(path))
+            assert (await call(forwarder, http_scope())).body == b"ok"
+            again = await call(forwarder, http_scope())  # on the reused connection: closed, then a new one
+            assert again.status == 200 and again.body == b"ok" and accepted[0] == 2
+            # A POST may have been acted on: never sent twice.
+            refused = await call(forwarder, http_scope("POST"), body=b"{}")
+            assert "without answering" in assert_engine_unavailable(refused)
+            assert accepted[0] == 2
     asyncio.run(main())
 
 
