@@ -4,7 +4,8 @@
 a body streamed in the chunks the client sends) to the HTTP/1.1 server on a unix socket (the
 engine's `RUN/engine-http.sock`) and streams the answer back: the status and headers, then each
 body chunk as it arrives (a server-sent events stream flows event by event, nothing is
-buffered whole). Framing is h11's, which knows HEAD, 204 and 304 carry no body.
+buffered whole). Answers are parsed by httptools (`api/forward_pool.py`); HEAD, 1xx, 204 and
+304 answers carry no body, whatever their Content-Length says.
 
 - **Connections** come from a keep-alive pool (`api/forward_pool.py`): at most `max_connections`
   at once, a request waiting at most `pool_timeout_s` for one, then 503. A connection serves
@@ -41,14 +42,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from urllib.parse import quote as url_quote
 
-import h11
 from starlette.types import Message, Receive, Scope, Send
 
 from servewell.api.errors import serve_error_response
-from servewell.api.forward_pool import UpstreamConnection, UpstreamError, UpstreamPool
+from servewell.api.forward_pool import UpstreamClosed, UpstreamConnection, UpstreamError, UpstreamPool
 from servewell.api.peer import PEER_HEADER, format_peer
 from servewell.errors import BadRequest, EngineUnavailable, ServeError
 from servewell.observability.context import request_id_var
@@ -65,10 +67,20 @@ _RESPONSE_DROPPED = _HOP_BY_HOP | {b"date", b"server"}
 _RESPONSE_DROPPED_UNDER_INGRESS = _RESPONSE_DROPPED | {b"x-request-id", b"x-process-time"}
 # Safe methods: sending one again cannot repeat an action the engine took.
 _REPLAYABLE_METHODS = frozenset(("GET", "HEAD", "OPTIONS"))
+# What may not be written into a request head (the ingress's parser let none of it through;
+# a caller building its own scope might): RFC 9110 tokens, no control bytes or spaces in the target.
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_BAD_TARGET = re.compile(rb"[\x00-\x20\x7f]")
+_BAD_VALUE = re.compile(rb"[\x00\r\n]")
+_END_OF_CHUNKS = b"0\r\n\r\n"
 
 
 class EngineStreamBroken(ConnectionError):
     """The engine failed after its answer had begun: raised to abort the client's connection."""
+
+
+class _Unforwardable(ValueError):
+    """The request cannot be written as HTTP/1.1 (a control byte in a header, ...)."""
 
 
 class _FailedBeforeAnswer(Exception):
@@ -77,6 +89,15 @@ class _FailedBeforeAnswer(Exception):
     def __init__(self, message: str, *, retryable: bool) -> None:
         super().__init__(message)
         self.retryable = retryable
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """The request as written to the engine: its head, and how its body is framed."""
+
+    head: bytes
+    chunked: bool
+    head_only: bool
 
 
 class EngineForwarder:
@@ -129,8 +150,8 @@ class EngineForwarder:
         more_body: bool = first.get("more_body", False)
         request_id = request_id_var.get()
         try:
-            request = _request_head(scope, body, more_body, request_id)
-        except h11.LocalProtocolError as exc:
+            request = _request(scope, body, more_body, request_id)
+        except _Unforwardable as exc:
             await self._refuse(scope, receive, send, BadRequest(f"the request cannot be forwarded: {exc}"))
             return
         replayable = not more_body and scope["method"] in _REPLAYABLE_METHODS
@@ -168,111 +189,95 @@ class _Exchange:
         self._receive = receive
         self._send = send
         self._under_ingress = under_ingress
-        self._request_sent = False
         self._client_gone = False
         self._watch: asyncio.Task[None] | None = None
 
-    async def run(self, request: h11.Request, body: bytes, more_body: bool) -> None:
+    async def run(self, request: _Request, body: bytes, more_body: bool) -> None:
         """Forward the exchange; returns when the answer was forwarded or the client left, raises
         `_FailedBeforeAnswer` or `EngineStreamBroken`."""
+        self._connection.begin(head_only=request.head_only)
         try:
             if not await self._send_request(request, body, more_body):
                 return
-            head = await self._answer_head()
-            if head is not None:
-                await self._forward_answer(head)
+            if await self._answer_head():
+                await self._forward_answer()
         finally:
             if self._watch is not None:
                 self._watch.cancel()
 
-    async def _send_request(self, request: h11.Request, body: bytes, more_body: bool) -> bool:
+    async def _send_request(self, request: _Request, body: bytes, more_body: bool) -> bool:
         """Send the head and the body as it comes; False when the client left meanwhile. A failed
         write is not yet a failure: the engine may have answered early (and closed)."""
         connection = self._connection
         try:
-            await connection.send(request)
-            if body:
-                await connection.send(h11.Data(data=body))
+            await connection.write(request.head + _framed(body, request.chunked, more_body))
             while more_body:
                 message = await self._receive()
                 if message["type"] != "http.request":
                     connection.close()  # the client left mid-body: the engine sees its request end
                     return False
                 body, more_body = message.get("body", b""), message.get("more_body", False)
-                if body:
-                    await connection.send(h11.Data(data=body))
-            await connection.send(h11.EndOfMessage())
-            self._request_sent = True
+                if body or not more_body:
+                    await connection.write(_framed(body, request.chunked, more_body))
+            connection.request_complete = True
         except (OSError, TimeoutError):
             pass
         return True
 
-    async def _answer_head(self) -> h11.Response | None:
-        """The engine's answer head (None: the client left while it was awaited)."""
+    async def _answer_head(self) -> bool:
+        """Read up to the end of the answer's head; False when the client left meanwhile."""
         connection = self._connection
         try:
-            while True:
-                event = connection.protocol.next_event()
-                if event is h11.NEED_DATA:
-                    self._watch_client()
-                    await connection.read()
-                elif isinstance(event, h11.Response):
-                    break
-                elif not isinstance(event, h11.InformationalResponse):  # 1xx: the engine's, not the client's
-                    raise h11.RemoteProtocolError(f"unexpected {type(event).__name__} before the answer")
+            while connection.head is None:
+                self._watch_client()
+                await connection.read()
         except TimeoutError:
             if self._client_gone:
-                return None
+                return False
             raise _FailedBeforeAnswer(f"the engine did not answer within {connection.io_timeout_s:g} s",
                                       retryable=False) from None
-        except (OSError, h11.RemoteProtocolError) as exc:
+        except (OSError, UpstreamClosed) as exc:
             if self._client_gone:
-                return None
+                return False
             raise _FailedBeforeAnswer(f"the engine closed the connection without answering ({exc})",
                                       retryable=True) from None
-        if sum(len(name) + len(value) + 4 for name, value in event.headers) > connection.max_header_bytes:
-            raise _FailedBeforeAnswer(f"the engine's answer head is over {connection.max_header_bytes} bytes",
-                                      retryable=False)
-        return event
+        except UpstreamError as exc:
+            raise _FailedBeforeAnswer(str(exc), retryable=False) from None
+        return True
 
-    async def _forward_answer(self, head: h11.Response) -> None:
-        """Send the head, then each body chunk as it arrives (a chunk already followed by the end
-        of the answer goes with it, so a small answer is one head and one body message)."""
+    async def _forward_answer(self) -> None:
+        """Send the head, then the body as it is read (what one read brought goes as one message,
+        and the last with the end: a small answer is one head and one body message)."""
         connection = self._connection
-        await self._send({"type": "http.response.start", "status": head.status_code,
-                          "headers": _response_headers(head.headers, head.status_code, self._under_ingress)})
-        pending: bytes | None = None
+        head = connection.head
+        assert head is not None
+        status, headers = head
+        await self._send({"type": "http.response.start", "status": status,
+                          "headers": _response_headers(headers, status, self._under_ingress)})
         try:
             while True:
-                event = connection.protocol.next_event()
-                if event is h11.NEED_DATA:
-                    if pending is not None:
-                        await self._send({"type": "http.response.body", "body": pending, "more_body": True})
-                        pending = None
-                    self._watch_client()
-                    await connection.read()
-                elif isinstance(event, h11.Data):
-                    if pending is not None:
-                        await self._send({"type": "http.response.body", "body": pending, "more_body": True})
-                    pending = bytes(event.data)
-                elif isinstance(event, h11.EndOfMessage):
+                chunk = connection.take_body()
+                if connection.complete:
                     if self._watch is not None:
                         self._watch.cancel()  # the connection is about to go back to the pool: nothing may close it now
-                    await self._send({"type": "http.response.body", "body": pending or b"", "more_body": False})
+                    await self._send({"type": "http.response.body", "body": chunk, "more_body": False})
                     return
-                else:
-                    raise h11.RemoteProtocolError(f"unexpected {type(event).__name__} in the answer's body")
-        except (OSError, TimeoutError, h11.RemoteProtocolError) as exc:
+                if chunk:
+                    await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self._watch_client()
+                await connection.read()
+        except (OSError, TimeoutError, UpstreamError) as exc:
             if self._client_gone:
                 return
-            log.warning("the engine's answer broke off after it began (%s %s): %s; aborting the client's connection",
-                        head.status_code, type(exc).__name__, exc or "timeout")
-            raise EngineStreamBroken(f"the engine's answer broke off: {exc or 'timeout'}") from exc
+            reason = str(exc) or f"no data for {connection.io_timeout_s:g} s"
+            log.warning("the engine's answer (status %d) broke off after it began: %s; aborting the client's "
+                        "connection", status, reason)
+            raise EngineStreamBroken(f"the engine's answer broke off: {reason}") from exc
 
     def _watch_client(self) -> None:
         """While the engine is awaited, close the connection to it if the client leaves (uvicorn
         only says so through `receive`); started once the whole request was sent."""
-        if self._watch is None and self._request_sent:
+        if self._watch is None and self._connection.request_complete:
             self._watch = asyncio.ensure_future(self._until_client_leaves())
 
     async def _until_client_leaves(self) -> None:
@@ -282,6 +287,14 @@ class _Exchange:
                 self._client_gone = True
                 self._connection.close()
                 return
+
+
+def _framed(body: bytes, chunked: bool, more_body: bool) -> bytes:
+    """Request body bytes as written: as they are, or as one chunk (and the last one at the end)."""
+    if not chunked:
+        return body
+    framed = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
+    return framed if more_body else framed + _END_OF_CHUNKS
 
 
 def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
@@ -296,32 +309,43 @@ def _kept(headers: Iterable[tuple[bytes, bytes]], dropped: frozenset[bytes]) -> 
             if name not in dropped and name not in also and not name.startswith(b"proxy-")]
 
 
-def _request_head(scope: Scope, body: bytes, more_body: bool, request_id: str) -> h11.Request:
+def _request(scope: Scope, body: bytes, more_body: bool, request_id: str) -> _Request:
     """The request as the engine gets it (see the module docstring for what changes)."""
     raw: Headers = scope["headers"]
     host = next((value for name, value in raw if name == b"host"), None)
     length = next((value for name, value in raw if name == b"content-length"), None)
-    chunked = any(name == b"transfer-encoding" for name, _ in raw)
+    chunked_in = any(name == b"transfer-encoding" for name, _ in raw)
     headers = _kept(raw, _REQUEST_DROPPED_UNDER_INGRESS if request_id else _REQUEST_DROPPED)
     if host is None:  # HTTP/1.0 may omit it; HTTP/1.1 (to the engine) may not
         server = scope.get("server")
         host = (f"{server[0]}:{server[1]}" if server and server[1] is not None else "localhost").encode()
     headers.insert(0, (b"host", host))
+    chunked = False
     if length is not None:
         headers.append((b"content-length", length))
     elif more_body:
         headers.append((b"transfer-encoding", b"chunked"))
-    elif body or chunked:
-        headers.append((b"content-length", str(len(body)).encode()))
+        chunked = True
+    elif body or chunked_in:
+        headers.append((b"content-length", b"%d" % len(body)))
     peer = format_peer(scope.get("client"))
     if peer is not None:
         headers.append((PEER_HEADER, peer))
     if request_id:
         headers.append((b"x-request-id", request_id.encode()))
+    method = scope["method"].encode()
     target = scope.get("raw_path") or url_quote(scope["path"]).encode()
     if scope.get("query_string"):
         target += b"?" + scope["query_string"]
-    return h11.Request(method=scope["method"], target=target, headers=headers)
+    if not _TOKEN.fullmatch(method) or not target or _BAD_TARGET.search(target):
+        raise _Unforwardable("a method or target HTTP/1.1 cannot carry")
+    lines = [method, b" ", target, b" HTTP/1.1\r\n"]
+    for name, value in headers:
+        if not _TOKEN.fullmatch(name) or _BAD_VALUE.search(value):
+            raise _Unforwardable(f"header {name[:64]!r} cannot be written in HTTP/1.1")
+        lines += (name, b": ", value, b"\r\n")
+    lines.append(b"\r\n")
+    return _Request(b"".join(lines), chunked, method == b"HEAD")
 
 
 def _response_headers(headers: Iterable[tuple[bytes, bytes]], status: int, under_ingress: bool) -> Headers:

@@ -1,16 +1,18 @@
 """Keep-alive HTTP/1.1 connections to the engine's private unix socket, for `api/forward.py`.
 
-`UpstreamConnection` is one socket with an h11 client state machine: every read and every wait
-for the engine to take bytes is bounded by `io_timeout_s`, and the response head by
-`max_header_bytes`. `UpstreamPool` hands out at most `max_connections` of them at a time,
-reusing idle ones (most recently used first) and opening new ones on demand.
+`UpstreamConnection` is one socket: the caller writes the request's bytes, and the answer is
+parsed by httptools (llhttp, the C parser uvicorn serves with; h11 cost about 3x the CPU per
+forwarded GET, `bench/forward_cost.py`). Every read and every wait for the engine to take bytes
+ends within `io_timeout_s`, and the answer's head is bounded by `max_header_bytes`.
+`UpstreamPool` hands out at most `max_connections` of them at a time, reusing idle ones (most
+recently used first) and opening new ones on demand.
 
 An idle connection is handed out again only when it is still fresh: the engine did not close
 it (uvicorn closes a keep-alive connection after `timeout_keep_alive`, 5 s by default, and the
 end of file is seen here as soon as it arrives) and it has been idle less than
 `idle_timeout_s`, which stays below the engine's keep-alive timeout so that a request is
-rarely written into a socket the engine is closing at that moment (the caller retries the
-rare one that is, when it may: see `api/forward.py`).
+rarely written into a socket the engine is closing at that moment (the caller sends the rare
+one that is once more, when it may: see `api/forward.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-import h11
+import httptools
 
 #: Largest read from the engine's socket at once.
 READ_CHUNK_BYTES = 64 * 1024
@@ -26,6 +28,76 @@ READ_CHUNK_BYTES = 64 * 1024
 
 class UpstreamError(Exception):
     """The engine could not be reached or did not answer properly; `str()` says how."""
+
+
+class UpstreamClosed(UpstreamError):
+    """The engine closed the connection before its answer was complete."""
+
+
+class _Answer:
+    """httptools callbacks collecting one answer: its head, the body parsed so far, its end."""
+
+    __slots__ = ("parser", "head_only", "max_header_bytes", "status", "headers", "header_bytes", "head_done",
+                 "close_delimited", "keep_alive", "body", "complete", "informational", "trailing")
+
+    def __init__(self, head_only: bool, max_header_bytes: int) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.head_only = head_only  # the answer to HEAD: a head, whatever Content-Length says
+        self.max_header_bytes = max_header_bytes
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.header_bytes = 0
+        self.head_done = False
+        self.close_delimited = False
+        self.keep_alive = False
+        self.body: list[bytes] = []
+        self.complete = False
+        self.informational = False
+        self.trailing = False  # bytes after the answer: the connection is out of step
+
+    def on_status(self, reason: bytes) -> None:
+        if self.complete:
+            self.trailing = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_bytes += len(name) + len(value) + 4
+        if self.header_bytes > self.max_header_bytes:
+            raise UpstreamError(f"the engine's answer head is over {self.max_header_bytes} bytes")
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:
+            if status == 101:
+                raise UpstreamError("the engine switched protocols, which nobody asked it to")
+            self.informational, self.headers, self.header_bytes = True, [], 0  # 100/103: not the answer
+            return
+        if self.complete:
+            return
+        self.status, self.head_done = status, True
+        framed = no_body = self.head_only or status in (204, 304)
+        close = False
+        for name, value in self.headers:
+            if name == b"content-length" or name == b"transfer-encoding":
+                framed = True
+            elif name == b"connection" and b"close" in value.lower():
+                close = True
+        self.close_delimited = not framed  # HTTP/1.0 style: the body ends when the connection does
+        self.keep_alive = framed and not close and self.parser.get_http_version() == "1.1"
+        if no_body:
+            self.complete = True
+
+    def on_body(self, body: bytes) -> None:
+        if self.complete:
+            self.trailing = True
+        else:
+            self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.informational:
+            self.informational = False
+        else:
+            self.complete = True
 
 
 class UpstreamConnection:
@@ -37,10 +109,12 @@ class UpstreamConnection:
         self._writer = writer
         #: Longest wait for one read from, or one drain to, the engine.
         self.io_timeout_s = io_timeout_s
-        #: Largest answer head accepted (h11 bounds only a head still incomplete after a read,
-        #: so a whole head read at once is measured by the caller).
+        #: Largest answer head accepted.
         self.max_header_bytes = max_header_bytes
-        self.protocol = h11.Connection(h11.CLIENT, max_incomplete_event_size=max_header_bytes)
+        self._answer: _Answer | None = None
+        self._fed_before_head = 0
+        #: Whether the whole request was written (set by the caller): only then may it serve again.
+        self.request_complete = False
         #: Whether this connection already carried an exchange (so the engine may have closed it).
         self.reused = False
         #: `time.monotonic()` seconds when it was last returned to the pool.
@@ -48,32 +122,72 @@ class UpstreamConnection:
 
     @property
     def fresh(self) -> bool:
-        """Whether it may carry another exchange: idle in h11's eyes and not closed by either side."""
-        return (self.protocol.our_state is h11.IDLE and not self._reader.at_eof()
-                and not self._writer.transport.is_closing())
+        """Whether it may carry another exchange: neither side closed it."""
+        return not self._reader.at_eof() and not self._writer.transport.is_closing()
 
-    async def send(self, event: h11.Event) -> None:
-        """Write `event` (a request head, a body chunk, its end) and wait, at most `io_timeout_s`,
-        until the engine has taken enough of what is buffered: back-pressure, not buffering."""
-        data = self.protocol.send(event)
-        if data:
-            self._writer.write(data)
-            async with asyncio.timeout(self.io_timeout_s):
-                await self._writer.drain()
+    def begin(self, *, head_only: bool) -> None:
+        """Start an exchange; `head_only` for a HEAD request, whose answer has no body."""
+        self._answer = _Answer(head_only, self.max_header_bytes)
+        self._fed_before_head = 0
+        self.request_complete = False
+
+    async def write(self, data: bytes) -> None:
+        """Write request bytes and wait, at most `io_timeout_s`, until the engine has taken
+        enough of what is buffered: back-pressure, not buffering."""
+        self._writer.write(data)
+        async with asyncio.timeout(self.io_timeout_s):
+            await self._writer.drain()
 
     async def read(self) -> None:
-        """Read what the engine sent next (waiting at most `io_timeout_s`) into the h11 state
-        machine; at end of file h11 is told so, and its next event says what that means."""
+        """Read what the engine sent next (waiting at most `io_timeout_s`) and parse it; raises
+        `UpstreamClosed` at an end of file that cuts the answer short, `UpstreamError` for an
+        answer that is not HTTP/1.1 or whose head is too large."""
+        answer = self._answer
+        assert answer is not None, "begin() first"
         async with asyncio.timeout(self.io_timeout_s):
             data = await self._reader.read(READ_CHUNK_BYTES)
-        self.protocol.receive_data(data)
+        if not data:
+            if answer.head_done and answer.close_delimited:
+                answer.complete = True
+                return
+            raise UpstreamClosed("the engine closed the connection" + (" mid-answer" if answer.head_done else ""))
+        if not answer.head_done:
+            self._fed_before_head += len(data)
+            if self._fed_before_head > self.max_header_bytes + READ_CHUNK_BYTES:
+                raise UpstreamError(f"the engine's answer head is over {self.max_header_bytes} bytes")
+        try:
+            answer.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if isinstance(exc.__context__, UpstreamError):  # raised by a callback of ours
+                raise exc.__context__ from None
+            raise UpstreamError(f"the engine's answer is not HTTP/1.1: {exc}") from None
+
+    @property
+    def head(self) -> tuple[int, list[tuple[bytes, bytes]]] | None:
+        """The answer's status and headers (names in lower case), once its head was read."""
+        answer = self._answer
+        return (answer.status, answer.headers) if answer is not None and answer.head_done else None
+
+    @property
+    def complete(self) -> bool:
+        """Whether the whole answer was read."""
+        return self._answer is not None and self._answer.complete
+
+    def take_body(self) -> bytes:
+        """The body bytes read since the last call."""
+        answer = self._answer
+        if answer is None or not answer.body:
+            return b""
+        pieces, answer.body = answer.body, []
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     @property
     def reusable(self) -> bool:
         """Whether the exchange ended cleanly on both sides, the engine allowed keep-alive and
         nobody closed the socket since."""
-        return (self.protocol.our_state is h11.DONE and self.protocol.their_state is h11.DONE
-                and not self._writer.transport.is_closing())
+        answer = self._answer
+        return (answer is not None and answer.complete and answer.keep_alive and not answer.trailing
+                and self.request_complete and self.fresh)
 
     def close(self) -> None:
         """Close the socket at once (unsent bytes are dropped: the exchange is abandoned)."""
@@ -135,7 +249,6 @@ class UpstreamPool:
         keep-alive, closed otherwise (an abandoned or half-read exchange never serves another)."""
         try:
             if connection.reusable:
-                connection.protocol.start_next_cycle()
                 connection.reused = True
                 connection.idle_since = time.monotonic()
                 self._idle.append(connection)

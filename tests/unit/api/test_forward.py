@@ -508,6 +508,25 @@ def test_an_oversized_answer_head_gets_503(socket_dir):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("answer,status,body,keep_alive", [
+    (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil the end", 200, b"until the end", False),
+    (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok", 201, b"ok", True),
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n", 200, b"abcde",
+     True),
+    (b"HTTP/1.0 200 OK\r\ncontent-length: 3\r\n\r\nold", 200, b"old", False),
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok", 200, b"ok", False),
+])
+def test_answers_framed_every_way_http_allows(socket_dir, answer, status, body, keep_alive):
+    async def main():
+        path = socket_dir / "raw.sock"
+        async with raw_engine(path, answer, close=not keep_alive):
+            forwarder = EngineForwarder(str(path))
+            got = await call(forwarder, http_scope())
+            assert (got.status, got.body) == (status, body)
+            assert forwarder.idle_connections == keep_alive  # kept only where HTTP/1.1 says it may be
+    asyncio.run(main())
+
+
 def test_an_answer_broken_off_after_it_began_aborts_the_client(socket_dir):
     async def main():
         path = socket_dir / "raw.sock"
