@@ -21,7 +21,8 @@ buffered whole). Answers are parsed by httptools (`api/forward_pool.py`); HEAD, 
   removed. The engine's `Date` and `Server` are dropped, as the ingress's server writes its own.
   Under the ingress's `RequestContextMiddleware` (a request id is set) the id travels as
   `x-request-id`, so the engine logs the same id, and the engine's `x-request-id` and
-  `x-process-time` are dropped from the answer, where the ingress puts its own.
+  `x-process-time` are dropped from the answer, where the ingress puts its own; when that
+  middleware traces the request, `traceparent` names its span, so the engine's spans join it.
 - **Failures**: the engine unreachable (no socket, refused, reset, no answer within
   `read_timeout_s`, an unreadable or oversized answer head) before the answer began: 503
   `engine_unavailable`, in the route's error shape, with `Retry-After: 1`. After it began the
@@ -50,14 +51,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import quote as url_quote
 
+from opentelemetry import trace
+from opentelemetry.context import Context
 from starlette.types import Message, Receive, Scope, Send
 
 from servewell.api.errors import serve_error_response
 from servewell.api.forward_pool import UpstreamClosed, UpstreamConnection, UpstreamError, UpstreamPool
 from servewell.api.peer import PEER_HEADER, format_peer
 from servewell.errors import BadRequest, EngineUnavailable, ServeError
-from servewell.observability.context import request_id_var
+from servewell.observability.context import request_id_var, request_trace_var
 from servewell.observability.refusal_log import RefusalDigest
+from servewell.observability.tracing import traceparent_of
 
 log = logging.getLogger("servewell.forward")
 
@@ -348,6 +352,10 @@ def _request(scope: Scope, body: bytes, more_body: bool, request_id: str) -> _Re
         headers.append((PEER_HEADER, peer))
     if request_id:
         headers.append((b"x-request-id", request_id.encode()))
+    traceparent = _traceparent()
+    if traceparent is not None:
+        headers = [(name, value) for name, value in headers if name != b"traceparent"]
+        headers.append((b"traceparent", traceparent))
     method = scope["method"].encode()
     target = scope.get("raw_path") or url_quote(scope["path"]).encode()
     if scope.get("query_string"):
@@ -361,6 +369,15 @@ def _request(scope: Scope, body: bytes, more_body: bool, request_id: str) -> _Re
         lines += (name, b": ", value, b"\r\n")
     lines.append(b"\r\n")
     return _Request(b"".join(lines), chunked, method == b"HEAD")
+
+
+def _traceparent() -> bytes | None:
+    """W3C traceparent of the current request's span in this process (None when it is not traced)."""
+    context = request_trace_var.get()
+    if not isinstance(context, Context):
+        return None
+    value = traceparent_of(trace.get_current_span(context).get_span_context())
+    return value.encode() if value else None
 
 
 def _response_headers(headers: Iterable[tuple[bytes, bytes]], status: int, under_ingress: bool) -> Headers:

@@ -18,8 +18,10 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
@@ -29,6 +31,7 @@ from servewell.api.forward import EngineForwarder, EngineStreamBroken
 from servewell.api.middleware import RequestContextMiddleware
 from servewell.api.peer import TrustedPeerMiddleware
 from servewell.api.state import LiveKnobs
+from servewell.observability.context import request_trace_var
 from waiting import eventually_async
 
 ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
@@ -44,6 +47,7 @@ class Engine:
         self.hanging = asyncio.Event()
         self.saw_disconnect = asyncio.Event()
         self.release = asyncio.Event()
+        self.upload_cut = asyncio.Event()
         self.app = Starlette(routes=[
             Route("/echo", self.echo, methods=ALL_METHODS), Route("/v2/echo", self.echo, methods=ALL_METHODS),
             Route("/upload", self.upload, methods=["POST"]), Route("/sse", self.sse), Route("/forever", self.forever),
@@ -65,11 +69,15 @@ class Engine:
 
     async def upload(self, request: Request) -> Response:
         digest, size, chunks = hashlib.sha256(), 0, 0
-        async for chunk in request.stream():
-            if chunk:
-                self.first_body_chunk.set()
-                digest.update(chunk)
-                size, chunks = size + len(chunk), chunks + 1
+        try:
+            async for chunk in request.stream():
+                if chunk:
+                    self.first_body_chunk.set()
+                    digest.update(chunk)
+                    size, chunks = size + len(chunk), chunks + 1
+        except ClientDisconnect:
+            self.upload_cut.set()
+            raise
         return JSONResponse({"size": size, "sha256": digest.hexdigest(), "chunks": chunks})
 
     async def sse(self, request: Request) -> Response:
@@ -336,6 +344,37 @@ def test_a_client_leaving_mid_stream_closes_that_engine_connection(socket_dir):
     asyncio.run(main())
 
 
+def test_a_client_leaving_mid_body_ends_the_request_at_the_engine(socket_dir):
+    async def main():
+        engine = Engine()
+        path = str(socket_dir / "engine.sock")
+        async with serving(engine.app, uds=path):
+            forwarder = EngineForwarder(path)
+            messages = [{"type": "http.request", "body": b"x" * 1000, "more_body": True}]
+            leave, sent = asyncio.Event(), []
+
+            async def receive() -> Message:
+                if messages:
+                    return messages.pop(0)
+                await leave.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(message: Message) -> None:
+                sent.append(message)
+
+            scope = http_scope("POST", "/upload", headers=[(b"host", b"h"), (b"transfer-encoding", b"chunked")])
+            forwarding = asyncio.ensure_future(forwarder(scope, receive, send))
+            async with asyncio.timeout(2):
+                await engine.first_body_chunk.wait()
+            assert not engine.upload_cut.is_set()
+            leave.set()
+            async with asyncio.timeout(2):
+                await engine.upload_cut.wait()
+                await forwarding
+            assert sent == [] and forwarder.idle_connections == 0
+    asyncio.run(main())
+
+
 def test_a_client_leaving_before_the_answer_reaches_the_engine(socket_dir):
     async def main():
         engine = Engine()
@@ -415,6 +454,31 @@ def test_under_the_ingress_middleware_one_request_id_reaches_the_engine(socket_d
             hop = await call(ingress, http_scope(path="/hop"))
             (ingress_id,) = hop.header(b"x-request-id")  # the ingress's, not the engine's as well
             assert ingress_id != b"engine-id" and len(hop.header(b"x-process-time")) == 1
+    asyncio.run(main())
+
+
+def test_a_traced_request_names_its_span_as_the_engines_parent(socket_dir):
+    async def main():
+        engine = Engine()
+        path = str(socket_dir / "engine.sock")
+        async with serving(engine.app, uds=path):
+            forwarder = EngineForwarder(path)
+            client_parent = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+            headers = [(b"host", b"h"), (b"traceparent", client_parent)]
+
+            def seen(echoed: dict[str, Any]) -> list[str]:
+                return [value for name, value in echoed["headers"] if name == "traceparent"]
+
+            # Not traced here: the client's own goes through.
+            assert seen((await call(forwarder, http_scope(headers=list(headers)))).json()) == [client_parent.decode()]
+            span = SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0x00F067AA0BA902B7, is_remote=False,
+                               trace_flags=TraceFlags(TraceFlags.SAMPLED))
+            token = request_trace_var.set(trace.set_span_in_context(NonRecordingSpan(span)))
+            try:
+                echoed = (await call(forwarder, http_scope(headers=list(headers)))).json()
+            finally:
+                request_trace_var.reset(token)
+            assert seen(echoed) == ["00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba902b7-01"]
     asyncio.run(main())
 
 
