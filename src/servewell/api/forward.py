@@ -35,9 +35,9 @@ buffered whole). Answers are parsed by httptools (`api/forward_pool.py`); HEAD, 
 
 websocket scopes are closed (not supported); lifespan scopes are left to whoever mounts this.
 
-Cost: forwarding a small GET (a 40-byte JSON answer) adds about 200 us of CPU to the 157 us
-the same request costs served directly (client, servers and app in one process on uvloop, 2000
-sequential keep-alive GETs per round, median of 5 rounds: `bench/forward_cost.py`), for the
+Cost: forwarding a small GET (a 40-byte JSON answer) adds 197-212 us of CPU (two runs) to the
+157-163 us the same request costs served directly (client, servers and app in one process on
+uvloop, 2000 sequential keep-alive GETs per round, median of 5 rounds: `bench/forward_cost.py`), for the
 ingress's HTTP parse and write, this module and the engine's side of the unix socket. With h11
 instead of httptools it added 392 us; with the client watch started at once, 230 us.
 """
