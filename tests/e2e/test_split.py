@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+
 from servers import ServerFactory, ServerProcess
 from waiting import eventually
 
