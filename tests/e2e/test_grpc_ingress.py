@@ -5,6 +5,7 @@ reached (the calls that are not inference reach the engine as control calls over
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import grpc
@@ -14,6 +15,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from model_dirs import onnx_mlp_model
+from waiting import eventually
 
 CHANNELS = 16  # all on one of 2 ingress processes by chance: 2 in 65,536
 ADMIN = (("authorization", "Bearer s3cret"),)
@@ -37,7 +39,10 @@ def children(pid: int) -> list[int]:
 
 
 def role_of(pid: int) -> str:
-    command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:  # it has just exited
+        return "gone"
     return "engine" if b"servewell.engine_main" in command else "ingress" if b"servewell.ingress_main" in command \
         else "other"
 
@@ -59,7 +64,11 @@ def owners(pids: list[int], inodes: set[int]) -> dict[int, int]:
     held = {}
     for pid in pids:
         count = 0
-        for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # it has just exited
+            fds = []
+        for fd in fds:
             try:
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
             except OSError:
@@ -139,3 +148,29 @@ def test_a_second_server_on_the_grpc_port_fails_instead_of_sharing_it(split_serv
     with grpc.insecure_channel(split_server.grpc_url) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         assert stub.ModelInfer(infer_request(1.0), timeout=30).model_name == "tiny_onnx"
+
+
+def grpc_listeners(server) -> tuple[set[int], set[int]]:
+    """(pids listening on the gRPC port, ingress pids) of a split server now."""
+    pids = children(server.proc.pid)
+    listening = owners([*pids, server.proc.pid], sockets_on_port(server.grpc_port, "0A"))
+    return {pid for pid, count in listening.items() if count}, {pid for pid in pids if role_of(pid) == "ingress"}
+
+
+def test_an_ingress_killed_comes_back_on_the_grpc_port_and_the_other_serves_meanwhile(split_server):
+    listening, ingress = grpc_listeners(split_server)
+    assert listening == ingress and len(ingress) == 2
+    victim = min(ingress)
+    os.kill(victim, signal.SIGKILL)
+
+    def back() -> bool:
+        now_listening, now_ingress = grpc_listeners(split_server)
+        return victim not in now_ingress and len(now_ingress) == 2 and now_listening == now_ingress
+    eventually(back, 60, lambda: f"the restarted ingress does not listen on the gRPC port: "
+               f"{grpc_listeners(split_server)}\n{split_server.log()[-3000:]}")
+    # every new connection is served, whichever ingress (the restarted one bound beside the other)
+    for _ in range(CHANNELS):
+        with grpc.insecure_channel(split_server.grpc_url, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            assert stub.ModelInfer(infer_request(2.0), timeout=30).model_name == "tiny_onnx"
+            assert stub.ModelReady(pb.ModelReadyRequest(name="tiny_onnx"), timeout=30).ready
