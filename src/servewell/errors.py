@@ -158,7 +158,8 @@ class ShuttingDown(Unavailable):
 
 
 class EngineUnavailable(Unavailable):
-    """The engine process is not reachable from this ingress process (killed, restarting)."""
+    """This ingress process cannot reach the engine process (down, restarting, or all its
+    connections busy): nothing was served. Safe to retry."""
 
     code = "engine_unavailable"
 

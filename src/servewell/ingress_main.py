@@ -103,7 +103,7 @@ def build_ingress(settings: ServerConfig, run_dir: Path, index: int) -> tuple[AS
         tracing.set_sample_ratio(ratio if ratio is not None else DEFAULT_SAMPLE_RATIO)
         logging.getLogger().setLevel(fresh.log_level.upper())
 
-    engine = RemoteEngine(str(run_dir / ENGINE_DOOR_SOCKET), index, apply_live)
+    engine = RemoteEngine(str(run_dir / ENGINE_DOOR_SOCKET), index, apply_live, view_snapshot=console.view.snapshot)
     decoder, pools = build_decoder(settings)
     plane = DataPlane(engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side), metrics,
                       tracing)

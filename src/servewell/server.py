@@ -36,11 +36,12 @@ from servewell.live_config import ConfigReloader, load_keys
 from servewell.observability.alerting import run_alerting
 from servewell.observability.console_feed import ConsoleFeed
 from servewell.observability.gpu import GpuProbe
-from servewell.observability.metrics import ServeMetrics, StateCollector
+from servewell.observability.metrics import ProcessRestartsCollector, ServeMetrics, StateCollector
 from servewell.observability.process import process_facts
 from servewell.observability.signals import SignalTracker
 from servewell.observability.steps import set_step_sink
 from servewell.observability.tracing import Tracing, settings_from
+from servewell.process_tree import read_restart_counts
 from servewell.shutdown import GracefulServer, ShutdownPlan, run_after_drain, uvicorn_graceful_timeout_s
 from servewell.workers.handle import WorkerSettings
 from servewell.workers.shm import NAME_PREFIX, remove_segments, remove_stale_segments
@@ -164,7 +165,12 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     door = None
     if door_path is not None:
         door = EngineDoor(engine, door_path,
-                          live=lambda: LiveSettings(reloader.settings, access.ring, access.default_rate_per_s))
+                          live=lambda: LiveSettings(reloader.settings, access.ring, access.default_rate_per_s),
+                          absorb=console.view.absorb, retire=console.view.retire)
+        console.view.set_refresher(door.pull_views)  # /metrics, the console and alerts see every ingress
+        if metrics is not None:
+            run_dir = Path(door_path).parent
+            metrics.registry.register(ProcessRestartsCollector(lambda: read_restart_counts(run_dir)))
     background: list[asyncio.Task[None]] = []
     stop = asyncio.Event()
     shutdown_plan = ShutdownPlan(engine, settings.shutdown_delay_s, settings.shutdown_timeout_s)
@@ -199,7 +205,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
         if metrics is not None:  # always evaluated (console, /healthz); the webhook only delivers
             tracker = SignalTracker(metrics, engine.model_facts)
             background.append(loop.create_task(run_alerting(settings.alerting, tracker.snapshots, stop,
-                                                            active=console.alerts)))
+                                                            active=console.alerts, refresh=console.view.refresh)))
 
     async def shutdown() -> None:
         stop_grpc()

@@ -22,9 +22,11 @@ from servewell.api.state import LiveKnobs
 from servewell.errors import quote
 from servewell.observability.context import (
     BatchPlacement,
+    RecordedElsewhere,
     error_code_var,
     model_var,
     placement_var,
+    recorded_elsewhere_var,
     request_id_var,
     request_trace_var,
     stages_var,
@@ -71,8 +73,9 @@ class RequestContextMiddleware:
             elif key == b"tracestate":
                 tracestate = value.decode("latin-1")
         request_id = request_id or uuid.uuid4().hex
+        elsewhere = RecordedElsewhere()
         tokens = (request_id_var.set(request_id), model_var.set(""), stages_var.set({}),
-                  placement_var.set(BatchPlacement()))
+                  placement_var.set(BatchPlacement()), recorded_elsewhere_var.set(elsewhere))
         span = otel_token = trace_token = None
         if self.tracing is not None:
             span, span_context = begin_server_span(
@@ -111,7 +114,7 @@ class RequestContextMiddleware:
                                           path=scope.get("path", ""))
                 await response(scope, receive, send_with_headers)
         finally:
-            self._finish(scope, status, time.perf_counter() - started, span)
+            self._finish(scope, status, time.perf_counter() - started, span, elsewhere.marked)
             if trace_token is not None:
                 request_trace_var.reset(trace_token)
             if otel_token is not None:
@@ -120,12 +123,14 @@ class RequestContextMiddleware:
             model_var.reset(tokens[1])
             stages_var.reset(tokens[2])
             placement_var.reset(tokens[3])
+            recorded_elsewhere_var.reset(tokens[4])
 
-    def _finish(self, scope: Scope, status: int, elapsed: float, span: Span | None) -> None:
+    def _finish(self, scope: Scope, status: int, elapsed: float, span: Span | None, elsewhere: bool) -> None:
         route = scope.get("route")
         template = getattr(route, "path", None) or "unmatched"
         record_outcome(protocol="http", route=template, status=status, error_code=error_code_var.get(),
                        elapsed_s=elapsed, span=span,
                        span_attributes={"http.route": template, "http.response.status_code": status},
-                       counted=template not in _PLUMBING, metrics=self.metrics,
+                       # A request relayed to the engine is counted there (`mark_recorded_elsewhere`).
+                       counted=template not in _PLUMBING and not elsewhere, metrics=self.metrics,
                        slow_after_s=self.knobs.slow_request_s, recent=self.recent)

@@ -48,6 +48,7 @@ from servewell.engine.envelope import (
 from servewell.engine.lanes import resolve_lane
 from servewell.engine.protocol import ModelView, Readiness, RequestResult
 from servewell.errors import EngineUnavailable, ModelNotReady, NotFound, ServeError, ShuttingDown, quote
+from servewell.observability.context import client_var
 from servewell.observability.tracing import traceparent_of
 
 log = logging.getLogger("servewell.ingress")
@@ -194,7 +195,7 @@ class RemoteEngine:
         traceparent = traceparent_of(span_context) if span_context.is_valid and span_context.trace_flags.sampled \
             else None
         writer.send(Envelope(call_id, model, version, lane, deadline, arrived_at, request_id, inputs,
-                             traceparent=traceparent))
+                             tenant=client_var.get() or None, traceparent=traceparent))
         future.add_done_callback(lambda f: self._cancelled(call_id) if f.cancelled() else None)
         return future
 

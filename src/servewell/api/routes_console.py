@@ -115,6 +115,7 @@ async def console_state(
     except ServeError as exc:
         admin, admin_reason = False, exc.message
     feed = state.console
+    await feed.view.refresh()  # ingress processes' metrics and recent requests (bounded wait)
     total, reserved = state.engine.memory_budget
     readiness = state.engine.readiness()
     doc: dict[str, Any] = {
@@ -124,7 +125,7 @@ async def console_state(
             "status": readiness.status,  # /healthz's word: ok, degraded, not_ready, shutting_down
             "status_reason": readiness.reason,
             "started_at": feed.started_at,
-            "frontend_rss_bytes": rss_bytes(),
+            "frontend_rss_bytes": rss_bytes() + feed.view.absorbed_rss_bytes(),  # with ingress processes
             "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
             "keys_required": state.access.enabled,
             "max_body_bytes": state.settings.max_body_bytes,

@@ -19,4 +19,5 @@ async def prometheus_metrics(state: AppState = Depends(state_dependency)) -> Res
     are turned off (`--metrics-enabled false`)."""
     if state.metrics is None:
         raise NotFound("metrics are turned off on this server (--metrics-enabled false)")
+    await state.console.view.refresh()  # ingress processes' series, summed in (bounded wait)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

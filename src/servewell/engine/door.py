@@ -45,7 +45,7 @@ from servewell.engine.envelope import (
 )
 from servewell.engine.protocol import ModelView, RequestResult
 from servewell.errors import ModelError, ServeError
-from servewell.observability.context import request_id_var
+from servewell.observability.context import client_var, request_id_var
 
 log = logging.getLogger("servewell.engine")
 
@@ -211,6 +211,7 @@ class EngineDoor:
 
     def _on_envelope(self, ingress: _Ingress, envelope: Envelope) -> None:
         token = request_id_var.set(envelope.request_id)
+        client_token = client_var.set(envelope.tenant or "")
         trace_token = None
         if envelope.traceparent:
             trace_token = otel_context.attach(extract({"traceparent": envelope.traceparent}))
@@ -229,6 +230,7 @@ class EngineDoor:
             if trace_token is not None:
                 otel_context.detach(trace_token)
             request_id_var.reset(token)
+            client_var.reset(client_token)
         ingress.pending[envelope.call_id] = future
         future.add_done_callback(partial(self._answer, ingress, envelope.call_id))
 

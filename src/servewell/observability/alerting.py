@@ -24,7 +24,7 @@ import asyncio
 import logging
 import operator
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -313,6 +313,7 @@ async def run_alerting(
     client: httpx.AsyncClient | None = None,
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
+    refresh: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Every `evaluation_interval_s` until `stop_event` is set: take snapshots, keep the alerts that
     hold in `active`, and notify the alerts due when a webhook is configured.
@@ -321,6 +322,8 @@ async def run_alerting(
     I/O); an exception from it is logged and that round skipped. The first evaluation comes one
     interval after the start. Returns at once when there is neither a webhook nor an `active` set to
     keep. A `client` passed in is used and left open; otherwise one is made and closed here.
+    `refresh` (the console feed's `view.refresh`: absorb what ingress processes counted) is awaited
+    before each evaluation; it never raises and waits at most its timeout.
     """
     if config.webhook_url is None and active is None:
         return
@@ -337,6 +340,8 @@ async def run_alerting(
                 return
             except TimeoutError:
                 pass
+            if refresh is not None:
+                await refresh()
             try:
                 snapshots = snapshot_fn()
             except Exception:  # a broken producer must not end alerting

@@ -34,6 +34,7 @@ from typing import Any
 from servewell.observability.alerting import ActiveAlerts
 from servewell.observability.metrics import OUTCOMES, LoopHistogram, ServeMetrics
 from servewell.observability.recent_requests import RecentRequests
+from servewell.observability.view_sources import ViewSources
 
 log = logging.getLogger("servewell.console")
 
@@ -281,6 +282,9 @@ class ConsoleFeed:
         self._history: deque[tuple[float, MetricsReading]] = deque(
             maxlen=max(2, int(min(SUMMARY_WINDOW_S, window_s) // interval_s) + 1))
         self.alerts = ActiveAlerts()  # kept by the alert evaluation (`run_alerting`), shown by the console
+        #: What ingress processes recorded, absorbed into `metrics` and `recent` (`view_sources.py`);
+        #: every read path awaits `view.refresh()` first.
+        self.view = ViewSources(metrics, self.recent)
 
     def sample(self) -> None:
         """Take one reading; from the second on, append a point per model seen so far."""
@@ -309,6 +313,7 @@ class ConsoleFeed:
         next_at = loop.time()
         while True:
             try:
+                await self.view.refresh()
                 self.sample()
             except Exception:  # the console must never take the server down
                 log.exception("console sample failed")

@@ -96,7 +96,8 @@ class InferenceServicer:
         async def handle(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
             call = self._plane.call()
             metadata = context.invocation_metadata()
-            model = await call.open(request.model_name, request.model_version or None, metadata_value(metadata, "x-urgency"))
+            model = await call.open(request.model_name, request.model_version or None,
+                                    metadata_value(metadata, "x-urgency"))
             with call.preprocessing():
                 decoded = decode_request(request)
                 inputs = await call.model_inputs(decoded.inputs)
