@@ -166,7 +166,9 @@ class HealthWatch:
             await asyncio.sleep(0.1)
 
     def model(self, sample: Sample, name: str) -> dict[str, Any] | None:
-        return None if sample.doc is None else sample.doc["models"].get(name)
+        # a refusal (503 engine_unavailable from an ingress while the engine is down) has no models
+        models = sample.doc.get("models") if isinstance(sample.doc, dict) else None
+        return None if not isinstance(models, dict) else models.get(name)
 
     def recovery(self, name: str, t0: float, victims: set[int]) -> dict[str, float | None]:
         """Seconds from `t0` until the model left `ready`, and until it was ready on new workers."""
