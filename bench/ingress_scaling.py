@@ -76,7 +76,7 @@ def measure(server: ServerProcess, bodies: list[Path], clients: int, seconds: fl
     meter = TreeCpu(server.pid).start()
     loadgen_before = children_cpu_seconds()
     started = time.monotonic()
-    summary = closed_loop(server.url, "/v2/models/mlp/infer", bodies, clients, seconds, 1.0,
+    summary = closed_loop(server.url, "/v2/models/mlp/infer", bodies, clients, 1.0 + seconds, 1.0,
                           RESULTS / "runs" / f"ingress_scaling_{tag}.json", RESULTS / "logs" / "loadgen.log")
     wall_s = time.monotonic() - started
     spent = meter.stop()

@@ -68,7 +68,7 @@ def offline(repository: Path, images: list[Path], tag: str) -> dict[str, Any]:
 
 def measure(server: ServerProcess, bodies: list[Path], seconds: float, tag: str) -> dict[str, Any]:
     meter = TreeCpu(server.pid).start()
-    summary = closed_loop(server.url, "/predict", bodies, CLIENTS, seconds, WARMUP_S,
+    summary = closed_loop(server.url, "/predict", bodies, CLIENTS, WARMUP_S + seconds, WARMUP_S,
                           RESULTS / "runs" / f"resnet_split_{tag}.json", RESULTS / "logs" / "loadgen.log")
     spent = meter.stop()
     images = max(1, summary["sent"])
