@@ -145,6 +145,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]], limit: float, offline_runs:
                                                     for a, b in zip(runs["split"], runs["single"], strict=True)),
         "cpu_ms_per_image": {key: {role: median(key, role) for role in roles} for key in runs},
         "ingress_vs_single_frontend_cpu": decode_ratio,
+        # the part of the split's frontend work that does not scale with ingress processes
+        "engine_vs_single_frontend_cpu": (median("split", "engine") / median("single", "frontend")
+                                          if median("single", "frontend") else None),
         "errors": {key: sum(n for r in rows for s, n in r["statuses"].items() if s != "200")
                    for key, rows in runs.items()},
         "rounds": runs,
@@ -169,6 +172,8 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"ingress CPU per image / single-process frontend CPU per image: {decode:.2f}x (goal <= "
               f"{GOAL_DECODE_CPU_RATIO}x, or moved where it scales: the ingress processes scale, the engine "
               f"does not; engine {report['cpu_ms_per_image']['split'].get('engine', 0.0):.1f} ms/image)")
+        print(f"engine CPU per image (what does not scale) / single-process frontend CPU per image: "
+              f"{report['engine_vs_single_frontend_cpu']:.2f}x")
     if any(report["errors"].values()):
         print(f"non-200 answers: {report['errors']}")
 
