@@ -90,10 +90,12 @@ def measure(server: ServerProcess, bodies: list[Path], clients: int, seconds: fl
         "roles_us_per_request": {k: round(1e6 * v / requests, 1) for k, v in sorted(spent.items())},
         "groups_us_per_request": {k: round(1e6 * v / requests, 1) for k, v in sorted(groups.items())},
         "loadgen_cpu_s": round(loadgen_s, 2),
-        # the load generator's share of the machine over the run (warm-up and grace included)
-        "loadgen_cores": round(loadgen_s / wall_s, 2),
+        "wall_s": round(wall_s, 2),  # the load generator's start-up, warm-up and grace included
         "loadgen_us_per_request": round(1e6 * loadgen_s / requests, 1),
-        "server_cores": round(groups["total"] / wall_s, 2),
+        # cores busy while requests flow: CPU per request x requests per second (the wall time of the
+        # run would count the load generator's start-up and grace, when nothing is sent)
+        "loadgen_cores": round(loadgen_s / requests * summary["throughput_rps"], 2),
+        "server_cores": round(groups["total"] / requests * summary["throughput_rps"], 2),
     }
 
 
