@@ -24,7 +24,9 @@ class ServerProcess(ChildProcess):
             [sys.executable, "-m", "servewell", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "--grpc-port", str(self.grpc_port), *args],
             # Tests stop servers with SIGTERM: no load balancer needs the delay (a test that checks it sets it).
-            log_path, {"SERVEWELL_SHUTDOWN_DELAY_S": "0", **(env or {})},
+            # One ingress process unless a test asks for more (tests/e2e/test_split.py): the split
+            # path is the same, and each further process costs every server start its imports.
+            log_path, {"SERVEWELL_SHUTDOWN_DELAY_S": "0", "SERVEWELL_INGRESS_PROCESSES": "1", **(env or {})},
         )
 
     def health(self) -> dict[str, Any]:

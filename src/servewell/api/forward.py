@@ -21,7 +21,8 @@ buffered whole). Answers are parsed by httptools (`api/forward_pool.py`); HEAD, 
   removed. The engine's `Date` and `Server` are dropped, as the ingress's server writes its own.
   Under the ingress's `RequestContextMiddleware` (a request id is set) the id travels as
   `x-request-id`, so the engine logs the same id, and the engine's `x-request-id` and
-  `x-process-time` are dropped from the answer, where the ingress puts its own.
+  `x-process-time` are dropped from the answer, where the ingress puts its own; when that
+  middleware traces the request, `traceparent` names its span, so the engine's spans join it.
 - **Failures**: the engine unreachable (no socket, refused, reset, no answer within
   `read_timeout_s`, an unreadable or oversized answer head) before the answer began: 503
   `engine_unavailable`, in the route's error shape, with `Retry-After: 1`. After it began the
@@ -34,8 +35,11 @@ buffered whole). Answers are parsed by httptools (`api/forward_pool.py`); HEAD, 
 
 websocket scopes are closed (not supported); lifespan scopes are left to whoever mounts this.
 
-Cost (`bench/forward_cost.py`, 2000 sequential GETs of a 40-byte JSON, CPU of the one process
-that runs client, forwarder and engine app together): see FORWARD_COST_NOTE below.
+Cost: forwarding a small GET (a 40-byte JSON answer) adds 197-212 us of CPU (two runs) to the
+157-163 us the same request costs served directly (client, servers and app in one process on
+uvloop, 2000 sequential keep-alive GETs per round, median of 5 rounds: `bench/forward_cost.py`), for the
+ingress's HTTP parse and write, this module and the engine's side of the unix socket. With h11
+instead of httptools it added 392 us; with the client watch started at once, 230 us.
 """
 
 from __future__ import annotations
@@ -47,14 +51,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import quote as url_quote
 
+from opentelemetry import trace
+from opentelemetry.context import Context
 from starlette.types import Message, Receive, Scope, Send
 
 from servewell.api.errors import serve_error_response
 from servewell.api.forward_pool import UpstreamClosed, UpstreamConnection, UpstreamError, UpstreamPool
 from servewell.api.peer import PEER_HEADER, format_peer
 from servewell.errors import BadRequest, EngineUnavailable, ServeError
-from servewell.observability.context import request_id_var
+from servewell.observability.context import request_id_var, request_trace_var
 from servewell.observability.refusal_log import RefusalDigest
+from servewell.observability.tracing import traceparent_of
 
 log = logging.getLogger("servewell.forward")
 
@@ -73,6 +80,10 @@ _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _BAD_TARGET = re.compile(rb"[\x00-\x20\x7f]")
 _BAD_VALUE = re.compile(rb"[\x00\r\n]")
 _END_OF_CHUNKS = b"0\r\n\r\n"
+# The watch for the client leaving (a task awaiting `receive`) cost about 35 us of CPU per request
+# (forwarding a small GET added 230 us with it, 194 us without: bench/forward_cost.py), and almost
+# every answer comes sooner than this; so it starts only once the engine has taken this long.
+_WATCH_AFTER_S = 0.05
 
 
 class EngineStreamBroken(ConnectionError):
@@ -190,6 +201,7 @@ class _Exchange:
         self._send = send
         self._under_ingress = under_ingress
         self._client_gone = False
+        self._watch_timer: asyncio.TimerHandle | None = None
         self._watch: asyncio.Task[None] | None = None
 
     async def run(self, request: _Request, body: bytes, more_body: bool) -> None:
@@ -202,8 +214,7 @@ class _Exchange:
             if await self._answer_head():
                 await self._forward_answer()
         finally:
-            if self._watch is not None:
-                self._watch.cancel()
+            self._stop_watching()
 
     async def _send_request(self, request: _Request, body: bytes, more_body: bool) -> bool:
         """Send the head and the body as it comes; False when the client left meanwhile. A failed
@@ -258,8 +269,7 @@ class _Exchange:
             while True:
                 chunk = connection.take_body()
                 if connection.complete:
-                    if self._watch is not None:
-                        self._watch.cancel()  # the connection is about to go back to the pool: nothing may close it now
+                    self._stop_watching()  # the connection is about to go back to the pool: nothing may close it now
                     await self._send({"type": "http.response.body", "body": chunk, "more_body": False})
                     return
                 if chunk:
@@ -276,9 +286,18 @@ class _Exchange:
 
     def _watch_client(self) -> None:
         """While the engine is awaited, close the connection to it if the client leaves (uvicorn
-        only says so through `receive`); started once the whole request was sent."""
-        if self._watch is None and self._connection.request_complete:
-            self._watch = asyncio.ensure_future(self._until_client_leaves())
+        only says so through `receive`): from `_WATCH_AFTER_S` after the whole request was sent."""
+        if self._watch_timer is None and self._connection.request_complete:
+            self._watch_timer = asyncio.get_running_loop().call_later(_WATCH_AFTER_S, self._start_watching)
+
+    def _start_watching(self) -> None:
+        self._watch = asyncio.ensure_future(self._until_client_leaves())
+
+    def _stop_watching(self) -> None:
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
 
     async def _until_client_leaves(self) -> None:
         while True:
@@ -333,6 +352,10 @@ def _request(scope: Scope, body: bytes, more_body: bool, request_id: str) -> _Re
         headers.append((PEER_HEADER, peer))
     if request_id:
         headers.append((b"x-request-id", request_id.encode()))
+    traceparent = _traceparent()
+    if traceparent is not None:
+        headers = [(name, value) for name, value in headers if name != b"traceparent"]
+        headers.append((b"traceparent", traceparent))
     method = scope["method"].encode()
     target = scope.get("raw_path") or url_quote(scope["path"]).encode()
     if scope.get("query_string"):
@@ -346,6 +369,15 @@ def _request(scope: Scope, body: bytes, more_body: bool, request_id: str) -> _Re
         lines += (name, b": ", value, b"\r\n")
     lines.append(b"\r\n")
     return _Request(b"".join(lines), chunked, method == b"HEAD")
+
+
+def _traceparent() -> bytes | None:
+    """W3C traceparent of the current request's span in this process (None when it is not traced)."""
+    context = request_trace_var.get()
+    if not isinstance(context, Context):
+        return None
+    value = traceparent_of(trace.get_current_span(context).get_span_context())
+    return value.encode() if value else None
 
 
 def _response_headers(headers: Iterable[tuple[bytes, bytes]], status: int, under_ingress: bool) -> Headers:

@@ -1,109 +1,34 @@
-"""EngineForwarder (api/forward.py) against a real uvicorn on a unix socket serving a small
-Starlette app (the engine's stand-in), reached through a second uvicorn on 127.0.0.1 with a real
-HTTP client, or by calling the forwarder as an ASGI app where a test needs exact control of the
-request (headers a client library would not send, no client address)."""
+"""EngineForwarder (api/forward.py): round trips, streaming both ways, keep-alive connections,
+clients that leave, and the headers that change on the way (tests/support/forward_rig.py has the
+engine's stand-in and the rig)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
-import socket
 import tempfile
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-import orjson
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from starlette.types import Message
 
-from inloop_uvicorn import Served, serving, stop
-from servewell.api.forward import EngineForwarder, EngineStreamBroken
+from forward_rig import (
+    Engine,
+    call,
+    http_scope,
+    names,
+    rig,
+)
+from inloop_uvicorn import serving
+from servewell.api.forward import EngineForwarder
 from servewell.api.middleware import RequestContextMiddleware
-from servewell.api.peer import TrustedPeerMiddleware
 from servewell.api.state import LiveKnobs
+from servewell.observability.context import request_trace_var
 from waiting import eventually_async
-
-ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
-
-
-class Engine:
-    """The engine's stand-in: the answers the forwarder must carry, and events the tests wait on."""
-
-    def __init__(self) -> None:
-        self.first_body_chunk = asyncio.Event()
-        self.first_event_read = asyncio.Event()
-        self.stream_ended = asyncio.Event()
-        self.hanging = asyncio.Event()
-        self.saw_disconnect = asyncio.Event()
-        self.release = asyncio.Event()
-        self.app = Starlette(routes=[
-            Route("/echo", self.echo, methods=ALL_METHODS), Route("/v2/echo", self.echo, methods=ALL_METHODS),
-            Route("/upload", self.upload, methods=["POST"]), Route("/sse", self.sse), Route("/forever", self.forever),
-            Route("/fixed", lambda _: JSONResponse({"fixed": True})),
-            Route("/empty", lambda _: Response(status_code=204)),
-            Route("/not-modified", lambda _: Response(status_code=304, headers={"etag": '"v1"'})),
-            Route("/close", lambda _: JSONResponse({"ok": True}, headers={"connection": "close"})),
-            Route("/hop", self.hop), Route("/hang", self.hang), Route("/slow", self.slow),
-        ])
-
-    async def echo(self, request: Request) -> Response:
-        body = await request.body()
-        return JSONResponse(
-            {"method": request.method, "raw_path": request.scope["raw_path"].decode(),
-             "query": request.scope["query_string"].decode(), "client": request.scope["client"],
-             "headers": [[name.decode(), value.decode()] for name, value in request.scope["headers"]],
-             "body_sha256": hashlib.sha256(body).hexdigest(), "body_len": len(body)},
-            status_code=int(request.query_params.get("status", "200")), headers={"x-answer": "yes"})
-
-    async def upload(self, request: Request) -> Response:
-        digest, size, chunks = hashlib.sha256(), 0, 0
-        async for chunk in request.stream():
-            if chunk:
-                self.first_body_chunk.set()
-                digest.update(chunk)
-                size, chunks = size + len(chunk), chunks + 1
-        return JSONResponse({"size": size, "sha256": digest.hexdigest(), "chunks": chunks})
-
-    async def sse(self, request: Request) -> Response:
-        async def events() -> AsyncIterator[bytes]:
-            yield b"data: 1\n\n"
-            await self.first_event_read.wait()  # the client has the first event before the second exists
-            yield b"data: 2\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    async def forever(self, request: Request) -> Response:
-        async def ticks() -> AsyncIterator[bytes]:
-            try:
-                for n in range(100_000):
-                    yield f"data: {n}\n\n".encode()
-                    await asyncio.sleep(0.005)
-            finally:
-                self.stream_ended.set()
-        return StreamingResponse(ticks(), media_type="text/event-stream")
-
-    async def hop(self, request: Request) -> Response:
-        return Response(b"hop", headers={"keep-alive": "timeout=5", "connection": "x-hop", "x-hop": "1",
-                                         "proxy-thing": "2", "x-keep": "3", "x-request-id": "engine-id",
-                                         "x-process-time": "0.5"})
-
-    async def hang(self, request: Request) -> Response:
-        self.hanging.set()
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        self.saw_disconnect.set()
-        return Response(status_code=499)
-
-    async def slow(self, request: Request) -> Response:
-        await self.release.wait()
-        return Response(b"done")
 
 
 @pytest.fixture
@@ -112,81 +37,6 @@ def socket_dir() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="sw-fwd-") as directory:
         yield Path(directory)
 
-
-@dataclass
-class Rig:
-    engine: Engine
-    upstream: Served
-    forwarder: EngineForwarder
-    front: Served
-    client: httpx.AsyncClient
-
-
-@contextlib.asynccontextmanager
-async def rig(socket_dir: Path, forwarder_options: dict[str, Any] | None = None,
-              wrap_engine: bool = False, **engine_options: Any) -> AsyncIterator[Rig]:
-    """Engine on a unix socket, forwarder on 127.0.0.1, an httpx client to the forwarder."""
-    engine = Engine()
-    path = str(socket_dir / "engine.sock")
-    app = TrustedPeerMiddleware(engine.app) if wrap_engine else engine.app
-    async with serving(app, uds=path, **engine_options) as upstream:
-        forwarder = EngineForwarder(path, **(forwarder_options or {}))
-        async with serving(forwarder) as front:
-            try:
-                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.port}", timeout=5) as client:
-                    yield Rig(engine, upstream, forwarder, front, client)
-            finally:
-                stop(upstream.server)  # both servers stop at once
-        forwarder.close()
-
-
-@dataclass
-class Answer:
-    status: int
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
-
-    def json(self) -> Any:
-        return orjson.loads(self.body)
-
-    def header(self, name: bytes) -> list[bytes]:
-        return [value for key, value in self.headers if key == name]
-
-
-def http_scope(method: str = "GET", path: str = "/echo", *, headers: list[tuple[bytes, bytes]] | None = None,
-               query: bytes = b"", client: tuple[str, int] | None = ("10.1.2.3", 4567)) -> dict[str, Any]:
-    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-            "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query,
-            "root_path": "", "headers": headers if headers is not None else [(b"host", b"example.test")],
-            "client": client, "server": ("127.0.0.1", 8000)}
-
-
-async def call(app: Any, scope: dict[str, Any], body: bytes = b"", leave: asyncio.Event | None = None) -> Answer:
-    """Call `app` as a server would, with the whole body in one message; the client leaves when `leave` is set."""
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
-    sent: list[Message] = []
-
-    async def receive() -> Message:
-        if pending:
-            return pending.pop(0)
-        await (leave or asyncio.Event()).wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: Message) -> None:
-        sent.append(message)
-
-    await app(scope, receive, send)
-    if not sent:
-        return Answer(0, [], b"")
-    start = sent[0]
-    return Answer(start["status"], list(start["headers"]), b"".join(m.get("body", b"") for m in sent[1:]))
-
-
-def names(echoed: dict[str, Any]) -> list[str]:
-    return [name for name, _ in echoed["headers"]]
-
-
-# --- round trips --------------------------------------------------------------------------------
 
 def test_status_headers_body_and_query_make_the_round_trip(socket_dir):
     async def main():
@@ -336,6 +186,37 @@ def test_a_client_leaving_mid_stream_closes_that_engine_connection(socket_dir):
     asyncio.run(main())
 
 
+def test_a_client_leaving_mid_body_ends_the_request_at_the_engine(socket_dir):
+    async def main():
+        engine = Engine()
+        path = str(socket_dir / "engine.sock")
+        async with serving(engine.app, uds=path):
+            forwarder = EngineForwarder(path)
+            messages = [{"type": "http.request", "body": b"x" * 1000, "more_body": True}]
+            leave, sent = asyncio.Event(), []
+
+            async def receive() -> Message:
+                if messages:
+                    return messages.pop(0)
+                await leave.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(message: Message) -> None:
+                sent.append(message)
+
+            scope = http_scope("POST", "/upload", headers=[(b"host", b"h"), (b"transfer-encoding", b"chunked")])
+            forwarding = asyncio.ensure_future(forwarder(scope, receive, send))
+            async with asyncio.timeout(2):
+                await engine.first_body_chunk.wait()
+            assert not engine.upload_cut.is_set()
+            leave.set()
+            async with asyncio.timeout(2):
+                await engine.upload_cut.wait()
+                await forwarding
+            assert sent == [] and forwarder.idle_connections == 0
+    asyncio.run(main())
+
+
 def test_a_client_leaving_before_the_answer_reaches_the_engine(socket_dir):
     async def main():
         engine = Engine()
@@ -418,6 +299,31 @@ def test_under_the_ingress_middleware_one_request_id_reaches_the_engine(socket_d
     asyncio.run(main())
 
 
+def test_a_traced_request_names_its_span_as_the_engines_parent(socket_dir):
+    async def main():
+        engine = Engine()
+        path = str(socket_dir / "engine.sock")
+        async with serving(engine.app, uds=path):
+            forwarder = EngineForwarder(path)
+            client_parent = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+            headers = [(b"host", b"h"), (b"traceparent", client_parent)]
+
+            def seen(echoed: dict[str, Any]) -> list[str]:
+                return [value for name, value in echoed["headers"] if name == "traceparent"]
+
+            # Not traced here: the client's own goes through.
+            assert seen((await call(forwarder, http_scope(headers=list(headers)))).json()) == [client_parent.decode()]
+            span = SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0x00F067AA0BA902B7, is_remote=False,
+                               trace_flags=TraceFlags(TraceFlags.SAMPLED))
+            token = request_trace_var.set(trace.set_span_in_context(NonRecordingSpan(span)))
+            try:
+                echoed = (await call(forwarder, http_scope(headers=list(headers)))).json()
+            finally:
+                request_trace_var.reset(token)
+            assert seen(echoed) == ["00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba902b7-01"]
+    asyncio.run(main())
+
+
 def test_a_header_http_forbids_gets_400(socket_dir):
     async def main():
         engine = Engine()
@@ -429,180 +335,3 @@ def test_a_header_http_forbids_gets_400(socket_dir):
 
 
 # --- failures ------------------------------------------------------------------------------------
-
-def assert_engine_unavailable(answer: Answer, oip: bool = False) -> str:
-    assert answer.status == 503
-    assert answer.header(b"x-error-code") == [b"engine_unavailable"]
-    assert answer.header(b"retry-after") == [b"1"]
-    document = answer.json()
-    if oip:
-        assert document["code"] == "engine_unavailable" and isinstance(document["error"], str)
-        return str(document["error"])
-    assert document["error"]["code"] == "engine_unavailable"
-    return str(document["error"]["message"])
-
-
-def test_no_engine_socket_gets_503_in_the_routes_error_shape(socket_dir):
-    async def main():
-        forwarder = EngineForwarder(str(socket_dir / "missing.sock"))
-        assert "cannot connect" in assert_engine_unavailable(await call(forwarder, http_scope(path="/admin/x")))
-        assert_engine_unavailable(await call(forwarder, http_scope(path="/v2/health/ready")), oip=True)
-        # A socket file nobody listens on: refused.
-        bound = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        bound.bind(str(socket_dir / "refusing.sock"))
-        try:
-            refused = await call(EngineForwarder(str(socket_dir / "refusing.sock")), http_scope())
-            assert "cannot connect" in assert_engine_unavailable(refused)
-        finally:
-            bound.close()
-    asyncio.run(main())
-
-
-@contextlib.asynccontextmanager
-async def raw_engine(path: Path, answer: bytes | None, *, close: bool = True) -> AsyncIterator[None]:
-    """An engine that reads a request head, writes `answer` (nothing when None) and closes (or hangs)."""
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        if answer is not None:
-            writer.write(answer)
-            await writer.drain()
-        if not close:
-            await asyncio.sleep(10)
-        writer.close()
-
-    server = await asyncio.start_unix_server(handle, str(path))
-    try:
-        yield
-    finally:
-        server.close()
-        await server.wait_closed()
-
-
-def test_an_engine_closing_without_an_answer_gets_503(socket_dir):
-    async def main():
-        path = socket_dir / "raw.sock"
-        async with raw_engine(path, None):
-            message = assert_engine_unavailable(await call(EngineForwarder(str(path)), http_scope()))
-            assert "without answering" in message
-    asyncio.run(main())
-
-
-def test_a_silent_engine_times_out_with_503(socket_dir):
-    async def main():
-        path = socket_dir / "raw.sock"
-        async with raw_engine(path, None, close=False):
-            answer = await call(EngineForwarder(str(path), read_timeout_s=0.1), http_scope())
-            assert "did not answer within 0.1 s" in assert_engine_unavailable(answer)
-    asyncio.run(main())
-
-
-def test_an_oversized_answer_head_gets_503(socket_dir):
-    async def main():
-        path = socket_dir / "raw.sock"
-        head = b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * 20_000 + b"\r\ncontent-length: 0\r\n\r\n"
-        async with raw_engine(path, head):
-            answer = await call(EngineForwarder(str(path), max_response_header_bytes=16_384), http_scope())
-            assert_engine_unavailable(answer)
-        async with raw_engine(path, head):  # the same head within a larger bound passes
-            assert (await call(EngineForwarder(str(path)), http_scope())).status == 200
-    asyncio.run(main())
-
-
-@pytest.mark.parametrize("answer,status,body,keep_alive", [
-    (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil the end", 200, b"until the end", False),
-    (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok", 201, b"ok", True),
-    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n", 200, b"abcde",
-     True),
-    (b"HTTP/1.0 200 OK\r\ncontent-length: 3\r\n\r\nold", 200, b"old", False),
-    (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok", 200, b"ok", False),
-])
-def test_answers_framed_every_way_http_allows(socket_dir, answer, status, body, keep_alive):
-    async def main():
-        path = socket_dir / "raw.sock"
-        async with raw_engine(path, answer, close=not keep_alive):
-            forwarder = EngineForwarder(str(path))
-            got = await call(forwarder, http_scope())
-            assert (got.status, got.body) == (status, body)
-            assert forwarder.idle_connections == keep_alive  # kept only where HTTP/1.1 says it may be
-    asyncio.run(main())
-
-
-def test_an_answer_broken_off_after_it_began_aborts_the_client(socket_dir):
-    async def main():
-        path = socket_dir / "raw.sock"
-        async with raw_engine(path, b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nabc"):
-            with pytest.raises(EngineStreamBroken):
-                await call(EngineForwarder(str(path)), http_scope())
-    asyncio.run(main())
-
-
-def test_a_304_with_a_content_length_passes_through_a_real_server(socket_dir):
-    async def main():
-        path = socket_dir / "raw.sock"
-        # RFC 9110 8.6 allows a 304 to name the length of what it stands for; uvicorn refuses to
-        # send a Content-Length it then sees no body for, so the forwarder drops it.
-        async with raw_engine(path, b"HTTP/1.1 304 Not Modified\r\ncontent-length: 42\r\netag: \"v\"\r\n\r\n"):
-            forwarder, raised = EngineForwarder(str(path)), []
-
-            async def app(scope: Scope, receive: Receive, send: Send) -> None:
-                try:
-                    await forwarder(scope, receive, send)
-                except Exception as exc:  # what uvicorn would log and cut the connection for
-                    raised.append(exc)
-                    raise
-
-            async with serving(app) as front:
-                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front.port}") as client:
-                    answer = await client.get("/")
-                    assert answer.status_code == 304 and answer.headers["etag"] == '"v"'
-            assert raised == []
-    asyncio.run(main())
-
-
-@contextlib.asynccontextmanager
-async def closing_on_second_request(path: Path, accepted: list[int]) -> AsyncIterator[None]:
-    """An engine that answers a connection's first request, then closes it when the next one
-    comes (an idle keep-alive connection it closed at the moment the request was written)."""
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        accepted[0] += 1
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-        await reader.readuntil(b"\r\n\r\n")
-        writer.close()
-
-    server = await asyncio.start_unix_server(handle, str(path))
-    try:
-        yield
-    finally:
-        server.close()
-        await server.wait_closed()
-
-
-def test_a_safe_request_on_a_connection_closed_under_it_is_sent_again_once(socket_dir):
-    async def main():
-        path, accepted = socket_dir / "raw.sock", [0]
-        async with closing_on_second_request(path, accepted):
-            forwarder = EngineForwarder(str(path))
-            assert (await call(forwarder, http_scope())).body == b"ok"
-            again = await call(forwarder, http_scope())  # on the reused connection: closed, then a new one
-            assert again.status == 200 and again.body == b"ok" and accepted[0] == 2
-            # A POST may have been acted on: never sent twice.
-            refused = await call(forwarder, http_scope("POST"), body=b"{}")
-            assert "without answering" in assert_engine_unavailable(refused)
-            assert accepted[0] == 2
-    asyncio.run(main())
-
-
-def test_websocket_scopes_are_closed():
-    async def main():
-        sent: list[Message] = []
-
-        async def receive() -> Message:
-            return {"type": "websocket.connect"}
-
-        async def send(message: Message) -> None:
-            sent.append(message)
-
-        await EngineForwarder("/nonexistent.sock")({"type": "websocket", "path": "/ws", "headers": []}, receive, send)
-        assert [message["type"] for message in sent] == ["websocket.close"]
-    asyncio.run(main())
