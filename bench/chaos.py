@@ -11,13 +11,19 @@ together; the overload 250% each, 5x the machine), with deadlines (digits 2 s, R
 
     kill-9             SIGKILL of both models' workers
     sigstop-10s        SIGSTOP of both workers, SIGCONT 10 s later (hung-worker detection)
+    kill-9-ingress     SIGKILL of one ingress process of the split server (bench/chaos_split.py):
+                       the others serve, it is restarted; its in-flight requests' connection errors
+                       are counted apart ("conn error (in flight on the killed process)"), not lost
+    kill-9-engine      SIGKILL of the engine process: 503 engine_unavailable from every ingress at
+                       once, /healthz not ready, a new engine, models ready again; nothing hangs
     hanging-load       a model whose load never finishes is loaded (refused at --load-timeout-s)
     raising-model      load on `flaky`, every fourth request negative (500 model_error for those)
     memory-pressure    stress-ng --vm holding 75% of MemAvailable (written first, then 15 s measured)
     memory-limit       load on `leaky`: it passes memory_limit_bytes and is recycled, again and again
     overload-5x        30 s at 5x saturation
     soak               --soak-s at 70% of saturation: RSS and open fds of every process, /dev/shm
-    sigterm-frontend   SIGTERM to the server's pid under load (drain, exit, segments)
+    sigterm-frontend   SIGTERM to the server's pid (a split server's supervisor) under load (drain, exit,
+                       segments)
   on a second server, in its own process group, tracing every request to an OTLP endpoint:
     otlp-unreachable   nothing listens on the collector's port
     otlp-blackholed    a collector that accepts connections and never answers
@@ -54,14 +60,14 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from bench.processes import HOST, ServerProcess, free_port, run_module, stop_process
+from bench.processes import ENGINE, HOST, INGRESS, ServerProcess, free_port, run_module, stop_process, tree_roles
 from bench.workspace import RESULTS, link_build, write_model_yaml
 from servewell.perf import loop as load_loop
 from servewell.perf.httpclient import encode_request, fetch
@@ -77,7 +83,15 @@ CLIENT_TIMEOUT_S = 30.0
 DEADLINE_MS = {"digits": 2000, "resnet50": 8000}
 STEADY, SOAK, OVERLOAD = 0.30, 0.35, 2.5  # of each model's own saturation (both models load the machine)
 REFUSALS = {"overloaded", "deadline_exceeded", "worker_lost", "worker_hung", "model_not_ready", "shutting_down",
-            "unavailable"}
+            "unavailable", "engine_unavailable"}
+#: Label of a connection error that `tally` excuses: a request in flight on an ingress process
+#: killed on purpose (its connection dies with it); not "lost", counted apart.
+KILLED_IN_FLIGHT = "conn error (in flight on the killed process)"
+#: Flags every server of the suite gets (--ingress-processes).
+SERVER_FLAGS: list[str] = []
+TELEMETRY_SCENARIOS = ("otlp-unreachable", "otlp-blackholed", "sigterm-group")
+SCENARIOS = ("kill-9", "sigstop-10s", "kill-9-ingress", "kill-9-engine", "hanging-load", "raising-model",
+             "memory-pressure", "memory-limit", "overload-5x", "soak", "sigterm-frontend", *TELEMETRY_SCENARIOS)
 
 
 # -- requests -------------------------------------------------------------------------------------
@@ -152,7 +166,9 @@ class HealthWatch:
             await asyncio.sleep(0.1)
 
     def model(self, sample: Sample, name: str) -> dict[str, Any] | None:
-        return None if sample.doc is None else sample.doc["models"].get(name)
+        # a refusal (503 engine_unavailable from an ingress while the engine is down) has no models
+        models = sample.doc.get("models") if isinstance(sample.doc, dict) else None
+        return None if not isinstance(models, dict) else models.get(name)
 
     def recovery(self, name: str, t0: float, victims: set[int]) -> dict[str, float | None]:
         """Seconds from `t0` until the model left `ready`, and until it was ready on new workers."""
@@ -190,9 +206,16 @@ def process_facts(pid: int) -> dict[str, int] | None:
     return {"rss_bytes": rss, "fds": fds}
 
 
-def segments(frontend_pid: int) -> dict[str, int]:
-    found = list(SHM.glob(f"servewell-{frontend_pid}-*"))
+def segments(owners: Iterable[int]) -> dict[str, int]:
+    """Shared-memory segments named after any of `owners` (the process that owns the worker pools:
+    a single-process server, or the engine process of a split one)."""
+    found = [p for pid in set(owners) for p in SHM.glob(f"servewell-{pid}-*")]
     return {"count": len(found), "bytes": sum(p.stat().st_size for p in found if p.exists())}
+
+
+def owners(root: int) -> list[int]:
+    """The pids whose names the server's segments carry: the root and its engine process (if split)."""
+    return [root, *tree_roles(root).get(ENGINE, [])]
 
 
 # -- answers --------------------------------------------------------------------------------------
@@ -220,13 +243,18 @@ def expected(text: str, kind: str, refused_ok: bool) -> bool:
     return text == "refused" and refused_ok
 
 
-def tally(recorder: Recorder, t0: float, refused_ok: bool = False) -> dict[str, Any]:
-    """Answers of one model's load: counts, lost, unexpected, first refusal after t0, p99 of 200s."""
+def tally(recorder: Recorder, t0: float, refused_ok: bool = False,
+          excused: Callable[[load_loop.Outcome], bool] | None = None) -> dict[str, Any]:
+    """Answers of one model's load: counts, lost, unexpected, first refusal after t0, p99 of 200s.
+    A connection error for which `excused` says yes is counted as `KILLED_IN_FLIGHT`, not lost."""
     counts: Counter[str] = Counter()
     unexpected: Counter[str] = Counter()
     first_refusal = None
     for o in recorder.outcomes:
         text = label(o)
+        if excused is not None and text.startswith("lost") and excused(o):
+            counts[KILLED_IN_FLIGHT] += 1
+            continue
         counts[text if o.kind != "poison" else f"{text} (negative input)"] += 1
         if not expected(text, o.kind, refused_ok):
             unexpected[text] += 1
@@ -308,6 +336,10 @@ class Suite:
     rows: list[dict[str, Any]] = field(default_factory=list)
     saturation: dict[str, float] = field(default_factory=dict)
     sources: dict[str, Source] = field(default_factory=dict)
+    only: set[str] | None = None  # --only: these scenarios and no others
+
+    def wants(self, scenario: str) -> bool:
+        return self.only is None or scenario in self.only
 
     def log(self, message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
@@ -316,9 +348,11 @@ class Suite:
         return [Load(self.sources[m], max(0.5, fraction * self.saturation[m])) for m in ("digits", "resnet50")]
 
     def record(self, scenario: str, run: Run, facts: dict[str, Any] | None = None, refused_ok: bool = False,
-               victims: dict[str, set[int]] | None = None) -> None:
+               victims: dict[str, set[int]] | None = None,
+               excused: Callable[[load_loop.Outcome], bool] | None = None) -> None:
         for model, recorder in run.recorders.items():
-            row: dict[str, Any] = {"scenario": scenario, "model": model, **tally(recorder, run.t0, refused_ok)}
+            row: dict[str, Any] = {"scenario": scenario, "model": model,
+                                   **tally(recorder, run.t0, refused_ok, excused)}
             if victims and model in victims:
                 row.update(run.watch.recovery(model, run.t0, victims[model]))
             self.rows.append(row)
@@ -350,7 +384,7 @@ def start_server(name: str, repo: Path, extra: list[str], new_session: bool = Fa
     port = free_port()
     argv = [sys.executable, "-m", "servewell", "serve", "--host", HOST, "--port", str(port), "--grpc-port", "0",
             "--model-repository", str(repo), "--config-poll-s", "0", "--load-timeout-s", str(LOAD_TIMEOUT_S),
-            "--shutdown-delay-s", "1", "--cache-dir", str(WORK / "cache"), *extra]
+            "--shutdown-delay-s", "1", "--cache-dir", str(WORK / "cache"), *SERVER_FLAGS, *extra]
     log_path = WORK / f"{name}.log"
     log_path.unlink(missing_ok=True)
     server = ServerProcess(name, argv, port, log_path, new_session=new_session, env=env)
@@ -471,7 +505,12 @@ async def overload(suite: Suite, port: int) -> None:
 
 
 def every_process(doc: dict[str, Any], frontend: int) -> dict[str, int]:
+    """Every process of the server by name: the frontend (a split server's supervisor), a split
+    server's engine and ingress processes, each model instance's worker."""
     pids = {"frontend": frontend}
+    for role, found in tree_roles(frontend).items():
+        if role == ENGINE or role.startswith(INGRESS):
+            pids.update({role if len(found) == 1 else f"{role}#{i}": p for i, p in enumerate(found)})
     for name, model in doc["models"].items():
         for instance in model["instances"]:
             if instance["pid"] and instance["alive"]:
@@ -487,10 +526,10 @@ async def soak(suite: Suite, server: ServerProcess) -> None:
         # Start figures after 10 s under load (allocators and caches warm); end figures at the end.
         marks["pids"] = every_process(await health(port), server.pid)
         marks["start"] = {k: process_facts(p) for k, p in marks["pids"].items()}
-        marks["shm_start"] = segments(server.pid)
+        marks["shm_start"] = segments(owners(server.pid))
         await asyncio.sleep(max(0.0, suite.soak_s - 10.5))
         marks["end"] = {k: process_facts(p) for k, p in marks["pids"].items()}
-        marks["shm_end"] = segments(server.pid)
+        marks["shm_end"] = segments(owners(server.pid))
         return {}
 
     run = await under_load(port, suite.steady(SOAK), suite.soak_s, fault, fault_at_s=10.0)
@@ -511,7 +550,8 @@ async def soak(suite: Suite, server: ServerProcess) -> None:
 async def stop_under_load(suite: Suite, server: ServerProcess, name: str, group: bool) -> None:
     frontend = server.pid
     doc = await health(server.port)
-    workers = [p for k, p in every_process(doc, frontend).items() if k != "frontend"]
+    workers = [p for k, p in every_process(doc, frontend).items() if k != "frontend"]  # and engine, ingress
+    segment_owners = owners(frontend)
     loop = asyncio.get_running_loop()
     exit_facts: dict[str, Any] = {}
     log_from = server.log_path.stat().st_size
@@ -533,7 +573,7 @@ async def stop_under_load(suite: Suite, server: ServerProcess, name: str, group:
         f.seek(log_from)
         log = f.read().decode(errors="replace")  # what it printed from the signal on
     exit_facts.update(
-        workers_left_running=len(left), leaked_segments=segments(frontend)["count"],
+        workers_left_running=len(left), leaked_segments=segments(segment_owners)["count"],
         resource_tracker_warnings=log.count("resource_tracker"),
         restarts_during_shutdown=sum(1 for line in log.splitlines() if "restarting" in line and "died" in line),
     )
@@ -600,15 +640,27 @@ async def main_server(suite: Suite, repo: Path) -> None:
         for model in ("digits", "resnet50"):
             suite.saturation[model] = round(await saturation(server.port, suite.sources[model]), 2)
         suite.log(f"saturation alone (closed loop, 16 clients): {suite.saturation} answers/s")
-        await worker_signal_scenario(suite, server.port, "kill-9", signal.SIGKILL)
-        await worker_signal_scenario(suite, server.port, "sigstop-10s", signal.SIGSTOP, hold_s=10.0, duration_s=20.0)
-        await hanging_load(suite, server, repo)
-        await raising_model(suite, server.port)
-        await memory_pressure(suite, server.port)
-        await memory_limit(suite, server.port)
-        await overload(suite, server.port)
-        await soak(suite, server)
-        await stop_under_load(suite, server, "sigterm-frontend", group=False)
+        from bench.chaos_split import kill_engine, kill_ingress  # it builds on this module
+
+        port = server.port
+        scenarios: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            ("kill-9", lambda: worker_signal_scenario(suite, port, "kill-9", signal.SIGKILL)),
+            ("sigstop-10s", lambda: worker_signal_scenario(suite, port, "sigstop-10s", signal.SIGSTOP, hold_s=10.0,
+                                                           duration_s=20.0)),
+            ("kill-9-ingress", lambda: kill_ingress(suite, server)),
+            # before hanging-load: a new engine loads the whole repository
+            ("kill-9-engine", lambda: kill_engine(suite, server)),
+            ("hanging-load", lambda: hanging_load(suite, server, repo)),
+            ("raising-model", lambda: raising_model(suite, port)),
+            ("memory-pressure", lambda: memory_pressure(suite, port)),
+            ("memory-limit", lambda: memory_limit(suite, port)),
+            ("overload-5x", lambda: overload(suite, port)),
+            ("soak", lambda: soak(suite, server)),
+            ("sigterm-frontend", lambda: stop_under_load(suite, server, "sigterm-frontend", group=False)),
+        ]
+        for name, scenario in scenarios:
+            if suite.wants(name):
+                await scenario()
     finally:
         server.stop()
 
@@ -650,7 +702,12 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     soak: dict[str, Any] = next((r["facts"] for r in rows if r["scenario"] == "soak" and "facts" in r), {})
     growth = [p["rss_growth_pct"] for p in soak.get("processes", {}).values() if "rss_growth_pct" in p]
     leaked = sum(r["facts"].get("leaked_segments", 0) for r in rows if "facts" in r)
+    facts = {r["scenario"]: r["facts"] for r in rows if "facts" in r}
     return {
+        "ingress_restarted_after_s": facts.get("kill-9-ingress", {}).get("restarted_after_s"),
+        "ingress_accepts_after_s": facts.get("kill-9-ingress", {}).get("accepts_after_s"),
+        "killed_ingress_in_flight_conn_errors": sum(r["answers"].get(KILLED_IN_FLIGHT, 0) for r in rows),
+        "engine_ready_again_after_s": facts.get("kill-9-engine", {}).get("healthz_ready_again_after_s"),
         "unexpected_answers": sum(r["unexpected"] for r in rows),
         "lost": sum(r["lost"] for r in rows),
         "slowest_recovery_s": max(recoveries) if recoveries else None,
@@ -663,13 +720,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--soak-s", type=float, default=60.0, help="length of the soak (issue 12 asks for 600)")
     parser.add_argument("--out", type=Path, default=RESULTS / "chaos.json")
+    parser.add_argument("--ingress-processes", type=int, default=None,
+                        help="passed to every server (default: the server's default; 0: the single-process server)")
+    parser.add_argument("--only", default=None, metavar="NAMES",
+                        help="run only these scenarios (comma-separated names, as in the table), for developing")
     args = parser.parse_args(argv)
+    only = None if args.only is None else {s.strip() for s in args.only.split(",") if s.strip()}
+    if only is not None and not only <= set(SCENARIOS):
+        parser.error(f"--only: unknown scenario(s) {sorted(only - set(SCENARIOS))}; known: {', '.join(SCENARIOS)}")
     if args.soak_s < 20:
         parser.error("--soak-s must be at least 20")
     if shutil.which("stress-ng") is None:
         parser.error("stress-ng is not installed (make test-deps installs it)")
     WORK.mkdir(parents=True, exist_ok=True)
-    suite = Suite(WORK, args.soak_s)
+    if args.ingress_processes is not None:
+        SERVER_FLAGS[:] = ["--ingress-processes", str(args.ingress_processes)]
+    suite = Suite(WORK, args.soak_s, only=only)
     started = time.monotonic()
     suite.log("building the models (cached after the first run)")
     run_module("bench.chaos_models", ["--work", str(WORK)], timeout_s=1800, log_path=WORK / "build.log")
@@ -679,7 +745,8 @@ def main(argv: list[str] | None = None) -> int:
     repo = repository(WORK)
     asyncio.run(main_server(suite, repo))
     repo = repository(WORK)  # without the hanging model
-    asyncio.run(telemetry_server(suite, repo))
+    if any(suite.wants(s) for s in TELEMETRY_SCENARIOS):
+        asyncio.run(telemetry_server(suite, repo))
     report = {"saturation_rps": suite.saturation, "soak_s": args.soak_s, "rows": suite.rows,
               "targets": targets(suite.rows), "elapsed_s": round(time.monotonic() - started, 1)}
     args.out.parent.mkdir(parents=True, exist_ok=True)

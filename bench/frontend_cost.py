@@ -1,4 +1,4 @@
-"""Frontend CPU per request on the tiny MLP: this checkout against another one, side by side.
+"""CPU per request on the tiny MLP, frontend and all server processes: this checkout against another one.
 
     flock /tmp/servewell-bench.lock .venv/bin/python -m bench.frontend_cost --other-src ../old/src [--rounds 3]
 
@@ -10,8 +10,9 @@ noisy, so the two are always compared within a round. `--tensors json,binary` me
 tensors and the binary tensor extension (raw FP32 after a JSON header, binary outputs) in the
 same rounds. `--other-src` is another checkout's
 `src/` (for example a worktree of an older commit: `git worktree add ../old <commit>`); the
-server is started from it with this checkout's virtual environment. JSON:
-bench/results/frontend_cost.json.
+server is started from it with this checkout's virtual environment and only the flags every
+version has (an older checkout runs as one process; `--ingress-processes N` is passed to this
+checkout alone, default: the server's own default). JSON: bench/results/frontend_cost.json.
 """
 
 from __future__ import annotations
@@ -23,16 +24,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.processes import ServerProcess, closed_loop, cpu_seconds, free_port, run_module
+from bench.processes import ServerProcess, TreeCpu, closed_loop, free_port, role_groups, run_module
 from bench.workspace import RESULTS, WORK, ServedModel, mlp_binary_bodies, prepare
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+#: The issue's goal (issue 20): all server processes' CPU per request, this / other.
+GOAL_ALL_CPU_RATIO = 0.5
 
 
-def start(name: str, src: Path, repository: Path) -> ServerProcess:
+def start(name: str, src: Path, repository: Path, extra: list[str] | None = None) -> ServerProcess:
     port = free_port()
     argv = [sys.executable, "-m", "servewell", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--model-repository", str(repository), "--log-format", "json"]
+            "--model-repository", str(repository), "--log-format", "json", *(extra or [])]
     server = ServerProcess(name, argv, port, RESULTS / "logs" / f"frontend_cost_{name}.log",
                            env={"PYTHONPATH": str(src.resolve()), "SERVEWELL_GRPC_PORT": "0"})
     server.start()
@@ -47,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--out", type=Path, default=RESULTS / "frontend_cost.json")
     parser.add_argument("--tensors", default="json", help="comma-separated: json, binary (default: json)")
+    parser.add_argument("--ingress-processes", type=int, default=None,
+                        help="passed to this checkout's server only (default: the server's default)")
     args = parser.parse_args(argv)
     encodings = [e.strip() for e in args.tensors.split(",") if e.strip()]
     if not encodings or set(encodings) - {"json", "binary"}:
@@ -61,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     loads = {"json": (workspace.bodies["mlp"], None),
              "binary": (binary_bodies, {"Inference-Header-Content-Length": str(header_length)})}
     # Older checkouts know fewer flags: both get only the ones every version has.
-    servers = {"this": start("this", SRC, workspace.repository), "other": start("other", args.other_src,
-                                                                               workspace.repository)}
+    extra = [] if args.ingress_processes is None else ["--ingress-processes", str(args.ingress_processes)]
+    servers = {"this": start("this", SRC, workspace.repository, extra),
+               "other": start("other", args.other_src, workspace.repository)}
     rounds: dict[str, list[dict[str, Any]]] = {encoding: [] for encoding in encodings}
     try:
         for r in range(args.rounds):
@@ -71,35 +77,73 @@ def main(argv: list[str] | None = None) -> int:
                 row: dict[str, Any] = {}
                 for key in ("this", "other") if r % 2 == 0 else ("other", "this"):
                     server = servers[key]
-                    before = cpu_seconds(server.pid)
+                    meter = TreeCpu(server.pid).start()
                     summary = closed_loop(server.url, "/v2/models/mlp/infer", bodies, 32, args.seconds, 1.0,
                                           RESULTS / f"frontend_cost_{key}_{encoding}_{r}.json",
                                           RESULTS / "logs" / "loadgen.log", headers)
-                    spent = cpu_seconds(server.pid) - before
+                    spent = meter.stop()
+                    groups = role_groups(spent)
+                    requests = max(1, summary["sent"])
                     row[key] = {"ok_per_s": summary["throughput_rps"], "requests": summary["sent"],
                                 "statuses": summary["status_counts"],
-                                "frontend_us_per_request": round(1e6 * spent / max(1, summary["sent"]), 1)}
+                                "frontend_us_per_request": round(1e6 * groups["frontend"] / requests, 1),
+                                "all_us_per_request": round(1e6 * groups["total"] / requests, 1),
+                                "roles_us_per_request": {k: round(1e6 * v / requests, 1) for k, v in spent.items()},
+                                "processes_cpu_s": meter.processes}
                 row["cpu_ratio"] = row["this"]["frontend_us_per_request"] / row["other"]["frontend_us_per_request"]
+                row["all_cpu_ratio"] = row["this"]["all_us_per_request"] / row["other"]["all_us_per_request"]
                 row["throughput_ratio"] = row["this"]["ok_per_s"] / row["other"]["ok_per_s"]
                 rounds[encoding].append(row)
-                print(f"round {r + 1} {encoding}: this {row['this']['frontend_us_per_request']:.0f} us/request "
-                      f"{row['this']['ok_per_s']:.0f}/s, other {row['other']['frontend_us_per_request']:.0f} "
-                      f"us/request {row['other']['ok_per_s']:.0f}/s", flush=True)
+                print(f"round {r + 1} {encoding}: this {row['this']['all_us_per_request']:.0f} us/request all "
+                      f"({row['this']['frontend_us_per_request']:.0f} frontend) {row['this']['ok_per_s']:.0f}/s, "
+                      f"other {row['other']['all_us_per_request']:.0f} us/request all "
+                      f"({row['other']['frontend_us_per_request']:.0f} frontend) {row['other']['ok_per_s']:.0f}/s",
+                      flush=True)
     finally:
         for server in servers.values():
             server.stop()
-    report: dict[str, Any] = {"other_src": str(args.other_src.resolve())}
+    report: dict[str, Any] = {"other_src": str(args.other_src.resolve()), "goal_all_cpu_ratio": GOAL_ALL_CPU_RATIO,
+                              "ingress_processes": args.ingress_processes}
     for encoding, rows in rounds.items():
         # JSON keeps its old top-level keys, so earlier results stay comparable.
         prefix = "" if encoding == "json" else f"{encoding}_"
         report[f"{prefix}rounds"] = rows
-        report[f"{prefix}median_cpu_ratio"] = statistics.median(r["cpu_ratio"] for r in rows)
-        report[f"{prefix}median_throughput_ratio"] = statistics.median(r["throughput_ratio"] for r in rows)
-        print(f"{encoding}: frontend CPU per request, this / other: {report[f'{prefix}median_cpu_ratio']:.3f}x "
-              f"(median of {args.rounds}); throughput {report[f'{prefix}median_throughput_ratio']:.3f}x")
+        for ratio in ("cpu_ratio", "all_cpu_ratio", "throughput_ratio"):
+            report[f"{prefix}median_{ratio}"] = statistics.median(r[ratio] for r in rows)
+    print_table(report, encodings, args.rounds)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"written to {args.out}")
     return 0
+
+
+def print_table(report: dict[str, Any], encodings: list[str], rounds: int) -> None:
+    """Medians of the rounds, with the goal beside the figure it applies to."""
+    print(f"\nmedian of {rounds} round(s); 'frontend' = a split server's supervisor + engine + ingress "
+          "processes, a single-process server's one process; 'all' = every process of the server, workers too")
+    header = f"{'tensors':<8} {'figure':<38} {'this':>9} {'other':>9} {'this/other':>11}  goal"
+    print(header)
+    print("-" * (len(header) + 12))
+    for encoding in encodings:
+        prefix = "" if encoding == "json" else f"{encoding}_"
+        rows = report[f"{prefix}rounds"]
+
+        def median(key: str, side: str, rows: list[dict[str, Any]] = rows) -> float:
+            return statistics.median(r[side][key] for r in rows)
+
+        for label, key, ratio, goal in (
+                ("CPU us/request, all server processes", "all_us_per_request", "all_cpu_ratio",
+                 f"<= {GOAL_ALL_CPU_RATIO}x"),
+                ("CPU us/request, frontend", "frontend_us_per_request", "cpu_ratio", "-"),
+                ("throughput ok/s", "ok_per_s", "throughput_ratio", "-")):
+            value = report[f"{prefix}median_{ratio}"]
+            verdict = "" if goal == "-" else ("  PASS" if value <= GOAL_ALL_CPU_RATIO else "  FAIL")
+            print(f"{encoding:<8} {label:<38} {median(key, 'this'):>9.1f} {median(key, 'other'):>9.1f} "
+                  f"{value:>10.3f}x  {goal}{verdict}")
+        roles = sorted({role for r in rows for role in r["this"]["roles_us_per_request"]})
+        per_role = ", ".join(
+            f"{role} {statistics.median(r['this']['roles_us_per_request'].get(role, 0.0) for r in rows):.0f}"
+            for role in roles)
+        print(f"{encoding:<8} this checkout, CPU us/request by process: {per_role}")
 
 
 if __name__ == "__main__":

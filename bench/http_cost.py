@@ -26,7 +26,8 @@ from bench.workspace import RESULTS, WORK, ServedModel, prepare
 
 MODELS = [ServedModel("mlp", "mlp", {"threads": 1, "instances": 1, "max_batch_size": 32})]
 VARIANTS = {
-    "limits": ["-m", "servewell", "serve"],
+    # one process, as the variants run: what differs is the HTTP protocol, not the process split
+    "limits": ["-m", "servewell", "serve", "--ingress-processes", "0"],
     "plain": ["-m", "bench.http_variants", "plain"],
     "h11": ["-m", "bench.http_variants", "h11"],
 }

@@ -34,7 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from bench import layer_cost
-from bench.processes import HOST, ServerProcess, closed_loop, cpu_seconds, free_port, http_json, run_module
+from bench.processes import HOST, ServerProcess, closed_loop, cpu_seconds, free_port, http_json, run_module, tree_pids
 from bench.workspace import RESULTS, WORK, ServedModel, prepare
 
 MODELS = [
@@ -78,10 +78,12 @@ class SpanSink:
 
 
 def server_pids(server: ServerProcess) -> list[int]:
-    """The frontend and its worker processes."""
+    """The frontend and its worker processes (a split server's supervisor, engine and ingress
+    processes too: every process of its tree)."""
     _, health = http_json(server.port, "GET", "/healthz")
     models = (health or {}).get("models", {}).values()
-    return [server.pid] + [i["pid"] for m in models for i in m["instances"] if i["pid"]]
+    workers = [i["pid"] for m in models for i in m["instances"] if i["pid"]]
+    return sorted(set(tree_pids(server.pid)) | set(workers) | {server.pid})
 
 
 def run_load(url: str, workload: str, bodies: list[Path], seconds: float, warmup: float, name: str) -> dict:

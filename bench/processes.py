@@ -12,6 +12,7 @@ import resource
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -188,3 +189,172 @@ def server_log_counts(path: Path) -> dict[str, int]:
             level = "unstructured"
         counts[level] = counts.get(level, 0) + 1
     return counts
+
+
+# -- a server's whole process tree ----------------------------------------------------------------
+
+#: Roles of a server's processes, by what their command line runs (`role_of`).
+SUPERVISOR, ENGINE, INGRESS, WORKER, OTHER = "supervisor", "engine", "ingress", "worker", "other"
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (every thread's `children` file); [] when it is gone."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", "rb") as f:
+                found.extend(int(p) for p in f.read().split())
+        except (OSError, ValueError):
+            continue  # the thread (or the process) ended while we read
+    return found
+
+
+def tree_pids(root: int) -> list[int]:
+    """`root` and every descendant alive now (breadth first); [] when `root` is gone."""
+    if not Path(f"/proc/{root}").exists():
+        return []
+    order, queue, seen = [], [root], {root}
+    while queue:
+        pid = queue.pop(0)
+        order.append(pid)
+        for child in child_pids(pid):
+            if child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return order
+
+
+def cmdline(pid: int) -> list[str]:
+    """The argv of `pid`; [] when it is gone (or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def role_of(pid: int, root: int) -> str:
+    """What a process of the tree rooted at `root` is: `supervisor` (the root of a split server),
+    `engine`, `ingress-<i>`, `worker` (a model worker, started by multiprocessing's spawn),
+    `other` (multiprocessing's resource tracker, helpers). The root of a single-process server
+    (no engine child) is reported as `supervisor` too: `role_of` sees one process at a time;
+    `TreeCpu` renames it `server` when the tree has no engine."""
+    argv = cmdline(pid)
+    text = " ".join(argv)
+    if "servewell.engine_main" in text:
+        return ENGINE
+    if "servewell.ingress_main" in text:
+        # python -m servewell.ingress_main RUN INDEX FD
+        at = argv.index("servewell.ingress_main") if "servewell.ingress_main" in argv else -1
+        index = argv[at + 2] if at >= 0 and len(argv) > at + 2 else "?"
+        return f"{INGRESS}-{index}"
+    if pid == root:
+        return SUPERVISOR
+    if "resource_tracker" in text:
+        return OTHER
+    if "multiprocessing" in text or "spawn_main" in text:
+        return WORKER
+    return OTHER
+
+
+def _stat(pid: int) -> tuple[float, int] | None:
+    """(user + system CPU seconds, start time in clock ticks) of `pid`; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class TreeCpu:
+    """User + system CPU of a server's whole process tree over a window, per process role.
+
+    `start()` reads /proc for the root and every descendant, `stop()` reads again and returns
+    the CPU seconds each role spent in between. A sampler thread reads the tree every
+    `interval_s` too, so a process that ends inside the window keeps the CPU it was last seen
+    with (at most `interval_s` of its last work is missed), and one that appears inside the
+    window counts from 0 (its whole life is in the window). Processes are told apart by (pid,
+    start time), so a reused pid is a new process. CPU of processes reaped before the first
+    sample is invisible: keep `interval_s` short against the life of what is measured.
+    """
+
+    def __init__(self, root: int, interval_s: float = 0.25) -> None:
+        self.root = root
+        self.interval_s = interval_s
+        self._first: dict[tuple[int, int], float] = {}
+        self._last: dict[tuple[int, int], tuple[str, float]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: After `stop()`: CPU seconds per process in the window, keyed `role:pid`.
+        self.processes: dict[str, float] = {}
+
+    def _sample(self, first: bool) -> None:
+        seen = []
+        for pid in tree_pids(self.root):
+            stat = _stat(pid)
+            if stat is None:
+                continue
+            key = (pid, stat[1])
+            seen.append((key, stat[0], pid))
+        with self._lock:
+            for key, cpu, pid in seen:
+                if key not in self._last:
+                    self._first[key] = cpu if first else 0.0
+                    self._last[key] = (role_of(pid, self.root), cpu)
+                else:
+                    self._last[key] = (self._last[key][0], cpu)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample(first=False)
+
+    def start(self) -> TreeCpu:
+        """Take the first reading and start the sampler."""
+        self._sample(first=True)
+        self._thread = threading.Thread(target=self._run, name="tree-cpu", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        """Take the last reading; CPU seconds per role (ingress processes each as `ingress-<i>`)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample(first=False)
+        spent: dict[str, float] = {}
+        with self._lock:
+            split = any(role == ENGINE for role, _ in self._last.values())
+            for key, (role, cpu) in self._last.items():
+                if role == SUPERVISOR and not split:
+                    role = "server"  # a single-process server: the root does everything
+                spent[role] = spent.get(role, 0.0) + max(0.0, cpu - self._first[key])
+            self.processes = {f"{role}:{pid}": round(cpu - self._first[(pid, t)], 3)
+                              for (pid, t), (role, cpu) in self._last.items()}
+        return spent
+
+
+def role_groups(spent: dict[str, float]) -> dict[str, float]:
+    """Per-role CPU folded into groups: every `ingress-<i>` into `ingress`, plus `total`, and
+    `frontend` = everything but the model workers (supervisor, engine, ingress, other; for a
+    single-process server: the server process) -- the part the process split changes."""
+    groups: dict[str, float] = {}
+    for role, seconds in spent.items():
+        group = INGRESS if role.startswith(f"{INGRESS}-") else role
+        groups[group] = groups.get(group, 0.0) + seconds
+    groups["total"] = sum(spent.values())
+    groups["frontend"] = groups["total"] - groups.get(WORKER, 0.0)
+    return groups
+
+
+def tree_roles(root: int) -> dict[str, list[int]]:
+    """The pids of a server's tree by role now, e.g. {"engine": [..], "ingress-0": [..], "worker": [..]}."""
+    roles: dict[str, list[int]] = {}
+    for pid in tree_pids(root):
+        roles.setdefault(role_of(pid, root), []).append(pid)
+    return roles

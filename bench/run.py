@@ -31,7 +31,10 @@ from typing import Any
 
 from bench import targets
 from bench.processes import (
+    ENGINE,
     HOST,
+    INGRESS,
+    WORKER,
     ServerProcess,
     children_cpu_seconds,
     cpu_seconds,
@@ -39,6 +42,7 @@ from bench.processes import (
     http_json,
     run_module,
     server_log_counts,
+    tree_roles,
 )
 from bench.report import plot_latency_vs_load, runs_table, targets_table
 from bench.workspace import RESULTS, WORK, ServedModel, Workspace, prepare
@@ -97,6 +101,7 @@ class BenchRun:
     def __init__(self, plan: Plan, started: float) -> None:
         self.plan = plan
         self.started = started
+        self.server_flags: list[str] = []  # --ingress-processes
         self.results: dict[str, Any] = {"plan": asdict(plan), "runs": {}, "offline": {}, "skipped": [],
                                         "settings": {"resnet50_threads": RESNET_THREADS, "max_batch_size": MAX_BATCH,
                                                      "served": f"{SERVED_INSTANCES} instances x "
@@ -203,7 +208,7 @@ class BenchRun:
         server = ServerProcess("servewell", [sys.executable, "-m", "servewell", "serve", "--grpc-port", "0",
                                              "--model-repository",
                                              str(workspace.repository), "--host", HOST, "--port", str(port),
-                                             "--log-format", "json", "--load-timeout-s", "180"],
+                                             "--log-format", "json", "--load-timeout-s", "180", *self.server_flags],
                                port, RESULTS / "logs" / "servewell.log")
         server.start()
         self.say(f"servewell started (pid {server.pid}); ready after {server.wait_ready(240):.1f} s")
@@ -214,8 +219,17 @@ class BenchRun:
         return [i["pid"] for i in health["models"][model]["instances"] if i["pid"]]
 
     def watch(self, server: ServerProcess, model: str) -> dict[str, list[int]]:
-        """The processes whose CPU time a run of `model` accounts for."""
-        return {"frontend": [server.pid], "workers": self.worker_pids(server, model)}
+        """The processes whose CPU time a run of `model` accounts for: `frontend` = every process of
+        the server but the model workers (a single-process server: its one process; a split server:
+        supervisor, engine and ingress processes), for a split server also `ingress` and `engine`
+        apart (parts of `frontend`), and `model`'s workers."""
+        roles = tree_roles(server.pid)
+        watch = {"frontend": [p for role, pids in roles.items() if role != WORKER for p in pids],
+                 "workers": self.worker_pids(server, model)}
+        if ENGINE in roles:
+            watch["engine"] = roles[ENGINE]
+            watch["ingress"] = [p for role, pids in roles.items() if role.startswith(f"{INGRESS}-") for p in pids]
+        return watch
 
     def batching(self, server: ServerProcess, model: str, **changes: Any) -> dict:
         status, doc = http_json(server.port, "PATCH", f"/admin/models/{model}/batching", changes)
@@ -379,9 +393,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `make bench`."""
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny durations, for developing the benchmark")
+    parser.add_argument("--ingress-processes", type=int, default=None,
+                        help="passed to the server (default: its default; 0: the single-process server)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else Plan()
     bench = BenchRun(plan, time.monotonic())
+    if args.ingress_processes is not None:
+        bench.server_flags = ["--ingress-processes", str(args.ingress_processes)]
+        bench.results["settings"]["ingress_processes"] = args.ingress_processes
     with_resnet = bench.build()
     workspace = prepare([m for m in SERVED if with_resnet or m.build == "mlp"])
     bench.offline(workspace, MLP, 1, "before", [])

@@ -64,7 +64,9 @@ def saturation_vs_offline(r: Results) -> TargetRow:
         cpu = r["runs"][r["saturation"]["run"]].get("cpu_us_per_answer")
         if cpu:
             best_row = next(row for row in offline["batch_sizes"] if row["batch_size"] == offline["best_batch_size"])
-            note += (f"; CPU ms per image: served frontend {cpu['frontend'] / 1000:.1f} + worker "
+            split = (f" (ingress {cpu['ingress'] / 1000:.1f} + engine {cpu['engine'] / 1000:.1f} + rest)"
+                     if "ingress" in cpu else "")
+            note += (f"; CPU ms per image: served frontend {cpu['frontend'] / 1000:.1f}{split} + worker "
                      f"{cpu['workers'] / 1000:.1f}, offline {best_row.get('cpu_ms_per_item')}; served max batch "
                      f"{r['settings'].get('served_max_batch_size')}, "
                      f"mean batch {r['runs'][r['saturation']['run']]['mean_batch_size']}")
