@@ -322,10 +322,15 @@ class Supervisor:
         engine.signal(signal.SIGUSR1)
         for ingress in ingresses:
             ingress.signal(ingress_signal)
+        if self._listener is not None:
+            # Nothing restarts from now on: the ingress processes' copies are the socket's last, so
+            # it stops listening when they close theirs after the delay (new connections are then
+            # refused at once, as by a single process); a copy kept here would leave it listening
+            # with nobody accepting until every ingress had drained, and reset what queued meanwhile.
+            self._listener.close()
+            self._listener = None
         s = self._settings
         await _wait_or_kill(ingresses, delay_s + s.shutdown_timeout_s + INGRESS_EXIT_GRACE_S)
-        if self._listener is not None:
-            self._listener.close()  # every ingress is gone: nothing accepts on it any more
         engine.signal(signal.SIGTERM)
         await _wait_or_kill([engine], s.shutdown_timeout_s + ENGINE_EXIT_GRACE_S)
         log.info("shutdown finished %.1f s after it began", time.monotonic() - began,

@@ -101,7 +101,8 @@ class EngineDoor:
     """The unix-socket server ingress processes connect to."""
 
     def __init__(self, engine: InferenceEngine, path: str, live: Callable[[], LiveSettings],
-                 absorb: Callable[[str, Any], None] | None = None, retire: Callable[[str], None] | None = None) -> None:
+                 absorb: Callable[[str, Any], object] | None = None,
+                 retire: Callable[[str], None] | None = None) -> None:
         self._engine = engine
         self._path = path
         self._live = live
