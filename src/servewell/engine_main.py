@@ -68,7 +68,8 @@ class EngineServer(GracefulServer):
         if not self.should_exit:
             self.should_exit = True  # the drain starts now
             return
-        super()._on_signal(sig)  # a second one: cut short
+        log.warning("%s again: stopping now", sig.name)
+        self._plan.abort(f"a second {sig.name}")  # what still waits gets 503 shutting_down
 
 
 def main(argv: list[str]) -> int:

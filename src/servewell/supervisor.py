@@ -122,6 +122,10 @@ class _Child:
         return True
 
 
+#: After a second SIGTERM/SIGINT, how long the children get to answer what waits and exit.
+FORCED_EXIT_GRACE_S = 3.0
+
+
 class Supervisor:
     """Runs one engine and `ingress_processes` ingress processes until a signal says stop (see the
     module doc). `engine_argv` and `ingress_argv` (what follows the interpreter, before RUN) can be
@@ -290,6 +294,18 @@ class Supervisor:
             self._begin_stop(sig.name, 0, sig)
             return
         log.warning("%s again: stopping now", sig.name, extra={"event": EVENT_SHUTDOWN_FORCED, "signal": sig.name})
+        # Passed on, so every request still waiting is answered 503 shutting_down (each ingress and
+        # the engine cut their drain short: a second signal there, two for an engine not yet told);
+        # what has not exited after FORCED_EXIT_GRACE_S is killed.
+        engine, ingresses = self._children[0], self._children[1:]
+        for ingress in ingresses:
+            ingress.signal(sig)
+        loop = asyncio.get_running_loop()
+        engine.signal(signal.SIGTERM)
+        loop.call_later(0.05, engine.signal, signal.SIGTERM)  # apart: two pending signals would merge into one
+        loop.call_later(FORCED_EXIT_GRACE_S, self._kill_all)
+
+    def _kill_all(self) -> None:
         for child in self._children:
             if child.signal(signal.SIGKILL):
                 log.warning("%s (pid %s) killed", child.name, child.facts.get("pid"),

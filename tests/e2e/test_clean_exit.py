@@ -51,9 +51,8 @@ def test_no_segment_outlives_its_worker_across_kills_reload_unload_and_shutdown(
     slow_model(tmp_path, "slow", 20, max_batch_size=2, instances=2)
     server = start_server(["--model-repository", str(tmp_path), "--admin-token", "t"])
     server.wait_ready()
-    pid = server.proc.pid
     warm(server.url)
-    assert len(workers_with_segments(pid)) == 2  # each worker: heartbeat, input and output segments
+    assert len(workers_with_segments(server)) == 2  # each worker: heartbeat, input and output segments
     for _ in range(2):
         victim = worker_pids(server.url)[0]
         os.kill(victim, signal.SIGKILL)
@@ -61,17 +60,17 @@ def test_no_segment_outlives_its_worker_across_kills_reload_unload_and_shutdown(
         warm(server.url)
         # Only live workers own segments: the killed one's (its output arena included, which it
         # made itself and could not remove) are gone.
-        assert len(workers_with_segments(pid)) == 2, segments_of(pid)
+        assert len(workers_with_segments(server)) == 2, segments_of(server)
     admin = {"Authorization": "Bearer t"}
     reload = httpx.post(server.url + "/v2/repository/models/slow/load", headers=admin, timeout=120)
     assert reload.status_code == 200, reload.text
     warm(server.url)
-    assert len(workers_with_segments(pid)) == 2, segments_of(pid)
+    assert len(workers_with_segments(server)) == 2, segments_of(server)
     unload = httpx.post(server.url + "/v2/repository/models/slow/unload", headers=admin, timeout=60)
     assert unload.status_code == 200
-    assert segments_of(pid) == []
+    assert segments_of(server) == []
     assert server.stop() in (0, -signal.SIGTERM)
-    assert segments_of(pid) == []
+    assert segments_of(server) == []
     log = server.log_path.read_text()
     assert "resource_tracker" not in log and "leaked" not in log
 
@@ -122,7 +121,7 @@ def test_a_signal_to_the_whole_process_group_under_load_loses_nothing_and_restar
     log = server.log()
     assert "; restarting" not in log and "not restarted" not in log, log[-3000:]
     assert all(not os.path.exists(f"/proc/{w}") for w in workers)
-    assert segments_of(server.proc.pid) == [] and "resource_tracker" not in log
+    assert segments_of(server) == [] and "resource_tracker" not in log
     after = [status for at, status in readiness if at > signalled]
     if sig == signal.SIGTERM:
         # Readiness turned false while the listener still accepted: 503s before the refusals.
@@ -158,7 +157,7 @@ def test_the_drain_is_bounded_and_what_is_left_gets_503_shutting_down(tmp_path, 
     assert set(codes) <= {200, "shutting_down"} and "shutting_down" in codes and 200 in codes, codes
     log = server.log()
     assert ("SIGTERM again" in log) if bound == "second SIGTERM" else ("longer than --shutdown-timeout-s" in log)
-    assert segments_of(server.proc.pid) == []
+    assert segments_of(server) == []
 
 
 def test_queued_requests_of_a_model_that_loses_its_last_worker_during_shutdown_are_answered(tmp_path):
@@ -185,7 +184,7 @@ def test_queued_requests_of_a_model_that_loses_its_last_worker_during_shutdown_a
     assert set(codes) <= {200, "worker_lost", "shutting_down"} and "shutting_down" in codes, codes
     log = server.log()
     assert "during shutdown; not restarted" in log and "; restarting" not in log
-    assert segments_of(server.proc.pid) == []
+    assert segments_of(server) == []
 
 
 def test_keep_alive_clients_through_sigterm_see_closes_never_resets(tmp_path, servewell_cache):

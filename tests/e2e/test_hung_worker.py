@@ -121,7 +121,7 @@ def test_a_stopped_worker_is_declared_hung_its_requests_answered_by_their_deadli
     assert metric_value(server.url, "servewell_worker_restarts_total", model="slow", reason="hung") == 1.0
     assert httpx.post(server.url + "/v2/models/slow/infer", json=body(2.0)).status_code == 200
     assert "is hung: no heartbeat" in server.log()
-    assert len(workers_with_segments(server.proc.pid)) <= 2, segments_of(server.proc.pid)  # slow's and stuck's
+    assert len(workers_with_segments(server)) <= 2, segments_of(server)  # slow's and stuck's
 
 
 def test_a_batch_over_its_compute_budget_gets_503_worker_hung_and_its_worker_is_replaced(server):

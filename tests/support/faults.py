@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -68,14 +70,27 @@ def tally(answers: list[Answer]) -> Counter[str]:
     return Counter(a.label for a in answers)
 
 
-def segments_of(pid: int) -> list[str]:
-    """Shared-memory segments of the server whose frontend has `pid`."""
-    return sorted(p.name for p in SHM.glob(f"servewell-{pid}-*"))
+class _Logged(Protocol):
+    proc: subprocess.Popen[bytes]
+    log_path: Path
 
 
-def workers_with_segments(pid: int) -> set[str]:
+def engine_pids(server: _Logged) -> list[int]:
+    """Every engine process the server's supervisor started (its log says so), or the server's
+    own pid for a single-process server: the pids its shared-memory segments are named after."""
+    pids = [int(m) for m in re.findall(r'"event":"child_started","role":"engine","index":\d+,"pid":(\d+)',
+                                      server.log_path.read_text(errors="replace"))]
+    return pids or [server.proc.pid]
+
+
+def segments_of(server: _Logged) -> list[str]:
+    """Shared-memory segments of `server` (named `servewell-<engine pid>-...`), alive or left behind."""
+    return sorted(p.name for pid in engine_pids(server) for p in SHM.glob(f"servewell-{pid}-*"))
+
+
+def workers_with_segments(server: _Logged) -> set[str]:
     """The worker serials that own segments: `servewell-<pid>-<serial>-<kind>`."""
-    return {name.split("-")[2] for name in segments_of(pid)}
+    return {"-".join(name.split("-")[1:3]) for name in segments_of(server)}
 
 
 def metric_value(url: str, name: str, **labels: str) -> float | None:

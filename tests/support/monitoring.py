@@ -21,7 +21,8 @@ HISTOGRAMS = (
     "servewell_batch_compute_seconds", "servewell_batch_transport_seconds", "servewell_postprocess_seconds",
     "servewell_batch_size", "servewell_trace_step_seconds", "servewell_batch_compute_by_size_seconds",
 )
-COUNTERS = ("servewell_requests", "servewell_model_loads", "servewell_worker_restarts", "servewell_config_reloads")
+COUNTERS = ("servewell_requests", "servewell_model_loads", "servewell_worker_restarts", "servewell_config_reloads",
+            "servewell_process_restarts")
 #: Counters for diagnosis only: exposed, deliberately on neither the dashboard nor the rules.
 DIAGNOSTIC_COUNTERS = ("servewell_http_fast_path_requests",)
 GAUGES = (

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -53,7 +54,7 @@ from servewell.engine.envelope import (
 from servewell.engine.lanes import resolve_lane
 from servewell.engine.protocol import ModelView, Readiness, RequestResult
 from servewell.errors import EngineUnavailable, ModelNotReady, NotFound, ServeError, ShuttingDown, quote
-from servewell.observability.context import client_var
+from servewell.observability.context import BatchPlacement, client_var, placement_var
 from servewell.observability.tracing import traceparent_of
 
 log = logging.getLogger("servewell.ingress")
@@ -113,6 +114,7 @@ class RemoteEngine:
         self._writer: FrameWriter | None = None
         self._table: ModelTable | None = None
         self._pending: dict[int, asyncio.Future[RequestResult]] = {}
+        self._placements: dict[int, BatchPlacement] = {}  # the request's record, filled from its outcome
         self._asks: dict[int, asyncio.Future[Any]] = {}  # Resolve and ControlCall, failed when the door is lost
         self._ids = itertools.count(1)
         self._lost: asyncio.Event | None = None
@@ -150,6 +152,7 @@ class RemoteEngine:
             if not future.done():
                 future.set_exception(failure)
         self._pending.clear()
+        self._placements.clear()
         for ask in self._asks.values():
             if not ask.done():
                 ask.set_exception(failure)
@@ -162,6 +165,9 @@ class RemoteEngine:
     def _on_message(self, message: Any) -> None:
         if isinstance(message, Outcome):
             future = self._pending.pop(message.call_id, None)
+            placement = self._placements.pop(message.call_id, None)
+            if placement is not None and message.placement is not None:
+                _copy_placement(message.placement, placement)
             if future is None or future.done():
                 return
             if message.error is not None:
@@ -208,6 +214,9 @@ class RemoteEngine:
         call_id = next(self._ids)
         future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
+        placement = placement_var.get()
+        if placement is not None:
+            self._placements[call_id] = placement
         span_context = trace.get_current_span().get_span_context()
         traceparent = traceparent_of(span_context) if span_context.is_valid and span_context.trace_flags.sampled \
             else None
@@ -222,8 +231,10 @@ class RemoteEngine:
             if not future.done():
                 future.set_exception(error)
         self._pending.clear()
+        self._placements.clear()
 
     def _cancelled(self, call_id: int) -> None:
+        self._placements.pop(call_id, None)
         if self._pending.pop(call_id, None) is not None and self._writer is not None:
             self._writer.send(Cancel(call_id))
 
@@ -386,3 +397,9 @@ async def _either(a: asyncio.Event, b: asyncio.Event) -> None:
     finally:
         for w in waits:
             w.cancel()
+
+
+def _copy_placement(source: BatchPlacement, target: BatchPlacement) -> None:
+    """The engine's facts about where a request ran, into the ingress's record of it."""
+    for field in dataclasses.fields(source):
+        setattr(target, field.name, getattr(source, field.name))

@@ -53,7 +53,7 @@ from servewell.engine.envelope import (
 )
 from servewell.engine.protocol import ModelView, RequestResult
 from servewell.errors import ModelError, ServeError, quote
-from servewell.observability.context import client_var, request_id_var
+from servewell.observability.context import BatchPlacement, client_var, placement_var, request_id_var
 
 log = logging.getLogger("servewell.engine")
 
@@ -267,6 +267,8 @@ class EngineDoor:
     def _on_envelope(self, ingress: _Ingress, envelope: Envelope) -> None:
         token = request_id_var.set(envelope.request_id)
         client_token = client_var.set(envelope.tenant or "")
+        placement = BatchPlacement()  # filled by the scheduler's telemetry; goes back with the outcome
+        placement_token = placement_var.set(placement)
         trace_token = None
         if envelope.traceparent:
             trace_token = otel_context.attach(extract({"traceparent": envelope.traceparent}))
@@ -275,7 +277,7 @@ class EngineDoor:
             future = handle.infer(envelope.inputs, lane=envelope.lane, deadline=envelope.deadline,
                                   request_id=envelope.request_id, arrived_at=envelope.arrived_at)
         except ServeError as exc:
-            ingress.writer.send(Outcome(envelope.call_id, error=exc))
+            ingress.writer.send(Outcome(envelope.call_id, error=exc, placement=placement))
             return
         except Exception as exc:  # a bug must still answer the request
             log.exception("envelope for model %s failed", envelope.model)
@@ -284,22 +286,24 @@ class EngineDoor:
         finally:
             if trace_token is not None:
                 otel_context.detach(trace_token)
+            placement_var.reset(placement_token)
             request_id_var.reset(token)
             client_var.reset(client_token)
         ingress.pending[envelope.call_id] = future
-        future.add_done_callback(partial(self._answer, ingress, envelope.call_id))
+        future.add_done_callback(partial(self._answer, ingress, envelope.call_id, placement))
 
-    def _answer(self, ingress: _Ingress, call_id: int, future: asyncio.Future[RequestResult]) -> None:
+    def _answer(self, ingress: _Ingress, call_id: int, placement: BatchPlacement,
+                future: asyncio.Future[RequestResult]) -> None:
         ingress.pending.pop(call_id, None)
         if ingress.closed or future.cancelled():
             return  # a cancel from the ingress: it answered its client already
         error = future.exception()
         if error is None:
-            ingress.writer.send(Outcome(call_id, result=future.result()))
+            ingress.writer.send(Outcome(call_id, result=future.result(), placement=placement))
         elif isinstance(error, ServeError):
-            ingress.writer.send(Outcome(call_id, error=error))
+            ingress.writer.send(Outcome(call_id, error=error, placement=placement))
         else:
-            ingress.writer.send(Outcome(call_id, error=ModelError(f"the request failed: {error}")))
+            ingress.writer.send(Outcome(call_id, error=ModelError(f"the request failed: {error}"), placement=placement))
 
     def _on_lost(self, ingress: _Ingress, exc: BaseException | None) -> None:
         if ingress.closed:

@@ -33,6 +33,7 @@ import numpy as np
 from servewell.config.model import ModelConfig
 from servewell.engine.protocol import Readiness, RequestResult
 from servewell.errors import ServeError
+from servewell.observability.context import BatchPlacement
 
 #: Largest frame either side accepts (a batch of envelopes with their tensors): a larger length
 #: prefix means a broken peer, and the connection is closed.
@@ -63,6 +64,7 @@ class Outcome:
     call_id: int
     result: RequestResult | None = None
     error: ServeError | None = None
+    placement: BatchPlacement | None = None  # the batch it ran in, for the ingress's logs and console
 
 
 @dataclass(slots=True, frozen=True)

@@ -111,8 +111,8 @@ class BatchTelemetry:
             if mark is None or mark.context is None:
                 continue
             parent = trace.get_current_span(mark.context)
-            if not parent.is_recording():
-                continue
+            if not parent.get_span_context().trace_flags.sampled:
+                continue  # unsampled (a request span here records; one from an ingress is remote and sampled)
             links.append(Link(parent.get_span_context()))
             first = first or mark.context
             queue = self._tracer.start_span(
