@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 from opentelemetry import trace
+from opentelemetry.context import Context
 
 from servewell.config.model import ModelConfig
 from servewell.engine.envelope import (
@@ -54,7 +55,7 @@ from servewell.engine.envelope import (
 from servewell.engine.lanes import resolve_lane
 from servewell.engine.protocol import ModelView, Readiness, RequestResult
 from servewell.errors import EngineUnavailable, ModelNotReady, NotFound, ServeError, ShuttingDown, quote
-from servewell.observability.context import BatchPlacement, client_var, placement_var
+from servewell.observability.context import BatchPlacement, client_var, placement_var, request_trace_var
 from servewell.observability.tracing import traceparent_of
 
 log = logging.getLogger("servewell.ingress")
@@ -77,12 +78,15 @@ class RemoteModel:
 
     __slots__ = ("_engine", "name", "config", "_lanes", "_version")
 
-    def __init__(self, engine: RemoteEngine, entry: ModelEntrySummary, config: ModelConfig) -> None:
+    def __init__(self, engine: RemoteEngine, entry: ModelEntrySummary, config: ModelConfig,
+                 version: str | None) -> None:
         self._engine = engine
         self.name = entry.name
         self.config = config
         self._lanes = tuple(config.batching.lanes)
-        self._version = entry.version
+        # What the client asked for (None: whichever version serves when the envelope arrives, so
+        # a request resolved just before a reload is served by the new version, not refused).
+        self._version = version or None
 
     def resolve_lane(self, urgency: str | None = None, priority: object = None) -> int:
         """Lane index for a request's urgency and/or OIP priority (engine/lanes.py)."""
@@ -205,7 +209,7 @@ class RemoteEngine:
         if not table.accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
 
-    def send(self, model: str, version: str, inputs: dict[str, np.ndarray], lane: int, deadline: float | None,
+    def send(self, model: str, version: str | None, inputs: dict[str, np.ndarray], lane: int, deadline: float | None,
              arrived_at: float, request_id: str) -> asyncio.Future[RequestResult]:
         """One envelope to the engine; its outcome resolves the returned future."""
         writer = self._writer
@@ -217,7 +221,9 @@ class RemoteEngine:
         placement = placement_var.get()
         if placement is not None:
             self._placements[call_id] = placement
-        span_context = trace.get_current_span().get_span_context()
+        request_trace = request_trace_var.get()  # the request's own span (the middleware keeps it there)
+        span_context = trace.get_current_span(request_trace if isinstance(request_trace, Context) else None) \
+            .get_span_context()
         traceparent = traceparent_of(span_context) if span_context.is_valid and span_context.trace_flags.sampled \
             else None
         writer.send(Envelope(call_id, model, version, lane, deadline, arrived_at, request_id, inputs,
@@ -264,7 +270,7 @@ class RemoteEngine:
         if entry.state != "ready" or entry.config is None:
             reason = f": {entry.reason}" if entry.reason else ""
             raise ModelNotReady(f"model '{name}' is {entry.state}{reason}")
-        return RemoteModel(self, entry, entry.config)
+        return RemoteModel(self, entry, entry.config, version)
 
     async def _ask(self, name: str) -> ModelEntrySummary | None:
         writer = self._writer
