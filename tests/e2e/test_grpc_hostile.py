@@ -201,15 +201,18 @@ def test_calls_over_the_slots_get_resource_exhausted_with_retry_after(server):
 
 
 def test_a_rate_limited_call_carries_retry_after(server):
-    with triton.InferenceServerClient(server.grpc_url) as client:
-        headers = {"authorization": f"Bearer {SLOW_KEY}"}
-        client.get_server_metadata(headers=headers)
-        channel = grpc.insecure_channel(server.grpc_url)
-        metadata = channel.unary_unary("/inference.GRPCInferenceService/ServerMetadata",
-                                       request_serializer=pb.ServerMetadataRequest.SerializeToString,
-                                       response_deserializer=pb.ServerMetadataResponse.FromString)
+    # Both calls on one channel (one connection, so one ingress process: a key's rate is kept per
+    # ingress process, README "Processes").
+    headers = {"authorization": f"Bearer {SLOW_KEY}"}
+    channel = grpc.insecure_channel(server.grpc_url)
+    metadata = channel.unary_unary("/inference.GRPCInferenceService/ServerMetadata",
+                                   request_serializer=pb.ServerMetadataRequest.SerializeToString,
+                                   response_deserializer=pb.ServerMetadataResponse.FromString)
+    try:
+        metadata(pb.ServerMetadataRequest(), metadata=tuple(headers.items()), timeout=10)
         with pytest.raises(grpc.RpcError) as limited:
             metadata(pb.ServerMetadataRequest(), metadata=tuple(headers.items()), timeout=10)
+    finally:
         channel.close()
     assert limited.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     trailers = dict(limited.value.trailing_metadata())
