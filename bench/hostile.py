@@ -41,7 +41,7 @@ import orjson
 from PIL import Image
 
 from bench.attacks_grpc import LegitGrpcCalls
-from bench.processes import HOST, ServerProcess, cpu_seconds, free_port, run_module, stop_process
+from bench.processes import HOST, ServerProcess, cpu_seconds, free_port, role_of, run_module, stop_process, tree_pids
 from bench.workspace import RESULTS, WORK
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "src" / "servewell" / "examples" / "images"
@@ -96,18 +96,32 @@ class ProcessSampler:
         for thread in self._threads:
             thread.join(15)
 
+    def frontend_pids(self) -> list[int]:
+        """The processes attacks land on: a split server's supervisor, engine and ingress
+        processes (a single-process server: itself); model workers left out."""
+        return [pid for pid in tree_pids(self.pid)
+                if role_of(pid, self.pid) in ("server", "supervisor", "engine") or
+                role_of(pid, self.pid).startswith("ingress")] or [self.pid]
+
     def read(self) -> tuple[int, int]:
-        """(RSS bytes, open descriptors) now; (0, 0) once the process is gone."""
-        try:
-            with open(f"/proc/{self.pid}/status") as f:
-                rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-            return rss, len(os.listdir(f"/proc/{self.pid}/fd"))
-        except (OSError, StopIteration):
-            return 0, 0
+        """(RSS bytes, open descriptors) of the frontend processes together now; (0, 0) once gone."""
+        rss = fds = 0
+        for pid in self.frontend_pids():
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    rss += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+                fds += len(os.listdir(f"/proc/{pid}/fd"))
+            except (OSError, StopIteration):
+                continue
+        return rss, fds
+
+    def cpu(self) -> float:
+        """CPU seconds so far of the frontend processes together."""
+        return sum(cpu_seconds(pid) for pid in self.frontend_pids())
 
     def _sample(self) -> None:
         while not self._stop.wait(0.25):
-            self.samples.append((time.monotonic(), *self.read(), cpu_seconds(self.pid)))
+            self.samples.append((time.monotonic(), *self.read(), self.cpu()))
 
     def _scrape(self) -> None:
         while not self._stop.wait(5.0):
@@ -123,7 +137,7 @@ class ProcessSampler:
 
     def between(self, start: float, end: float) -> dict[str, Any]:
         """Median and max RSS and descriptors, and the largest and slowest scrape, in [start, end)."""
-        inside = [s for s in self.samples if start <= s[0] < end] or [(end, *self.read(), cpu_seconds(self.pid))]
+        inside = [s for s in self.samples if start <= s[0] < end] or [(end, *self.read(), self.cpu())]
         scrapes = [s for s in self.scrapes if start <= s[0] < end]
         span = inside[-1][0] - inside[0][0]
         return {
