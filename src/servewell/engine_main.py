@@ -31,9 +31,8 @@ from servewell.allocator import bound_freed_memory
 from servewell.api.peer import TrustedPeerMiddleware
 from servewell.child_process import ENGINE_DOOR_SOCKET, ENGINE_HTTP_SOCKET, die_with_parent, read_settings
 from servewell.observability.logging import configure_logging
-from servewell.server import build_app, remove_leftovers
+from servewell.server import build_app, remove_leftovers, remove_own_segments
 from servewell.shutdown import GracefulServer, ShutdownPlan, uvicorn_graceful_timeout_s
-from servewell.workers.shm import NAME_PREFIX, remove_segments
 
 log = logging.getLogger("servewell.server")
 
@@ -91,9 +90,7 @@ def main(argv: list[str]) -> int:
     try:
         EngineServer(config, plan).run()
     finally:
-        left = remove_segments(f"{NAME_PREFIX}{os.getpid()}")
-        if left:
-            log.warning("removed %d shared-memory segments left at exit", left)
+        remove_own_segments()
         log.info("engine process exits after %.1f s", time.monotonic() - started)
     return 0
 

@@ -241,10 +241,14 @@ def serve(settings: ServerConfig, source: ConfigSource | None = None) -> None:
     try:
         GracefulServer(config, plan).run()
     finally:
-        # Every worker removed its segments as it stopped; this catches what a bug would leave.
-        left = remove_segments(f"{NAME_PREFIX}{os.getpid()}")
-        if left:
-            log.warning("removed %d shared-memory segments left at exit", left)
+        remove_own_segments()
+
+
+def remove_own_segments() -> None:
+    """At exit: every worker removed its segments as it stopped; this catches what a bug would leave."""
+    left = remove_segments(f"{NAME_PREFIX}{os.getpid()}")
+    if left:
+        log.warning("removed %d shared-memory segments left at exit", left)
 
 
 def remove_leftovers(settings: ServerConfig) -> None:
