@@ -131,3 +131,15 @@ def test_kill_9_of_the_engine_answers_503_at_once_then_serves_again(split_server
     assert [a.status_code for a in infer_on_fresh_connections(split_server, 5)] == [200] * 5
     text = httpx.get(split_server.url + "/metrics", timeout=10).text
     assert counter(text, "servewell_process_restarts_total", role="engine") == 1
+
+
+def test_zero_ingress_processes_is_the_single_process_server(servewell_cache: Path,
+                                                             start_server: ServerFactory) -> None:
+    server = start_server(["--cache-dir", str(servewell_cache), "--ingress-processes", "0"])
+    server.wait_ready()
+    assert roles(server.proc.pid) == {"engine": [], "ingress": []}  # no supervisor: the server itself serves
+    answers = infer_on_fresh_connections(server, 3)
+    assert [a.status_code for a in answers] == [200] * 3
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    assert counter(text, "servewell_requests_total", model="digits", outcome="success") >= 3
+    assert "servewell_process_restarts_total" not in text
