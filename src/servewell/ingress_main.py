@@ -48,7 +48,6 @@ from servewell.observability.console_feed import ConsoleFeed
 from servewell.observability.logging import configure_logging
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.tracing import DEFAULT_SAMPLE_RATIO, Tracing, settings_from
-from servewell.process_tree import ingress_process_count
 from servewell.server import build_decoder, tune_garbage_collector
 from servewell.shutdown import GracefulServer, ShutdownPlan, uvicorn_graceful_timeout_s
 
@@ -117,18 +116,6 @@ class IngressGrpc:
         await asyncio.gather(*self._stopping)
 
 
-def ingress_share(settings: ServerConfig) -> ServerConfig:
-    """The settings one ingress process decodes images with: `decode_threads` and
-    `decode_queue_size` are the whole server's, shared out over its ingress processes (each its
-    own pool: N full pools had doubled the decoding threads on two cores, and a heavy-decode flood
-    then took the light requests' p99 from 1.2x to 2.2x its baseline in bench.hostile)."""
-    count = ingress_process_count(settings.ingress_processes)
-    return settings.model_copy(update={
-        "decode_threads": max(1, -(-settings.decode_threads // count)),
-        "decode_queue_size": max(1, -(-settings.decode_queue_size // count)),
-    })
-
-
 def build_ingress(settings: ServerConfig, run_dir: Path, index: int) -> tuple[ASGIApp, ShutdownPlan]:
     """The ingress app and its shutdown plan."""
     try:
@@ -153,7 +140,7 @@ def build_ingress(settings: ServerConfig, run_dir: Path, index: int) -> tuple[AS
         logging.getLogger().setLevel(fresh.log_level.upper())
 
     engine = RemoteEngine(str(run_dir / ENGINE_DOOR_SOCKET), index, apply_live, view_snapshot=console.view.snapshot)
-    decoder, pools = build_decoder(ingress_share(settings))
+    decoder, pools = build_decoder(settings)
     plane = DataPlane(engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side), metrics,
                       tracing)
     plan = ShutdownPlan(IngressShutdown(engine), settings.shutdown_delay_s, settings.shutdown_timeout_s)

@@ -85,8 +85,7 @@ class ServerConfig(BaseModel):
     )
     decode_queue_size: int = Field(
         64, ge=1, description="Image decodes that may wait for a decode thread (urgent ones: as many again); "
-        "past it requests are refused with 503 overloaded before their images are decoded (the whole server's, "
-        "shared out over its ingress processes).",
+        "past it requests are refused with 503 overloaded before their images are decoded.",
     )
     memory_budget_bytes: int | None = Field(
         None, ge=1, description="Host memory all models together may use (estimated before loading); "
@@ -146,10 +145,7 @@ class ServerConfig(BaseModel):
     alerting: AlertingConfig = Field(
         default_factory=AlertingConfig, description="Optional alert webhook (config file only: nested settings)."
     )
-    decode_threads: int = Field(
-        2, ge=1, le=64, description="Threads that decode and resize images off the event loop (the whole server's: "
-        "a split server shares them out over its ingress processes, at least 1 each).",
-    )
+    decode_threads: int = Field(2, ge=1, le=64, description="Threads that decode and resize images off the event loop.")
     decode_heavy_nice: int = Field(
         10, ge=0, le=19,
         description="How many nice steps below normal the threads decoding images over a megapixel run (0: same).",
