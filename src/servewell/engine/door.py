@@ -34,6 +34,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.propagate import extract
 
 from servewell.engine.engine import InferenceEngine
+from servewell.engine.entry import Entry
 from servewell.engine.envelope import (
     Cancel,
     ControlCall,
@@ -51,7 +52,7 @@ from servewell.engine.envelope import (
     ViewAsk,
     ViewReply,
 )
-from servewell.engine.protocol import ModelView, RequestResult
+from servewell.engine.protocol import RequestResult
 from servewell.errors import ModelError, ServeError, quote
 from servewell.observability.context import BatchPlacement, client_var, placement_var, request_id_var
 
@@ -65,14 +66,14 @@ VIEW_PULL_TIMEOUT_S = 1.0
 CONTROL_METHODS = frozenset(("models", "model", "load_model", "unload_model"))
 
 
-def summarize(view: ModelView) -> ModelEntrySummary:
+def summarize(entry: Entry) -> ModelEntrySummary:
     """What an ingress needs of one model."""
-    return ModelEntrySummary(view.name, view.version, view.state, view.reason, view.config)
+    return ModelEntrySummary(entry.name, entry.version, entry.state, entry.reason, entry.config)
 
 
 def model_table(engine: InferenceEngine) -> ModelTable:
     """The engine's models as the ingress processes see them."""
-    models = {view.name: summarize(view) for view in engine.models()}
+    models = {entry.name: summarize(entry) for entry in engine.entries()}
     try:
         default: str | None = engine.default_model_name()
     except ServeError:
@@ -117,11 +118,6 @@ class EngineDoor:
         self._ask_ids = itertools.count(1)
         self._control_tasks: set[asyncio.Future[Any]] = set()  # control calls being awaited (strong refs)
 
-    @property
-    def connected(self) -> int:
-        """How many ingress processes are connected now."""
-        return len(self._ingresses)
-
     async def start(self) -> None:
         """Listen (the socket file is the owner's only)."""
         loop = asyncio.get_running_loop()
@@ -143,19 +139,6 @@ class EngineDoor:
             ingress.writer.transport.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path)
-
-    def push_live(self) -> None:
-        """Send the live settings to every ingress (after a config reload applied)."""
-        live = self._live()
-        for ingress in self._ingresses:
-            ingress.writer.send(live)
-
-    def push_table(self) -> None:
-        """Send the model table to every ingress now (it also goes on its own on every change)."""
-        table = model_table(self._engine)
-        self._last_table = _fingerprint(table)
-        for ingress in self._ingresses:
-            ingress.writer.send(table)
 
     async def pull_views(self, timeout_s: float = VIEW_PULL_TIMEOUT_S) -> None:
         """Ask every ingress for its metrics and console records and absorb what comes back in
@@ -211,10 +194,7 @@ class EngineDoor:
             if ask is not None and not ask.done():
                 ask.set_result(message.snapshot)
         elif isinstance(message, Resolve):
-            entry = None
-            if self._engine.knows(message.model):
-                with contextlib.suppress(ServeError):
-                    entry = summarize(self._engine.model(message.model))
+            entry = next((summarize(e) for e in self._engine.entries() if e.name == message.model), None)
             ingress.writer.send(Resolved(message.ask_id, entry))
         elif isinstance(message, ControlCall):
             self._on_control(ingress, message)

@@ -327,6 +327,11 @@ class InferenceEngine:
         """`model` (the gRPC servicer awaits it: an ingress's engine asks the engine process)."""
         return self.model(name, version)
 
+    def entries(self) -> list[Entry]:
+        """Every model's current entry (name, version, state, reason, config), without building
+        views: the door compares them every 50 ms, and a view reads each worker's memory."""
+        return [slot.entry for slot in list(self._slots.values())]
+
     def samples(self) -> list[ModelSample]:
         """State of every model for the metrics scrape."""
         return [slot.entry.sample() for slot in list(self._slots.values())]
