@@ -18,10 +18,9 @@ import pytest
 
 from model_dirs import onnx_mlp_model
 from servers import ServerFactory, ServerProcess
-from waiting import eventually
-
 from servewell.config.model_file import read_model_yaml
 from servewell.engine.memory_budget import estimate_model_memory
+from waiting import eventually
 
 ROW = [1.0, 2.0, 3.0, 4.0]
 
