@@ -182,6 +182,7 @@ class ModelPool:
                 reason = f": {entry.reason}" if entry.reason else ""
                 raise ModelNotReady(f"model '{slot.name}' is {entry.state}{reason}")
             if slot.waiting >= self.settings.load_queue_per_model:
+                self._loader(slot)  # refused, but the load it asks for starts
                 raise ModelLoading(f"model '{slot.name}' is loading and {slot.waiting} requests already wait for it "
                                    f"(load_queue_per_model); retry", retry_after_s=self.retry_after_s(slot))
             wait_s = self.settings.max_load_wait_s
