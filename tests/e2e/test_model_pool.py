@@ -191,3 +191,20 @@ def test_an_idle_model_is_unloaded_after_idle_unload_s_but_not_a_pinned_one(sing
     assert counter(single, "servewell_model_evictions_total", model="c", reason="idle") >= 1
     assert models(single)["pinned"]["residency"] == "resident"
     assert counter(single, "servewell_model_evictions_total", model="pinned") == 0
+
+
+def test_grpc_says_a_loadable_model_is_ready_and_its_first_inference_loads_it(pool: ServerProcess,
+                                                                               pool_root: Path) -> None:
+    import numpy as np
+    import tritonclient.grpc as triton_grpc
+
+    onnx_mlp_model(pool_root, "grpc_lazy")
+    eventually(lambda: "grpc_lazy" in models(pool), 20, "the poll did not find the new model")
+    client = triton_grpc.InferenceServerClient(pool.grpc_url)
+    assert client.is_model_ready("grpc_lazy")
+    assert models(pool)["grpc_lazy"]["residency"] == "not_loaded"
+    x = triton_grpc.InferInput("x", [1, 4], "FP32")
+    x.set_data_from_numpy(np.array([ROW], dtype=np.float32))
+    result = client.infer("grpc_lazy", [x], client_timeout=60)
+    assert result.as_numpy("y").shape == (1, 3)
+    assert models(pool)["grpc_lazy"]["residency"] == "resident"
