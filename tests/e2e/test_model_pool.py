@@ -92,6 +92,12 @@ def test_first_request_loads_the_model_and_answers(pool: ServerProcess) -> None:
     assert len(response.json()["outputs"][0]["data"]) == 3
     assert models(pool)["a"]["residency"] == "resident"
     assert counter(pool, "servewell_model_cold_start_seconds_count", model="a") >= 1
+    misses = counter(pool, "servewell_model_pool_requests_total", result="miss")
+    hits = counter(pool, "servewell_model_pool_requests_total", result="hit")
+    assert misses >= 1
+    assert infer(pool, "a").status_code == 200
+    assert counter(pool, "servewell_model_pool_requests_total", result="hit") == hits + 1
+    assert counter(pool, "servewell_model_pool_requests_total", result="miss") == misses
 
 
 def test_a_load_past_the_budget_evicts_the_least_recently_used_idle_model_never_the_pinned_one(

@@ -164,6 +164,11 @@ class ModelPool:
             task.cancel()
         self._tasks.clear()
 
+    def count(self, slot: ModelSlot) -> None:
+        """Count a request in lazy mode: a hit when its model is resident, a miss when it must load."""
+        if self._metrics is not None and self.lazy:
+            self._metrics.pool_requests.labels("hit" if slot.resident else "miss").inc()
+
     def loadable(self, slot: ModelSlot) -> bool:
         """Whether a request would load this model now (lazy mode, a valid config, not unloaded by
         an operator, not failed since its last change)."""
