@@ -167,11 +167,17 @@ class InferenceEngine:
         return ModelEntry(name, self.repository / name, config, self._services)
 
     async def _discover(self) -> list[str]:
-        """Add the models whose directories appeared since the last scan (lazy mode's poll)."""
-        sources = await asyncio.to_thread(scan_repository, self.repository, set(self._slots))
+        """Add the models whose directories appeared since the last scan, and take an invalid
+        model whose model.yaml is now valid (lazy mode's poll). A new directory without a
+        model.yaml yet is left for a later poll: it may be being copied in."""
+        known = {name for name, slot in self._slots.items() if slot.entry.state != "invalid"}
+        sources = await asyncio.to_thread(scan_repository, self.repository, known)
         added = []
         for source in sources:
-            if source.name not in self._slots:
+            slot = self._slots.get(source.name)
+            if slot is None and source.config is None and not (source.directory / "model.yaml").is_file():
+                continue
+            if slot is None or (slot.entry.state == "invalid" and source.config is not None):
                 self._add(source)
                 added.append(source.name)
         return added

@@ -240,7 +240,11 @@ class ModelPool:
             # it leaves the model as it was (loadable), not failed.
             await self._reserve(entry, estimate, started + self.settings.max_load_wait_s)
             slot.entry = entry
-            await entry.load()  # its own reservation is in place: make_room finds it fits
+            try:
+                await entry.load()  # its own reservation is in place: make_room finds it fits
+            finally:
+                if entry.state != "ready":  # failed (load releases), or an unexpected error or cancel
+                    self._budget.release(entry)
             if entry.state != "ready":
                 raise ModelNotReady(f"model '{slot.name}' failed to load: {entry.reason}")
         seconds = time.monotonic() - started
