@@ -161,6 +161,7 @@
     renderServer(doc.server);
     renderAlerts(doc.alerts || [], doc.alerts_evaluated_at);
     renderModels(doc.models);
+    renderPool(doc.server.pool, doc.models);
     renderComputeByBatch(doc.models);
     renderCharts(doc.series);
     renderTryModels(doc.models);
@@ -244,6 +245,7 @@
         state.appendChild(reason);
       }
       if (m.load_s !== null) state.appendChild(el("div", "muted small", `loaded in ${m.load_s} s`));
+      state.appendChild(poolLine(m));
       const instances = row.insertCell();
       if (!m.instances.length) instances.appendChild(el("span", "muted", "–"));
       for (const i of m.instances) {
@@ -272,6 +274,47 @@
       renderSignals(row, m);
     }
     markSlowest(body, models);
+  }
+
+  /* ---------- the model pool: each model's residency, and the summary ---------- */
+
+  const RESIDENCY_LABELS = { not_loaded: "not loaded" };
+
+  function poolLine(m) {
+    // Where the model is (resident, loading, evicted, not loaded...), its pin, estimated memory and last use.
+    const line = el("div", "pool-line small");
+    const residency = m.residency || "resident";
+    line.dataset.residency = residency;
+    line.appendChild(el("span", "residency " + residency, RESIDENCY_LABELS[residency] || residency));
+    if (m.pinned) line.appendChild(el("span", "pin", "pinned"));
+    const facts = [];
+    if (m.estimated_bytes !== null && m.estimated_bytes !== undefined) facts.push("est. " + bytes(m.estimated_bytes));
+    facts.push(m.last_used_at ? "used " + clock(m.last_used_at) : "never used");
+    if (m.cold_starts || m.evictions) facts.push(`${m.cold_starts} cold starts · ${m.evictions} evictions`);
+    line.appendChild(el("span", "muted", facts.join(" · ")));
+    if (m.last_used_at) line.title = "last request at " + new Date(m.last_used_at * 1000).toLocaleString();
+    return line;
+  }
+
+  function renderPool(pool, models) {
+    const box = $("pool-summary");
+    if (!pool) { box.textContent = ""; return; }
+    const parts = [
+      `${pool.mode} repository`,
+      `${pool.resident} of ${pool.models} resident`,
+      `${pool.loading} loading`,
+      `${pool.pinned} pinned`,
+      `reserved ${bytes(pool.reserved_bytes)} of ${bytes(pool.budget_bytes)}`,
+    ];
+    if (pool.device_budget_bytes !== null && pool.device_budget_bytes !== undefined) {
+      parts.push(`device ${bytes(pool.device_reserved_bytes)} of ${bytes(pool.device_budget_bytes)}`);
+    } else if (pool.device_reserved_bytes) {
+      parts.push(`device ${bytes(pool.device_reserved_bytes)} reserved`);
+    }
+    const evicted = models.filter((m) => m.residency === "evicted").length;
+    if (evicted) parts.push(`${evicted} evicted`);
+    box.textContent = parts.join(" · ");
+    box.dataset.mode = pool.mode;
   }
 
   /* ---------- per-model golden signals, p99 split, compute by batch size ---------- */
