@@ -4,7 +4,7 @@
 
 One module server (lazy mode, the split as in production, an admin token set) serves five tiny
 ONNX models, `pinned` (pinned: true in model.yaml) and `a`, `b`, `c`, `d`, in a budget that holds
-three of them: `pinned` plus two others. The tests run in order and each sets up the residency
+three of them: `pinned` plus two others (and `big`, which never fits). The tests run in order and each sets up the residency
 it needs from what the one before left. Every admin call carries the token; one test shows
 that a caller without it is refused and changes nothing.
 """
@@ -68,6 +68,7 @@ def budget_bytes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     onnx_mlp_model(root, "pinned", pinned=True)
     for name in ("a", "b", "c", "d"):
         onnx_mlp_model(root, name)
+    onnx_mlp_model(root, "big", instances=4)  # more than the whole budget
     one = estimate_model_memory(read_model_yaml(root / "a"), root / "a").total_bytes
     return root, 3 * one + one // 2  # pinned plus two others, not three
 
@@ -118,6 +119,15 @@ def test_preload_loads_a_model_that_is_not_resident(pool: ServerProcess) -> None
     assert again.status_code == 200 and again.json()["cold_starts"] == 1
     assert infer(pool, "d").status_code == 200
     assert models(pool)["d"]["cold_starts"] == 1  # the request found it loaded
+
+
+def test_preload_of_a_model_that_cannot_fit_is_refused_with_the_numbers(pool: ServerProcess) -> None:
+    before = residency(pool)
+    refused = admin(pool, "big", "preload")
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_not_ready", refused.text
+    assert "MiB" in refused.json()["error"]["message"] and "memory budget" in refused.json()["error"]["message"]
+    assert residency(pool) == before  # nothing was evicted for it, and it stays loadable
+    assert models(pool)["big"]["loadable"] is True
 
 
 def test_evict_frees_the_model_and_its_next_request_loads_it_again(pool: ServerProcess) -> None:

@@ -240,7 +240,9 @@
       const state = row.insertCell();
       state.appendChild(el("span", "badge " + m.state, m.state));
       if (m.reason) {
-        const reason = el("div", "reason", m.reason);
+        // An evicted or not yet loaded model is not a failure: its reason is shown, not in red.
+        const quiet = m.residency === "evicted" || m.residency === "not_loaded";
+        const reason = el("div", quiet ? "reason quiet" : "reason", m.reason);
         reason.title = m.reason; // three lines shown, all of it on hover
         state.appendChild(reason);
       }
@@ -290,7 +292,8 @@
     const facts = [];
     if (m.estimated_bytes !== null && m.estimated_bytes !== undefined) facts.push("est. " + bytes(m.estimated_bytes));
     facts.push(m.last_used_at ? "used " + clock(m.last_used_at) : "never used");
-    if (m.cold_starts || m.evictions) facts.push(`${m.cold_starts} cold starts · ${m.evictions} evictions`);
+    const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
+    if (m.cold_starts || m.evictions) facts.push(plural(m.cold_starts, "cold start") + " · " + plural(m.evictions, "eviction"));
     line.appendChild(el("span", "muted", facts.join(" · ")));
     if (m.last_used_at) line.title = "last request at " + new Date(m.last_used_at * 1000).toLocaleString();
     return line;
