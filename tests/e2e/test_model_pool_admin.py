@@ -2,11 +2,11 @@
 `/admin/models/{name}/...`, and each model's residency in /healthz, the repository index,
 /metrics and the console.
 
-One module server (lazy mode, the split as in production, an admin token set) serves five tiny
-ONNX models, `pinned` (pinned: true in model.yaml) and `a`, `b`, `c`, `d`, in a budget that holds
-three of them: `pinned` plus two others (and `big`, which never fits). The tests run in order and each sets up the residency
-it needs from what the one before left. Every admin call carries the token; one test shows
-that a caller without it is refused and changes nothing.
+One module server (lazy mode, the split as in production, an admin token set) serves tiny ONNX
+models, `pinned` (pinned: true in model.yaml) and `a`, `b`, `c`, `d`, in a budget that holds
+three of them: `pinned` plus two others (and `big`, which never fits). The tests run in order
+and each sets up the residency it needs from what the one before left. Every admin call carries
+the token; one test shows that a caller without it is refused and changes nothing.
 """
 
 from __future__ import annotations
