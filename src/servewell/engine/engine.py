@@ -191,6 +191,7 @@ class InferenceEngine:
         """`resolve`; in lazy mode a model that is not resident is loaded first (the request waits
         up to `deadline`, absolute `time.monotonic()`, and `max_load_wait_ms`)."""
         slot = self._slot(name, version)
+        self.pool.count(slot)
         if self.accepting and not slot.resident and self.pool.loadable(slot):
             slot.used()
             await self.pool.acquire(slot, deadline)
@@ -201,6 +202,7 @@ class InferenceEngine:
         """Resolve, validate and queue one request (an ingress's envelope); in lazy mode a model
         that is not resident loads first while the request waits."""
         slot = self._slot(name, version)
+        self.pool.count(slot)
         if self.accepting and not slot.resident and self.pool.loadable(slot):
             slot.used()
             assert slot.entry.config is not None
@@ -337,6 +339,7 @@ class InferenceEngine:
         """Readiness turns false now and no worker is restarted from now on; requests are still
         admitted and served (a load balancer may send some until it notices)."""
         self.draining = True
+        self.pool.stop()
         for slot in self._slots.values():
             slot.entry.close()
 

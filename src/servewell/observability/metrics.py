@@ -273,6 +273,9 @@ class ServeMetrics:
             "servewell_model_cold_start_seconds", "Lazy mode: from a request finding its model not resident until "
             "the model was ready (queueing for a load slot, eviction, spawn, load and warm-up).", ["model"],
             buckets=COLD_START_BUCKETS, registry=r)
+        self.pool_requests = LoopCounter(
+            "servewell_model_pool_requests", "Lazy mode: inference requests by whether their model was resident "
+            "(hit) or had to be loaded first (miss).", ["result"], registry=r)
         self.worker_restarts = LoopCounter(
             "servewell_worker_restarts", "Worker processes replaced, by reason (crash: died; hung: no heartbeat "
             "or a batch over its compute budget, killed; memory: over host_memory_limit_bytes, drained).",
