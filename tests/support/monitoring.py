@@ -36,6 +36,7 @@ GAUGES = (
 POOL_FAMILIES = (
     "servewell_model_resident", "servewell_model_pinned", "servewell_model_last_used_timestamp_seconds",
     "servewell_model_estimated_bytes", "servewell_model_pool_models", "servewell_model_evictions_total",
+    "servewell_model_pool_requests_total",
     *(f"servewell_model_cold_start_seconds{suffix}" for suffix in ("_bucket", "_sum", "_count")),
 )
 GPU_GAUGES = (
