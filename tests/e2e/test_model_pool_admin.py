@@ -238,3 +238,20 @@ def test_the_console_shows_residency_and_the_pool_summary(pool: ServerProcess, t
         assert console_problems(driver) == []
     finally:
         driver.quit()
+
+
+def test_in_eager_mode_evict_unloads_and_preload_brings_the_model_back(
+        start_server: ServerFactory, tmp_path: Path) -> None:
+    """No admin token: a loopback client is the admin (as for every /admin route)."""
+    onnx_mlp_model(tmp_path, "m")
+    server = start_server(["--model-repository", str(tmp_path)])
+    server.wait_ready()
+    assert server.health()["pool"]["mode"] == "eager"
+    evicted = admin(server, "m", "evict", headers={})
+    assert evicted.status_code == 200 and evicted.json()["residency"] == "evicted", evicted.text
+    assert evicted.json()["loadable"] is False  # eager: no request loads it back
+    refused = infer(server, "m")
+    assert refused.status_code == 503 and refused.json()["code"] == "model_not_ready", refused.text
+    loaded = admin(server, "m", "preload", headers={})
+    assert loaded.status_code == 200 and loaded.json()["residency"] == "resident", loaded.text
+    assert infer(server, "m").status_code == 200
