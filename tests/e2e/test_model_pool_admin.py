@@ -233,6 +233,9 @@ def test_the_console_shows_residency_and_the_pool_summary(pool: ServerProcess, t
         assert "resident" in line.text and "pinned" in line.text and "est." in line.text, line.text
         other = driver.find_element(By.CSS_SELECTOR, f'#models tr[data-model="{absent}"] .pool-line')
         assert other.get_attribute("data-residency") == by_name[absent]["residency"]
+        # No worker of a model that is not loaded is listed as a dead one (its last ones are history).
+        assert driver.find_elements(By.CSS_SELECTOR, f'#models tr[data-model="{absent}"] .instance') == []
+        assert driver.find_elements(By.CSS_SELECTOR, '#models tr[data-model="pinned"] .instance .dot.alive')
         summary = driver.find_element(By.ID, "pool-summary").text
         assert "lazy repository" in summary and "resident" in summary and "reserved" in summary, summary
         assert console_problems(driver) == []

@@ -249,8 +249,10 @@
       if (m.load_s !== null) state.appendChild(el("div", "muted small", `loaded in ${m.load_s} s`));
       state.appendChild(poolLine(m));
       const instances = row.insertCell();
-      if (!m.instances.length) instances.appendChild(el("span", "muted", "–"));
-      for (const i of m.instances) {
+      // An evicted or never loaded model has no worker: its last processes are history, not down.
+      const shown = m.residency === "evicted" || m.residency === "not_loaded" ? [] : m.instances;
+      if (!shown.length) instances.appendChild(el("span", "muted", "–"));
+      for (const i of shown) {
         const line = el("div", "instance");
         line.appendChild(el("span", "dot" + (i.alive ? " alive" : "")));
         line.appendChild(document.createTextNode(`#${i.instance} pid ${i.pid === null ? "–" : i.pid} · ${bytes(i.rss_bytes)}`));
