@@ -474,8 +474,10 @@ class InferenceEngine:
         return [slot.entry for slot in list(self._slots.values())]
 
     def samples(self) -> list[ModelSample]:
-        """State of every model for the metrics scrape."""
-        return [slot.entry.sample() for slot in list(self._slots.values())]
+        """State of every model for the metrics scrape (with the pool's facts from its slot, as `_view`)."""
+        return [dataclasses.replace(slot.entry.sample(), residency=slot.residency(), pinned=slot.pinned,
+                                    last_used_at=slot.last_used_at, estimated_bytes=slot.estimated_bytes)
+                for slot in list(self._slots.values())]
 
     def model_facts(self) -> list[ModelFacts]:
         """Per-model facts the alert webhook evaluates (queue fill, restarts, memory headroom)."""
