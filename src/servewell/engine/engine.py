@@ -458,6 +458,8 @@ class InferenceEngine:
             "loading": sum(1 for s in slots if s.residency() == "loading"),
             "models": len(slots),
             "pinned": sum(1 for s in slots if s.pinned),
+            "loads_in_flight": sum(1 for s in slots if s.loader is not None and not s.loader.done()),
+            "waiting_requests": sum(s.waiting for s in slots),
         }
 
     async def models_async(self) -> list[ModelView]:

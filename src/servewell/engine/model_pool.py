@@ -338,7 +338,7 @@ class ModelPool:
     async def _evict(self, slot: ModelSlot, reason: EvictReason, why: str) -> None:
         entry = slot.entry
         held = self._budget.reserved_by(entry)
-        await entry.stop("evicting", "unloaded", f"evicted ({reason}) {why}")
+        await entry.stop("evicting", "unloaded", f"evicted ({reason}): {why}")
         if slot.entry is entry:  # a lazy load may have swapped in a new entry meanwhile
             slot.evicted = reason != "operator"
         slot.evictions += 1
@@ -357,7 +357,7 @@ class ModelPool:
         if slot.busy():
             raise Conflict(f"model '{slot.name}' has work in flight; retry when it is idle")
         async with self._room:
-            await self._evict(slot, "operator", "by an operator")
+            await self._evict(slot, "operator", "POST /admin/models/{name}/evict")
         slot.evicted = True
 
     # --- background ----------------------------------------------------------------------
