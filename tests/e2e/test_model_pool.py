@@ -169,11 +169,18 @@ def test_a_model_that_cannot_fit_even_after_eviction_is_refused_with_the_numbers
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory, start_module_server: ServerFactory) -> ServerProcess:
+def single_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("single-cache")
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory, start_module_server: ServerFactory,
+           single_cache: Path) -> ServerProcess:
     """One process (--ingress-processes 0), no wait queue, idle models unloaded after a second."""
     root = tmp_path_factory.mktemp("single")
     budget = write_pool(root)
     server = start_module_server(["--model-repository", str(root), "--repository-mode", "lazy",
+                                  "--cache-dir", str(single_cache),
                                   "--memory-budget-bytes", str(budget), "--load-queue-per-model", "0",
                                   "--idle-unload-s", "1", "--ingress-processes", "0"])
     server.wait_ready()
@@ -229,3 +236,23 @@ def test_pinning_in_model_yaml_applies_live_without_a_reload(pool: ServerProcess
     after = models(pool)["late"]
     assert after["residency"] == "resident"
     assert after["cold_starts"] == before["cold_starts"] and after["load_s"] == before["load_s"]  # no reload
+
+
+def test_an_evicted_model_keeps_its_snapshot_and_its_reload_links_the_same_files(single: ServerProcess,
+                                                                                 single_cache: Path) -> None:
+    def snapshots() -> dict[Path, int]:
+        return {p.parent: p.stat().st_ino for p in (single_cache / "snapshots").glob("*-a-1-*/model.onnx")}
+
+    def load_a() -> None:
+        infer(single, "a")  # no wait queue: refused, and the load starts
+        eventually(lambda: models(single)["a"]["residency"] == "resident", 60, "a did not load")
+
+    load_a()
+    first = snapshots()
+    assert len(first) == 1
+    eventually(lambda: models(single)["a"]["residency"] == "evicted", 15, "a was not unloaded when idle")
+    assert snapshots() == first  # kept while evicted
+    load_a()
+    second = snapshots()
+    assert len(second) == 1 and set(second) != set(first)  # a new snapshot, the parked one removed
+    assert list(second.values()) == list(first.values())  # the same inode: linked, not copied

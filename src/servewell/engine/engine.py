@@ -325,6 +325,7 @@ class InferenceEngine:
             entry = slot.entry
             if self.pool.loadable(slot) and entry.state == "unloaded":
                 slot.entry = self._new_entry(name, config)
+                await entry.release_snapshot()  # an eviction kept it for a reload of the old config
                 slot.estimated_bytes = estimate_model_memory(config, slot.entry.directory).total_bytes
                 return "recorded: the model is not resident and loads with it on its next request"
             if entry.state == "unloaded":

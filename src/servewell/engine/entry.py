@@ -69,6 +69,10 @@ class Entry(Protocol):
         """Drain and stop it (nothing to do for an invalid model)."""
         ...
 
+    async def release_snapshot(self) -> None:
+        """Remove the private copy of its files an eviction kept (nothing when there is none)."""
+        ...
+
     def fail_all(self, error: ServeError) -> None:
         """Answer every queued and running request with `error` now."""
         ...
@@ -137,6 +141,9 @@ class InvalidModel:
     async def stop(self, cause: StopCause, state: ModelState = "unloaded", reason: str | None = None,
                    worker_timeout_s: float = 5.0) -> None:
         """Nothing to stop: it stays invalid."""
+
+    async def release_snapshot(self) -> None:
+        """It has no snapshot."""
 
     def fail_all(self, error: ServeError) -> None:
         """Nothing is queued."""

@@ -359,9 +359,16 @@ class ModelEntry:
                 self.scheduler.fail_all(WorkerLost(f"{self.label} has no running worker"))
         await self.pool.stop(worker_timeout_s)
         self._services.budget.release(self)
-        await self._release_snapshot()
+        if cause != "evicting":
+            # An evicted model keeps its snapshot until it loads again: the next snapshot hard-links
+            # its unchanged files, so the reload reads weights the page cache still holds.
+            await self._release_snapshot()
         if self.state != "failed":
             self._set_state(state, reason)
+
+    async def release_snapshot(self) -> None:
+        """Remove the snapshot an eviction kept (a later load has taken its own, or the server stops)."""
+        await self._release_snapshot()
 
     def _count_load(self, ok: bool) -> None:
         if self._services.metrics is not None:

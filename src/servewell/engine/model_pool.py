@@ -239,12 +239,13 @@ class ModelPool:
             # Room first, the entry swapped in after: a load that waits for room or is refused for
             # it leaves the model as it was (loadable), not failed.
             await self._reserve(entry, estimate, started + self.settings.max_load_wait_s)
-            slot.entry = entry
+            previous, slot.entry = slot.entry, entry
             try:
                 await entry.load()  # its own reservation is in place: make_room finds it fits
             finally:
                 if entry.state != "ready":  # failed (load releases), or an unexpected error or cancel
                     self._budget.release(entry)
+                await previous.release_snapshot()  # the new snapshot has linked what it could from it
             if entry.state != "ready":
                 raise ModelNotReady(f"model '{slot.name}' failed to load: {entry.reason}")
         seconds = time.monotonic() - started
