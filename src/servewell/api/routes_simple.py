@@ -150,6 +150,14 @@ async def healthz(state: AppState = Depends(state_dependency)) -> Response:
             "lanes": view.scheduling.lane_depths if view.scheduling else {},
             "max_batch_size": view.scheduling.max_batch_size if view.scheduling else None,
             "scheduler": _scheduler_counts(view.scheduling),
+            # The model pool (engine/model_pool.py): where the model is and what it would cost to load.
+            "residency": view.residency,
+            "loadable": view.loadable,
+            "pinned": view.pinned,
+            "last_used_at": view.last_used_at,
+            "estimated_bytes": view.estimated_bytes,
+            "cold_starts": view.cold_starts,
+            "evictions": view.evictions,
         }
     readiness = state.engine.readiness()
     total, reserved = state.engine.memory_budget

@@ -66,14 +66,14 @@ VIEW_PULL_TIMEOUT_S = 1.0
 CONTROL_METHODS = frozenset(("models", "model", "load_model", "unload_model"))
 
 
-def summarize(entry: Entry) -> ModelEntrySummary:
-    """What an ingress needs of one model."""
-    return ModelEntrySummary(entry.name, entry.version, entry.state, entry.reason, entry.config)
+def summarize(entry: Entry, loadable: bool = False) -> ModelEntrySummary:
+    """What an ingress needs of one model (`loadable`: lazy mode, a request loads it)."""
+    return ModelEntrySummary(entry.name, entry.version, entry.state, entry.reason, entry.config, loadable=loadable)
 
 
 def model_table(engine: InferenceEngine) -> ModelTable:
     """The engine's models as the ingress processes see them."""
-    models = {entry.name: summarize(entry) for entry in engine.entries()}
+    models = {entry.name: summarize(entry, engine.loadable(entry.name)) for entry in engine.entries()}
     try:
         default: str | None = engine.default_model_name()
     except ServeError:
@@ -82,7 +82,7 @@ def model_table(engine: InferenceEngine) -> ModelTable:
 
 
 def _fingerprint(table: ModelTable) -> tuple[Any, ...]:
-    return (tuple((m.name, m.version, m.state, m.reason, id(m.config)) for m in table.models.values()),
+    return (tuple((m.name, m.version, m.state, m.reason, id(m.config), m.loadable) for m in table.models.values()),
             table.default_model, table.readiness, table.accepting)
 
 
@@ -194,7 +194,8 @@ class EngineDoor:
             if ask is not None and not ask.done():
                 ask.set_result(message.snapshot)
         elif isinstance(message, Resolve):
-            entry = next((summarize(e) for e in self._engine.entries() if e.name == message.model), None)
+            entry = next((summarize(e, self._engine.loadable(e.name)) for e in self._engine.entries()
+                          if e.name == message.model), None)
             ingress.writer.send(Resolved(message.ask_id, entry))
         elif isinstance(message, ControlCall):
             self._on_control(ingress, message)
@@ -253,9 +254,9 @@ class EngineDoor:
         if envelope.traceparent:
             trace_token = otel_context.attach(extract({"traceparent": envelope.traceparent}))
         try:
-            handle = self._engine.resolve(envelope.model, envelope.version)
-            future = handle.infer(envelope.inputs, lane=envelope.lane, deadline=envelope.deadline,
-                                  request_id=envelope.request_id, arrived_at=envelope.arrived_at)
+            future = self._engine.submit(envelope.model, envelope.version, envelope.inputs, lane=envelope.lane,
+                                         deadline=envelope.deadline, request_id=envelope.request_id,
+                                         arrived_at=envelope.arrived_at)
         except ServeError as exc:
             ingress.writer.send(Outcome(envelope.call_id, error=exc, placement=placement))
             return

@@ -84,6 +84,7 @@ class ModelEntrySummary:
     reason: str | None
     config: ModelConfig | None
     lanes: tuple[str, ...] = ()
+    loadable: bool = False  # lazy mode: not resident, and a request loads it (the engine waits for the load)
 
 
 @dataclass(slots=True, frozen=True)

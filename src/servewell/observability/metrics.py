@@ -39,6 +39,8 @@ from servewell.observability.metrics_merge import (
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: Cold starts run from a tenth of a second (a tiny model, spare worker) to minutes (a large one).
+COLD_START_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 OUTCOMES = ("success", "rejected", "deadline_exceeded", "cancelled", "error")
 
 
@@ -255,6 +257,14 @@ class ServeMetrics:
             "servewell_requests", "Inference requests by outcome and lane.", ["model", "lane", "outcome"], registry=r)
         self.model_loads = LoopCounter(
             "servewell_model_loads", "Model load attempts by result.", ["model", "result"], registry=r)
+        self.model_evictions = LoopCounter(
+            "servewell_model_evictions", "Models unloaded to free memory, by reason (memory: to make room for a "
+            "load; idle: idle_unload_s passed; operator: POST /admin/models/{name}/evict).", ["model", "reason"],
+            registry=r)
+        self.cold_start = LoopHistogram(
+            "servewell_model_cold_start_seconds", "Lazy mode: from a request finding its model not resident until "
+            "the model was ready (queueing for a load slot, eviction, spawn, load and warm-up).", ["model"],
+            buckets=COLD_START_BUCKETS, registry=r)
         self.worker_restarts = LoopCounter(
             "servewell_worker_restarts", "Worker processes replaced, by reason (crash: died; hung: no heartbeat "
             "or a batch over its compute budget, killed; memory: over host_memory_limit_bytes, drained).",
