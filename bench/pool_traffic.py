@@ -301,8 +301,14 @@ class StreamStats:
 
 
 def _error_code(response: httpx.Response) -> str:
+    """The stable error code: the `X-Error-Code` header, else the body's (`{"error": "...", "code"}` on
+    the OIP routes, `{"error": {"code"}}` elsewhere)."""
+    header = response.headers.get("x-error-code")
+    if header:
+        return header
     try:
-        return str(response.json()["error"]["code"])
+        doc = response.json()
+        return str(doc["code"] if "code" in doc else doc["error"]["code"])
     except (ValueError, KeyError, TypeError):
         return "?"
 
