@@ -160,3 +160,51 @@ def test_a_model_that_cannot_fit_even_after_eviction_is_refused_with_the_numbers
     assert "MiB" in doc["error"] and "memory budget" in doc["error"] and "pinned" in doc["error"], doc
     assert models(server)["pinned"]["residency"] == "resident"
     assert infer(server, "a").status_code == 200  # the refusal left everyone else serving
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory, start_module_server: ServerFactory) -> ServerProcess:
+    """One process (--ingress-processes 0), no wait queue, idle models unloaded after a second."""
+    root = tmp_path_factory.mktemp("single")
+    budget = write_pool(root)
+    server = start_module_server(["--model-repository", str(root), "--repository-mode", "lazy",
+                                  "--memory-budget-bytes", str(budget), "--load-queue-per-model", "0",
+                                  "--idle-unload-s", "1", "--ingress-processes", "0"])
+    server.wait_ready()
+    return server
+
+
+def test_past_the_wait_queue_a_request_gets_model_loading_and_its_load_still_starts(single: ServerProcess) -> None:
+    response = infer(single, "b")
+    assert response.status_code == 503, response.text
+    assert response.json()["code"] == "model_loading"
+    assert int(response.headers["Retry-After"]) >= 1
+    eventually(lambda: models(single)["b"]["residency"] == "resident", 60, "the refused request's load did not run")
+    assert infer(single, "b").status_code == 200
+
+
+def test_an_idle_model_is_unloaded_after_idle_unload_s_but_not_a_pinned_one(single: ServerProcess) -> None:
+    if models(single)["c"]["residency"] != "resident":
+        infer(single, "c")  # starts the load (no wait queue)
+        eventually(lambda: models(single)["c"]["residency"] == "resident", 60, "c did not load")
+    eventually(lambda: models(single)["c"]["residency"] == "evicted", 15, "c was not unloaded when idle")
+    assert counter(single, "servewell_model_evictions_total", model="c", reason="idle") >= 1
+    assert models(single)["pinned"]["residency"] == "resident"
+    assert counter(single, "servewell_model_evictions_total", model="pinned") == 0
+
+
+def test_grpc_says_a_loadable_model_is_ready_and_its_first_inference_loads_it(pool: ServerProcess,
+                                                                               pool_root: Path) -> None:
+    import numpy as np
+    import tritonclient.grpc as triton_grpc
+
+    onnx_mlp_model(pool_root, "grpc_lazy")
+    eventually(lambda: "grpc_lazy" in models(pool), 20, "the poll did not find the new model")
+    client = triton_grpc.InferenceServerClient(pool.grpc_url)
+    assert client.is_model_ready("grpc_lazy")
+    assert models(pool)["grpc_lazy"]["residency"] == "not_loaded"
+    x = triton_grpc.InferInput("x", [1, 4], "FP32")
+    x.set_data_from_numpy(np.array([ROW], dtype=np.float32))
+    result = client.infer("grpc_lazy", [x], client_timeout=60)
+    assert result.as_numpy("y").shape == (1, 3)
+    assert models(pool)["grpc_lazy"]["residency"] == "resident"

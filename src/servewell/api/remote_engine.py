@@ -179,7 +179,7 @@ class RemoteEngine:
             else:
                 future.set_result(message.result)  # type: ignore[arg-type]
         elif isinstance(message, ModelTable):
-            self._table = message
+            self._table = message if self._table is None else self._table.merged(message)
             self.connected_once.set()
         elif isinstance(message, ViewAsk):
             if self._writer is not None:

@@ -92,11 +92,12 @@ _MODEL_READY_RESPONSES = {**error_responses(404, oip=True),
 @router.get("/models/{name}/versions/{version}/ready", summary="Model readiness (version)",
             responses=_MODEL_READY_RESPONSES)
 async def model_ready(name: str, version: str | None = None, state: AppState = Depends(state_dependency)) -> Response:
-    """200 when the model is ready, 503 otherwise."""
+    """200 when the model is ready, or (lazy mode) loadable: its first request loads it; 503
+    otherwise. `residency` says which (resident, loading, evicted, not_loaded...)."""
     state.plane.note_model(name)
     view = state.engine.model(name, version)
-    ready = view.state == "ready"
-    doc = {"name": name, "ready": ready, "state": view.state}
+    ready = view.state == "ready" or view.loadable
+    doc = {"name": name, "ready": ready, "state": view.state, "residency": view.residency, "loadable": view.loadable}
     if view.reason:
         doc["reason"] = view.reason
     return _json(doc, 200 if ready else 503, None if ready else {"Retry-After": "2"})

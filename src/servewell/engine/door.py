@@ -81,9 +81,8 @@ def model_table(engine: InferenceEngine) -> ModelTable:
     return ModelTable(models, default, engine.readiness(), engine.accepting)
 
 
-def _fingerprint(table: ModelTable) -> tuple[Any, ...]:
-    return (tuple((m.name, m.version, m.state, m.reason, id(m.config), m.loadable) for m in table.models.values()),
-            table.default_model, table.readiness, table.accepting)
+def _fingerprint(entry: ModelEntrySummary) -> tuple[Any, ...]:
+    return (entry.version, entry.state, entry.reason, id(entry.config), entry.loadable)
 
 
 class _Ingress:
@@ -112,7 +111,8 @@ class EngineDoor:
         self._ingresses: set[_Ingress] = set()
         self._server: asyncio.AbstractServer | None = None
         self._table_task: asyncio.Task[None] | None = None
-        self._last_table: tuple[Any, ...] | None = None
+        self._last_prints: dict[str, tuple[Any, ...]] = {}  # per model, as last pushed
+        self._last_head: tuple[Any, ...] | None = None  # default model, readiness, accepting as last pushed
         self._last_live: tuple[Any, ...] | None = None
         self._asks: dict[int, asyncio.Future[Any]] = {}
         self._ask_ids = itertools.count(1)
@@ -299,6 +299,20 @@ class EngineDoor:
         log.info("ingress %s disconnected%s", ingress.source or "(unnamed)", f": {exc}" if exc else "",
                  extra={"event": "ingress_disconnected", "source": ingress.source})
 
+    def _table_change(self, table: ModelTable) -> ModelTable | None:
+        """What changed since the last push (None: nothing). An ingress that connected since got the
+        whole table then, newer than the last push: applying this on top of it changes nothing twice."""
+        prints = {name: _fingerprint(entry) for name, entry in table.models.items()}
+        head = (table.default_model, table.readiness, table.accepting)
+        last = self._last_prints
+        changed = {name: table.models[name] for name, p in prints.items() if last.get(name) != p}
+        removed = tuple(name for name in last if name not in prints)
+        if not changed and not removed and head == self._last_head:
+            return None
+        self._last_prints, self._last_head = prints, head
+        return ModelTable(changed, table.default_model, table.readiness, table.accepting, complete=False,
+                          removed=removed)
+
     async def _watch_table(self) -> None:
         while True:
             await asyncio.sleep(TABLE_POLL_S)
@@ -309,11 +323,10 @@ class EngineDoor:
             except Exception:  # never let the watcher die
                 log.exception("building the model table failed")
                 continue
-            fingerprint = _fingerprint(table)
-            if fingerprint != self._last_table:
-                self._last_table = fingerprint
+            change = self._table_change(table)
+            if change is not None:
                 for ingress in self._ingresses:
-                    ingress.writer.send(table)
+                    ingress.writer.send(change)
             live = self._live()
             live_print = (id(live.settings), id(live.keys), live.default_rate_per_s)
             if live_print != self._last_live:

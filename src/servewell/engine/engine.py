@@ -337,6 +337,7 @@ class InferenceEngine:
         """Readiness turns false now and no worker is restarted from now on; requests are still
         admitted and served (a load balancer may send some until it notices)."""
         self.draining = True
+        self.pool.stop()
         for slot in self._slots.values():
             slot.entry.close()
 

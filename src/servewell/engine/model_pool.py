@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Literal
 
 from servewell.engine.entry import Entry
 from servewell.engine.memory_budget import MemoryBudget, MemoryEstimate, MiB, estimate_model_memory
-from servewell.errors import Conflict, ModelLoading, ModelNotReady
+from servewell.errors import Conflict, ModelLoading, ModelNotReady, ShuttingDown
 
 if TYPE_CHECKING:
     from servewell.config.model import ModelConfig
@@ -140,6 +140,7 @@ class ModelPool:
         self._loads = asyncio.Semaphore(settings.max_concurrent_loads)
         self._room = asyncio.Lock()  # one eviction decision at a time
         self._tasks: list[asyncio.Task[None]] = []
+        self.closed = False  # shutting down: no lazy load starts
 
     @property
     def lazy(self) -> bool:
@@ -157,7 +158,8 @@ class ModelPool:
             self._tasks.append(loop.create_task(self._poll(rescan)))
 
     def stop(self) -> None:
-        """Stop the background tasks (shutdown)."""
+        """The server is shutting down: stop the background tasks and start no load from now on."""
+        self.closed = True
         for task in self._tasks:
             task.cancel()
         self._tasks.clear()
@@ -177,11 +179,14 @@ class ModelPool:
         for _ in range(3):  # an eviction between the load and this waiter's turn is retried
             if slot.resident:
                 return
+            if self.closed:
+                raise ShuttingDown("the server is shutting down and loads no model")
             if not self.loadable(slot):
                 entry = slot.entry
                 reason = f": {entry.reason}" if entry.reason else ""
                 raise ModelNotReady(f"model '{slot.name}' is {entry.state}{reason}")
             if slot.waiting >= self.settings.load_queue_per_model:
+                self._loader(slot)  # refused, but the load it asks for starts
                 raise ModelLoading(f"model '{slot.name}' is loading and {slot.waiting} requests already wait for it "
                                    f"(load_queue_per_model); retry", retry_after_s=self.retry_after_s(slot))
             wait_s = self.settings.max_load_wait_s
