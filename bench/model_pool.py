@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -67,8 +68,9 @@ from bench.pool_traffic import (
     parse_pool_metrics,
     read_log_events,
     read_log_from,
+    read_machine_cpu_ticks,
 )
-from bench.processes import ServerProcess, free_port, http_json
+from bench.processes import ServerProcess, TreeCpu, free_port, http_json, role_groups
 from bench.workspace import RESULTS, WORK
 from servewell.perf.stats import percentile, summarize_ms
 
@@ -133,6 +135,8 @@ async def run_phase(server: ServerProcess, args: argparse.Namespace, churn_s: fl
     answers: list[Answer] = []
     tasks: set[asyncio.Task[None]] = set()
     probe_stats, zipf_stats = StreamStats(), StreamStats()
+    meter = TreeCpu(server.pid).start()
+    machine_before = read_machine_cpu_ticks()
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
     async with httpx.AsyncClient(base_url=server.url, timeout=timeout,
                                  limits=httpx.Limits(max_connections=32)) as probe_client, \
@@ -148,12 +152,17 @@ async def run_phase(server: ServerProcess, args: argparse.Namespace, churn_s: fl
         await asyncio.gather(*loops)
         unfinished = await drain(tasks, args.grace_s)
         wall_s = time.perf_counter() - t0
+    spent = role_groups(meter.stop())
+    busy, total = (after - before for after, before in zip(read_machine_cpu_ticks(), machine_before, strict=True))
     probe_ok = sorted(a.latency_ms for a in answers if a.stream == "probe" and a.status == 200)
     return {
         "phase": "quiet" if churn_s is None else "churn", "round": round_index, "seconds": duration_s,
         "wall_s": round(wall_s, 2), "unfinished": unfinished,
         "skipped": {"probe": probe_stats.skipped, "zipf": zipf_stats.skipped},
         "probe_latency_ms": summarize_ms(probe_ok),
+        # why the probe's p99 moves on a small shared machine: who used the cores in the phase
+        "server_cores": {k: round(v / wall_s, 2) for k, v in sorted(spent.items())},
+        "machine_cores_busy": round((os.cpu_count() or 1) * busy / total, 2) if total else None,
         "answers": answers,
     }
 
@@ -186,7 +195,9 @@ async def drive(server: ServerProcess, args: argparse.Namespace, repo: PoolRepos
     cold_starts, log_evictions = [], []
     for r in range(args.rounds):
         phases.append(await run_phase(server, args, None, zipf, r, body))
-        print(f"round {r + 1} quiet: probe p99 {phases[-1]['probe_latency_ms']['p99']} ms", flush=True)
+        quiet = phases[-1]
+        print(f"round {r + 1} quiet: probe p99 {quiet['probe_latency_ms']['p99']} ms; cores busy: server "
+              f"{quiet['server_cores'].get('total')}, machine {quiet['machine_cores_busy']}", flush=True)
         _, offset = read_log_from(log_path, offset)  # what the server logged before the churn is not counted
         before = pool_metrics(server)
         phases.append(await run_phase(server, args, churn_s, zipf, r, body))
@@ -199,7 +210,9 @@ async def drive(server: ServerProcess, args: argparse.Namespace, repo: PoolRepos
         churn = phases[-1]
         zipf_n = sum(1 for a in churn["answers"] if a.stream == "zipf")
         print(f"round {r + 1} churn: probe p99 {churn['probe_latency_ms']['p99']} ms, {zipf_n} zipf requests, "
-              f"{len(starts)} cold starts, {sum(delta.evictions.values()):.0f} evictions", flush=True)
+              f"{len(starts)} cold starts, {sum(delta.evictions.values()):.0f} evictions; cores busy: server "
+              f"{churn['server_cores'].get('total')} (workers {churn['server_cores'].get('worker')}), machine "
+              f"{churn['machine_cores_busy']}", flush=True)
         phases[-1]["waited_for_loads_s"] = round(wait_loads_done(server), 2)
     return {"phases": phases, "churn_metrics": churn_metrics, "cold_starts": cold_starts,
             "log_evictions": log_evictions, "churn_s": churn_s, "zipf_top_share": zipf.share_of_top}
@@ -281,7 +294,13 @@ def summarize(args: argparse.Namespace, repo: PoolRepository, run: dict[str, Any
         "probe": {"quiet_p99_ms": [q["probe_latency_ms"]["p99"] for q in quiet],
                   "churn_p99_ms": [c["probe_latency_ms"]["p99"] for c in churn],
                   "p99_ratios": [round(r, 3) for r in ratios],
-                  "median_p99_ratio": round(statistics.median(ratios), 3) if ratios else None},
+                  "median_p99_ratio": round(statistics.median(ratios), 3) if ratios else None,
+                  "quiet_p50_ms": [q["probe_latency_ms"]["p50"] for q in quiet],
+                  "churn_p50_ms": [c["probe_latency_ms"]["p50"] for c in churn],
+                  "quiet_machine_cores_busy": [q["machine_cores_busy"] for q in quiet],
+                  "churn_machine_cores_busy": [c["machine_cores_busy"] for c in churn],
+                  "quiet_server_cores": [q["server_cores"].get("total") for q in quiet],
+                  "churn_server_cores": [c["server_cores"].get("total") for c in churn]},
         "goals": {"repository_over_budget": GOAL_REPOSITORY_RATIO, "pinned_p99_ratio": GOAL_PINNED_P99_RATIO,
                   "documented_503": list(DOCUMENTED_503)},
         "phases": [{k: v for k, v in p.items() if k != "answers"} |
@@ -324,7 +343,11 @@ def print_table(report: dict[str, Any]) -> None:
          f"(quiet {probe['quiet_p99_ms']} ms, churn {probe['churn_p99_ms']} ms)", f"<= {GOAL_PINNED_P99_RATIO}x",
          verdict(None if ratio is None else ratio <= GOAL_PINNED_P99_RATIO)),
     ]
-    print(f"\nstatuses: {report['statuses']}; skipped arrivals: {report['skipped']}; Zipf answered "
+    print(f"\ncores busy (quiet / churn, per round): server {probe['quiet_server_cores']} / "
+          f"{probe['churn_server_cores']}, whole machine {probe['quiet_machine_cores_busy']} / "
+          f"{probe['churn_machine_cores_busy']} of {os.cpu_count()}; probe p50 {probe['quiet_p50_ms']} / "
+          f"{probe['churn_p50_ms']} ms")
+    print(f"statuses: {report['statuses']}; skipped arrivals: {report['skipped']}; Zipf answered "
           f"{report['zipf_ok_per_s']} ok/s")
     width = max(len(r[0]) for r in rows)
     print(f"{'figure':<{width}}  {'goal':<16} {'verdict':<7} value")

@@ -168,6 +168,19 @@ class TreeMemorySampler:
         return self.peak
 
 
+def machine_cpu_ticks(stat_text: str) -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs from a /proc/stat text: busy is everything but idle and
+    iowait. Two readings give the cores busy in between: cores x delta busy / delta total."""
+    fields = [int(v) for v in stat_text.split("\n", 1)[0].split()[1:]]
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
+    return total - fields[3] - fields[4], total
+
+
+def read_machine_cpu_ticks() -> tuple[int, int]:
+    """`machine_cpu_ticks` of this machine now."""
+    return machine_cpu_ticks(_read("/proc/stat") or "cpu 0 0 0 0 0 0 0 0")
+
+
 # -- the server's metrics and log lines -----------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ from bench.pool_traffic import (  # noqa: E402
     TreeMemorySampler,
     ZipfSampler,
     histogram_quantile,
+    machine_cpu_ticks,
     parse_pool_metrics,
     read_log_events,
     rollup_pss_bytes,
@@ -132,3 +133,8 @@ def test_log_events_are_read_from_the_engine_messages():
     starts, evictions = read_log_events(lines)
     assert [(s.model, s.seconds, s.waiters) for s in starts] == [("m007", 1.25, 3)]
     assert evictions == [("m002", "memory")]
+
+
+def test_machine_cpu_ticks_count_all_but_idle_and_iowait():
+    stat = "cpu  100 5 50 800 40 3 2 0 0 0\ncpu0 50 2 25 400 20 1 1 0 0 0\nintr 1\n"
+    assert machine_cpu_ticks(stat) == (160, 1000)
