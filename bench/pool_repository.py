@@ -54,6 +54,7 @@ class PoolRepository:
     models: list[PoolModel]
     weight_bytes: int  # all artifacts' weights
     estimated_bytes: int  # the server's own estimate (servewell.engine.memory_budget), all models
+    estimates: dict[str, int]  # the same per model
 
 
 def layout(count: int, size_classes: tuple[tuple[int, int], ...] = SIZE_CLASSES, seed: int = SEED) -> list[PoolModel]:
@@ -143,11 +144,11 @@ def build_repository(root: Path, count: int, max_batch_size: int = 4) -> PoolRep
         write_model_yaml(model_dir, model_yaml(model, max_batch_size))
     stamp_path.write_text(stamp + "\n")
     weight_bytes = sum((repo / m.name / "model.onnx").stat().st_size for m in models)
-    estimated = 0
+    estimates = {}
     for model in models:
         config = ModelConfig.model_validate(model_yaml(model, max_batch_size))
-        estimated += estimate_model_memory(config, repo / model.name).total_bytes
-    return PoolRepository(repo, models, weight_bytes, estimated)
+        estimates[model.name] = estimate_model_memory(config, repo / model.name).total_bytes
+    return PoolRepository(repo, models, weight_bytes, sum(estimates.values()), estimates)
 
 
 def infer_body(seed: int = SEED) -> bytes:

@@ -16,6 +16,7 @@ import random
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,29 @@ class ZipfSampler:
         """Probability that a draw is one of the `k` most popular items (the best hit rate a cache of
         `k` of them could reach)."""
         return sum(self.probabilities[:k])
+
+
+def lru_hit_rate(requests: list[str], cost: dict[str, int], budget: int, pinned: set[str]) -> float | None:
+    """The hit rate of an ideal LRU pool on `requests`: loads take no time, a miss evicts the least
+    recently used models until the new one fits (`cost` each, `budget` in all, `pinned` always
+    resident and counted as hits). What the server's policy would reach without load latency."""
+    if not requests:
+        return None
+    room = budget - sum(cost[name] for name in pinned)
+    resident: OrderedDict[str, int] = OrderedDict()
+    used = hits = 0
+    for name in requests:
+        if name in pinned or name in resident:
+            hits += 1
+            if name in resident:
+                resident.move_to_end(name)
+            continue
+        while resident and used + cost[name] > room:
+            used -= resident.popitem(last=False)[1]
+        if used + cost[name] <= room:
+            resident[name] = cost[name]
+            used += cost[name]
+    return hits / len(requests)
 
 
 # -- resident memory of a process tree ------------------------------------------------------------------

@@ -19,6 +19,7 @@ from bench.pool_traffic import (  # noqa: E402
     TreeMemorySampler,
     ZipfSampler,
     histogram_quantile,
+    lru_hit_rate,
     machine_cpu_ticks,
     parse_pool_metrics,
     read_log_events,
@@ -138,3 +139,13 @@ def test_log_events_are_read_from_the_engine_messages():
 def test_machine_cpu_ticks_count_all_but_idle_and_iowait():
     stat = "cpu  100 5 50 800 40 3 2 0 0 0\ncpu0 50 2 25 400 20 1 1 0 0 0\nintr 1\n"
     assert machine_cpu_ticks(stat) == (160, 1000)
+
+
+def test_lru_hit_rate_evicts_the_least_recently_used_until_the_new_model_fits():
+    cost = {"a": 2, "b": 2, "c": 2, "big": 4, "pin": 1}
+    # room for 4 after the pinned model: a, b fit; c evicts b (a was used since); big evicts c and a
+    requests = ["pin", "a", "b", "a", "c", "a", "big", "c", "pin"]
+    #            hit   miss miss hit  miss hit  miss   miss hit
+    assert lru_hit_rate(requests, cost, budget=5, pinned={"pin"}) == pytest.approx(4 / 9)
+    assert lru_hit_rate([], cost, budget=5, pinned=set()) is None
+    assert lru_hit_rate(["big", "big"], cost, budget=3, pinned=set()) == 0.0  # never fits: never resident
