@@ -214,11 +214,13 @@ async def drive(server: ServerProcess, args: argparse.Namespace, repo: PoolRepos
         quiet = phases[-1]
         print(f"round {r + 1} quiet: probe p99 {quiet['probe_latency_ms']['p99']} ms; cores busy: server "
               f"{quiet['server_cores'].get('total')}, machine {quiet['machine_cores_busy']}", flush=True)
-        _, offset = read_log_from(log_path, offset)  # what the server logged before the churn is not counted
+        # The log and the metrics are read back to back, the log inside: a backlog load that ends
+        # between two reads is then in neither window at the start and in the metrics' at the end.
         before = pool_metrics(server)
+        _, offset = read_log_from(log_path, offset)  # what the server logged before the churn is not counted
         phases.append(await run_phase(server, args, churn_s, zipf, r, body))
-        delta = metrics_delta(pool_metrics(server), before)
         lines, offset = read_log_from(log_path, offset)
+        delta = metrics_delta(pool_metrics(server), before)
         starts, evicted = read_log_events(lines)
         cold_starts += starts
         log_evictions += evicted
@@ -310,6 +312,7 @@ def summarize(args: argparse.Namespace, repo: PoolRepository, run: dict[str, Any
                       if churn_seconds else None, "from_log": len(run["log_evictions"]),
                       "pinned": pinned_evictions},
         "pinned_ready_at_end": pinned_ready,
+        "whole_run": run.get("whole_run"),
         "probe": {"quiet_p99_ms": [q["probe_latency_ms"]["p99"] for q in quiet],
                   "churn_p99_ms": [c["probe_latency_ms"]["p99"] for c in churn],
                   "p99_ratios": [round(r, 3) for r in ratios],
@@ -436,6 +439,11 @@ def main(argv: list[str] | None = None) -> int:
         pinned_ready = {name: http_json(server.port, "GET", f"/v2/models/{name}/ready")[0] == 200
                         for name in (PROBE_MODEL, HOT_PINNED_MODEL)}
         run["rss_vs_estimate"] = rss_vs_estimate(http_json(server.port, "GET", "/healthz", timeout_s=30.0)[1])
+        # the whole run's totals, log against metrics (the pinned models' loads at start included)
+        totals = pool_metrics(server)
+        starts, evicted = read_log_events(server.log_path.read_text(errors="replace").splitlines())
+        run["whole_run"] = {"cold_starts_log": len(starts), "cold_starts_metrics": totals.cold_start_count,
+                            "evictions_log": len(evicted), "evictions_metrics": sum(totals.evictions.values())}
     finally:
         sampler.stop()
         server.stop()
