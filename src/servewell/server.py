@@ -152,7 +152,9 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
         set_step_sink(lambda name, seconds: metrics.trace_steps.labels(name).observe(seconds), tracing.tracer)
         gpus = GpuProbe()
         metrics.registry.register(StateCollector(engine.samples, process_facts, gpus.read,
-                                                 lambda: engine.memory_budget, lambda: engine.ready))
+                                                 lambda: engine.memory_budget, lambda: engine.ready,
+                                                 lambda: (engine.budget.device_total_bytes,
+                                                          engine.budget.device_used_bytes)))
     decoder, pools = build_decoder(settings)
     plane = DataPlane(engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side), metrics,
                       tracing)

@@ -92,6 +92,12 @@ def test_first_request_loads_the_model_and_answers(pool: ServerProcess) -> None:
     assert len(response.json()["outputs"][0]["data"]) == 3
     assert models(pool)["a"]["residency"] == "resident"
     assert counter(pool, "servewell_model_cold_start_seconds_count", model="a") >= 1
+    misses = counter(pool, "servewell_model_pool_requests_total", result="miss")
+    hits = counter(pool, "servewell_model_pool_requests_total", result="hit")
+    assert misses >= 1
+    assert infer(pool, "a").status_code == 200
+    assert counter(pool, "servewell_model_pool_requests_total", result="hit") == hits + 1
+    assert counter(pool, "servewell_model_pool_requests_total", result="miss") == misses
 
 
 def test_a_load_past_the_budget_evicts_the_least_recently_used_idle_model_never_the_pinned_one(
@@ -208,3 +214,18 @@ def test_grpc_says_a_loadable_model_is_ready_and_its_first_inference_loads_it(po
     result = client.infer("grpc_lazy", [x], client_timeout=60)
     assert result.as_numpy("y").shape == (1, 3)
     assert models(pool)["grpc_lazy"]["residency"] == "resident"
+
+
+def test_pinning_in_model_yaml_applies_live_without_a_reload(pool: ServerProcess, pool_root: Path) -> None:
+    if "late" not in models(pool):
+        onnx_mlp_model(pool_root, "late")
+        eventually(lambda: "late" in models(pool), 20, "the poll did not find the new model")
+    assert infer(pool, "late").status_code == 200
+    before = models(pool)["late"]
+    assert before["residency"] == "resident" and before["pinned"] is False
+    path = pool_root / "late" / "model.yaml"
+    path.write_text(path.read_text() + "pinned: true\n")
+    eventually(lambda: models(pool)["late"]["pinned"], 20, "the pin in model.yaml was not applied")
+    after = models(pool)["late"]
+    assert after["residency"] == "resident"
+    assert after["cold_starts"] == before["cold_starts"] and after["load_s"] == before["load_s"]  # no reload

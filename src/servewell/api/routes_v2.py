@@ -19,6 +19,7 @@ from servewell.api.hot_routes import HotRoute
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
 from servewell.api.model_document import TRITON_STATES, config_json, metadata_json, model_document, timeout_us_of
 from servewell.api.openapi import INFER_REQUEST_BODY, INFERENCE_HEADERS, error_responses, not_ready_response
+from servewell.api.routes_pool import pool_fields
 from servewell.api.state import AppState, app_state, state_dependency
 from servewell.engine.protocol import ModelView
 from servewell.errors import BadRequest, PayloadTooLarge, quote
@@ -116,12 +117,17 @@ async def model_config(name: str, version: str | None = None, state: AppState = 
 
 @router.post("/repository/index", summary="Repository index")
 async def repository_index(state: AppState = Depends(state_dependency)) -> Response:
-    """Every model of the repository with its state and, if not ready, the reason."""
+    """Every model of the repository with its state and, if not ready, the reason; beside them
+    (servewell's extension) its place in the model pool: residency (resident, loading, evicted,
+    not_loaded, failed, invalid), loadable, pinned, last_used_at, estimated_bytes, cold_starts and
+    evictions."""
     entries = []
     for view in state.engine.models():
-        entry = {"name": view.name, "version": view.version, "state": TRITON_STATES.get(view.state, "UNAVAILABLE")}
+        entry: dict[str, Any] = {"name": view.name, "version": view.version,
+                                 "state": TRITON_STATES.get(view.state, "UNAVAILABLE")}
         if view.reason:
             entry["reason"] = view.reason
+        entry.update(pool_fields(view))
         entries.append(entry)
     return _json(entries)
 

@@ -167,11 +167,17 @@ class InferenceEngine:
         return ModelEntry(name, self.repository / name, config, self._services)
 
     async def _discover(self) -> list[str]:
-        """Add the models whose directories appeared since the last scan (lazy mode's poll)."""
-        sources = await asyncio.to_thread(scan_repository, self.repository, set(self._slots))
+        """Add the models whose directories appeared since the last scan, and take an invalid
+        model whose model.yaml is now valid (lazy mode's poll). A new directory without a
+        model.yaml yet is left for a later poll: it may be being copied in."""
+        known = {name for name, slot in self._slots.items() if slot.entry.state != "invalid"}
+        sources = await asyncio.to_thread(scan_repository, self.repository, known)
         added = []
         for source in sources:
-            if source.name not in self._slots:
+            slot = self._slots.get(source.name)
+            if slot is None and source.config is None and not (source.directory / "model.yaml").is_file():
+                continue
+            if slot is None or (slot.entry.state == "invalid" and source.config is not None):
                 self._add(source)
                 added.append(source.name)
         return added
@@ -191,6 +197,7 @@ class InferenceEngine:
         """`resolve`; in lazy mode a model that is not resident is loaded first (the request waits
         up to `deadline`, absolute `time.monotonic()`, and `max_load_wait_ms`)."""
         slot = self._slot(name, version)
+        self.pool.count(slot)
         if self.accepting and not slot.resident and self.pool.loadable(slot):
             slot.used()
             await self.pool.acquire(slot, deadline)
@@ -201,6 +208,7 @@ class InferenceEngine:
         """Resolve, validate and queue one request (an ingress's envelope); in lazy mode a model
         that is not resident loads first while the request waits."""
         slot = self._slot(name, version)
+        self.pool.count(slot)
         if self.accepting and not slot.resident and self.pool.loadable(slot):
             slot.used()
             assert slot.entry.config is not None
@@ -466,8 +474,10 @@ class InferenceEngine:
         return [slot.entry for slot in list(self._slots.values())]
 
     def samples(self) -> list[ModelSample]:
-        """State of every model for the metrics scrape."""
-        return [slot.entry.sample() for slot in list(self._slots.values())]
+        """State of every model for the metrics scrape (with the pool's facts from its slot, as `_view`)."""
+        return [dataclasses.replace(slot.entry.sample(), residency=slot.residency(), pinned=slot.pinned,
+                                    last_used_at=slot.last_used_at, estimated_bytes=slot.estimated_bytes)
+                for slot in list(self._slots.values())]
 
     def model_facts(self) -> list[ModelFacts]:
         """Per-model facts the alert webhook evaluates (queue fill, restarts, memory headroom)."""

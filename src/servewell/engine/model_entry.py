@@ -167,13 +167,14 @@ class ModelEntry:
 
     def live_changes_only(self, config: ModelConfig) -> bool:
         """Whether `config` differs from the serving one only in what applies without new workers:
-        batching settings other than lanes, and a max batch size within the proven maximum."""
+        batching settings other than lanes, a max batch size within the proven maximum, and the
+        model pool's `pinned` and `idle_unload_s`."""
         if config.batching.lanes != self.config.batching.lanes:
             return False
         if config.max_batch_size > self.scheduler.proven_max_batch_size or (config.max_batch_size == 0) != (
                 self.config.max_batch_size == 0):
             return False
-        same = {"batching", "max_batch_size"}
+        same = {"batching", "max_batch_size", "pinned", "idle_unload_s"}  # the pool reads the last two per use
         return config.model_dump(exclude=same) == self.config.model_dump(exclude=same)
 
     # --- the Entry interface (engine/entry.py) ---------------------------------------------

@@ -164,6 +164,11 @@ class ModelPool:
             task.cancel()
         self._tasks.clear()
 
+    def count(self, slot: ModelSlot) -> None:
+        """Count a request in lazy mode: a hit when its model is resident, a miss when it must load."""
+        if self._metrics is not None and self.lazy:
+            self._metrics.pool_requests.labels("hit" if slot.resident else "miss").inc()
+
     def loadable(self, slot: ModelSlot) -> bool:
         """Whether a request would load this model now (lazy mode, a valid config, not unloaded by
         an operator, not failed since its last change)."""
@@ -235,7 +240,11 @@ class ModelPool:
             # it leaves the model as it was (loadable), not failed.
             await self._reserve(entry, estimate, started + self.settings.max_load_wait_s)
             slot.entry = entry
-            await entry.load()  # its own reservation is in place: make_room finds it fits
+            try:
+                await entry.load()  # its own reservation is in place: make_room finds it fits
+            finally:
+                if entry.state != "ready":  # failed (load releases), or an unexpected error or cancel
+                    self._budget.release(entry)
             if entry.state != "ready":
                 raise ModelNotReady(f"model '{slot.name}' failed to load: {entry.reason}")
         seconds = time.monotonic() - started
