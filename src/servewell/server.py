@@ -42,7 +42,7 @@ from servewell.observability.process import process_facts
 from servewell.observability.signals import SignalTracker
 from servewell.observability.steps import set_step_sink
 from servewell.observability.tracing import Tracing, settings_from
-from servewell.process_tree import read_restart_counts
+from servewell.process_tree import read_restart_counts, usable_cpus
 from servewell.shutdown import GracefulServer, ShutdownPlan, run_after_drain, uvicorn_graceful_timeout_s
 from servewell.workers.handle import WorkerSettings
 from servewell.workers.shm import NAME_PREFIX, remove_segments, remove_stale_segments
@@ -145,7 +145,8 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
                              readiness=settings.readiness, required_models=settings.required_models,
                              models_outside_repository=settings.models_outside_repository,
                              pool=PoolSettings(settings.repository_mode, settings.repository_poll_s,
-                                               settings.max_load_wait_ms / 1000, settings.max_concurrent_loads,
+                                               settings.max_load_wait_ms / 1000,
+                                               settings.max_concurrent_loads or max(1, usable_cpus() // 4),
                                                settings.load_queue_per_model, settings.idle_unload_s),
                              device_memory_budget_bytes=settings.device_memory_budget_bytes)
     if metrics is not None:

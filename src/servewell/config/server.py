@@ -107,7 +107,11 @@ class ServerConfig(BaseModel):
         30000, ge=0, le=600000, description="How long a request waits for its model to load (lazy mode; its own "
         "deadline may cut it shorter).",
     )
-    max_concurrent_loads: int = Field(2, ge=1, le=64, description="Model loads running at once (lazy mode).")
+    max_concurrent_loads: int | None = Field(
+        None, ge=1, le=64, description="Model loads running at once (lazy mode); default: a quarter of the usable "
+        "CPUs, at least 1 (a load keeps a core busy for seconds: more at once take the cores the resident models "
+        "serve from).",
+    )
     load_queue_per_model: int = Field(
         64, ge=0, le=100000, description="Requests that may wait for one model's load; past it: 503 model_loading "
         "with a Retry-After from the measured load time.",
