@@ -19,6 +19,7 @@ from monitoring import (
     GPU_GAUGES,
     HISTOGRAMS,
     METRIC_NAME,
+    POOL_FAMILIES,
     PROMETHEUS_DIR,
     RECORDED_NAME,
     ROOT,
@@ -110,8 +111,12 @@ def test_every_panel_queries_the_templated_datasource_with_exposed_metrics():
 
 def test_dashboard_covers_every_signal():
     used = {name for panel in panels() for t in panel["targets"] for name in METRIC_NAME.findall(t["expr"])}
-    families = {re.sub(r"_(bucket|sum|count|total)$", "", name) for name in used}
+    def family(name: str) -> str:
+        return re.sub(r"_(bucket|sum|count|total)$", "", name)
+
+    families = {family(name) for name in used}
     assert set(HISTOGRAMS) | set(COUNTERS) | set(GAUGES) | set(GPU_GAUGES) <= families
+    assert {family(name) for name in POOL_FAMILIES} <= families
 
 
 def test_panels_named_in_alert_actions_exist():

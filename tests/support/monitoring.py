@@ -32,7 +32,7 @@ GAUGES = (
     "servewell_worker_cpu_seconds", "servewell_worker_threads", "servewell_memory_budget_bytes", "servewell_ready",
     "servewell_config_rejected_files",
 )
-#: The model pool's families (issue 21): exposed, not yet on the dashboard or in the rules.
+#: The model pool's families (issue 21), on the dashboard's "Model pool" row.
 POOL_FAMILIES = (
     "servewell_model_resident", "servewell_model_pinned", "servewell_model_last_used_timestamp_seconds",
     "servewell_model_estimated_bytes", "servewell_model_pool_models", "servewell_model_evictions_total",
