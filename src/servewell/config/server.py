@@ -218,6 +218,12 @@ class ServerConfig(BaseModel):
         "so that overwriting a served file in place cannot crash its workers; off: workers map the repository's "
         "files (publish new versions only by atomic rename).",
     )
+    # Fast cold starts (issue 21): workers/spare.py.
+    spare_workers: int | None = Field(
+        None, ge=0, le=64, description="Worker processes kept started ahead of time with the runtime imported, "
+        "taken by the next model load instead of a fresh spawn (a load skips the interpreter start and imports); "
+        "default: 1 in the lazy repository mode, else 0.",
+    )
 
     # Configuration files and fail-closed security settings (config/file_read.py, live_config.py).
     config_max_bytes: int = Field(

@@ -1,0 +1,31 @@
+"""The cold-start breakdown of a worker start (workers/cold_start.py) and the spare count's default."""
+
+from __future__ import annotations
+
+import pytest
+
+from servewell.config.server import ServerConfig
+from servewell.workers.cold_start import breakdown_of
+from servewell.workers.messages import WorkerReady
+from servewell.workers.spare import effective_spare_workers
+
+
+def test_the_steps_are_measured_from_the_request_across_the_pipe():
+    info = WorkerReady(pid=42, load_s=0.9, warmup_s=0.25, rss_bytes=1, began_at=101.5, import_s=0.5, weights_s=0.4)
+    b = breakdown_of("m", 0, info, requested_at=100.0, ready_at=103.0, spare=False, fresh_reason="no spare was idle")
+    assert (b.spawn_s, b.import_s, b.load_s, b.warmup_s, b.total_s) == (1.5, 0.5, 0.4, 0.25, 3.0)
+    assert b.other_s == pytest.approx(0.35)
+    assert b.as_dict()["fresh_reason"] == "no spare was idle" and b.as_dict()["spare"] is False
+
+
+def test_a_worker_that_does_not_say_when_it_began_counts_the_rest_as_spawn():
+    info = WorkerReady(pid=42, load_s=1.0, warmup_s=0.5, rss_bytes=1)
+    b = breakdown_of("m", 0, info, requested_at=10.0, ready_at=12.0, spare=False)
+    assert (b.spawn_s, b.import_s, b.load_s, b.warmup_s) == (0.5, 0.0, 1.0, 0.5)
+
+
+def test_the_spare_count_defaults_to_none_in_the_eager_mode_and_can_be_set():
+    assert effective_spare_workers(ServerConfig()) == 0  # eager (today's mode): every load happens at start
+    assert effective_spare_workers(ServerConfig(spare_workers=3)) == 3
+    with pytest.raises(ValueError):
+        ServerConfig(spare_workers=-1)
