@@ -177,6 +177,9 @@ class SpareWorkers:
                 if isinstance(message, SpareReady):
                     spare.ready = message
                     self._failed_in_a_row = 0
+                    log.info("spare worker %d ready (runtime imported in %.2f s)", message.pid, message.import_s,
+                             extra={"event": "spare_ready", "pid": message.pid,
+                                    "import_s": round(message.import_s, 3)})
         except (EOFError, OSError):
             self._unwatch(spare)
             if spare in self._idle:

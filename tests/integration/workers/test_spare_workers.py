@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
+from model_dirs import onnx_mlp_model, torchscript_mlp_model
 from servewell.engine.repository import read_model_config
 from servewell.workers.handle import WorkerHandle, WorkerSettings
 from servewell.workers.pool import PoolState, RestartReason, WarmupFacts, WorkerPool
 from servewell.workers.spare import SpareWorkers
-from support.model_dirs import onnx_mlp_model, torchscript_mlp_model
 
 #: Seconds a spare may take to come up on a loaded 2-core machine (it imports onnxruntime).
 READY_TIMEOUT_S = 120.0
