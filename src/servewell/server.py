@@ -46,7 +46,7 @@ from servewell.shutdown import GracefulServer, ShutdownPlan, run_after_drain, uv
 from servewell.workers.handle import WorkerSettings
 from servewell.workers.messages import SpareLaunch
 from servewell.workers.shm import NAME_PREFIX, remove_segments, remove_stale_segments
-from servewell.workers.spare import SpareWorkers, effective_spare_workers
+from servewell.workers.spare import SpareWorkers, effective_spare_workers, effective_warmup_first_only
 
 log = logging.getLogger("servewell.server")
 
@@ -142,7 +142,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     # Pre-spawned workers for fast cold starts (issue 21): started with the app, stopped after the engine.
     spares = SpareWorkers(effective_spare_workers(settings), SpareLaunch(settings.log_level, settings.log_format))
     workers = WorkerSettings(settings.worker_heartbeat_timeout_s, settings.log_level, settings.log_format,
-                             tracing.settings, spares=spares)
+                             tracing.settings, spares=spares, warmup_first_only=effective_warmup_first_only(settings))
     engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes,
                              metrics, tracing, default_model, workers=workers, snapshots=snapshot_store(settings),
                              readiness=settings.readiness, required_models=settings.required_models,

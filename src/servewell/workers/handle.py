@@ -74,6 +74,8 @@ class WorkerSettings:
     tracing: TracingSettings | None = None
     #: Pre-spawned workers a start takes before it spawns one (None: always spawn).
     spares: SpareWorkers | None = None
+    #: Warm-up runs batch sizes 1 and 2 only where no memory limit needs larger ones proven.
+    warmup_first_only: bool = False
 
 
 class WorkerLoadError(Exception):
@@ -159,7 +161,7 @@ class WorkerHandle:
         settings = self._settings
         launch = WorkerLaunch(
             str(self.model_dir), self.instance, self.segment_prefix, self._heartbeat.name, HEARTBEAT_INTERVAL_S,
-            settings.log_level, settings.log_format, settings.tracing, self.device,
+            settings.log_level, settings.log_format, settings.tracing, self.device, settings.warmup_first_only,
         )
         name = f"servewell-worker-{self.config.name}"
         spare = settings.spares.take(self.config) if settings.spares is not None else None

@@ -41,6 +41,9 @@ class WorkerLaunch:
     #: The device this instance runs on, chosen by the engine's pool (`workers/devices.py`); the
     #: worker applies it ("" keeps the model config's `device`).
     device: str = ""
+    #: Warm up batch sizes 1 and 2 only where no memory limit needs the larger ones proven
+    #: (`runtimes/warmup.py` `first_only`; the server's `warmup_batch_sizes: first`).
+    warmup_first_only: bool = False
 
 
 @dataclass(slots=True, frozen=True)

@@ -91,7 +91,7 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, beg
         report = None
         if config.warmup:
             progress("warm-up")
-            report = warm_up(runtime, config, progress)
+            report = warm_up(runtime, config, progress, first_only=launch.warmup_first_only)
     except Exception as exc:  # any load failure is reported, never raised into the void
         conn.send(WorkerLoadFailed(_describe(exc)))
         conn.close()

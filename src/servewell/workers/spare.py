@@ -72,6 +72,14 @@ def effective_spare_workers(settings: ServerConfig) -> int:
     return 1 if getattr(settings, "repository_mode", "eager") == "lazy" else 0
 
 
+def effective_warmup_first_only(settings: ServerConfig) -> bool:
+    """Whether loads warm up the first batch sizes only: `warmup_batch_sizes`, or by default in
+    the lazy repository mode (where a request waits for the load)."""
+    if settings.warmup_batch_sizes is not None:
+        return settings.warmup_batch_sizes == "first"
+    return getattr(settings, "repository_mode", "eager") == "lazy"
+
+
 def why_fresh(spares: SpareWorkers | None, config: ModelConfig) -> str:
     """Why a start spawned its worker rather than taking a spare, in words."""
     if spares is None or spares.count == 0:

@@ -181,6 +181,19 @@ def test_a_fresh_start_reports_where_its_time_went(onnx_dir):
     asyncio.run(main())
 
 
+def test_the_server_s_first_only_warm_up_reaches_the_worker(onnx_dir):
+    async def main() -> None:
+        handle = WorkerHandle(read_model_config(onnx_dir), onnx_dir, settings=WorkerSettings(warmup_first_only=True))
+        try:
+            info = await handle.start(READY_TIMEOUT_S)
+            assert [size for size, _ in info.latency_by_batch] == [1, 2]  # max_batch_size 8: 4 and 8 skipped
+            assert info.effective_max_batch_size == 8
+        finally:
+            await handle.stop()
+
+    asyncio.run(main())
+
+
 def test_a_spare_that_dies_while_idle_is_replaced():
     async def main() -> None:
         spares = SpareWorkers(1)

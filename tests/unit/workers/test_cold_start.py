@@ -7,7 +7,7 @@ import pytest
 from servewell.config.server import ServerConfig
 from servewell.workers.cold_start import breakdown_of
 from servewell.workers.messages import WorkerReady
-from servewell.workers.spare import effective_spare_workers
+from servewell.workers.spare import effective_spare_workers, effective_warmup_first_only
 
 
 def test_the_steps_are_measured_from_the_request_across_the_pipe():
@@ -29,3 +29,9 @@ def test_the_spare_count_defaults_to_none_in_the_eager_mode_and_can_be_set():
     assert effective_spare_workers(ServerConfig(spare_workers=3)) == 3
     with pytest.raises(ValueError):
         ServerConfig(spare_workers=-1)
+
+
+def test_the_warm_up_of_the_first_batch_sizes_only_is_the_lazy_mode_s_default_and_can_be_set():
+    assert not effective_warmup_first_only(ServerConfig())  # eager: every size, as before
+    assert effective_warmup_first_only(ServerConfig(warmup_batch_sizes="first"))
+    assert not effective_warmup_first_only(ServerConfig(warmup_batch_sizes="all"))
