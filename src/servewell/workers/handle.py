@@ -188,6 +188,9 @@ class WorkerHandle:
         except TimeoutError:
             self.kill()
             raise WorkerLoadError(f"load did not finish within {timeout_s:g} s; the worker was killed") from None
+        finally:
+            if spare is not None and settings.spares is not None:
+                settings.spares.refill()  # now that the load no longer needs the cores
         if self._life.phase is not WorkerPhase.LOADING:  # it died (or was stopped) just after saying ready
             raise WorkerLoadError(f"worker process {self.pid} {self.exit_reason or 'stopped'} right after loading")
         self.rss_bytes = info.rss_bytes

@@ -130,7 +130,9 @@ class SpareWorkers:
     def take(self, config: ModelConfig) -> SpareProcess | None:
         """An idle spare for a worker of `config`, now its caller's to start and stop; None when
         there is none or the model needs a fresh spawn. Ready spares go first; one still importing
-        is better than a fresh spawn (it is further along). The set refills in the background."""
+        is better than a fresh spawn (it is further along). The caller calls `refill` once its load
+        is over: a spare spawned meanwhile would take the cores the load needs (measured: a ResNet-50
+        session took 1.3 s to build beside a spare's start, 0.35 s alone, on 2 cores)."""
         if self._stopped or self._loop is None or fresh_spawn_reason(config) is not None:
             return None
         chosen = None
@@ -143,8 +145,11 @@ class SpareWorkers:
         self._idle.remove(chosen)
         self._unwatch(chosen)
         self.adopted += 1
-        self._refill()
         return chosen
+
+    def refill(self) -> None:
+        """Start spares in the background until there are `count` (a load that took one is over)."""
+        self._refill()
 
     def _refill(self) -> None:
         if self._stopped or self._loop is None or self._failed_in_a_row >= MAX_FAILED_SPARES:
