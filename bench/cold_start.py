@@ -132,19 +132,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="loads per model and mode (median)")
     parser.add_argument("--ingress-processes", type=int, default=0, help="0: the single-process server")
     parser.add_argument("--build", type=Path, default=WORK / "build", help="where bench.models built the models")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if "fresh" not in modes or any(m not in MODES for m in modes):
+        parser.error(f"--modes: fresh (the baseline) and any of {', '.join(MODES)}")
     ensure_builds(args.build)
     repository = write_repository(args.build)
-    raw = {mode: run_mode(mode, repository, args.runs, args.ingress_processes) for mode in MODES}
+    raw = {mode: run_mode(mode, repository, args.runs, args.ingress_processes) for mode in modes}
     summary: dict[str, Any] = {}
     print(f"\ncold start, load call to ready, median of {args.runs} ({args.ingress_processes} ingress processes)")
     print(f"{'model':9s} {'mode':11s} {'load call':>9s} " + " ".join(f"{s[:-2]:>7s}" for s in STEPS) + "  cut")
     for name in MODELS:
         summary[name] = {}
-        for mode in MODES:
+        for mode in modes:
             summary[name][mode] = {k: median(raw[mode][name], k) for k in ("load_call_s", *STEPS)}
         fresh = summary[name]["fresh"]["load_call_s"]
-        for mode in MODES:
+        for mode in modes:
             row = summary[name][mode]
             cut = round(fresh / row["load_call_s"], 2) if fresh and row["load_call_s"] else None
             row["cut"] = cut
