@@ -10,7 +10,10 @@ never on the event loop.
 A model whose worker needs something that only a fresh spawn can give gets a fresh spawn
 (`fresh_spawn_reason`): `allocator: jemalloc` must be in LD_PRELOAD before the interpreter starts.
 Everything else a worker is given at spawn is applied after adoption by `worker_main` (nice, CPU
-affinity, thread counts, device) or carried by `AdoptSpare` (config, launch, process name).
+affinity, thread counts, device) or carried by `AdoptSpare` (config, launch, process name). The
+frameworks' thread counts are set explicitly (onnxruntime's session options, `torch.set_num_threads`);
+the OMP/MKL/OpenBLAS variables `worker_main` sets reach only libraries loaded after them, which
+was already so for a fresh worker: numpy (OpenBLAS) is imported before them in both.
 
 Spares die with the engine: `stop` ends them; a kill of the engine ends them too (their pipe
 closes, and PR_SET_PDEATHSIG tied to the spawning thread covers the moment before they read it).
