@@ -171,6 +171,13 @@ class ModelUnloading(Unavailable):
     code = "model_unloading"
 
 
+class ModelLoading(Unavailable):
+    """The model is not resident and too many requests already wait for its load, or the load did
+    not finish within the request's wait: retry after about one load time (Retry-After)."""
+
+    code = "model_loading"
+
+
 class ModelReloading(Unavailable):
     """This version of the model is being replaced by a reload and takes nothing new; the new
     version serves, so retrying at once succeeds."""

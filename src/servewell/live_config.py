@@ -135,10 +135,10 @@ class ConfigReloader:
 
     def _new_model_files(self) -> list[Path]:
         new = []
-        for view in self._engine.models():
-            path = self._engine.repository / view.name / "model.yaml"
+        for entry in self._engine.entries():  # names only: a view reads every worker's memory from /proc
+            path = self._engine.repository / entry.name / "model.yaml"
             if path not in self._models:
-                self._models[path] = view.name
+                self._models[path] = entry.name
                 new.append(path)
         return new
 

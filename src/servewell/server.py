@@ -31,6 +31,7 @@ from servewell.config.server import ConfigFileError, ConfigSource, ServerConfig
 from servewell.engine.door import EngineDoor
 from servewell.engine.engine import InferenceEngine
 from servewell.engine.envelope import LiveSettings
+from servewell.engine.model_pool import PoolSettings
 from servewell.engine.snapshot import SnapshotStore
 from servewell.live_config import ConfigReloader, load_keys
 from servewell.observability.alerting import run_alerting
@@ -146,12 +147,18 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes,
                              metrics, tracing, default_model, workers=workers, snapshots=snapshot_store(settings),
                              readiness=settings.readiness, required_models=settings.required_models,
-                             models_outside_repository=settings.models_outside_repository)
+                             models_outside_repository=settings.models_outside_repository,
+                             pool=PoolSettings(settings.repository_mode, settings.repository_poll_s,
+                                               settings.max_load_wait_ms / 1000, settings.max_concurrent_loads,
+                                               settings.load_queue_per_model, settings.idle_unload_s),
+                             device_memory_budget_bytes=settings.device_memory_budget_bytes)
     if metrics is not None:
         set_step_sink(lambda name, seconds: metrics.trace_steps.labels(name).observe(seconds), tracing.tracer)
         gpus = GpuProbe()
         metrics.registry.register(StateCollector(engine.samples, process_facts, gpus.read,
-                                                 lambda: engine.memory_budget, lambda: engine.ready))
+                                                 lambda: engine.memory_budget, lambda: engine.ready,
+                                                 lambda: (engine.budget.device_total_bytes,
+                                                          engine.budget.device_used_bytes)))
     decoder, pools = build_decoder(settings)
     plane = DataPlane(engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side), metrics,
                       tracing)

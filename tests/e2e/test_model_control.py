@@ -163,7 +163,9 @@ def test_reload_under_load_has_zero_failed_requests_and_needs_the_admin_token(tm
     r = httpx.post(server.url + "/v2/models/live/infer", json=body(1.0))
     assert r.status_code == 503 and error_code(r) == "model_not_ready"
     index = httpx.post(server.url + "/v2/repository/index").json()
-    assert index == [{"name": "live", "version": "2", "state": "UNAVAILABLE", "reason": "unloaded by an operator"}]
+    assert [{k: m[k] for k in ("name", "version", "state", "reason")} for m in index] == [
+        {"name": "live", "version": "2", "state": "UNAVAILABLE", "reason": "unloaded by an operator"}]
+    assert index[0]["residency"] == "not_loaded" and index[0]["loadable"] is False  # the pool's fields beside
 
 
 

@@ -113,9 +113,13 @@ def tensor_server(tmp_path_factory, start_module_server):
 
 
 # Load, unload and profile with a real model would reload it, stop it, or hold it for up to a
-# minute per example: they are fuzzed with generated names only. Batching changes go only to a
-# model nothing else uses (the digits server is shared by the whole session).
-CONTROL = ("/v2/repository/models/{name}/load", "/v2/repository/models/{name}/unload", "/admin/models/{name}/profile")
+# minute per example; the model pool's pin, unpin, preload and evict would evict it (an eager
+# server never loads it back by itself) or change how it is kept: they are fuzzed with generated
+# names only. Batching changes go only to a model nothing else uses (the digits server is shared
+# by the whole session).
+CONTROL = ("/v2/repository/models/{name}/load", "/v2/repository/models/{name}/unload", "/admin/models/{name}/profile",
+           "/admin/models/{name}/pin", "/admin/models/{name}/unpin", "/admin/models/{name}/preload",
+           "/admin/models/{name}/evict")
 PATCHING = "/admin/models/{name}/batching"
 
 

@@ -32,6 +32,13 @@ GAUGES = (
     "servewell_worker_cpu_seconds", "servewell_worker_threads", "servewell_memory_budget_bytes", "servewell_ready",
     "servewell_config_rejected_files",
 )
+#: The model pool's families (issue 21): exposed, not yet on the dashboard or in the rules.
+POOL_FAMILIES = (
+    "servewell_model_resident", "servewell_model_pinned", "servewell_model_last_used_timestamp_seconds",
+    "servewell_model_estimated_bytes", "servewell_model_pool_models", "servewell_model_evictions_total",
+    "servewell_model_pool_requests_total",
+    *(f"servewell_model_cold_start_seconds{suffix}" for suffix in ("_bucket", "_sum", "_count")),
+)
 GPU_GAUGES = (
     "servewell_gpu_utilization_ratio", "servewell_gpu_memory_used_bytes", "servewell_gpu_memory_total_bytes",
     "servewell_gpu_power_watts", "servewell_gpu_temperature_celsius",
@@ -39,7 +46,7 @@ GPU_GAUGES = (
 #: Series names as Prometheus stores them.
 SERIES = frozenset(
     [f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")]
-    + [f"{c}_total" for c in COUNTERS + DIAGNOSTIC_COUNTERS] + list(GAUGES) + list(GPU_GAUGES)
+    + [f"{c}_total" for c in COUNTERS + DIAGNOSTIC_COUNTERS] + list(GAUGES) + list(GPU_GAUGES) + list(POOL_FAMILIES)
 )
 METRIC_NAME = re.compile(r"\bservewell_[a-z0-9_]+")
 RECORDED_NAME = re.compile(r"\bservewell:[a-z0-9_:]+")

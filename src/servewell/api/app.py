@@ -8,7 +8,15 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 import servewell
-from servewell.api import routes_admin, routes_console, routes_docs, routes_metrics, routes_simple, routes_v2
+from servewell.api import (
+    routes_admin,
+    routes_console,
+    routes_docs,
+    routes_metrics,
+    routes_pool,
+    routes_simple,
+    routes_v2,
+)
 from servewell.api.errors import install_error_handlers
 from servewell.api.head_requests import HeadAsGetMiddleware
 from servewell.api.hot_routes import HotRoute, HotRouteDispatcher, HotRouteTable
@@ -56,6 +64,7 @@ def create_app(
     app.include_router(routes_v2.router)
     app.include_router(routes_admin.router)
     app.include_router(routes_admin.repository_router)
+    app.include_router(routes_pool.router)
     app.include_router(routes_metrics.router)
     app.include_router(routes_console.router)
     app.include_router(routes_docs.router)

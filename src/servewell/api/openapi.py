@@ -62,7 +62,7 @@ _WHEN = {
     415: "A Content-Type this route does not take.",
     422: "Well-formed, but the fields or tensors do not match what the route or model takes.",
     429: "The API key is over its request rate; Retry-After says when to try again.",
-    503: "Cannot serve this now (model_not_ready, model_unloading, model_reloading, overloaded, deadline_exceeded, "
+    503: "Cannot serve this now (model_not_ready, model_loading, model_unloading, model_reloading, overloaded, deadline_exceeded, "
          "worker_lost, shutting_down); "
          "retry after Retry-After seconds when given.",
 }

@@ -179,7 +179,7 @@ class RemoteEngine:
             else:
                 future.set_result(message.result)  # type: ignore[arg-type]
         elif isinstance(message, ModelTable):
-            self._table = message
+            self._table = message if self._table is None else self._table.merged(message)
             self.connected_once.set()
         elif isinstance(message, ViewAsk):
             if self._writer is not None:
@@ -251,7 +251,7 @@ class RemoteEngine:
         table = self._table
         assert table is not None
         entry = table.models.get(name)
-        if entry is None or entry.state != "ready":
+        if entry is None or (entry.state != "ready" and not entry.loadable):
             entry = await self._ask(name)
         return self._ready(name, version, entry)
 
@@ -267,7 +267,8 @@ class RemoteEngine:
             raise NotFound(f"unknown model {quote(name)}; this server has {known}")
         if version not in (None, "", entry.version):
             raise NotFound(f"model '{name}' has no version {quote(version)}; it serves version '{entry.version}'")
-        if entry.state != "ready" or entry.config is None:
+        if (entry.state != "ready" and not entry.loadable) or entry.config is None:
+            # A loadable model (lazy mode) goes to the engine, which loads it while the request waits.
             reason = f": {entry.reason}" if entry.reason else ""
             raise ModelNotReady(f"model '{name}' is {entry.state}{reason}")
         return RemoteModel(self, entry, entry.config, version)

@@ -26,6 +26,7 @@ from fastapi.responses import Response
 import servewell
 from servewell.api.access import came_through_proxy, check_admin
 from servewell.api.openapi import error_responses
+from servewell.api.routes_pool import pool_fields, pool_report
 from servewell.api.state import AppState, app_state
 from servewell.engine.protocol import ModelView
 from servewell.errors import NotFound, ServeError
@@ -100,7 +101,8 @@ async def console_state(
 ) -> Response:
     """Server facts (with `/healthz`'s status and reason), every model (state, reason, instances
     and their memory, queue per lane, effective max batch size, `signals` over the last 30 s and
-    `latency_split` of its p99 with a reading), the server's active alerts, the chart series of
+    `latency_split` of its p99 with a reading, its place in the model pool: residency, pinned, last
+    use, estimated memory), the pool's summary, the server's active alerts, the chart series of
     `model` over the last minutes, and (admin only) the recent slow and failed requests and each
     model's batching settings. Needs an API key when keys are configured."""
     state = app_state(request)
@@ -127,6 +129,7 @@ async def console_state(
             "started_at": feed.started_at,
             "frontend_rss_bytes": rss_bytes() + feed.view.absorbed_rss_bytes(),  # with ingress processes
             "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
+            "pool": pool_report(state.engine),  # repository mode, budgets, resident and loading counts
             "keys_required": state.access.enabled,
             "max_body_bytes": state.settings.max_body_bytes,
             "slow_request_ms": round(state.knobs.slow_request_s * 1000, 3),
@@ -172,6 +175,7 @@ def _model(view: ModelView, admin_state: AppState | None) -> dict[str, Any]:
                        "cancelled": facts.cancelled, "rejected": facts.rejected} if facts else None),
         "takes_images": bool(config and config.preprocess is not None and config.image_input is not None),
         "runtime": config.runtime if config else None,
+        **pool_fields(view),  # residency, loadable, pinned, last_used_at, estimated_bytes, cold_starts, evictions
     }
     if admin_state is not None and config is not None:
         try:

@@ -18,6 +18,7 @@ from servewell.api.hot_routes import HotRoute
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
 from servewell.api.openapi import INFERENCE_HEADERS, error_responses, not_ready_response
 from servewell.api.public_text import without_paths
+from servewell.api.routes_pool import pool_report
 from servewell.api.state import AppState, app_state, state_dependency
 from servewell.config.model import ModelConfig
 from servewell.engine.protocol import SchedulingFacts
@@ -150,6 +151,14 @@ async def healthz(state: AppState = Depends(state_dependency)) -> Response:
             "lanes": view.scheduling.lane_depths if view.scheduling else {},
             "max_batch_size": view.scheduling.max_batch_size if view.scheduling else None,
             "scheduler": _scheduler_counts(view.scheduling),
+            # The model pool (engine/model_pool.py): where the model is and what it would cost to load.
+            "residency": view.residency,
+            "loadable": view.loadable,
+            "pinned": view.pinned,
+            "last_used_at": view.last_used_at,
+            "estimated_bytes": view.estimated_bytes,
+            "cold_starts": view.cold_starts,
+            "evictions": view.evictions,
         }
     readiness = state.engine.readiness()
     total, reserved = state.engine.memory_budget
@@ -159,6 +168,9 @@ async def healthz(state: AppState = Depends(state_dependency)) -> Response:
         "readiness": {"policy": state.engine.readiness_policy, "reason": without_paths(readiness.reason, roots)},
         "frontend_rss_bytes": rss_bytes(),
         "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
+        # The model pool: repository mode, host and device budgets and what loaded models reserve of
+        # them, how many models are resident or loading (api/routes_pool.py).
+        "pool": pool_report(state.engine),
         "models": models,
         "alerts": _active_alerts(state),
     }

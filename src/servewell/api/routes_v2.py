@@ -19,6 +19,7 @@ from servewell.api.hot_routes import HotRoute
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
 from servewell.api.model_document import TRITON_STATES, config_json, metadata_json, model_document, timeout_us_of
 from servewell.api.openapi import INFER_REQUEST_BODY, INFERENCE_HEADERS, error_responses, not_ready_response
+from servewell.api.routes_pool import pool_fields
 from servewell.api.state import AppState, app_state, state_dependency
 from servewell.engine.protocol import ModelView
 from servewell.errors import BadRequest, PayloadTooLarge, quote
@@ -92,11 +93,12 @@ _MODEL_READY_RESPONSES = {**error_responses(404, oip=True),
 @router.get("/models/{name}/versions/{version}/ready", summary="Model readiness (version)",
             responses=_MODEL_READY_RESPONSES)
 async def model_ready(name: str, version: str | None = None, state: AppState = Depends(state_dependency)) -> Response:
-    """200 when the model is ready, 503 otherwise."""
+    """200 when the model is ready, or (lazy mode) loadable: its first request loads it; 503
+    otherwise. `residency` says which (resident, loading, evicted, not_loaded...)."""
     state.plane.note_model(name)
     view = state.engine.model(name, version)
-    ready = view.state == "ready"
-    doc = {"name": name, "ready": ready, "state": view.state}
+    ready = view.state == "ready" or view.loadable
+    doc = {"name": name, "ready": ready, "state": view.state, "residency": view.residency, "loadable": view.loadable}
     if view.reason:
         doc["reason"] = view.reason
     return _json(doc, 200 if ready else 503, None if ready else {"Retry-After": "2"})
@@ -115,12 +117,17 @@ async def model_config(name: str, version: str | None = None, state: AppState = 
 
 @router.post("/repository/index", summary="Repository index")
 async def repository_index(state: AppState = Depends(state_dependency)) -> Response:
-    """Every model of the repository with its state and, if not ready, the reason."""
+    """Every model of the repository with its state and, if not ready, the reason; beside them
+    (servewell's extension) its place in the model pool: residency (resident, loading, evicted,
+    not_loaded, failed, invalid), loadable, pinned, last_used_at, estimated_bytes, cold_starts and
+    evictions."""
     entries = []
     for view in state.engine.models():
-        entry = {"name": view.name, "version": view.version, "state": TRITON_STATES.get(view.state, "UNAVAILABLE")}
+        entry: dict[str, Any] = {"name": view.name, "version": view.version,
+                                 "state": TRITON_STATES.get(view.state, "UNAVAILABLE")}
         if view.reason:
             entry["reason"] = view.reason
+        entry.update(pool_fields(view))
         entries.append(entry)
     return _json(entries)
 

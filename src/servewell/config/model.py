@@ -91,6 +91,13 @@ class ModelConfig(StrictModel):
     )
     batching: BatchingConfig = Field(default_factory=BatchingConfig, description="Dynamic batching settings.")
     instances: int = Field(1, ge=1, le=64, description="Worker processes serving this model.")
+    pinned: bool = Field(False, description="Never evicted to make room for another model; in lazy mode it "
+                         "loads at start.")
+    idle_unload_s: float | None = Field(
+        None, ge=0, description="Unload after this many seconds without a request (0: never; unset: the server's "
+        "idle_unload_s).",
+    )
+
     device: str = Field("cpu", description="Device of each instance: cpu, cuda or cuda:N.")
     threads: int = Field(1, ge=1, le=256, description="Intra-op threads per instance.")
     warmup: bool = Field(True, description="Run dummy batches up to max_batch_size before the model is reported ready.")

@@ -91,6 +91,31 @@ class ServerConfig(BaseModel):
         None, ge=1, description="Host memory all models together may use (estimated before loading); "
         "default: 90% of the memory available at start (within a container, of what its cgroup limit leaves).",
     )
+    device_memory_budget_bytes: int | None = Field(
+        None, ge=1, description="GPU memory all models on a device together may use (estimated before loading); "
+        "unset: not limited by the server.",
+    )
+    repository_mode: Literal["eager", "lazy"] = Field(
+        "eager", description="eager: every model loads at start; lazy: models are listed (with their estimated "
+        "memory) and load on their first request, evicting idle ones when the memory budget is full.",
+    )
+    repository_poll_s: float = Field(
+        5.0, ge=0, le=3600, description="Lazy mode: how often the repository is scanned for new model directories "
+        "(0: never; new models then need an explicit load).",
+    )
+    max_load_wait_ms: int = Field(
+        30000, ge=0, le=600000, description="How long a request waits for its model to load (lazy mode; its own "
+        "deadline may cut it shorter).",
+    )
+    max_concurrent_loads: int = Field(2, ge=1, le=64, description="Model loads running at once (lazy mode).")
+    load_queue_per_model: int = Field(
+        64, ge=0, le=100000, description="Requests that may wait for one model's load; past it: 503 model_loading "
+        "with a Retry-After from the measured load time.",
+    )
+    idle_unload_s: float = Field(
+        0.0, ge=0, description="Unload a model (not pinned) after this many seconds without a request; a model's "
+        "own idle_unload_s wins (0: never).",
+    )
     admin_token: str | None = Field(
         None, description="Bearer token for /admin endpoints; when unset they answer loopback clients only."
     )

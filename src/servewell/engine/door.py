@@ -66,14 +66,14 @@ VIEW_PULL_TIMEOUT_S = 1.0
 CONTROL_METHODS = frozenset(("models", "model", "load_model", "unload_model"))
 
 
-def summarize(entry: Entry) -> ModelEntrySummary:
-    """What an ingress needs of one model."""
-    return ModelEntrySummary(entry.name, entry.version, entry.state, entry.reason, entry.config)
+def summarize(entry: Entry, loadable: bool = False) -> ModelEntrySummary:
+    """What an ingress needs of one model (`loadable`: lazy mode, a request loads it)."""
+    return ModelEntrySummary(entry.name, entry.version, entry.state, entry.reason, entry.config, loadable=loadable)
 
 
 def model_table(engine: InferenceEngine) -> ModelTable:
     """The engine's models as the ingress processes see them."""
-    models = {entry.name: summarize(entry) for entry in engine.entries()}
+    models = {entry.name: summarize(entry, engine.loadable(entry.name)) for entry in engine.entries()}
     try:
         default: str | None = engine.default_model_name()
     except ServeError:
@@ -81,9 +81,8 @@ def model_table(engine: InferenceEngine) -> ModelTable:
     return ModelTable(models, default, engine.readiness(), engine.accepting)
 
 
-def _fingerprint(table: ModelTable) -> tuple[Any, ...]:
-    return (tuple((m.name, m.version, m.state, m.reason, id(m.config)) for m in table.models.values()),
-            table.default_model, table.readiness, table.accepting)
+def _fingerprint(entry: ModelEntrySummary) -> tuple[Any, ...]:
+    return (entry.version, entry.state, entry.reason, id(entry.config), entry.loadable)
 
 
 class _Ingress:
@@ -112,7 +111,8 @@ class EngineDoor:
         self._ingresses: set[_Ingress] = set()
         self._server: asyncio.AbstractServer | None = None
         self._table_task: asyncio.Task[None] | None = None
-        self._last_table: tuple[Any, ...] | None = None
+        self._last_prints: dict[str, tuple[Any, ...]] = {}  # per model, as last pushed
+        self._last_head: tuple[Any, ...] | None = None  # default model, readiness, accepting as last pushed
         self._last_live: tuple[Any, ...] | None = None
         self._asks: dict[int, asyncio.Future[Any]] = {}
         self._ask_ids = itertools.count(1)
@@ -194,7 +194,8 @@ class EngineDoor:
             if ask is not None and not ask.done():
                 ask.set_result(message.snapshot)
         elif isinstance(message, Resolve):
-            entry = next((summarize(e) for e in self._engine.entries() if e.name == message.model), None)
+            entry = next((summarize(e, self._engine.loadable(e.name)) for e in self._engine.entries()
+                          if e.name == message.model), None)
             ingress.writer.send(Resolved(message.ask_id, entry))
         elif isinstance(message, ControlCall):
             self._on_control(ingress, message)
@@ -253,9 +254,9 @@ class EngineDoor:
         if envelope.traceparent:
             trace_token = otel_context.attach(extract({"traceparent": envelope.traceparent}))
         try:
-            handle = self._engine.resolve(envelope.model, envelope.version)
-            future = handle.infer(envelope.inputs, lane=envelope.lane, deadline=envelope.deadline,
-                                  request_id=envelope.request_id, arrived_at=envelope.arrived_at)
+            future = self._engine.submit(envelope.model, envelope.version, envelope.inputs, lane=envelope.lane,
+                                         deadline=envelope.deadline, request_id=envelope.request_id,
+                                         arrived_at=envelope.arrived_at)
         except ServeError as exc:
             ingress.writer.send(Outcome(envelope.call_id, error=exc, placement=placement))
             return
@@ -298,6 +299,20 @@ class EngineDoor:
         log.info("ingress %s disconnected%s", ingress.source or "(unnamed)", f": {exc}" if exc else "",
                  extra={"event": "ingress_disconnected", "source": ingress.source})
 
+    def _table_change(self, table: ModelTable) -> ModelTable | None:
+        """What changed since the last push (None: nothing). An ingress that connected since got the
+        whole table then, newer than the last push: applying this on top of it changes nothing twice."""
+        prints = {name: _fingerprint(entry) for name, entry in table.models.items()}
+        head = (table.default_model, table.readiness, table.accepting)
+        last = self._last_prints
+        changed = {name: table.models[name] for name, p in prints.items() if last.get(name) != p}
+        removed = tuple(name for name in last if name not in prints)
+        if not changed and not removed and head == self._last_head:
+            return None
+        self._last_prints, self._last_head = prints, head
+        return ModelTable(changed, table.default_model, table.readiness, table.accepting, complete=False,
+                          removed=removed)
+
     async def _watch_table(self) -> None:
         while True:
             await asyncio.sleep(TABLE_POLL_S)
@@ -308,11 +323,10 @@ class EngineDoor:
             except Exception:  # never let the watcher die
                 log.exception("building the model table failed")
                 continue
-            fingerprint = _fingerprint(table)
-            if fingerprint != self._last_table:
-                self._last_table = fingerprint
+            change = self._table_change(table)
+            if change is not None:
                 for ingress in self._ingresses:
-                    ingress.writer.send(table)
+                    ingress.writer.send(change)
             live = self._live()
             live_print = (id(live.settings), id(live.keys), live.default_rate_per_s)
             if live_print != self._last_live:

@@ -8,8 +8,10 @@ the version that serves it, never refused by the one that drains.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,11 +21,12 @@ import numpy as np
 from servewell.config.model import ModelConfig
 from servewell.engine.entry import Entry, InvalidModel
 from servewell.engine.lanes import resolve_lane
-from servewell.engine.memory_budget import MemoryBudget, machine_memory_budget
+from servewell.engine.memory_budget import MemoryBudget, estimate_model_memory, machine_memory_budget
 from servewell.engine.model_entry import EntryServices, LoadProgressFn, ModelEntry
+from servewell.engine.model_pool import ModelPool, ModelSlot, PoolSettings
 from servewell.engine.protocol import ModelState, ModelView, Readiness, RequestResult
 from servewell.engine.readiness import ReadinessPolicy, evaluate_readiness
-from servewell.engine.repository import OutsidePolicy, read_model_config, scan_repository
+from servewell.engine.repository import ModelSource, OutsidePolicy, read_model_config, scan_repository
 from servewell.engine.snapshot import SnapshotStore
 from servewell.engine.validation import check_inputs
 from servewell.errors import Conflict, LoadFailed, NotFound, ShuttingDown, quote
@@ -37,17 +40,6 @@ log = logging.getLogger("servewell.engine")
 #: Profile captures running at once across models (one per model): each costs its worker the
 #: profiler's overhead and the frontend the trace's memory until it is sent.
 MAX_PROFILE_CAPTURES = 2
-
-
-class ModelSlot:
-    """Where one model name's current entry lives; a reload swaps the entry, not the slot."""
-
-    __slots__ = ("entry", "lock", "profiling")
-
-    def __init__(self, entry: Entry) -> None:
-        self.entry = entry
-        self.lock = asyncio.Lock()  # one load/unload of this model at a time
-        self.profiling = False
 
 
 class ServedModelHandle:
@@ -74,12 +66,21 @@ class ServedModelHandle:
 
     def admit(self, lane: int) -> None:
         """Refuse now what could not be queued (not ready, lane full, shutting down)."""
+        if not self._slot.resident and self._engine.pool.loadable(self._slot):
+            return  # evicted since it resolved: `infer` loads it again
         self._serving().scheduler.admit(lane)
 
     def infer(self, inputs: dict[str, np.ndarray], *, lane: int, deadline: float | None, request_id: str,
               arrived_at: float | None) -> asyncio.Future[RequestResult]:
         """Validate and queue the request on the version serving now (`deadline`: absolute
         `time.monotonic()` seconds, None for the model's default timeout from `arrived_at`)."""
+        slot = self._slot
+        slot.used()
+        if not slot.resident and self._engine.pool.loadable(slot):
+            # Evicted (or being evicted) since this request resolved it: load it again and queue there.
+            check_inputs(self.config, inputs)
+            return asyncio.ensure_future(self._engine.load_then_submit(slot, inputs, lane, deadline, request_id,
+                                                                       arrived_at))
         entry = self._serving()
         rows = check_inputs(entry.config, inputs)
         return entry.scheduler.submit(inputs, rows, lane, deadline, request_id, arrived_at)
@@ -113,14 +114,17 @@ class InferenceEngine:
         readiness: ReadinessPolicy = "any",
         required_models: Sequence[str] = (),
         models_outside_repository: OutsidePolicy = "warn",
+        pool: PoolSettings | None = None,
+        device_memory_budget_bytes: int | None = None,
     ) -> None:
         self.repository = repository
-        self.budget = MemoryBudget(memory_budget_bytes or machine_memory_budget())
+        self.budget = MemoryBudget(memory_budget_bytes or machine_memory_budget(), device_memory_budget_bytes)
+        self._slots: dict[str, ModelSlot] = {}
+        self.pool = ModelPool(pool or PoolSettings(), self._slots, self.budget, self._new_entry, metrics)
         self._services = EntryServices(load_timeout_s, self.budget, metrics, tracing, on_progress,
                                        workers=workers, snapshots=snapshots, repository=repository,
-                                       outside_repository=models_outside_repository)
+                                       outside_repository=models_outside_repository, make_room=self.pool.make_room)
         self._default_model = default_model
-        self._slots: dict[str, ModelSlot] = {}
         self._first_load_locks: dict[str, asyncio.Lock] = {}  # names with a directory but no slot yet
         self._readiness_policy: ReadinessPolicy = readiness
         self._required_models = tuple(required_models)
@@ -128,19 +132,55 @@ class InferenceEngine:
         self.draining = False  # shutting down: not ready, nothing restarts, requests still served
 
     async def start(self) -> None:
-        """Read the repository and load every valid model (concurrently)."""
+        """Read the repository and load every valid model (concurrently); in lazy mode only the
+        pinned ones (the others load on their first request)."""
         for source in scan_repository(self.repository):
-            entry: Entry
-            if source.config is None:
-                entry = InvalidModel(source.name, source.directory, source.error or "invalid model.yaml")
-            else:
-                entry = ModelEntry(source.name, source.directory, source.config, self._services)
-            self._slots[source.name] = ModelSlot(entry)
+            self._add(source)
         unknown = [name for name in self._required_models if name not in self._slots]
         if self._readiness_policy == "required-models" and unknown:
             log.error("required models %s are not in the repository %s: the server stays not ready", unknown,
                       self.repository)
+        self.pool.start(self._discover)
+        if self.pool.lazy:
+            log.info("lazy repository: %d models listed, %d pinned load now", len(self._slots),
+                     sum(1 for s in self._slots.values() if s.pinned))
+            await asyncio.gather(*(self.pool.acquire(s, None) for s in self._slots.values()
+                                   if s.pinned and self.pool.loadable(s)), return_exceptions=True)
+            return
         await asyncio.gather(*(s.entry.load() for s in self._slots.values()))
+
+    def _add(self, source: ModelSource) -> ModelSlot:
+        entry: Entry
+        if source.config is None:
+            entry = InvalidModel(source.name, source.directory, source.error or "invalid model.yaml")
+        else:
+            entry = ModelEntry(source.name, source.directory, source.config, self._services)
+        slot = self._slots[source.name] = ModelSlot(entry)
+        if source.config is not None:
+            try:
+                slot.estimated_bytes = estimate_model_memory(source.config, source.directory).total_bytes
+            except (OSError, ValueError):
+                slot.estimated_bytes = None
+        return slot
+
+    def _new_entry(self, name: str, config: ModelConfig) -> ModelEntry:
+        return ModelEntry(name, self.repository / name, config, self._services)
+
+    async def _discover(self) -> list[str]:
+        """Add the models whose directories appeared since the last scan, and take an invalid
+        model whose model.yaml is now valid (lazy mode's poll). A new directory without a
+        model.yaml yet is left for a later poll: it may be being copied in."""
+        known = {name for name, slot in self._slots.items() if slot.entry.state != "invalid"}
+        sources = await asyncio.to_thread(scan_repository, self.repository, known)
+        added = []
+        for source in sources:
+            slot = self._slots.get(source.name)
+            if slot is None and source.config is None and not (source.directory / "model.yaml").is_file():
+                continue
+            if slot is None or (slot.entry.state == "invalid" and source.config is not None):
+                self._add(source)
+                added.append(source.name)
+        return added
 
     # --- the data plane's entry point -----------------------------------------------------
 
@@ -149,11 +189,43 @@ class InferenceEngine:
         slot = self._slot(name, version)
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
+        slot.used()
         return ServedModelHandle(slot, self, _ready(slot.entry))
 
-    async def resolve_async(self, name: str, version: str | None = None) -> ServedModelHandle:
-        """`resolve`, for callers that may talk to an engine in another process."""
+    async def resolve_async(self, name: str, version: str | None = None,
+                            deadline: float | None = None) -> ServedModelHandle:
+        """`resolve`; in lazy mode a model that is not resident is loaded first (the request waits
+        up to `deadline`, absolute `time.monotonic()`, and `max_load_wait_ms`)."""
+        slot = self._slot(name, version)
+        self.pool.count(slot)
+        if self.accepting and not slot.resident and self.pool.loadable(slot):
+            slot.used()
+            await self.pool.acquire(slot, deadline)
         return self.resolve(name, version)
+
+    def submit(self, name: str, version: str | None, inputs: dict[str, np.ndarray], *, lane: int,
+               deadline: float | None, request_id: str, arrived_at: float | None) -> asyncio.Future[RequestResult]:
+        """Resolve, validate and queue one request (an ingress's envelope); in lazy mode a model
+        that is not resident loads first while the request waits."""
+        slot = self._slot(name, version)
+        self.pool.count(slot)
+        if self.accepting and not slot.resident and self.pool.loadable(slot):
+            slot.used()
+            assert slot.entry.config is not None
+            check_inputs(slot.entry.config, inputs)
+            return asyncio.ensure_future(self.load_then_submit(slot, inputs, lane, deadline, request_id, arrived_at))
+        return self.resolve(name, version).infer(inputs, lane=lane, deadline=deadline, request_id=request_id,
+                                                 arrived_at=arrived_at)
+
+    async def load_then_submit(self, slot: ModelSlot, inputs: dict[str, np.ndarray], lane: int,
+                               deadline: float | None, request_id: str, arrived_at: float | None) -> RequestResult:
+        """Wait for `slot`'s model to be resident (loading it), then queue the request there."""
+        await self.pool.acquire(slot, deadline)
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down and accepts no new requests")
+        entry = _ready(slot.entry)
+        rows = check_inputs(entry.config, inputs)
+        return await entry.scheduler.submit(inputs, rows, lane, deadline, request_id, arrived_at)
 
     def default_model_name(self) -> str:
         """The configured default model, else the only or first valid model."""
@@ -200,6 +272,7 @@ class InferenceEngine:
             if slot is None:
                 self._slots[name] = ModelSlot(fresh)
                 return fresh.view()
+            slot.unloaded_by_operator = slot.evicted = False
             old, slot.entry = slot.entry, fresh  # from here on, new requests go to the new version
             await old.stop("reloading", reason="replaced by a reload")  # drains what the old version had accepted
             return fresh.view()
@@ -209,8 +282,9 @@ class InferenceEngine:
         slot = self._slot(name, None)
         async with slot.lock:
             entry = slot.entry
+            slot.unloaded_by_operator = True  # lazy mode: no request loads it again until an operator does
             await entry.stop("unloading", "unloaded", "unloaded by an operator")
-            return entry.view()
+            return self._view(slot, entry)
 
     async def profile(self, name: str, instance: int, seconds: float) -> bytes:
         """A Chrome/Perfetto trace of one instance's batches over `seconds` (one at a time per model)."""
@@ -249,6 +323,10 @@ class InferenceEngine:
         slot = self._slot(name, None)
         async with slot.lock:
             entry = slot.entry
+            if self.pool.loadable(slot) and entry.state == "unloaded":
+                slot.entry = self._new_entry(name, config)
+                slot.estimated_bytes = estimate_model_memory(config, slot.entry.directory).total_bytes
+                return "recorded: the model is not resident and loads with it on its next request"
             if entry.state == "unloaded":
                 return "not applied: the model was unloaded by an operator (load it through the repository API)"
             if entry.state in ("ready", "restarting") and config == entry.config:
@@ -267,6 +345,7 @@ class InferenceEngine:
         """Readiness turns false now and no worker is restarted from now on; requests are still
         admitted and served (a load balancer may send some until it notices)."""
         self.draining = True
+        self.pool.stop()
         for slot in self._slots.values():
             slot.entry.close()
 
@@ -282,6 +361,7 @@ class InferenceEngine:
         to finish its batch; 0 kills them at once)."""
         self.begin_shutdown()
         self.accepting = False
+        self.pool.stop()
         await asyncio.gather(*(s.entry.stop("shutting_down", worker_timeout_s=worker_timeout_s)
                                for s in self._slots.values()))
 
@@ -299,12 +379,18 @@ class InferenceEngine:
 
     def readiness(self) -> Readiness:
         """The readiness verdict, with its reason (`engine/readiness.py`)."""
-        states: list[tuple[str, ModelState]] = [
-            (name, slot.entry.state)
-            for name, slot in self._slots.items()
-        ]
+        states = [(name, self._readiness_state(slot)) for name, slot in self._slots.items()]
         return evaluate_readiness(self._readiness_policy, self._required_models, states,
                                   self.accepting and not self.draining)
+
+    def _readiness_state(self, slot: ModelSlot) -> ModelState:
+        # Lazy mode: a model that loads on its first request counts as ready (the server can serve
+        # it), but a pinned one loads at start and counts as loading until it has.
+        if not self.pool.loadable(slot):
+            return slot.entry.state
+        if not slot.pinned:
+            return "ready"
+        return "loading" if slot.residency() == "loading" or slot.cold_starts == 0 else slot.entry.state
 
     @property
     def memory_budget(self) -> tuple[int, int]:
@@ -313,11 +399,68 @@ class InferenceEngine:
 
     def models(self) -> list[ModelView]:
         """Every model of the repository, valid or not."""
-        return [s.entry.view() for s in self._slots.values()]
+        return [self._view(s) for s in list(self._slots.values())]
 
     def model(self, name: str, version: str | None = None) -> ModelView:
         """One model; `NotFound` for an unknown name or version."""
-        return self._slot(name, version).entry.view()
+        return self._view(self._slot(name, version))
+
+    def _view(self, slot: ModelSlot, entry: Entry | None = None) -> ModelView:
+        return dataclasses.replace(
+            (entry or slot.entry).view(), residency=slot.residency(), pinned=slot.pinned,
+            last_used_at=slot.last_used_at, estimated_bytes=slot.estimated_bytes, loadable=self.pool.loadable(slot),
+            cold_starts=slot.cold_starts, evictions=slot.evictions)
+
+    def loadable(self, name: str) -> bool:
+        """Whether a request for `name` would load it now (lazy mode)."""
+        slot = self._slots.get(name)
+        return slot is not None and self.pool.loadable(slot)
+
+    # --- the model pool's admin API ------------------------------------------------------------
+
+    async def pin(self, name: str) -> ModelView:
+        """Never evict `name` (until unpinned or the server restarts)."""
+        slot = self._slot(name, None)
+        slot.pinned_by_admin = True
+        return self._view(slot)
+
+    async def unpin(self, name: str) -> ModelView:
+        """`name` may be evicted again (whatever its model.yaml says)."""
+        slot = self._slot(name, None)
+        slot.pinned_by_admin = False
+        return self._view(slot)
+
+    async def preload(self, name: str) -> ModelView:
+        """Load `name` now if it is not resident (lazy mode; evicts idle models to make room)."""
+        slot = self._slot(name, None)
+        if not slot.resident:
+            if not self.pool.loadable(slot):
+                return await self.load_model(name)
+            await self.pool.acquire(slot, time.monotonic() + self._services.load_timeout_s + 60)
+        return self._view(slot)
+
+    async def evict(self, name: str) -> ModelView:
+        """Unload `name` now to free its memory (`Conflict` when pinned, busy or not resident); in
+        lazy mode its next request loads it again."""
+        slot = self._slot(name, None)
+        await self.pool.evict(slot)
+        return self._view(slot)
+
+    def pool_report(self) -> dict[str, Any]:
+        """The model pool as /healthz and the console show it."""
+        slots = list(self._slots.values())
+        return {
+            "mode": self.pool.settings.mode,
+            "budget_bytes": self.budget.total_bytes, "reserved_bytes": self.budget.used_bytes,
+            "device_budget_bytes": self.budget.device_total_bytes,
+            "device_reserved_bytes": self.budget.device_used_bytes,
+            "resident": sum(1 for s in slots if s.resident),
+            "loading": sum(1 for s in slots if s.residency() == "loading"),
+            "models": len(slots),
+            "pinned": sum(1 for s in slots if s.pinned),
+            "loads_in_flight": sum(1 for s in slots if s.loader is not None and not s.loader.done()),
+            "waiting_requests": sum(s.waiting for s in slots),
+        }
 
     async def models_async(self) -> list[ModelView]:
         """`models` (the gRPC servicer awaits it: an ingress's engine asks the engine process)."""
@@ -333,8 +476,10 @@ class InferenceEngine:
         return [slot.entry for slot in list(self._slots.values())]
 
     def samples(self) -> list[ModelSample]:
-        """State of every model for the metrics scrape."""
-        return [slot.entry.sample() for slot in list(self._slots.values())]
+        """State of every model for the metrics scrape (with the pool's facts from its slot, as `_view`)."""
+        return [dataclasses.replace(slot.entry.sample(), residency=slot.residency(), pinned=slot.pinned,
+                                    last_used_at=slot.last_used_at, estimated_bytes=slot.estimated_bytes)
+                for slot in list(self._slots.values())]
 
     def model_facts(self) -> list[ModelFacts]:
         """Per-model facts the alert webhook evaluates (queue fill, restarts, memory headroom)."""

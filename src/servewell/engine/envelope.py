@@ -84,16 +84,30 @@ class ModelEntrySummary:
     reason: str | None
     config: ModelConfig | None
     lanes: tuple[str, ...] = ()
+    loadable: bool = False  # lazy mode: not resident, and a request loads it (the engine waits for the load)
 
 
 @dataclass(slots=True, frozen=True)
 class ModelTable:
-    """Every model of the engine as the ingress processes see them, pushed on every change."""
+    """Every model of the engine as the ingress processes see them: in full when an ingress
+    connects, then only what changed (`complete` false: `models` holds the changed entries and
+    `removed` the names gone). With hundreds of models (lazy mode) a load or an eviction must not
+    cost every loop a megabyte of pickled configs."""
 
     models: dict[str, ModelEntrySummary]
     default_model: str | None
     readiness: Readiness
     accepting: bool
+    complete: bool = True
+    removed: tuple[str, ...] = ()
+
+    def merged(self, change: ModelTable) -> ModelTable:
+        """This table with `change` applied (`change` itself when it is complete)."""
+        if change.complete:
+            return change
+        models = {name: entry for name, entry in self.models.items() if name not in change.removed}
+        models.update(change.models)
+        return ModelTable(models, change.default_model, change.readiness, change.accepting)
 
 
 @dataclass(slots=True, frozen=True)

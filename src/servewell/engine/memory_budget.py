@@ -37,6 +37,7 @@ class MemoryEstimate:
     per_instance_bytes: int
     total_bytes: int
     basis: str
+    device_bytes: int = 0  # on the GPU, all instances together (0 for a CPU model)
 
 
 def estimate_model_memory(config: ModelConfig, model_dir: Path) -> MemoryEstimate:
@@ -52,9 +53,11 @@ def estimate_model_memory(config: ModelConfig, model_dir: Path) -> MemoryEstimat
             weights //= 2
         basis = f"file size of {path.name}"
     per_instance = int(weights * WORKING_SET_FACTOR) + RUNTIME_BASE_BYTES[config.runtime]
+    device = 0
     if config.device.startswith("cuda"):
         per_instance = RUNTIME_BASE_BYTES[config.runtime]  # weights live on the device, not in host memory
-    return MemoryEstimate(weights, per_instance, per_instance * config.instances, basis)
+        device = int(weights * WORKING_SET_FACTOR) * config.instances
+    return MemoryEstimate(weights, per_instance, per_instance * config.instances, basis, device)
 
 
 def _safetensors_bytes(path: Path, dtype: str) -> int:
@@ -115,30 +118,61 @@ def _cgroup_room(root: Path) -> int | None:
 
 
 class MemoryBudget:
-    """Host memory promised to loaded models; a load that would not fit is refused up front."""
+    """Host (and device) memory promised to loaded models; a load that would not fit is refused
+    up front, or (lazy mode) makes room by evicting idle models first (engine/model_pool.py)."""
 
-    def __init__(self, total_bytes: int) -> None:
+    def __init__(self, total_bytes: int, device_total_bytes: int | None = None) -> None:
         self.total_bytes = total_bytes
-        self._reserved: dict[Hashable, int] = {}
+        self.device_total_bytes = device_total_bytes  # None: the device is not limited by the server
+        self._reserved: dict[Hashable, MemoryEstimate] = {}
 
     @property
     def used_bytes(self) -> int:
-        """Bytes promised to models now."""
-        return sum(self._reserved.values())
+        """Host bytes promised to models now."""
+        return sum(e.total_bytes for e in self._reserved.values())
 
-    def reserve(self, owner: Hashable, estimate: MemoryEstimate, label: str) -> None:
+    @property
+    def device_used_bytes(self) -> int:
+        """Device bytes promised to models now."""
+        return sum(e.device_bytes for e in self._reserved.values())
+
+    def reserved_by(self, owner: object) -> MemoryEstimate | None:
+        """What `owner` holds now (None: nothing)."""
+        return self._reserved.get(owner) if isinstance(owner, Hashable) else None
+
+    def shortfall(self, owner: Hashable, estimate: MemoryEstimate) -> tuple[int, int]:
+        """(host, device) bytes missing for `estimate` to fit besides what others hold; (0, 0) when it fits."""
+        held = self._reserved.get(owner)
+        host_others = self.used_bytes - (held.total_bytes if held else 0)
+        device_others = self.device_used_bytes - (held.device_bytes if held else 0)
+        host = max(0, host_others + estimate.total_bytes - self.total_bytes)
+        device = 0
+        if self.device_total_bytes is not None:
+            device = max(0, device_others + estimate.device_bytes - self.device_total_bytes)
+        return host, device
+
+    def reserve(self, owner: Hashable, estimate: MemoryEstimate, label: str, hint: str = "") -> None:
         """Promise `estimate` to `owner` (a loaded model version; `label` names it in the error);
-        `MemoryError` (with the numbers) when it does not fit."""
-        others = self.used_bytes - self._reserved.get(owner, 0)
-        if others + estimate.total_bytes > self.total_bytes:
+        `MemoryError` (with the numbers, and `hint` on what else holds memory) when it does not fit."""
+        host, device = self.shortfall(owner, estimate)
+        if host:
+            held = self._reserved.get(owner)
+            others = self.used_bytes - (held.total_bytes if held else 0)
             raise MemoryError(
                 f"{label} needs an estimated {estimate.total_bytes / MiB:.0f} MiB "
                 f"({estimate.weight_bytes / MiB:.0f} MiB of weights from the {estimate.basis}, "
                 f"{estimate.per_instance_bytes / MiB:.0f} MiB per instance) but only "
                 f"{max(0, self.total_bytes - others) / MiB:.0f} MiB of the {self.total_bytes / MiB:.0f} MiB "
-                "memory budget is left; raise --memory-budget-bytes, lower instances or dtype, or unload a model"
+                f"memory budget is left{hint}; raise --memory-budget-bytes, lower instances or dtype, or unload a model"
             )
-        self._reserved[owner] = estimate.total_bytes
+        if device:
+            assert self.device_total_bytes is not None
+            raise MemoryError(
+                f"{label} needs an estimated {estimate.device_bytes / MiB:.0f} MiB of device memory but only "
+                f"{max(0, estimate.device_bytes - device) / MiB:.0f} MiB of the {self.device_total_bytes / MiB:.0f} "
+                f"MiB device memory budget is left{hint}; raise --device-memory-budget-bytes or unload a model"
+            )
+        self._reserved[owner] = estimate
 
     def release(self, owner: Hashable) -> None:
         """Return `owner`'s share."""

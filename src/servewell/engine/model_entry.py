@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ from typing import Any
 from servewell.config.model import ModelConfig
 from servewell.engine.clock import Clock
 from servewell.engine.entry import StopCause, not_ready
-from servewell.engine.memory_budget import MemoryBudget, estimate_model_memory
+from servewell.engine.memory_budget import MemoryBudget, MemoryEstimate, estimate_model_memory
 from servewell.engine.model_files import model_files, unlisted_files
 from servewell.engine.protocol import InstanceInfo, ModelState, ModelView, SchedulingFacts
 from servewell.engine.repository import OutsidePolicy, outside_refusal
@@ -28,6 +28,7 @@ from servewell.engine.scheduler import ModelScheduler
 from servewell.engine.snapshot import Snapshot, SnapshotError, SnapshotStore
 from servewell.errors import (
     Conflict,
+    ModelLoading,
     ModelReloading,
     ModelUnloading,
     ServeError,
@@ -67,6 +68,9 @@ class EntryServices:
     snapshots: SnapshotStore | None = None  # None: workers read the repository's files directly
     repository: Path | None = None  # the model repository, to notice a model directory that resolves outside it
     outside_repository: OutsidePolicy = "warn"  # `models_outside_repository`: warn (at the scan) or refuse
+    #: Reserves a load's memory, evicting idle models first in lazy mode (engine/model_pool.py);
+    #: None: the budget's own reserve (refused when it does not fit).
+    make_room: Callable[[ModelEntry, MemoryEstimate], Awaitable[None]] | None = None
 
 
 class ModelEntry:
@@ -157,17 +161,21 @@ class ModelEntry:
                                   retry_after_s=RELOADING_RETRY_S)
         if self.stopping == "shutting_down":
             return ShuttingDown("the server is shutting down and accepts no new requests")
+        if self.stopping == "evicting":
+            return ModelLoading(f"{self.label} is being evicted to make room; it loads again on a request",
+                                retry_after_s=UNLOADING_RETRY_S)
         return None
 
     def live_changes_only(self, config: ModelConfig) -> bool:
         """Whether `config` differs from the serving one only in what applies without new workers:
-        batching settings other than lanes, and a max batch size within the proven maximum."""
+        batching settings other than lanes, a max batch size within the proven maximum, and the
+        model pool's `pinned` and `idle_unload_s`."""
         if config.batching.lanes != self.config.batching.lanes:
             return False
         if config.max_batch_size > self.scheduler.proven_max_batch_size or (config.max_batch_size == 0) != (
                 self.config.max_batch_size == 0):
             return False
-        same = {"batching", "max_batch_size"}
+        same = {"batching", "max_batch_size", "pinned", "idle_unload_s"}  # the pool reads the last two per use
         return config.model_dump(exclude=same) == self.config.model_dump(exclude=same)
 
     # --- the Entry interface (engine/entry.py) ---------------------------------------------
@@ -257,7 +265,11 @@ class ModelEntry:
             return
         budget = self._services.budget
         try:
-            budget.reserve(self, estimate_model_memory(self.config, self.directory), self.label)
+            estimate = estimate_model_memory(self.config, self.directory)
+            if self._services.make_room is not None:
+                await self._services.make_room(self, estimate)
+            else:
+                budget.reserve(self, estimate, self.label)
         except (MemoryError, OSError, ValueError) as exc:
             self._count_load(False)
             self._set_state("failed", f"refused before loading: {exc}")

@@ -101,6 +101,13 @@ class ModelView:
     scheduling: SchedulingFacts | None
     serving_dtype: str | None = None  # what the workers compute in (dtype auto decides at warm-up)
     last_failure: str | None = None  # the last worker failure: exit code or signal, or why it was hung
+    residency: str = "resident"  # resident, loading, evicted, not_loaded, failed, invalid (engine/model_pool.py)
+    pinned: bool = False  # never evicted
+    last_used_at: float | None = None  # wall clock of the model's last request
+    estimated_bytes: int | None = None  # host memory all its instances are estimated to need
+    loadable: bool = False  # lazy mode: a request would load it now
+    cold_starts: int = 0  # lazy loads since the server started
+    evictions: int = 0  # unloads to make room, when idle, or by an operator's evict
 
     @property
     def queue_depth(self) -> int:

@@ -8,6 +8,7 @@ invalid with its reason, and the scan goes on.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -65,15 +66,16 @@ def outside_refusal(root: Path, directory: Path, policy: OutsidePolicy) -> str |
             "(models_outside_repository: refuse)")
 
 
-def scan_repository(root: Path) -> list[ModelSource]:
-    """Every model directory under `root`, sorted by name, valid or not. A model directory that
-    resolves outside `root` is logged as a warning (and refused when it loads, with
+def scan_repository(root: Path, skip: Collection[str] = ()) -> list[ModelSource]:
+    """Every model directory under `root` (but those named in `skip`), sorted by name, valid or
+    not. A model directory that resolves outside `root` is logged as a warning (and refused when it loads, with
     `models_outside_repository: refuse`): whoever can write the repository can point a model
     anywhere the server may read."""
     if not root.is_dir():
         raise FileNotFoundError(f"model repository {root} is not a directory")
     sources: list[ModelSource] = []
-    for directory in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+    for directory in sorted(p for p in root.iterdir()
+                            if p.name not in skip and p.is_dir() and not p.name.startswith((".", "_"))):
         real = outside_repository(root, directory)
         if real is not None:
             log.warning("model directory %s resolves to %s, outside the repository %s", directory.name, real, root,

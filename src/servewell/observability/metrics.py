@@ -39,6 +39,8 @@ from servewell.observability.metrics_merge import (
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: Cold starts run from a tenth of a second (a tiny model, spare worker) to minutes (a large one).
+COLD_START_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 OUTCOMES = ("success", "rejected", "deadline_exceeded", "cancelled", "error")
 
 
@@ -68,9 +70,17 @@ class ModelSample:
     inflight: int
     effective_max_batch_size: int
     workers: tuple[WorkerSample, ...] = field(default_factory=tuple)
+    # The model pool (engine/model_pool.py), filled in by the engine from the model's slot.
+    residency: str = "resident"  # resident, loading, evicted, not_loaded, failed, invalid
+    pinned: bool = False
+    last_used_at: float | None = None  # wall clock of the model's last request (None: never used)
+    estimated_bytes: int | None = None  # host memory its instances are estimated to need
 
 
 MODEL_STATES = ("loading", "ready", "restarting", "failed", "invalid", "unloaded")
+#: `servewell_model_pool_models{residency}`: every value is exported (0 too), so a query never
+#: finds a series missing.
+RESIDENCIES = ("resident", "loading", "evicted", "not_loaded", "failed", "invalid")
 
 
 class _HistogramSeries:
@@ -255,6 +265,17 @@ class ServeMetrics:
             "servewell_requests", "Inference requests by outcome and lane.", ["model", "lane", "outcome"], registry=r)
         self.model_loads = LoopCounter(
             "servewell_model_loads", "Model load attempts by result.", ["model", "result"], registry=r)
+        self.model_evictions = LoopCounter(
+            "servewell_model_evictions", "Models unloaded to free memory, by reason (memory: to make room for a "
+            "load; idle: idle_unload_s passed; operator: POST /admin/models/{name}/evict).", ["model", "reason"],
+            registry=r)
+        self.cold_start = LoopHistogram(
+            "servewell_model_cold_start_seconds", "Lazy mode: from a request finding its model not resident until "
+            "the model was ready (queueing for a load slot, eviction, spawn, load and warm-up).", ["model"],
+            buckets=COLD_START_BUCKETS, registry=r)
+        self.pool_requests = LoopCounter(
+            "servewell_model_pool_requests", "Lazy mode: inference requests by whether their model was resident "
+            "(hit) or had to be loaded first (miss).", ["result"], registry=r)
         self.worker_restarts = LoopCounter(
             "servewell_worker_restarts", "Worker processes replaced, by reason (crash: died; hung: no heartbeat "
             "or a batch over its compute budget, killed; memory: over host_memory_limit_bytes, drained).",
@@ -335,12 +356,14 @@ class StateCollector(Collector):
         gpus: Callable[[], list[dict[str, float]]] | None = None,
         budget: Callable[[], tuple[int, int]] | None = None,
         ready: Callable[[], bool] | None = None,
+        device_budget: Callable[[], tuple[int | None, int]] | None = None,
     ) -> None:
         self._models = models
         self._read_process = read_process
         self._gpus = gpus
         self._budget = budget
         self._ready = ready
+        self._device_budget = device_budget  # (total or None: not limited, reserved) bytes
 
     def collect(self) -> Iterable[Metric]:
         depth = GaugeMetricFamily("servewell_queue_depth", "Requests waiting, per lane.", labels=["model", "lane"])
@@ -361,7 +384,9 @@ class StateCollector(Collector):
         cpu = GaugeMetricFamily("servewell_worker_cpu_seconds", "Worker CPU time (user + system) since it started.",
                                 labels=["model", "worker"])
         threads = GaugeMetricFamily("servewell_worker_threads", "Worker OS threads.", labels=["model", "worker"])
+        pool = _PoolGauges()
         for model in self._models():
+            pool.add(model)
             for lane, count in model.lane_depths.items():
                 depth.add_metric([model.name, lane], count)
             inflight.add_metric([model.name], model.inflight)
@@ -381,6 +406,7 @@ class StateCollector(Collector):
                     cpu.add_metric(labels, facts["cpu_seconds"])
                     threads.add_metric(labels, facts["threads"])
         yield from (depth, inflight, state, up, max_batch, rss, private, mapped, cpu, threads)
+        yield from pool.families()
         if self._ready is not None:
             ready = GaugeMetricFamily("servewell_ready", "1 when the server reports ready (its readiness policy).")
             ready.add_metric([], 1.0 if self._ready() else 0.0)
@@ -391,6 +417,11 @@ class StateCollector(Collector):
                                        labels=["kind"])
             budget.add_metric(["total"], total)
             budget.add_metric(["reserved"], reserved)
+            if self._device_budget is not None:  # GPU memory promised to models, apart from the host's
+                device_total, device_reserved = self._device_budget()
+                if device_total is not None:  # absent when the device is not limited: no fake total
+                    budget.add_metric(["device_total"], device_total)
+                budget.add_metric(["device_reserved"], device_reserved)
             yield budget
         gpus = self._gpus() if self._gpus is not None else []
         if gpus:  # absent on machines without a GPU: no fake zeros
@@ -410,6 +441,44 @@ class StateCollector(Collector):
                     if key in gpu:
                         family.add_metric([str(int(gpu["index"]))], gpu[key])
             yield from families.values()
+
+
+class _PoolGauges:
+    """The model pool's per-model gauges (engine/model_pool.py) and the count of models per
+    residency, filled from one scrape's `ModelSample`s."""
+
+    def __init__(self) -> None:
+        self.resident = GaugeMetricFamily(
+            "servewell_model_resident", "1 when the model is loaded and takes requests (resident); 0 when it is "
+            "loading, evicted, not loaded (lazy mode), failed or invalid.", labels=["model"])
+        self.pinned = GaugeMetricFamily("servewell_model_pinned", "1 when the model is pinned (never evicted).",
+                                        labels=["model"])
+        self.last_used = GaugeMetricFamily(
+            "servewell_model_last_used_timestamp_seconds", "Unix time of the model's last request (absent until "
+            "its first).", labels=["model"])
+        self.estimated = GaugeMetricFamily(
+            "servewell_model_estimated_bytes", "Host memory the model's instances are estimated to need (what a "
+            "load reserves in the memory budget).", labels=["model"])
+        self.by_residency = GaugeMetricFamily(
+            "servewell_model_pool_models", "Models of the repository by residency (resident, loading, evicted, "
+            "not_loaded, failed, invalid).", labels=["residency"])
+        self._counts = dict.fromkeys(RESIDENCIES, 0)
+
+    def add(self, model: ModelSample) -> None:
+        """Count one model and add its series."""
+        self.resident.add_metric([model.name], 1.0 if model.residency == "resident" else 0.0)
+        self.pinned.add_metric([model.name], 1.0 if model.pinned else 0.0)
+        if model.last_used_at is not None:
+            self.last_used.add_metric([model.name], model.last_used_at)
+        if model.estimated_bytes is not None:
+            self.estimated.add_metric([model.name], model.estimated_bytes)
+        self._counts[model.residency] = self._counts.get(model.residency, 0) + 1
+
+    def families(self) -> list[Metric]:
+        """Every family, the per-residency counts added."""
+        for residency, count in self._counts.items():
+            self.by_residency.add_metric([residency], count)
+        return [self.resident, self.pinned, self.last_used, self.estimated, self.by_residency]
 
 
 class ProcessRestartsCollector(Collector):

@@ -167,3 +167,12 @@ def test_no_route_or_dependency_runs_in_the_thread_pool():
     blocking = [(route.path, getattr(call, "__name__", call)) for route in found for call in calls(route.dependant)
                 if call is not None and not asyncio.iscoroutinefunction(call)]
     assert blocking == []
+
+
+def test_the_model_pool_admin_routes_are_documented_with_their_errors(spec):
+    for action in ("pin", "unpin", "preload", "evict"):
+        operation = spec["paths"][f"/admin/models/{{name}}/{action}"]["post"]
+        assert operation["tags"] == ["admin"]
+        assert {"401", "403", "404"} <= set(operation["responses"]), action
+    assert "409" in spec["paths"]["/admin/models/{name}/evict"]["post"]["responses"]
+    assert {"422", "503"} <= set(spec["paths"]["/admin/models/{name}/preload"]["post"]["responses"])

@@ -90,3 +90,22 @@ def test_one_frame_costs_one_length_prefix(count: int) -> None:
     frame = encode_frame([Cancel(i) for i in range(count)])
     (length,) = struct.unpack_from(">I", frame)
     assert length == len(frame) - 4
+
+
+def test_a_table_change_replaces_changed_models_drops_removed_ones_and_keeps_the_rest() -> None:
+    from servewell.engine.envelope import ModelEntrySummary, ModelTable
+    from servewell.engine.protocol import Readiness
+
+    def entry(name: str, state: str) -> ModelEntrySummary:
+        return ModelEntrySummary(name, "1", state, None, None)
+
+    ready = Readiness(True, "ok")
+    full = ModelTable({"a": entry("a", "ready"), "b": entry("b", "unloaded"), "c": entry("c", "ready")}, "a",
+                      ready, True)
+    change = ModelTable({"b": entry("b", "loading")}, "a", Readiness(False, "b loading"), True, complete=False,
+                        removed=("c",))
+    merged = full.merged(change)
+    assert merged.complete
+    assert {n: e.state for n, e in merged.models.items()} == {"a": "ready", "b": "loading"}
+    assert merged.readiness == Readiness(False, "b loading")
+    assert full.merged(merged) is merged  # a complete table replaces whatever was there

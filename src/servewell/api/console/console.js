@@ -161,6 +161,7 @@
     renderServer(doc.server);
     renderAlerts(doc.alerts || [], doc.alerts_evaluated_at);
     renderModels(doc.models);
+    renderPool(doc.server.pool, doc.models);
     renderComputeByBatch(doc.models);
     renderCharts(doc.series);
     renderTryModels(doc.models);
@@ -239,14 +240,19 @@
       const state = row.insertCell();
       state.appendChild(el("span", "badge " + m.state, m.state));
       if (m.reason) {
-        const reason = el("div", "reason", m.reason);
+        // An evicted or not yet loaded model is not a failure: its reason is shown, not in red.
+        const quiet = m.residency === "evicted" || m.residency === "not_loaded";
+        const reason = el("div", quiet ? "reason quiet" : "reason", m.reason);
         reason.title = m.reason; // three lines shown, all of it on hover
         state.appendChild(reason);
       }
       if (m.load_s !== null) state.appendChild(el("div", "muted small", `loaded in ${m.load_s} s`));
+      state.appendChild(poolLine(m));
       const instances = row.insertCell();
-      if (!m.instances.length) instances.appendChild(el("span", "muted", "–"));
-      for (const i of m.instances) {
+      // An evicted or never loaded model has no worker: its last processes are history, not down.
+      const shown = m.residency === "evicted" || m.residency === "not_loaded" ? [] : m.instances;
+      if (!shown.length) instances.appendChild(el("span", "muted", "–"));
+      for (const i of shown) {
         const line = el("div", "instance");
         line.appendChild(el("span", "dot" + (i.alive ? " alive" : "")));
         line.appendChild(document.createTextNode(`#${i.instance} pid ${i.pid === null ? "–" : i.pid} · ${bytes(i.rss_bytes)}`));
@@ -272,6 +278,48 @@
       renderSignals(row, m);
     }
     markSlowest(body, models);
+  }
+
+  /* ---------- the model pool: each model's residency, and the summary ---------- */
+
+  const RESIDENCY_LABELS = { not_loaded: "not loaded" };
+
+  function poolLine(m) {
+    // Where the model is (resident, loading, evicted, not loaded...), its pin, estimated memory and last use.
+    const line = el("div", "pool-line small");
+    const residency = m.residency || "resident";
+    line.dataset.residency = residency;
+    line.appendChild(el("span", "residency " + residency, RESIDENCY_LABELS[residency] || residency));
+    if (m.pinned) line.appendChild(el("span", "pin", "pinned"));
+    const facts = [];
+    if (m.estimated_bytes !== null && m.estimated_bytes !== undefined) facts.push("est. " + bytes(m.estimated_bytes));
+    facts.push(m.last_used_at ? "used " + clock(m.last_used_at) : "never used");
+    const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
+    if (m.cold_starts || m.evictions) facts.push(plural(m.cold_starts, "cold start") + " · " + plural(m.evictions, "eviction"));
+    line.appendChild(el("span", "muted", facts.join(" · ")));
+    if (m.last_used_at) line.title = "last request at " + new Date(m.last_used_at * 1000).toLocaleString();
+    return line;
+  }
+
+  function renderPool(pool, models) {
+    const box = $("pool-summary");
+    if (!pool) { box.textContent = ""; return; }
+    const parts = [
+      `${pool.mode} repository`,
+      `${pool.resident} of ${pool.models} resident`,
+      `${pool.loading} loading`,
+      `${pool.pinned} pinned`,
+      `reserved ${bytes(pool.reserved_bytes)} of ${bytes(pool.budget_bytes)}`,
+    ];
+    if (pool.device_budget_bytes !== null && pool.device_budget_bytes !== undefined) {
+      parts.push(`device ${bytes(pool.device_reserved_bytes)} of ${bytes(pool.device_budget_bytes)}`);
+    } else if (pool.device_reserved_bytes) {
+      parts.push(`device ${bytes(pool.device_reserved_bytes)} reserved`);
+    }
+    const evicted = models.filter((m) => m.residency === "evicted").length;
+    if (evicted) parts.push(`${evicted} evicted`);
+    box.textContent = parts.join(" · ");
+    box.dataset.mode = pool.mode;
   }
 
   /* ---------- per-model golden signals, p99 split, compute by batch size ---------- */

@@ -70,7 +70,7 @@ class InferenceServicer:
                 asked = f"{quote(request.name)} version {quote(request.version)}" if request.version else quote(
                     request.name)
                 raise NotFound(f"no model {asked}") from None
-            return pb.ModelReadyResponse(ready=view.state == "ready")
+            return pb.ModelReadyResponse(ready=view.state == "ready" or view.loadable)
         return await self._scope.run("ModelReady", context, incoming, handle)
 
     async def ServerMetadata(self, incoming: IncomingMessage[pb.ServerMetadataRequest],

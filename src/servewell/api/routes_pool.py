@@ -1,0 +1,114 @@
+"""The model pool's admin API (engine/model_pool.py): pin, unpin, preload and evict a model, and
+the pool's facts as /healthz, the repository index and the console show them.
+
+The routes are guarded like every /admin route (`require_admin`: the admin token, or a loopback
+client when none is set). In a split server an ingress forwards them to the engine's app
+(api/forward.py), so they always run beside the real `InferenceEngine`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import orjson
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
+
+from servewell.api.openapi import error_responses
+from servewell.api.routes_admin import require_admin
+from servewell.api.state import AppState
+from servewell.engine.protocol import ModelView, ServingEngine
+from servewell.errors import ServeError
+
+router = APIRouter(prefix="/admin", tags=["admin"])
+
+_ERRORS = (401, 403, 404)
+
+
+@runtime_checkable
+class ModelPoolControl(Protocol):
+    """What an engine that owns a model pool offers beyond `ServingEngine` (InferenceEngine does;
+    an ingress's RemoteEngine does not: it forwards these routes to the engine process)."""
+
+    async def pin(self, name: str) -> ModelView:
+        """Never evict `name`."""
+        ...
+
+    async def unpin(self, name: str) -> ModelView:
+        """Let `name` be evicted again."""
+        ...
+
+    async def preload(self, name: str) -> ModelView:
+        """Load `name` now if it is not resident."""
+        ...
+
+    async def evict(self, name: str) -> ModelView:
+        """Unload `name` now (`Conflict` when pinned, busy or not resident)."""
+        ...
+
+    def pool_report(self) -> dict[str, Any]:
+        """The pool: mode, budgets and what they hold, counts by residency."""
+        ...
+
+
+def pool_control(engine: ServingEngine) -> ModelPoolControl:
+    """`engine` as the model pool's controller; a 500 when this process has no pool (a route that
+    should have been forwarded to the engine's app was not)."""
+    if isinstance(engine, ModelPoolControl):
+        return engine
+    raise ServeError("this process has no model pool; the request should have been forwarded to the engine")
+
+
+def pool_report(engine: ServingEngine) -> dict[str, Any] | None:
+    """The pool's summary for /healthz and the console (None where the engine has no pool)."""
+    return engine.pool_report() if isinstance(engine, ModelPoolControl) else None
+
+
+def pool_fields(view: ModelView) -> dict[str, Any]:
+    """A model's place in the pool: where it is, whether a request would load it, pin, last use
+    (Unix seconds), estimated host memory, lazy loads and evictions since the server started."""
+    return {
+        "residency": view.residency,
+        "loadable": view.loadable,
+        "pinned": view.pinned,
+        "last_used_at": view.last_used_at,
+        "estimated_bytes": view.estimated_bytes,
+        "cold_starts": view.cold_starts,
+        "evictions": view.evictions,
+    }
+
+
+def _answer(view: ModelView) -> Response:
+    doc = {"name": view.name, "version": view.version, **pool_fields(view), "state": view.state,
+           "reason": view.reason}
+    return Response(orjson.dumps(doc), media_type="application/json")
+
+
+@router.post("/models/{name}/pin", summary="Pin a model (never evicted)", responses=error_responses(*_ERRORS))
+async def pin(name: str, state: AppState = Depends(require_admin)) -> Response:
+    """The model is never evicted, neither to make room nor when idle, until it is unpinned or the
+    server restarts (then model.yaml's `pinned` holds again). Does not load it: see preload."""
+    return _answer(await pool_control(state.engine).pin(name))
+
+
+@router.post("/models/{name}/unpin", summary="Unpin a model", responses=error_responses(*_ERRORS))
+async def unpin(name: str, state: AppState = Depends(require_admin)) -> Response:
+    """The model may be evicted again, whatever its model.yaml says, until the server restarts."""
+    return _answer(await pool_control(state.engine).unpin(name))
+
+
+@router.post("/models/{name}/preload", summary="Load a model now",
+             responses=error_responses(*_ERRORS, 422, 503))
+async def preload(name: str, state: AppState = Depends(require_admin)) -> Response:
+    """Load the model now if it is not resident (evicting idle models to make room, as its first
+    request would); answers once it is resident. Nothing happens to a resident model. 503
+    model_loading or model_not_ready when it cannot be loaded now (the message has the numbers)."""
+    return _answer(await pool_control(state.engine).preload(name))
+
+
+@router.post("/models/{name}/evict", summary="Evict a model now",
+             responses=error_responses(*_ERRORS, 409))
+async def evict(name: str, state: AppState = Depends(require_admin)) -> Response:
+    """Unload the model now to free its memory (counted as reason `operator`); in lazy mode its
+    next request loads it again. 409 when it is pinned, has work in flight or is not resident."""
+    return _answer(await pool_control(state.engine).evict(name))

@@ -1,0 +1,405 @@
+"""Many models in one memory budget: lazy loading on first request, eviction, idle unloads.
+
+In `lazy` repository mode a model is listed (with its estimated memory) but loads when a request
+first needs it. The request waits for the load (one load per model at a time; at most
+`max_concurrent_loads` across models) up to its deadline or `max_load_wait_ms`; past
+`load_queue_per_model` waiting requests, or when the wait runs out, it gets 503 `model_loading`
+with a Retry-After from the model's measured load time.
+
+A load that does not fit the budget makes room first: idle models (no queued, running or waiting
+request, not pinned, not being loaded or profiled) are evicted least recently used first until it
+fits; when even that is not enough it is refused with the numbers. LRU is chosen over a
+cost-aware policy for now: with Zipf traffic the recently used models are the hot ones, and the
+cost (load time) of the models here differs by less than their reuse distance (see the note of
+issue 21 and bench/model_pool.py).
+
+The eager mode (every model loads at start) shares the budget check but never evicts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from servewell.engine.entry import Entry
+from servewell.engine.memory_budget import MemoryBudget, MemoryEstimate, MiB, estimate_model_memory
+from servewell.errors import Conflict, ModelLoading, ModelNotReady, ShuttingDown
+
+if TYPE_CHECKING:
+    from servewell.config.model import ModelConfig
+    from servewell.engine.model_entry import ModelEntry
+    from servewell.observability.metrics import ServeMetrics
+
+log = logging.getLogger("servewell.engine")
+
+RepositoryMode = Literal["eager", "lazy"]
+#: Where a model is, as /healthz, the repository index, the console and metrics show it.
+Residency = Literal["resident", "loading", "evicted", "not_loaded", "failed", "invalid"]
+EvictReason = Literal["memory", "idle", "operator"]
+#: Retry-After of a `model_loading` refusal before the model's load time has ever been measured.
+DEFAULT_LOAD_RETRY_S = 5.0
+#: How often idle models are looked for (and the idle unload's precision).
+IDLE_SWEEP_S = 1.0
+#: How often a lazy load that waits for busy models to go idle looks again.
+ROOM_RETRY_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """The repository mode and the lazy mode's bounds (config/server.py documents each)."""
+
+    mode: RepositoryMode = "eager"
+    poll_s: float = 5.0
+    max_load_wait_s: float = 30.0
+    max_concurrent_loads: int = 2
+    load_queue_per_model: int = 64
+    idle_unload_s: float = 0.0
+
+
+class ModelSlot:
+    """Where one model name's current entry lives; a reload or a lazy load swaps the entry, not
+    the slot. Also what the pool knows of the name across loads: last use, pin, counts."""
+
+    __slots__ = ("entry", "lock", "profiling", "last_used_at", "pinned_by_admin", "waiting", "loader",
+                 "cold_starts", "evictions", "evicted", "unloaded_by_operator", "load_s", "estimated_bytes")
+
+    def __init__(self, entry: Entry) -> None:
+        self.entry = entry
+        self.lock = asyncio.Lock()  # one load/unload of this model at a time
+        self.profiling = False
+        self.last_used_at: float | None = None  # wall clock of the last request (None: never used)
+        self.pinned_by_admin: bool | None = None  # POST .../pin or /unpin; None: model.yaml's pinned
+        self.waiting = 0  # requests waiting for this model's lazy load
+        self.loader: asyncio.Task[None] | None = None
+        self.cold_starts = 0
+        self.evictions = 0
+        self.evicted = False  # the last unload was an eviction (memory or idle)
+        self.unloaded_by_operator = False  # the repository API unloaded it: no lazy load until it loads it
+        self.load_s: float | None = None  # the last measured load (Retry-After of model_loading)
+        self.estimated_bytes: int | None = None
+
+    @property
+    def name(self) -> str:
+        """The model's name."""
+        return self.entry.name
+
+    @property
+    def pinned(self) -> bool:
+        """Never evicted: an admin's pin or unpin, else model.yaml's `pinned`."""
+        if self.pinned_by_admin is not None:
+            return self.pinned_by_admin
+        config = self.entry.config
+        return bool(config is not None and config.pinned)
+
+    @property
+    def resident(self) -> bool:
+        """Whether the current entry takes requests now."""
+        entry = self.entry
+        return entry.state in ("ready", "restarting") and getattr(entry, "stopping", None) is None
+
+    def residency(self) -> Residency:
+        """Where the model is now."""
+        entry = self.entry
+        if entry.state == "invalid":
+            return "invalid"
+        if self.resident:
+            return "resident"
+        if entry.state == "loading" or (self.loader is not None and not self.loader.done()):
+            return "loading"
+        if entry.state == "failed":
+            return "failed"
+        return "evicted" if self.evicted else "not_loaded"
+
+    def busy(self) -> bool:
+        """Whether anything is queued, running or waiting for this model (it must not be evicted)."""
+        if self.waiting or self.profiling or self.lock.locked():
+            return True
+        scheduler = getattr(self.entry, "scheduler", None)
+        return scheduler is not None and (scheduler.queue_depth > 0 or scheduler.running_rows > 0)
+
+    def used(self) -> None:
+        """A request for this model arrived."""
+        self.last_used_at = time.time()
+
+
+class ModelPool:
+    """Lazy loads, eviction and idle unloads of one engine's models (`InferenceEngine` owns it)."""
+
+    def __init__(self, settings: PoolSettings, slots: dict[str, ModelSlot], budget: MemoryBudget,
+                 new_entry: Callable[[str, ModelConfig], ModelEntry],
+                 metrics: ServeMetrics | None = None) -> None:
+        self.settings = settings
+        self._slots = slots
+        self._budget = budget
+        self._new_entry = new_entry  # (name, config) -> a fresh, unloaded ModelEntry
+        self._metrics = metrics
+        self._loads = asyncio.Semaphore(settings.max_concurrent_loads)
+        self._room = asyncio.Lock()  # one eviction decision at a time
+        self._tasks: list[asyncio.Task[None]] = []
+        self.closed = False  # shutting down: no lazy load starts
+
+    @property
+    def lazy(self) -> bool:
+        """Whether models load on their first request."""
+        return self.settings.mode == "lazy"
+
+    def start(self, rescan: Callable[[], Awaitable[list[str]]] | None) -> None:
+        """Start the idle sweep (lazy mode) and the repository poll (`rescan`: adds the models
+        whose directories are new, returns their names)."""
+        if not self.lazy:
+            return
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._sweep_idle()))
+        if rescan is not None and self.settings.poll_s > 0:
+            self._tasks.append(loop.create_task(self._poll(rescan)))
+
+    def stop(self) -> None:
+        """The server is shutting down: stop the background tasks and start no load from now on."""
+        self.closed = True
+        for task in self._tasks:
+            task.cancel()
+        self._tasks.clear()
+
+    def count(self, slot: ModelSlot) -> None:
+        """Count a request in lazy mode: a hit when its model is resident, a miss when it must load."""
+        if self._metrics is not None and self.lazy:
+            self._metrics.pool_requests.labels("hit" if slot.resident else "miss").inc()
+
+    def loadable(self, slot: ModelSlot) -> bool:
+        """Whether a request would load this model now (lazy mode, a valid config, not unloaded by
+        an operator, not failed since its last change)."""
+        entry = slot.entry
+        return (self.lazy and entry.config is not None and entry.state in ("unloaded", "loading")
+                and not slot.unloaded_by_operator)
+
+    # --- waiting for a load ------------------------------------------------------------------
+
+    async def acquire(self, slot: ModelSlot, deadline: float | None) -> None:
+        """Return once `slot`'s model is resident, loading it if needed; `ModelLoading` when the
+        wait queue is full or the wait ran out, `ModelNotReady` when it cannot be loaded."""
+        for _ in range(3):  # an eviction between the load and this waiter's turn is retried
+            if slot.resident:
+                return
+            if self.closed:
+                raise ShuttingDown("the server is shutting down and loads no model")
+            if not self.loadable(slot):
+                entry = slot.entry
+                reason = f": {entry.reason}" if entry.reason else ""
+                raise ModelNotReady(f"model '{slot.name}' is {entry.state}{reason}")
+            if slot.waiting >= self.settings.load_queue_per_model:
+                self._loader(slot)  # refused, but the load it asks for starts
+                raise ModelLoading(f"model '{slot.name}' is loading and {slot.waiting} requests already wait for it "
+                                   f"(load_queue_per_model); retry", retry_after_s=self.retry_after_s(slot))
+            wait_s = self.settings.max_load_wait_s
+            if deadline is not None:
+                wait_s = min(wait_s, deadline - time.monotonic())
+            if wait_s <= 0:
+                raise ModelLoading(f"model '{slot.name}' is not loaded and the request has no time left to wait "
+                                   "for its load; retry", retry_after_s=self.retry_after_s(slot))
+            slot.waiting += 1
+            try:
+                loader = self._loader(slot)
+                await asyncio.wait_for(asyncio.shield(loader), wait_s)
+            except TimeoutError:
+                raise ModelLoading(f"model '{slot.name}' is still loading after the request waited {wait_s:.1f} s; "
+                                   "retry", retry_after_s=self.retry_after_s(slot)) from None
+            finally:
+                slot.waiting -= 1
+        if not slot.resident:
+            raise ModelLoading(f"model '{slot.name}' was evicted again while this request waited; retry",
+                               retry_after_s=self.retry_after_s(slot))
+
+    def retry_after_s(self, slot: ModelSlot) -> float:
+        """About one load time of the model (its last measured load, else a default)."""
+        return max(1.0, round(slot.load_s if slot.load_s is not None else DEFAULT_LOAD_RETRY_S, 1))
+
+    def _loader(self, slot: ModelSlot) -> asyncio.Task[None]:
+        if slot.loader is None or slot.loader.done():
+            slot.loader = asyncio.get_running_loop().create_task(self._load(slot))
+            slot.loader.add_done_callback(_consume)
+        return slot.loader
+
+    async def _load(self, slot: ModelSlot) -> None:
+        started = time.monotonic()
+        waited_by = slot.waiting
+        async with self._loads, slot.lock:
+            if slot.resident or not self.loadable(slot):
+                return
+            config = slot.entry.config
+            assert config is not None  # loadable
+            entry = self._new_entry(slot.name, config)
+            try:
+                estimate = estimate_model_memory(config, entry.directory)
+            except (OSError, ValueError) as exc:
+                raise ModelNotReady(f"model '{slot.name}' cannot be loaded: {exc}") from None
+            # Room first, the entry swapped in after: a load that waits for room or is refused for
+            # it leaves the model as it was (loadable), not failed.
+            await self._reserve(entry, estimate, started + self.settings.max_load_wait_s)
+            slot.entry = entry
+            try:
+                await entry.load()  # its own reservation is in place: make_room finds it fits
+            finally:
+                if entry.state != "ready":  # failed (load releases), or an unexpected error or cancel
+                    self._budget.release(entry)
+            if entry.state != "ready":
+                raise ModelNotReady(f"model '{slot.name}' failed to load: {entry.reason}")
+        seconds = time.monotonic() - started
+        slot.load_s = entry.load_s or seconds
+        slot.cold_starts += 1
+        slot.evicted = False
+        if self._metrics is not None:
+            self._metrics.cold_start.labels(slot.name).observe(seconds)
+        log.info("cold start of %s: %.2f s (waited by %d requests)", slot.name, seconds, max(waited_by, slot.waiting),
+                 extra={"event": "cold_start", "model": slot.name, "seconds": round(seconds, 3)})
+
+    # --- making room ---------------------------------------------------------------------
+
+    async def make_room(self, entry: ModelEntry, estimate: MemoryEstimate) -> None:
+        """Reserve `estimate` for `entry`, evicting idle models first in lazy mode;
+        `MemoryError` with the numbers when it cannot fit."""
+        async with self._room:
+            host, device = self._budget.shortfall(entry, estimate)
+            if not (host or device) or not self.lazy:
+                self._budget.reserve(entry, estimate, entry.label)
+                return
+            victims = self._victims(entry.name, host, device)
+            if victims is None:
+                self._budget.reserve(entry, estimate, entry.label, self._held_elsewhere(entry.name))
+                return
+            why = f"to make room for {entry.label} ({estimate.total_bytes / MiB:.0f} MiB)"
+            await asyncio.gather(*(self._evict(slot, "memory", why) for slot in victims))
+            self._budget.reserve(entry, estimate, entry.label, self._held_elsewhere(entry.name))
+
+    async def _reserve(self, entry: ModelEntry, estimate: MemoryEstimate, until: float) -> None:
+        """Reserve for a lazy load: evict idle models; when only models with work in flight hold the
+        memory, wait for them to go idle until `until` (then `ModelLoading`); when even evicting every
+        unpinned model would not make room, refuse with the numbers (`ModelNotReady`)."""
+        while True:
+            try:
+                await self.make_room(entry, estimate)
+                return
+            except MemoryError as exc:
+                if not self._fits_without_busy(entry, estimate):
+                    raise ModelNotReady(f"model '{entry.name}' cannot be loaded: {exc}") from None
+                if time.monotonic() >= until:
+                    raise ModelLoading(f"model '{entry.name}' waits for memory held by models with work in flight: "
+                                       f"{exc}; retry", retry_after_s=DEFAULT_LOAD_RETRY_S) from None
+            await asyncio.sleep(ROOM_RETRY_S)
+
+    def _fits_without_busy(self, entry: ModelEntry, estimate: MemoryEstimate) -> bool:
+        """Whether `estimate` would fit once every unpinned model is evicted (busy ones included)."""
+        host = estimate.total_bytes
+        device = estimate.device_bytes
+        for slot in self._slots.values():
+            held = self._budget.reserved_by(slot.entry)
+            if held is not None and slot.name != entry.name and slot.pinned:
+                host += held.total_bytes
+                device += held.device_bytes
+        device_total = self._budget.device_total_bytes
+        return host <= self._budget.total_bytes and (device_total is None or device <= device_total)
+
+    def _victims(self, name: str, host: int, device: int) -> list[ModelSlot] | None:
+        """The least recently used idle models whose memory covers the shortfall (None: not enough)."""
+        candidates = sorted((s for s in self._slots.values() if s.name != name and self._evictable(s)),
+                            key=lambda s: s.last_used_at or 0.0)
+        chosen: list[ModelSlot] = []
+        for slot in candidates:
+            if host <= 0 and device <= 0:
+                break
+            held = self._budget.reserved_by(slot.entry)
+            if held is None:
+                continue
+            if (host > 0 and held.total_bytes) or (device > 0 and held.device_bytes):
+                chosen.append(slot)
+                host -= held.total_bytes
+                device -= held.device_bytes
+        return chosen if host <= 0 and device <= 0 else None
+
+    def _evictable(self, slot: ModelSlot) -> bool:
+        return slot.resident and slot.entry.state == "ready" and not slot.pinned and not slot.busy()
+
+    def _held_elsewhere(self, name: str) -> str:
+        """What holds the budget that eviction may not take, for the refusal's message."""
+        pinned = busy = 0
+        for slot in self._slots.values():
+            held = self._budget.reserved_by(slot.entry)
+            if slot.name == name or held is None:
+                continue
+            if slot.pinned:
+                pinned += held.total_bytes
+            elif not self._evictable(slot):
+                busy += held.total_bytes
+        return f" ({pinned / MiB:.0f} MiB held by pinned models, {busy / MiB:.0f} MiB by models with work in flight)"
+
+    async def _evict(self, slot: ModelSlot, reason: EvictReason, why: str) -> None:
+        entry = slot.entry
+        held = self._budget.reserved_by(entry)
+        await entry.stop("evicting", "unloaded", f"evicted ({reason}): {why}")
+        if slot.entry is entry:  # a lazy load may have swapped in a new entry meanwhile
+            slot.evicted = reason != "operator"
+        slot.evictions += 1
+        if self._metrics is not None:
+            self._metrics.model_evictions.labels(slot.name, reason).inc()
+        freed = held.total_bytes if held is not None else 0
+        log.info("evicted %s (%s): %s", slot.name, reason, why,
+                 extra={"event": "model_evicted", "model": slot.name, "reason": reason, "freed_bytes": freed})
+
+    async def evict(self, slot: ModelSlot) -> None:
+        """An operator's eviction: `Conflict` when the model is pinned, busy or not resident."""
+        if slot.pinned:
+            raise Conflict(f"model '{slot.name}' is pinned; unpin it first")
+        if not slot.resident:
+            raise Conflict(f"model '{slot.name}' is not resident ({slot.residency()})")
+        if slot.busy():
+            raise Conflict(f"model '{slot.name}' has work in flight; retry when it is idle")
+        async with self._room:
+            await self._evict(slot, "operator", "POST /admin/models/{name}/evict")
+        slot.evicted = True
+
+    # --- background ----------------------------------------------------------------------
+
+    def idle_unload_s(self, slot: ModelSlot) -> float:
+        """Seconds without a request after which the model is unloaded (0: never)."""
+        config = slot.entry.config
+        own = config.idle_unload_s if config is not None else None
+        return self.settings.idle_unload_s if own is None else own
+
+    async def _sweep_idle(self) -> None:
+        while True:
+            await asyncio.sleep(IDLE_SWEEP_S)
+            now = time.time()
+            for slot in list(self._slots.values()):
+                limit = self.idle_unload_s(slot)
+                if limit <= 0 or not self._evictable(slot):
+                    continue
+                idle = now - (slot.last_used_at or now)
+                if idle >= limit:
+                    try:
+                        async with self._room:
+                            if self._evictable(slot):
+                                await self._evict(slot, "idle", f"after {idle:.0f} s without a request")
+                    except Exception:  # never let the sweep die
+                        log.exception("idle unload of %s failed", slot.name)
+
+    async def _poll(self, rescan: Callable[[], Awaitable[list[str]]]) -> None:
+        while True:
+            await asyncio.sleep(self.settings.poll_s)
+            try:
+                added = await rescan()
+            except Exception:  # never let the poll die
+                log.exception("polling the model repository failed")
+                continue
+            for name in added:
+                log.info("new model %s found in the repository (lazy: loads on its first request)", name,
+                         extra={"event": "model_discovered", "model": name})
+
+
+def _consume(task: asyncio.Task[None]) -> None:
+    """A load's error reaches its waiters; one nobody waited for (all timed out) must not be logged
+    as 'never retrieved'."""
+    if not task.cancelled():
+        task.exception()
