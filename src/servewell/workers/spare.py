@@ -72,7 +72,7 @@ def effective_spare_workers(settings: ServerConfig) -> int:
     demand (the lazy repository mode, where loads happen while requests wait) and 0 otherwise."""
     if settings.spare_workers is not None:
         return settings.spare_workers
-    return 1 if getattr(settings, "repository_mode", "eager") == "lazy" else 0
+    return 1 if settings.repository_mode == "lazy" else 0
 
 
 def effective_warmup_first_only(settings: ServerConfig) -> bool:
@@ -80,7 +80,7 @@ def effective_warmup_first_only(settings: ServerConfig) -> bool:
     the lazy repository mode (where a request waits for the load)."""
     if settings.warmup_batch_sizes is not None:
         return settings.warmup_batch_sizes == "first"
-    return getattr(settings, "repository_mode", "eager") == "lazy"
+    return settings.repository_mode == "lazy"
 
 
 def why_fresh(spares: SpareWorkers | None, config: ModelConfig) -> str:

@@ -24,8 +24,10 @@ def test_a_worker_that_does_not_say_when_it_began_counts_the_rest_as_spawn():
     assert (b.spawn_s, b.import_s, b.load_s, b.warmup_s) == (0.5, 0.0, 1.0, 0.5)
 
 
-def test_the_spare_count_defaults_to_none_in_the_eager_mode_and_can_be_set():
-    assert effective_spare_workers(ServerConfig()) == 0  # eager (today's mode): every load happens at start
+def test_the_spare_count_defaults_to_one_in_the_lazy_mode_only_and_can_be_set():
+    assert effective_spare_workers(ServerConfig()) == 0  # eager: every load happens at start
+    assert effective_spare_workers(ServerConfig(repository_mode="lazy")) == 1  # requests wait for loads
+    assert effective_spare_workers(ServerConfig(repository_mode="lazy", spare_workers=0)) == 0
     assert effective_spare_workers(ServerConfig(spare_workers=3)) == 3
     with pytest.raises(ValueError):
         ServerConfig(spare_workers=-1)
@@ -33,5 +35,7 @@ def test_the_spare_count_defaults_to_none_in_the_eager_mode_and_can_be_set():
 
 def test_the_warm_up_of_the_first_batch_sizes_only_is_the_lazy_mode_s_default_and_can_be_set():
     assert not effective_warmup_first_only(ServerConfig())  # eager: every size, as before
+    assert effective_warmup_first_only(ServerConfig(repository_mode="lazy"))
+    assert not effective_warmup_first_only(ServerConfig(repository_mode="lazy", warmup_batch_sizes="all"))
     assert effective_warmup_first_only(ServerConfig(warmup_batch_sizes="first"))
     assert not effective_warmup_first_only(ServerConfig(warmup_batch_sizes="all"))
