@@ -1,6 +1,7 @@
-"""A server started with `--spare-workers 1`: a model loaded through the repository API takes the
-spare worker (its worker's pid is the spare's, per the log) and answers what the model computes;
-no spare outlives the server."""
+"""A lazy server with its defaults for fast cold starts (one spare worker, warm-up of the first
+batch sizes): each model's first request loads it on the spare (its worker's pid is the spare's,
+per the log), warmed up at batch sizes 1 and 2 only, and gets what the model computes; the spare
+is replaced for the next model; no spare outlives the server."""
 
 from __future__ import annotations
 
@@ -33,29 +34,31 @@ def process_gone(pid: int) -> bool:
         return True
 
 
-def test_a_loaded_model_takes_the_spare_worker_and_no_spare_outlives_the_server(tmp_path, start_server):
-    onnx_linear_model(tmp_path, "first")
-    server = start_server(["--model-repository", str(tmp_path), "--spare-workers", "1", "--config-poll-s", "0"])
+def test_first_requests_load_their_models_on_spare_workers_and_no_spare_outlives_the_server(tmp_path, start_server):
+    for name in ("first", "second"):
+        onnx_linear_model(tmp_path, name)  # max_batch_size 8
+    server = start_server(["--model-repository", str(tmp_path), "--repository-mode", "lazy", "--config-poll-s", "0"])
     server.wait_ready()
-    (first,) = [doc for doc in events(server.log(), "worker_cold_start") if doc["model"] == "first"]
-    # The spare the first load took (ready or not) is replaced; the next load takes the replacement.
-    eventually(lambda: [d for d in events(server.log(), "spare_ready") if d["pid"] != first["pid"]], 120,
-               lambda: server.log()[-3000:])
-    onnx_linear_model(tmp_path, "second")
-    r = httpx.post(server.url + "/v2/repository/models/second/load", timeout=120)
-    assert r.status_code == 200, r.text
-    r = httpx.post(server.url + "/v2/models/second/infer", json=infer_body(2.0), timeout=30)
-    assert r.status_code == 200, r.text
     torch.manual_seed(0)
     expected = torch.nn.Linear(1, 1)(torch.tensor([[2.0]])).item()
-    assert abs(r.json()["outputs"][0]["data"][0] - expected) < 1e-5
+    adopted: set[int] = set()
+    for name in ("first", "second"):
+        # The spare the previous load took is replaced once that load is over; wait for it to be ready.
+        eventually(lambda: [d for d in events(server.log(), "spare_ready") if d["pid"] not in adopted], 120,
+                   lambda: server.log()[-3000:])
+        r = httpx.post(f"{server.url}/v2/models/{name}/infer", json=infer_body(2.0), timeout=60)
+        assert r.status_code == 200, r.text
+        assert abs(r.json()["outputs"][0]["data"][0] - expected) < 1e-5
+        log = server.log()
+        (start,) = [doc for doc in events(log, "worker_cold_start") if doc["model"] == name]
+        assert start["spare"] is True and start["pid"] in {d["pid"] for d in events(log, "spare_ready")}
+        assert {"spawn_s", "import_s", "load_s", "warmup_s"} <= start.keys()
+        adopted.add(start["pid"])
+        stages = [line for line in log.splitlines() if f'"model":"{name}"' in line and '"stage"' in line]
+        assert any("warmed up batch sizes 1..2 only" in line for line in stages), stages
+    assert len(adopted) == 2
 
-    log = server.log()
-    spare_pids = {doc["pid"] for doc in events(log, "spare_ready")}
-    (start,) = [doc for doc in events(log, "worker_cold_start") if doc["model"] == "second"]
-    assert start["spare"] is True and start["pid"] in spare_pids
-    assert {"spawn_s", "import_s", "load_s", "warmup_s"} <= start.keys()
-
+    spare_pids = {doc["pid"] for doc in events(server.log(), "spare_ready")}
     server.stop()
     ends_at = time.monotonic() + 30
     while not all(process_gone(pid) for pid in spare_pids) and time.monotonic() < ends_at:
