@@ -1,36 +1,40 @@
-"""Cold start of a model, from the load call to ready: pre-spawned spare workers against fresh spawns.
+"""Cold start of a model, first request to answer: pre-spawned spare workers against fresh spawns.
 
     flock /tmp/servewell-bench.lock .venv/bin/python -m bench.cold_start [--runs 3]
-        [--ingress-processes 0] [--build DIR]
+        [--via lazy|repository] [--modes fresh,spare,spare_first] [--ingress-processes 0] [--build DIR]
 
 Issue 21's goal: with pre-spawned workers, at least a 2x cut of a ResNet-50-sized model's first-load
-time, and where the time goes. Driven through the real server: `servewell serve` with the models
-below (they load at start, which also puts their files in the page cache), then for each model
-and run: `POST /v2/repository/models/<name>/unload`, then the timed `POST .../load`, which answers
-once the model is ready. Modes: `fresh` runs with `--spare-workers 0 --warmup-batch-sizes all` (how
-every load started before), `spare` with `--spare-workers 1` (each load waits first until the
+time, and where the time goes. Driven through the real server. `--via lazy` (default): a server in
+the lazy repository mode; each model is loaded once untimed by a first request, then per run
+`POST /admin/models/<name>/evict` and the timed first request (`/v2/models/<name>/infer`, one row
+of zeros), which waits for the load and answers. `--via repository`: the eager mode, per run
+`POST /v2/repository/models/<name>/unload`, then the timed `POST .../load`, which answers once the
+model is ready. Modes: `fresh` runs with `--spare-workers 0 --warmup-batch-sizes all` (how every
+load started before issue 21), `spare` with `--spare-workers 1` (each load waits first until the
 spare is ready, as it is between loads of a server that is not loading back to back), and
-`spare_first` adds `--warmup-batch-sizes first` (warm-up of batch sizes 1 and 2 only). The breakdown (spawn, import,
-load, warm-up) is each load's `worker_cold_start` log line (workers/cold_start.py). Medians over
-`--runs`; JSON: bench/results/cold_start.json.
+`spare_first` adds `--warmup-batch-sizes first` (warm-up of batch sizes 1 and 2 only: the lazy
+mode's defaults). The breakdown (spawn, import, load, warm-up) is each load's `worker_cold_start`
+log line (workers/cold_start.py). Medians over `--runs`; JSON: bench/results/cold_start.json.
 
 Models: `small` (the benchmark MLP: 8 MiB ONNX) and `resnet50` (ResNet-50 ONNX, 98 MiB), each
 with the build's model.yaml (max batch 32, warm-up 1..32) and one instance of one thread.
 Snapshots are off (`--artifact-snapshots false`): the worker start is what is measured.
-`--ingress-processes 0` is the single-process server (its workers re-import `servewell.__main__`,
-which multiprocessing skips); the split server's engine is `python -m servewell.engine_main`,
-which every freshly spawned worker re-imports: pass `--ingress-processes 1` to measure that.
+`--ingress-processes 0` is the single-process server; with more, the engine is
+`python -m servewell.engine_main`, which freshly spawned workers re-imported before this issue.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from bench.processes import ServerProcess, free_port, http_json, run_module
 from bench.workspace import RESULTS, WORK, link_build, write_model_yaml
@@ -79,8 +83,37 @@ def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def run_mode(mode: str, repository: Path, runs: int, ingress: int) -> dict[str, list[dict[str, Any]]]:
-    """Per model, each run's load-call seconds and its logged breakdown."""
+def infer_body(config: dict[str, Any]) -> dict[str, Any]:
+    """An OIP request of one row of zeros for every input of `config` (a model.yaml)."""
+    inputs = []
+    for spec in config["inputs"]:
+        shape = [1, *spec["shape"]]
+        inputs.append({"name": spec["name"], "shape": shape, "datatype": spec["datatype"],
+                       "data": [0] * math.prod(shape)})
+    return {"inputs": inputs}
+
+
+def cold_start_once(via: str, port: int, name: str, body: dict[str, Any]) -> float:
+    """Unload `name`, then the timed part: its load call (`repository`) or, in the lazy mode, the
+    first request after its eviction until its answer (`lazy`). Seconds."""
+    if via == "lazy":
+        status, answer = http_json(port, "POST", f"/admin/models/{name}/evict", timeout_s=120)
+    else:
+        status, answer = http_json(port, "POST", f"/v2/repository/models/{name}/unload", timeout_s=120)
+    if status != 200:
+        raise RuntimeError(f"unloading {name}: {status} {answer}")
+    started = time.monotonic()
+    if via == "lazy":
+        status, answer = http_json(port, "POST", f"/v2/models/{name}/infer", body, timeout_s=600)
+    else:
+        status, answer = http_json(port, "POST", f"/v2/repository/models/{name}/load", timeout_s=600)
+    if status != 200:
+        raise RuntimeError(f"loading {name}: {status} {answer}")
+    return time.monotonic() - started
+
+
+def run_mode(mode: str, repository: Path, runs: int, ingress: int, via: str) -> dict[str, list[dict[str, Any]]]:
+    """Per model, each run's seconds until ready (or answered) and its logged breakdown."""
     port = free_port()
     log_path = RESULTS / "logs" / f"cold_start_{mode}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,34 +122,33 @@ def run_mode(mode: str, repository: Path, runs: int, ingress: int) -> dict[str, 
     argv = [sys.executable, "-m", "servewell", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--model-repository", str(repository), "--log-format", "json", "--load-timeout-s", "300",
             "--config-poll-s", "0", "--ingress-processes", str(ingress), "--spare-workers", spares,
-            "--warmup-batch-sizes", warmup,
-            "--artifact-snapshots", "false"]
+            "--warmup-batch-sizes", warmup, "--artifact-snapshots", "false",
+            "--repository-mode", "lazy" if via == "lazy" else "eager", "--max-load-wait-ms", "300000"]
     server = ServerProcess(f"cold_start_{mode}", argv, port, log_path,
                            env={"PYTHONPATH": str(SRC), "SERVEWELL_GRPC_PORT": "0", "SERVEWELL_SHUTDOWN_DELAY_S": "0"})
+    bodies = {name: infer_body(yaml.safe_load((repository / name / "model.yaml").read_text())) for name in MODELS}
     server.start()
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in MODELS}
     try:
         server.wait_ready(600)
+        if via == "lazy":  # load each once, untimed, as the eager mode's start does
+            for name in MODELS:
+                status, answer = http_json(port, "POST", f"/v2/models/{name}/infer", bodies[name], timeout_s=600)
+                if status != 200:
+                    raise RuntimeError(f"first request to {name}: {status} {answer}")
         for run in range(runs):
             for name in MODELS:
-                status, body = http_json(port, "POST", f"/v2/repository/models/{name}/unload", timeout_s=120)
-                if status != 200:
-                    raise RuntimeError(f"unload {name}: {status} {body}")
                 if spares != "0":  # the spare the previous load took has been replaced and is ready
                     adopted = {d["pid"] for d in log_events(log_path, "worker_cold_start") if d["spare"]}
                     wait_for(lambda taken=adopted: any(d["pid"] not in taken
                                                        for d in log_events(log_path, "spare_ready")),
                              120, "a spare worker ready")
                 seen = len(log_events(log_path, "worker_cold_start"))
-                started = time.monotonic()
-                status, body = http_json(port, "POST", f"/v2/repository/models/{name}/load", timeout_s=600)
-                wall_s = time.monotonic() - started
-                if status != 200:
-                    raise RuntimeError(f"load {name}: {status} {body}")
+                seconds = cold_start_once(via, port, name, bodies[name])
                 starts = [d for d in log_events(log_path, "worker_cold_start")[seen:] if d["model"] == name]
                 breakdown = {k: starts[-1][k] for k in ("spare", "total_s", "other_s", *STEPS)} if starts else {}
-                results[name].append({"load_call_s": round(wall_s, 3), **breakdown})
-                print(f"  {mode:5s} {name:8s} run {run + 1}: {wall_s:.2f} s {breakdown}", flush=True)
+                results[name].append({"seconds": round(seconds, 3), **breakdown})
+                print(f"  {mode:11s} {name:8s} run {run + 1}: {seconds:.2f} s {breakdown}", flush=True)
     finally:
         server.stop()
     return results
@@ -133,32 +165,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ingress-processes", type=int, default=0, help="0: the single-process server")
     parser.add_argument("--build", type=Path, default=WORK / "build", help="where bench.models built the models")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--via", choices=("lazy", "repository"), default="lazy",
+                        help="lazy: first request after an eviction until its answer; repository: the load call")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if "fresh" not in modes or any(m not in MODES for m in modes):
         parser.error(f"--modes: fresh (the baseline) and any of {', '.join(MODES)}")
     ensure_builds(args.build)
     repository = write_repository(args.build)
-    raw = {mode: run_mode(mode, repository, args.runs, args.ingress_processes) for mode in modes}
+    raw = {mode: run_mode(mode, repository, args.runs, args.ingress_processes, args.via) for mode in modes}
     summary: dict[str, Any] = {}
-    print(f"\ncold start, load call to ready, median of {args.runs} ({args.ingress_processes} ingress processes)")
-    print(f"{'model':9s} {'mode':11s} {'load call':>9s} " + " ".join(f"{s[:-2]:>7s}" for s in STEPS) + "  cut")
+    what = "first request to answer" if args.via == "lazy" else "load call to ready"
+    print(f"\ncold start, {what}, median of {args.runs} ({args.ingress_processes} ingress processes)")
+    print(f"{'model':9s} {'mode':11s} {'seconds':>9s} " + " ".join(f"{s[:-2]:>7s}" for s in STEPS) + "  cut")
     for name in MODELS:
         summary[name] = {}
         for mode in modes:
-            summary[name][mode] = {k: median(raw[mode][name], k) for k in ("load_call_s", *STEPS)}
-        fresh = summary[name]["fresh"]["load_call_s"]
+            summary[name][mode] = {k: median(raw[mode][name], k) for k in ("seconds", *STEPS)}
+        fresh = summary[name]["fresh"]["seconds"]
         for mode in modes:
             row = summary[name][mode]
-            cut = round(fresh / row["load_call_s"], 2) if fresh and row["load_call_s"] else None
+            cut = round(fresh / row["seconds"], 2) if fresh and row["seconds"] else None
             row["cut"] = cut
             steps = " ".join(f"{row[s]:7.3f}" if row[s] is not None else f"{'-':>7s}" for s in STEPS)
             tail = f"  {cut:.2f}x" if mode != "fresh" and cut is not None else ""
             if mode == "spare_first" and name == "resnet50" and cut is not None:
                 tail += f"  goal >= {GOAL_CUT:g}x: {'met' if cut >= GOAL_CUT else 'NOT met'}"
-            print(f"{name:9s} {mode:11s} {row['load_call_s']:9.3f} {steps}{tail}")
+            print(f"{name:9s} {mode:11s} {row['seconds']:9.3f} {steps}{tail}")
     out = RESULTS / "cold_start.json"
-    out.write_text(json.dumps({"runs": args.runs, "ingress_processes": args.ingress_processes, "goal_cut": GOAL_CUT,
+    out.write_text(json.dumps({"measured": what, "via": args.via, "runs": args.runs,
+                               "ingress_processes": args.ingress_processes, "goal_cut": GOAL_CUT,
                                "summary": summary, "raw": raw}, indent=2))
     print(f"\nwrote {out}")
     return 0
