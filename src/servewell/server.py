@@ -45,7 +45,9 @@ from servewell.observability.tracing import Tracing, settings_from
 from servewell.process_tree import read_restart_counts, usable_cpus
 from servewell.shutdown import GracefulServer, ShutdownPlan, run_after_drain, uvicorn_graceful_timeout_s
 from servewell.workers.handle import WorkerSettings
+from servewell.workers.messages import SpareLaunch
 from servewell.workers.shm import NAME_PREFIX, remove_segments, remove_stale_segments
+from servewell.workers.spare import SpareWorkers, effective_spare_workers, effective_warmup_first_only
 
 log = logging.getLogger("servewell.server")
 
@@ -138,8 +140,10 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     metrics = ServeMetrics(settings.latency_buckets_s) if settings.metrics_enabled else None
     tracing = Tracing(settings_from(settings.otlp_endpoint, settings.otlp_protocol, settings.trace_sample_ratio),
                       decides_roots=True)
+    # Pre-spawned workers for fast cold starts (issue 21): started with the app, stopped after the engine.
+    spares = SpareWorkers(effective_spare_workers(settings), SpareLaunch(settings.log_level, settings.log_format))
     workers = WorkerSettings(settings.worker_heartbeat_timeout_s, settings.log_level, settings.log_format,
-                             tracing.settings)
+                             tracing.settings, spares=spares, warmup_first_only=effective_warmup_first_only(settings))
     engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes,
                              metrics, tracing, default_model, workers=workers, snapshots=snapshot_store(settings),
                              readiness=settings.readiness, required_models=settings.required_models,
@@ -206,6 +210,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
             await grpc_listener.start()
         if door is not None:
             await door.start()  # ingress processes connect now and see the models load
+        spares.start()
         background.append(loop.create_task(start_engine_then_watch()))
         background.append(loop.create_task(reloader.run(stop)))
         background.append(loop.create_task(console.run()))
@@ -224,6 +229,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
             if not task.done():
                 task.cancel()
         await run_after_drain(shutdown_plan, lambda worker_stop_s: engine.stop(worker_stop_s))
+        await spares.stop()
         if door is not None:
             await door.stop()
         for pool in pools:

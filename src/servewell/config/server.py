@@ -247,6 +247,18 @@ class ServerConfig(BaseModel):
         "so that overwriting a served file in place cannot crash its workers; off: workers map the repository's "
         "files (publish new versions only by atomic rename).",
     )
+    # Fast cold starts (issue 21): workers/spare.py.
+    spare_workers: int | None = Field(
+        None, ge=0, le=64, description="Worker processes kept started ahead of time with the runtime imported, "
+        "taken by the next model load instead of a fresh spawn (a load skips the interpreter start and imports); "
+        "default: 1 in the lazy repository mode, else 0.",
+    )
+    warmup_batch_sizes: Literal["all", "first"] | None = Field(
+        None, description="Warm-up batches a model load runs before the model is ready: all (1, 2, 4, ... "
+        "max_batch_size: the memory and latency of each measured) or first (1 and 2, then larger batches pay their "
+        "first run when they come; on CPU without host_memory_limit_bytes only: a limit is always proven); "
+        "default: first in the lazy repository mode, else all.",
+    )
 
     # Configuration files and fail-closed security settings (config/file_read.py, live_config.py).
     config_max_bytes: int = Field(

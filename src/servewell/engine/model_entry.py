@@ -9,6 +9,7 @@ setter. It is one `Entry` (engine/entry.py); a model whose `model.yaml` is inval
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -96,7 +97,7 @@ class ModelEntry:
         progress = services.on_progress
         workers = services.workers or WorkerSettings()
         if tracing is None and workers.tracing is not None:
-            workers = WorkerSettings(workers.heartbeat_timeout_s, workers.log_level, workers.log_format, None)
+            workers = dataclasses.replace(workers, tracing=None)  # keeps the rest (the spare workers)
         self.pool = WorkerPool(
             config, directory, self, services.load_timeout_s, workers,
             (lambda i, stage, elapsed: progress(name, i, stage, elapsed)) if progress is not None else None,

@@ -7,6 +7,7 @@ side (runtimes, frameworks): the real entry point is imported only inside the ne
 from __future__ import annotations
 
 import signal
+import time
 from typing import Any
 
 #: Signals a worker ignores. Ctrl-C in a terminal, `systemctl stop`, a container runtime's stop and
@@ -15,13 +16,26 @@ from typing import Any
 WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def run_worker(*args: Any) -> None:
+def run_worker(conn: Any, config: Any, launch: Any) -> None:
     """Worker process entry: hands its arguments to `process_main.worker_main`."""
+    began_at = time.monotonic()  # the interpreter is up: the load's spawn step ends here
+    _ignore_stop_signals()
+    from servewell.workers.process_main import worker_main
+
+    worker_main(conn, config, launch, began_at=began_at)
+
+
+def run_spare(*args: Any) -> None:
+    """Spare worker process entry: hands its arguments to `spare_main.spare_main`."""
+    _ignore_stop_signals()
+    from servewell.workers.spare_main import spare_main
+
+    spare_main(*args)
+
+
+def _ignore_stop_signals() -> None:
     for sig in WORKER_IGNORED_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     # The frontend blocks these signals while it spawns us, so that one arriving before the lines
     # above cannot end us; a pending one is discarded now that it is ignored.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_IGNORED_SIGNALS)
-    from servewell.workers.process_main import worker_main
-
-    worker_main(*args)

@@ -29,15 +29,18 @@ from servewell.config.model import ModelConfig
 from servewell.engine.batch_runner import BatchOutcome
 from servewell.errors import ModelError, ServeError, WorkerHung, WorkerLost
 from servewell.observability.tracing import TracingSettings
+from servewell.workers.cold_start import ColdStartBreakdown, breakdown_of
 from servewell.workers.entry import run_worker
 from servewell.workers.lifecycle import WorkerLifecycle, WorkerPhase, WorkerState, describe_exit
 from servewell.workers.messages import (
+    AdoptSpare,
     BatchDone,
     BatchFailed,
     LoadProgress,
     ProfileDone,
     RunBatch,
     Shutdown,
+    SpareReady,
     StartProfile,
     StopProfile,
     WorkerLaunch,
@@ -47,6 +50,7 @@ from servewell.workers.messages import (
 )
 from servewell.workers.process_start import find_jemalloc, spawn, watch_exit
 from servewell.workers.shm import HeartbeatCell, SegmentReader, SharedArena, new_prefix, remove_segments
+from servewell.workers.spare import SpareWorkers, why_fresh
 
 log = logging.getLogger("servewell.workers")
 
@@ -68,6 +72,10 @@ class WorkerSettings:
     log_level: str = "info"
     log_format: str = "json"
     tracing: TracingSettings | None = None
+    #: Pre-spawned workers a start takes before it spawns one (None: always spawn).
+    spares: SpareWorkers | None = None
+    #: Warm-up runs batch sizes 1 and 2 only where no memory limit needs larger ones proven.
+    warmup_first_only: bool = False
 
 
 class WorkerLoadError(Exception):
@@ -115,6 +123,8 @@ class WorkerHandle:
         self.ready_at: float | None = None
         self._on_lost = on_lost
         self._on_batch_done = on_batch_done
+        #: Where the last `start` went (None until a start succeeds).
+        self.cold_start: ColdStartBreakdown | None = None
 
     @property
     def alive(self) -> bool:
@@ -142,24 +152,34 @@ class WorkerHandle:
         return self._process.pid if self._process else None
 
     async def start(self, timeout_s: float) -> WorkerReady:
-        """Spawn the worker and wait until its model is loaded and warmed up."""
+        """Start the worker (a spare of `settings.spares` when one fits, else a fresh spawn) and
+        wait until its model is loaded and warmed up."""
+        requested_at = time.monotonic()
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
         self._heartbeat = HeartbeatCell(f"{self.segment_prefix}-hb", create=True)
         settings = self._settings
         launch = WorkerLaunch(
             str(self.model_dir), self.instance, self.segment_prefix, self._heartbeat.name, HEARTBEAT_INTERVAL_S,
-            settings.log_level, settings.log_format, settings.tracing, self.device,
+            settings.log_level, settings.log_format, settings.tracing, self.device, settings.warmup_first_only,
         )
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe(duplex=True)
-        process = ctx.Process(
-            target=run_worker, args=(child, self.config, launch), name=f"servewell-worker-{self.config.name}",
-            daemon=True,
-        )
-        self._process = process
-        spawn(process, self.config.name, self.config.allocator == "jemalloc")
-        child.close()
+        name = f"servewell-worker-{self.config.name}"
+        spare = settings.spares.take(self.config) if settings.spares is not None else None
+        fresh_reason = ""
+        if spare is not None:
+            self._process, parent = spare.process, spare.conn
+            try:
+                parent.send(AdoptSpare(self.config, launch, name))
+            except (OSError, ValueError):
+                pass  # it died just now: its pipe's EOF fails this start like a fresh worker's death
+        else:
+            fresh_reason = why_fresh(settings.spares, self.config)
+            ctx = multiprocessing.get_context("spawn")
+            parent, child = ctx.Pipe(duplex=True)
+            process = ctx.Process(target=run_worker, args=(child, self.config, launch), name=name, daemon=True)
+            self._process = process
+            spawn(process, self.config.name, self.config.allocator == "jemalloc")
+            child.close()
         self._conn = parent
         self._life.spawned()
         self._loop.add_reader(parent.fileno(), self._on_readable)
@@ -168,11 +188,16 @@ class WorkerHandle:
         except TimeoutError:
             self.kill()
             raise WorkerLoadError(f"load did not finish within {timeout_s:g} s; the worker was killed") from None
+        finally:
+            if spare is not None and settings.spares is not None:
+                settings.spares.refill()  # now that the load no longer needs the cores
         if self._life.phase is not WorkerPhase.LOADING:  # it died (or was stopped) just after saying ready
             raise WorkerLoadError(f"worker process {self.pid} {self.exit_reason or 'stopped'} right after loading")
         self.rss_bytes = info.rss_bytes
         self.ready_at = self._beat_at = time.monotonic()
         self._life.loaded()
+        self.cold_start = breakdown_of(self.config.name, self.instance, info, requested_at, self.ready_at,
+                                       spare is not None, fresh_reason)
         return info
 
     async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
@@ -265,6 +290,8 @@ class WorkerHandle:
             self._conn.close()
 
     def _dispatch(self, message: WorkerReply) -> None:
+        if isinstance(message, SpareReady):
+            return  # an adopted spare said it was ready before it read its model
         if isinstance(message, LoadProgress):
             if self._on_progress:
                 self._on_progress(message.stage, message.elapsed_s)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from servewell.config.model import ModelConfig
 from servewell.observability.tracing import TracingSettings
 
 
@@ -40,6 +41,26 @@ class WorkerLaunch:
     #: The device this instance runs on, chosen by the engine's pool (`workers/devices.py`); the
     #: worker applies it ("" keeps the model config's `device`).
     device: str = ""
+    #: Warm up batch sizes 1 and 2 only where no memory limit needs the larger ones proven
+    #: (`runtimes/warmup.py` `first_only`; the server's `warmup_batch_sizes: first`).
+    warmup_first_only: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class SpareLaunch:
+    """What a spare worker (`workers/spare.py`) is started with: no model yet."""
+
+    log_level: str = "info"
+    log_format: str = "json"
+
+
+@dataclass(slots=True, frozen=True)
+class AdoptSpare:
+    """A spare worker becomes the worker of this model: it loads it as a freshly spawned one would."""
+
+    config: ModelConfig
+    launch: WorkerLaunch
+    process_name: str  # what a fresh worker's process would have been named
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,6 +99,14 @@ class StopProfile:
 
 
 @dataclass(slots=True, frozen=True)
+class SpareReady:
+    """A spare worker is up with its runtime imported and waits for `AdoptSpare`."""
+
+    pid: int
+    import_s: float  # interpreter up to runtime imported
+
+
+@dataclass(slots=True, frozen=True)
 class LoadProgress:
     """The worker reached a loading stage."""
 
@@ -98,6 +127,11 @@ class WorkerReady:
     peak_bytes_by_batch: tuple[tuple[int, int], ...] = ()  # (batch size, peak resident bytes) from warm-up
     serving_dtype: str = ""
     latency_by_batch: tuple[tuple[int, float], ...] = ()  # (batch size, seconds) of each warm-up batch
+    #: When this worker began on this model, `time.monotonic()` (system-wide on Linux): a fresh
+    #: worker's entry point (its interpreter up), or the moment a spare was adopted (0: unknown).
+    began_at: float = 0.0
+    import_s: float = 0.0  # from `began_at` until the runtime's modules were imported
+    weights_s: float = 0.0  # from then until the model was loaded, before warm-up
 
 
 @dataclass(slots=True, frozen=True)
@@ -141,4 +175,4 @@ class ProfileDone:
     error: str | None = None
 
 
-WorkerReply = ProfileDone | LoadProgress | WorkerReady | WorkerLoadFailed | BatchDone | BatchFailed
+WorkerReply = SpareReady | ProfileDone | LoadProgress | WorkerReady | WorkerLoadFailed | BatchDone | BatchFailed

@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol
 from servewell.config.model import ModelConfig
 from servewell.errors import InvalidInput
 from servewell.observability.process import rss_bytes as process_rss_bytes
+from servewell.workers.cold_start import ColdStartBreakdown, log_breakdown
 from servewell.workers.devices import choose_device, visible_gpu_count
 from servewell.workers.handle import WorkerHandle, WorkerLoadError, WorkerSettings
 from servewell.workers.messages import BatchDone, WorkerReady
@@ -115,6 +116,8 @@ class WorkerPool:
         self.restarts = 0
         self.recycles = 0
         self.last_failure: str | None = None
+        #: Where the latest worker start of this pool went (None before one succeeded).
+        self.last_start_breakdown: ColdStartBreakdown | None = None
 
     @property
     def workers(self) -> list[WorkerHandle | None]:
@@ -154,6 +157,9 @@ class WorkerPool:
         if self._closing:  # the server began stopping while this worker loaded
             await worker.stop()
             raise WorkerLoadError(f"instance {index}: the model is stopping")
+        if worker.cold_start is not None:
+            self.last_start_breakdown = worker.cold_start
+            log_breakdown(worker.cold_start)
         self._report_warmup(info)
         self._listener.worker_ready(worker)
 

@@ -23,6 +23,7 @@ from servewell.observability.process import rss_bytes
 from servewell.observability.steps import set_step_sink
 from servewell.observability.tracing import Tracing, context_from_traceparent
 from servewell.runtimes.base import DeviceUnusableError, ModelLoadError, ModelRuntime, OomSplitting
+from servewell.workers.backends import import_backend
 from servewell.workers.expiry import RowPlan, keep_rows, plan_rows
 from servewell.workers.messages import (
     BatchDone,
@@ -44,9 +45,10 @@ from servewell.workers.shm import HeartbeatCell, SegmentReader, SharedArena
 log = logging.getLogger("servewell.workers")
 
 
-def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch) -> None:
+def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, began_at: float = 0.0) -> None:
     """Run until the frontend says `Shutdown` or goes away (SIGINT and SIGTERM are ignored: see
-    `entry.run_worker`)."""
+    `entry.run_worker`). `began_at`: when this process began on this model (`time.monotonic()`: its
+    entry point, or the adoption of a spare), the start of the load's import step."""
     # One log format for the whole server: a worker's lines (an OTLP export failure, a model's own
     # warnings) are JSON lines like the frontend's, not Python's plain-text fallback.
     configure_logging(launch.log_level, launch.log_format)
@@ -76,17 +78,20 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch) -> 
     try:
         if launch.device and launch.device != config.device:  # the engine chose it (workers/devices.py)
             config = config.model_copy(update={"device": launch.device})
+        progress("import runtime")
+        import_backend(config.runtime)  # a spare already has (workers/backends.py): then this is instant
+        imported_at = time.monotonic()
         from servewell.runtimes import load_runtime
         from servewell.runtimes.base import DtypeReporting
         from servewell.runtimes.warmup import warm_up
 
-        progress("import runtime")
         runtime = load_runtime(config, Path(launch.model_dir), progress)
         load_s = time.perf_counter() - started
+        weights_s = time.monotonic() - imported_at
         report = None
         if config.warmup:
             progress("warm-up")
-            report = warm_up(runtime, config, progress)
+            report = warm_up(runtime, config, progress, first_only=launch.warmup_first_only)
     except Exception as exc:  # any load failure is reported, never raised into the void
         conn.send(WorkerLoadFailed(_describe(exc)))
         conn.close()
@@ -99,6 +104,7 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch) -> 
         peak_bytes_by_batch=report.peak_bytes_by_batch if report else (),
         serving_dtype=dtype,
         latency_by_batch=report.latency_by_batch if report else (),
+        began_at=began_at, import_s=imported_at - began_at if began_at else 0.0, weights_s=weights_s,
     ))
     tracing = Tracing(launch.tracing, make_global=True) if launch.tracing is not None else None
     _serve(conn, runtime, config.name, tracing, launch.segment_prefix)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -182,3 +184,37 @@ def test_a_worker_that_lingers_after_its_pipe_closes_does_not_stall_the_loop(tmp
             await handle.stop()
 
     asyncio.run(main())
+
+
+MAIN_WITH_SIDE_EFFECTS = textwrap.dedent('''
+    import asyncio, sys
+    from pathlib import Path
+
+    if __name__ == "__mp_main__":  # multiprocessing re-importing this file in a child
+        Path(sys.argv[2]).write_text("re-imported")
+
+    from servewell.engine.repository import read_model_config
+    from servewell.workers.handle import WorkerHandle
+
+    async def main():
+        directory = Path(sys.argv[1])
+        handle = WorkerHandle(read_model_config(directory), directory)
+        await handle.start(120)
+        await handle.stop()
+        print("ready", flush=True)
+
+    if __name__ == "__main__":
+        asyncio.run(main())
+''')
+
+
+def test_a_worker_does_not_re_import_the_main_module_of_the_server(tmp_path, linear):
+    """The split server's main module is `servewell.engine_main` (the whole server): a worker that
+    re-imported it spent seconds before loading anything."""
+    directory = model_dir(tmp_path, linear)
+    script, marker = tmp_path / "server_main.py", tmp_path / "re-imported"
+    script.write_text(MAIN_WITH_SIDE_EFFECTS)
+    done = subprocess.run([sys.executable, str(script), str(directory), str(marker)], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0 and "ready" in done.stdout, done.stderr[-3000:]  # the worker loaded
+    assert not marker.exists()

@@ -234,3 +234,25 @@ def test_warm_up_wraps_a_failing_model() -> None:
 def test_warm_up_without_batch_dim_checks_the_item_shape() -> None:
     runtime = FakeRuntime(lambda inputs: {"y": np.zeros((2, 5), dtype=np.float32)})
     warm_up(runtime, make_config(max_batch_size=0))
+
+
+def test_a_first_only_warm_up_runs_batches_of_one_and_two_and_keeps_the_max() -> None:
+    runtime = FakeRuntime(answer_y((7, 5)))
+    report = warm_up(runtime, make_config(max_batch_size=32), first_only=True)
+    assert runtime.batch_sizes == [1, 2]
+    assert report.effective_max_batch_size == 32  # nothing limited it: batches up to 32 may form
+    assert [size for size, _ in report.latency_by_batch] == [1, 2]
+
+
+def test_a_first_only_warm_up_still_proves_a_host_memory_limit() -> None:
+    runtime = ProbedRuntime(answer_y((7, 5)), base=1000, bytes_per_item=100)
+    report = warm_up(runtime, make_config(max_batch_size=16, host_memory_limit_bytes=1300), first_only=True)
+    assert runtime.batch_sizes == [1, 2, 4]  # 4 went over the limit: the sweep ran as without first_only
+    assert report.effective_max_batch_size == 2
+
+
+def test_a_first_only_warm_up_on_a_gpu_sweeps_every_size() -> None:
+    runtime = ProbedRuntime(answer_y((7, 5)), base=0, bytes_per_item=1, measures="device")
+    report = warm_up(runtime, make_config(max_batch_size=8), first_only=True)
+    assert runtime.batch_sizes == [1, 2, 4, 8]  # a larger batch may run out of device memory
+    assert report.effective_max_batch_size == 8

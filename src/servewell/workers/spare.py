@@ -1,0 +1,245 @@
+"""Spare worker processes: spawned ahead of time with the runtime imported, adopted by a model load.
+
+A model load used to spawn its worker and wait for the interpreter to start, re-import the server's
+main module (multiprocessing's spawn does that), unpickle the config and import numpy and
+onnxruntime before reading a single weight. `SpareWorkers` keeps `count` processes that have done
+all of that already (`workers/spare_main.py`); `WorkerHandle.start` takes one when it can
+(`take`), and the set is refilled in the background: each spawn runs on one thread of its own,
+never on the event loop.
+
+A model whose worker needs something that only a fresh spawn can give gets a fresh spawn
+(`fresh_spawn_reason`): `allocator: jemalloc` must be in LD_PRELOAD before the interpreter starts.
+Everything else a worker is given at spawn is applied after adoption by `worker_main` (nice, CPU
+affinity, thread counts, device) or carried by `AdoptSpare` (config, launch, process name). The
+frameworks' thread counts are set explicitly (onnxruntime's session options, `torch.set_num_threads`);
+the OMP/MKL/OpenBLAS variables `worker_main` sets reach only libraries loaded after them, which
+was already so for a fresh worker: numpy (OpenBLAS) is imported before them in both.
+
+Spares die with the engine: `stop` ends them; a kill of the engine ends them too (their pipe
+closes, and PR_SET_PDEATHSIG tied to the spawning thread covers the moment before they read it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from servewell.config.model import ModelConfig
+from servewell.config.server import ServerConfig
+from servewell.workers.entry import run_spare
+from servewell.workers.messages import SpareLaunch, SpareReady
+from servewell.workers.process_start import spawn
+
+log = logging.getLogger("servewell.workers")
+
+#: Spares that die before they are ready this many times in a row stop being replaced (a broken
+#: runtime install would otherwise spawn forever); a model load then spawns its worker as before.
+MAX_FAILED_SPARES = 3
+#: How long `stop` waits for a spare to exit after its pipe closes before killing it.
+STOP_GRACE_S = 2.0
+
+
+@dataclass(slots=True, eq=False)
+class SpareProcess:
+    """One spare worker process: the process, the frontend's end of its pipe, and what it said."""
+
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    ready: SpareReady | None = None  # set once it has imported the runtime
+    watched: bool = field(default=False, repr=False)
+
+    @property
+    def pid(self) -> int | None:
+        """Its process id."""
+        return self.process.pid
+
+
+def fresh_spawn_reason(config: ModelConfig) -> str | None:
+    """Why a worker of `config` cannot be a spare (None: it can)."""
+    if config.allocator == "jemalloc":  # also where it is missing: the fresh spawn says so in the log
+        return "allocator jemalloc is preloaded (LD_PRELOAD) when the process starts"
+    return None
+
+
+def effective_spare_workers(settings: ServerConfig) -> int:
+    """How many spares the engine keeps: `spare_workers`, or by default 1 when models load on
+    demand (the lazy repository mode, where loads happen while requests wait) and 0 otherwise."""
+    if settings.spare_workers is not None:
+        return settings.spare_workers
+    return 1 if settings.repository_mode == "lazy" else 0
+
+
+def effective_warmup_first_only(settings: ServerConfig) -> bool:
+    """Whether loads warm up the first batch sizes only: `warmup_batch_sizes`, or by default in
+    the lazy repository mode (where a request waits for the load)."""
+    if settings.warmup_batch_sizes is not None:
+        return settings.warmup_batch_sizes == "first"
+    return settings.repository_mode == "lazy"
+
+
+def why_fresh(spares: SpareWorkers | None, config: ModelConfig) -> str:
+    """Why a start spawned its worker rather than taking a spare, in words."""
+    if spares is None or spares.count == 0:
+        return "spare_workers is 0"
+    return fresh_spawn_reason(config) or "no spare was idle"
+
+
+class SpareWorkers:
+    """Up to `count` idle worker processes with the runtime imported, for one engine."""
+
+    def __init__(self, count: int, launch: SpareLaunch | None = None) -> None:
+        self.count = max(0, count)
+        self._launch = launch or SpareLaunch()
+        self._idle: list[SpareProcess] = []
+        self._spawning = 0
+        self._failed_in_a_row = 0
+        self._stopped = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # One thread spawns every spare: a spawn blocks for a few ms (fork, exec, writing the
+        # preparation data), and the spares' PR_SET_PDEATHSIG is tied to this thread, which lives
+        # until `stop`.
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servewell-spares")
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.adopted = 0  # spares handed to model loads since the start
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """Process ids of the idle spares (started, not yet adopted)."""
+        return tuple(s.pid for s in self._idle if s.pid is not None)
+
+    @property
+    def ready_pids(self) -> tuple[int, ...]:
+        """Process ids of the idle spares that have imported the runtime."""
+        return tuple(s.pid for s in self._idle if s.pid is not None and s.ready is not None)
+
+    def start(self) -> None:
+        """Begin filling the set (call on the engine's event loop); returns at once."""
+        self._loop = asyncio.get_running_loop()
+        self._refill()
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Wait until `count` spares are idle and ready (tests, benchmarks); `TimeoutError` after
+        `timeout_s`."""
+        async with asyncio.timeout(timeout_s):
+            while len(self.ready_pids) < self.count:
+                await asyncio.sleep(0.02)
+
+    def take(self, config: ModelConfig) -> SpareProcess | None:
+        """An idle spare for a worker of `config`, now its caller's to start and stop; None when
+        there is none or the model needs a fresh spawn. Ready spares go first; one still importing
+        is better than a fresh spawn (it is further along). The caller calls `refill` once its load
+        is over: a spare spawned meanwhile would take the cores the load needs (measured: a ResNet-50
+        session took 1.3 s to build beside a spare's start, 0.35 s alone, on 2 cores)."""
+        if self._stopped or self._loop is None or fresh_spawn_reason(config) is not None:
+            return None
+        chosen = None
+        for spare in sorted(self._idle, key=lambda s: s.ready is None):
+            if spare.process.is_alive():  # waitpid(WNOHANG): never blocks
+                chosen = spare
+                break
+        if chosen is None:
+            return None
+        self._idle.remove(chosen)
+        self._unwatch(chosen)
+        self.adopted += 1
+        return chosen
+
+    def refill(self) -> None:
+        """Start spares in the background until there are `count` (a load that took one is over)."""
+        self._refill()
+
+    def _refill(self) -> None:
+        if self._stopped or self._loop is None or self._failed_in_a_row >= MAX_FAILED_SPARES:
+            return
+        while len(self._idle) + self._spawning < self.count:
+            self._spawning += 1
+            self._spawn_task(self._spawn_one())
+
+    async def _spawn_one(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            spare = await loop.run_in_executor(self._spawner, self._spawn_blocking)
+        except Exception as exc:  # a failed spawn costs a spare, never a model load
+            self._spawning -= 1
+            self._failed(f"could not be started: {exc}")
+            return
+        self._spawning -= 1
+        if self._stopped:
+            await self._end(spare, 0.0)
+            return
+        self._idle.append(spare)
+        loop.add_reader(spare.conn.fileno(), self._on_readable, spare)
+        spare.watched = True
+
+    def _spawn_blocking(self) -> SpareProcess:
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        process = ctx.Process(target=run_spare, args=(child, self._launch), name="servewell-worker-spare",
+                              daemon=True)
+        spawn(process, "spare", jemalloc=False)
+        child.close()
+        return SpareProcess(process, parent)
+
+    def _on_readable(self, spare: SpareProcess) -> None:
+        try:
+            while not spare.conn.closed and spare.conn.poll():
+                message = spare.conn.recv()
+                if isinstance(message, SpareReady):
+                    spare.ready = message
+                    self._failed_in_a_row = 0
+                    log.info("spare worker %d ready (runtime imported in %.2f s)", message.pid, message.import_s,
+                             extra={"event": "spare_ready", "pid": message.pid,
+                                    "import_s": round(message.import_s, 3)})
+        except (EOFError, OSError):
+            self._unwatch(spare)
+            if spare in self._idle:
+                self._idle.remove(spare)
+            self._failed(f"process {spare.pid} exited while idle (exit code {spare.process.exitcode})")
+            self._spawn_task(self._end(spare, 0.0))
+
+    def _failed(self, why: str) -> None:
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row >= MAX_FAILED_SPARES:
+            log.error("spare worker %s; %d in a row, so no more spares are started (loads spawn their workers)",
+                      why, self._failed_in_a_row, extra={"event": "spare_failed"})
+            return
+        log.warning("spare worker %s; starting another", why, extra={"event": "spare_failed"})
+        self._refill()
+
+    def _unwatch(self, spare: SpareProcess) -> None:
+        if spare.watched and self._loop is not None and not spare.conn.closed:
+            self._loop.remove_reader(spare.conn.fileno())
+        spare.watched = False
+
+    def _spawn_task(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        assert self._loop is not None
+        task = self._loop.create_task(coroutine)
+        self._tasks.add(task)  # keep a reference until it finishes; `stop` waits for them
+        task.add_done_callback(self._tasks.discard)
+
+    async def _end(self, spare: SpareProcess, grace_s: float) -> None:
+        """Close its pipe (it exits on EOF), kill it after `grace_s`, reap it off the loop."""
+        self._unwatch(spare)
+        spare.conn.close()
+        loop = asyncio.get_running_loop()
+        if grace_s > 0:
+            await loop.run_in_executor(None, spare.process.join, grace_s)
+        if spare.process.is_alive():
+            spare.process.kill()
+        await loop.run_in_executor(None, spare.process.join, 5.0)
+
+    async def stop(self) -> None:
+        """End every idle spare and start no more (the engine is stopping); returns once they exited.
+        Call it after the models' workers stopped: a spare taken by a load that it has not read yet
+        still dies with the spawning thread, which ends here."""
+        self._stopped = True
+        idle, self._idle = self._idle, []
+        # A spawn in flight is waited for, not cancelled: it sees `_stopped` and ends its process.
+        await asyncio.gather(*self._tasks, *(self._end(s, STOP_GRACE_S) for s in idle), return_exceptions=True)
+        await asyncio.to_thread(self._spawner.shutdown, wait=True)

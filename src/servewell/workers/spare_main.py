@@ -1,0 +1,60 @@
+"""Entry point of a spare worker process: come up, import the runtime, wait to be given a model.
+
+The engine keeps a few of these (`workers/spare.py`) so that a model load skips the interpreter
+start and the runtime imports. Given `AdoptSpare`, the process becomes an ordinary worker
+(`process_main.worker_main`) with the model's config and launch, exactly as a freshly spawned
+one would be: nice, CPU affinity, thread counts and the device are all applied by `worker_main`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+
+from servewell.observability.logging import configure_logging
+from servewell.workers.backends import SPARE_RUNTIME, import_backend
+from servewell.workers.messages import AdoptSpare, SpareLaunch, SpareReady
+from servewell.workers.process_main import worker_main
+
+_PR_SET_PDEATHSIG = 1
+
+
+def spare_main(conn: Connection, launch: SpareLaunch) -> None:
+    """Import the runtime, say `SpareReady`, then become the worker of the model `AdoptSpare`
+    names; exit on anything else (`Shutdown`, the engine gone)."""
+    parent = os.getppid()
+    # Killed with the engine (its spawning thread lives as long as the engine's `SpareWorkers`):
+    # an idle spare holds nothing worth a graceful exit. Pipe EOF would end it too, but only once
+    # it reads; the imports below take a while.
+    _parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent:
+        sys.exit(1)
+    configure_logging(launch.log_level, launch.log_format)
+    began = time.monotonic()
+    import_backend(SPARE_RUNTIME)
+    try:
+        conn.send(SpareReady(os.getpid(), time.monotonic() - began))
+        message = conn.recv()
+    except (EOFError, OSError):
+        return  # the engine is gone
+    if not isinstance(message, AdoptSpare):
+        return  # Shutdown: the spare set is stopping
+    adopted_at = time.monotonic()
+    # From now on this is a worker like any other: it outlives the thread that spawned it and ends
+    # when its pipe closes (the engine's exit) or it is told to.
+    _parent_death_signal(0)
+    multiprocessing.current_process().name = message.process_name
+    worker_main(conn, message.config, message.launch, began_at=adopted_at)
+
+
+def _parent_death_signal(sig: int) -> None:
+    """Ask the kernel for `sig` when the thread that spawned this process ends (0: no signal)."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is not None:
+        ctypes.CDLL(libc_name, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)

@@ -1,0 +1,66 @@
+"""A lazy server with its defaults for fast cold starts (one spare worker, warm-up of the first
+batch sizes): each model's first request loads it on the spare (its worker's pid is the spare's,
+per the log), warmed up at batch sizes 1 and 2 only, and gets what the model computes; the spare
+is replaced for the next model; no spare outlives the server."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from model_dirs import infer_body, onnx_linear_model
+from waiting import eventually
+
+
+def events(log: str, event: str) -> list[dict]:
+    """The JSON log lines of `event`."""
+    found = []
+    for line in log.splitlines():
+        if line.startswith("{") and f'"{event}"' in line:
+            doc = json.loads(line)
+            if doc.get("event") == event:
+                found.append(doc)
+    return found
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        return "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    except FileNotFoundError:
+        return True
+
+
+def test_first_requests_load_their_models_on_spare_workers_and_no_spare_outlives_the_server(tmp_path, start_server):
+    for name in ("first", "second"):
+        onnx_linear_model(tmp_path, name)  # max_batch_size 8
+    server = start_server(["--model-repository", str(tmp_path), "--repository-mode", "lazy", "--config-poll-s", "0"])
+    server.wait_ready()
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(1, 1)(torch.tensor([[2.0]])).item()
+    adopted: set[int] = set()
+    for name in ("first", "second"):
+        # The spare the previous load took is replaced once that load is over; wait for it to be ready.
+        eventually(lambda: [d for d in events(server.log(), "spare_ready") if d["pid"] not in adopted], 120,
+                   lambda: server.log()[-3000:])
+        r = httpx.post(f"{server.url}/v2/models/{name}/infer", json=infer_body(2.0), timeout=60)
+        assert r.status_code == 200, r.text
+        assert abs(r.json()["outputs"][0]["data"][0] - expected) < 1e-5
+        log = server.log()
+        (start,) = [doc for doc in events(log, "worker_cold_start") if doc["model"] == name]
+        assert start["spare"] is True and start["pid"] in {d["pid"] for d in events(log, "spare_ready")}
+        assert {"spawn_s", "import_s", "load_s", "warmup_s"} <= start.keys()
+        adopted.add(start["pid"])
+        stages = [line for line in log.splitlines() if f'"model":"{name}"' in line and '"stage"' in line]
+        assert any("warmed up batch sizes 1..2 only" in line for line in stages), stages
+    assert len(adopted) == 2
+
+    spare_pids = {doc["pid"] for doc in events(server.log(), "spare_ready")}
+    server.stop()
+    ends_at = time.monotonic() + 30
+    while not all(process_gone(pid) for pid in spare_pids) and time.monotonic() < ends_at:
+        time.sleep(0.05)
+    assert all(process_gone(pid) for pid in spare_pids), [p for p in spare_pids if not process_gone(p)]
