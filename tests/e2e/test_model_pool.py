@@ -91,6 +91,8 @@ def test_first_request_loads_the_model_and_answers(pool: ServerProcess) -> None:
     assert response.status_code == 200, response.text
     assert len(response.json()["outputs"][0]["data"]) == 3
     assert models(pool)["a"]["residency"] == "resident"
+    start = models(pool)["a"]["last_start"]
+    assert start["total_s"] > 0 and {"spawn_s", "import_s", "load_s", "warmup_s", "spare"} <= set(start)
     assert counter(pool, "servewell_model_cold_start_seconds_count", model="a") >= 1
     misses = counter(pool, "servewell_model_pool_requests_total", result="miss")
     hits = counter(pool, "servewell_model_pool_requests_total", result="hit")

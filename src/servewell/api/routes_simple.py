@@ -159,6 +159,7 @@ async def healthz(state: AppState = Depends(state_dependency)) -> Response:
             "estimated_bytes": view.estimated_bytes,
             "cold_starts": view.cold_starts,
             "evictions": view.evictions,
+            "last_start": view.last_start,  # spawn, import, load, warm-up of its last worker start
         }
     readiness = state.engine.readiness()
     total, reserved = state.engine.memory_budget

@@ -407,8 +407,11 @@ class InferenceEngine:
         return self._view(self._slot(name, version))
 
     def _view(self, slot: ModelSlot, entry: Entry | None = None) -> ModelView:
+        pool = getattr(entry or slot.entry, "pool", None)
+        breakdown = pool.last_start_breakdown if pool is not None else None
         return dataclasses.replace(
-            (entry or slot.entry).view(), residency=slot.residency(), pinned=slot.pinned,
+            (entry or slot.entry).view(), last_start=breakdown.as_dict() if breakdown is not None else None,
+            residency=slot.residency(), pinned=slot.pinned,
             last_used_at=slot.last_used_at, estimated_bytes=slot.estimated_bytes, loadable=self.pool.loadable(slot),
             cold_starts=slot.cold_starts, evictions=slot.evictions)
 

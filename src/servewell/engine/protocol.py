@@ -108,6 +108,7 @@ class ModelView:
     loadable: bool = False  # lazy mode: a request would load it now
     cold_starts: int = 0  # lazy loads since the server started
     evictions: int = 0  # unloads to make room, when idle, or by an operator's evict
+    last_start: dict[str, object] | None = None  # where the last worker start's time went (workers/cold_start.py)
 
     @property
     def queue_depth(self) -> int:
