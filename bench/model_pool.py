@@ -291,6 +291,10 @@ def summarize(args: argparse.Namespace, repo: PoolRepository, run: dict[str, Any
         # answered 200 within --hit-threshold-ms: a hit takes milliseconds, a load seconds
         "hit_rate": round(sum(1 for a in zipf if a.status == 200 and a.latency_ms < args.hit_threshold_ms)
                           / len(zipf), 4) if zipf else None,
+        # the server's own count (servewell_model_pool_requests_total) over the churn phases, probe included:
+        # hit = the model was resident when the request arrived
+        "hit_rate_server": round(m.pool_requests.get("hit", 0.0) / sum(m.pool_requests.values()), 4)
+        if sum(m.pool_requests.values()) else None,
         # from the log: a request that waited for a load and then timed out may count twice, so a lower bound
         "hit_rate_log_lower_bound": round(max(0.0, 1 - (waiters + refused_loading) / len(zipf)), 4)
         if zipf and run["cold_starts"] else None,
@@ -353,6 +357,7 @@ def print_table(report: dict[str, Any]) -> None:
         ("resident models: RSS / estimate at end", _ratio_line(mem["rss_vs_estimate_at_end"]), "(not judged)", "-"),
         ("max RSS, all server processes", f"{mem['max_all_rss_bytes'] / MiB:.0f} MiB (PSS "
          f"{mem['max_all_pss_bytes'] / MiB:.0f})", "(not judged)", "-"),
+        ("hit rate, server's count (all churn requests)", _pct(report["hit_rate_server"]), "reported", "-"),
         ("hit rate (Zipf requests)", f"{_pct(report['hit_rate'])} answered in < "
          f"{report['settings']['hit_threshold_ms']:g} ms (log: >= {_pct(report['hit_rate_log_lower_bound'])}; "
          "LRU with instant loads "

@@ -217,6 +217,7 @@ class PoolMetrics:
     cold_start_count: float = 0.0
     cold_start_sum_s: float = 0.0
     cold_start_buckets: dict[float, float] = field(default_factory=dict)  # le -> cumulative count
+    pool_requests: dict[str, float] = field(default_factory=dict)  # hit|miss -> count (the server's own count)
 
 
 def parse_pool_metrics(text: str) -> PoolMetrics:
@@ -233,6 +234,9 @@ def parse_pool_metrics(text: str) -> PoolMetrics:
                 out.cold_start_count += sample.value
             elif sample.name == "servewell_model_cold_start_seconds_sum":
                 out.cold_start_sum_s += sample.value
+            elif sample.name == "servewell_model_pool_requests_total":
+                result = sample.labels.get("result", "?")
+                out.pool_requests[result] = out.pool_requests.get(result, 0.0) + sample.value
             elif sample.name == "servewell_model_cold_start_seconds_bucket":
                 le = float(sample.labels["le"])
                 out.cold_start_buckets[le] = out.cold_start_buckets.get(le, 0.0) + sample.value
@@ -247,6 +251,7 @@ def metrics_delta(after: PoolMetrics, before: PoolMetrics) -> PoolMetrics:
         after.cold_start_count - before.cold_start_count,
         after.cold_start_sum_s - before.cold_start_sum_s,
         {le: v - before.cold_start_buckets.get(le, 0.0) for le, v in after.cold_start_buckets.items()},
+        {k: v - before.pool_requests.get(k, 0.0) for k, v in after.pool_requests.items()},
     )
 
 
