@@ -18,7 +18,7 @@ from servewell.api.hot_routes import HotRoute
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
 from servewell.api.openapi import INFERENCE_HEADERS, error_responses, not_ready_response
 from servewell.api.public_text import without_paths
-from servewell.api.routes_pool import pool_report
+from servewell.api.routes_pool import pool_fields, pool_report
 from servewell.api.state import AppState, app_state, state_dependency
 from servewell.config.model import ModelConfig
 from servewell.engine.protocol import SchedulingFacts
@@ -151,14 +151,7 @@ async def healthz(state: AppState = Depends(state_dependency)) -> Response:
             "lanes": view.scheduling.lane_depths if view.scheduling else {},
             "max_batch_size": view.scheduling.max_batch_size if view.scheduling else None,
             "scheduler": _scheduler_counts(view.scheduling),
-            # The model pool (engine/model_pool.py): where the model is and what it would cost to load.
-            "residency": view.residency,
-            "loadable": view.loadable,
-            "pinned": view.pinned,
-            "last_used_at": view.last_used_at,
-            "estimated_bytes": view.estimated_bytes,
-            "cold_starts": view.cold_starts,
-            "evictions": view.evictions,
+            **pool_fields(view),  # the model pool (engine/model_pool.py): where the model is
             "last_start": view.last_start,  # spawn, import, load, warm-up of its last worker start
         }
     readiness = state.engine.readiness()
