@@ -244,7 +244,8 @@ def merge(a: PoolMetrics, b: PoolMetrics) -> PoolMetrics:
          for k in {*a.evictions_by_model, *b.evictions_by_model}},
         a.cold_start_count + b.cold_start_count, a.cold_start_sum_s + b.cold_start_sum_s,
         {le: a.cold_start_buckets.get(le, 0.0) + b.cold_start_buckets.get(le, 0.0)
-         for le in {*a.cold_start_buckets, *b.cold_start_buckets}})
+         for le in {*a.cold_start_buckets, *b.cold_start_buckets}},
+        {k: a.pool_requests.get(k, 0.0) + b.pool_requests.get(k, 0.0) for k in {*a.pool_requests, *b.pool_requests}})
 
 
 def summarize(args: argparse.Namespace, repo: PoolRepository, run: dict[str, Any], peak: Any,
