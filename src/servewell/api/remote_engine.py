@@ -317,6 +317,18 @@ class RemoteEngine:
             return Readiness(False, _NO_ENGINE)
         return self._table.readiness
 
+    async def readiness_async(self) -> Readiness:
+        """`readiness`; when the pushed table says not ready, the engine's own verdict (the table
+        lags it by up to one push, 50 ms: a probe right after the engine turned ready must see it)."""
+        local = self.readiness()
+        if local.ready or local.shutting_down or self._writer is None or self._table is None:
+            return local
+        try:
+            fresh: Readiness = await self.control("readiness", (), CONTROL_VIEW_TIMEOUT_S)
+        except EngineUnavailable:
+            return local
+        return fresh if not self.shutting_down else self.readiness()
+
     @property
     def readiness_policy(self) -> str:
         """Not known here (the engine's /healthz says it)."""

@@ -63,7 +63,7 @@ TABLE_POLL_S = 0.05
 #: Longest a view read waits for the ingress processes' snapshots before using what it has.
 VIEW_PULL_TIMEOUT_S = 1.0
 #: The engine methods an ingress may call with `ControlCall`: what its gRPC servicer needs, no more.
-CONTROL_METHODS = frozenset(("models", "model", "load_model", "unload_model"))
+CONTROL_METHODS = frozenset(("models", "model", "load_model", "unload_model", "readiness"))
 
 
 def summarize(entry: Entry, loadable: bool = False) -> ModelEntrySummary:

@@ -384,6 +384,10 @@ class InferenceEngine:
         return evaluate_readiness(self._readiness_policy, self._required_models, states,
                                   self.accepting and not self.draining)
 
+    async def readiness_async(self) -> Readiness:
+        """`readiness` (an ingress's engine asks the engine process when its table says not ready)."""
+        return self.readiness()
+
     def _readiness_state(self, slot: ModelSlot) -> ModelState:
         # Lazy mode: a model that loads on its first request counts as ready (the server can serve
         # it), but a pinned one loads at start and counts as loading until it has.

@@ -168,6 +168,10 @@ class ServingEngine(Protocol):
         """The readiness verdict with its reason, and whether some model is not ready."""
         ...
 
+    async def readiness_async(self) -> Readiness:
+        """`readiness`, allowed to ask an engine in another process (gRPC ServerReady uses it)."""
+        ...
+
     @property
     def readiness_policy(self) -> str:
         """The readiness policy in force (`engine/readiness.py`)."""

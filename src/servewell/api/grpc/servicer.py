@@ -57,7 +57,7 @@ class InferenceServicer:
     async def ServerReady(self, incoming: IncomingMessage[pb.ServerReadyRequest],
                           context: RpcContext) -> pb.ServerReadyResponse:
         async def handle(request: pb.ServerReadyRequest) -> pb.ServerReadyResponse:
-            return pb.ServerReadyResponse(ready=self._engine.ready)
+            return pb.ServerReadyResponse(ready=(await self._engine.readiness_async()).ready)
         return await self._scope.run("ServerReady", context, incoming, handle, probe=True)
 
     async def ModelReady(self, incoming: IncomingMessage[pb.ModelReadyRequest],
