@@ -24,7 +24,7 @@ from servewell.engine.lanes import resolve_lane
 from servewell.engine.memory_budget import MemoryBudget, estimate_model_memory, machine_memory_budget
 from servewell.engine.model_entry import EntryServices, LoadProgressFn, ModelEntry
 from servewell.engine.model_pool import ModelPool, ModelSlot, PoolSettings
-from servewell.engine.protocol import ModelState, ModelView, Readiness, RequestResult
+from servewell.engine.protocol import ModelView, Readiness, RequestResult
 from servewell.engine.readiness import ReadinessPolicy, evaluate_readiness
 from servewell.engine.repository import ModelSource, OutsidePolicy, read_model_config, scan_repository
 from servewell.engine.snapshot import SnapshotStore
@@ -380,22 +380,13 @@ class InferenceEngine:
 
     def readiness(self) -> Readiness:
         """The readiness verdict, with its reason (`engine/readiness.py`)."""
-        states = [(name, self._readiness_state(slot)) for name, slot in self._slots.items()]
+        states = [(name, self.pool.readiness_state(slot)) for name, slot in self._slots.items()]
         return evaluate_readiness(self._readiness_policy, self._required_models, states,
                                   self.accepting and not self.draining)
 
     async def readiness_async(self) -> Readiness:
         """`readiness` (an ingress's engine asks the engine process when its table says not ready)."""
         return self.readiness()
-
-    def _readiness_state(self, slot: ModelSlot) -> ModelState:
-        # Lazy mode: a model that loads on its first request counts as ready (the server can serve
-        # it), but a pinned one loads at start and counts as loading until it has.
-        if not self.pool.loadable(slot):
-            return slot.entry.state
-        if not slot.pinned:
-            return "ready"
-        return "loading" if slot.residency() == "loading" or slot.cold_starts == 0 else slot.entry.state
 
     @property
     def memory_budget(self) -> tuple[int, int]:
@@ -456,19 +447,7 @@ class InferenceEngine:
 
     def pool_report(self) -> dict[str, Any]:
         """The model pool as /healthz and the console show it."""
-        slots = list(self._slots.values())
-        return {
-            "mode": self.pool.settings.mode,
-            "budget_bytes": self.budget.total_bytes, "reserved_bytes": self.budget.used_bytes,
-            "device_budget_bytes": self.budget.device_total_bytes,
-            "device_reserved_bytes": self.budget.device_used_bytes,
-            "resident": sum(1 for s in slots if s.resident),
-            "loading": sum(1 for s in slots if s.residency() == "loading"),
-            "models": len(slots),
-            "pinned": sum(1 for s in slots if s.pinned),
-            "loads_in_flight": sum(1 for s in slots if s.loader is not None and not s.loader.done()),
-            "waiting_requests": sum(s.waiting for s in slots),
-        }
+        return self.pool.report()
 
     async def models_async(self) -> list[ModelView]:
         """`models` (the gRPC servicer awaits it: an ingress's engine asks the engine process)."""

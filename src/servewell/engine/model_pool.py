@@ -23,10 +23,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from servewell.engine.entry import Entry
 from servewell.engine.memory_budget import MemoryBudget, MemoryEstimate, MiB, estimate_model_memory
+from servewell.engine.protocol import ModelState
 from servewell.errors import Conflict, ModelLoading, ModelNotReady, ShuttingDown
 
 if TYPE_CHECKING:
@@ -165,6 +166,32 @@ class ModelPool:
         for task in self._tasks:
             task.cancel()
         self._tasks.clear()
+
+    def readiness_state(self, slot: ModelSlot) -> ModelState:
+        """The state the readiness policy counts: in lazy mode a model that loads on its first
+        request counts as ready (the server can serve it), but a pinned one loads at start and
+        counts as loading until it has."""
+        if not self.loadable(slot):
+            return slot.entry.state
+        if not slot.pinned:
+            return "ready"
+        return "loading" if slot.residency() == "loading" or slot.cold_starts == 0 else slot.entry.state
+
+    def report(self) -> dict[str, Any]:
+        """The pool as /healthz and the console show it: mode, budgets, counts."""
+        slots = list(self._slots.values())
+        budget = self._budget
+        return {
+            "mode": self.settings.mode,
+            "budget_bytes": budget.total_bytes, "reserved_bytes": budget.used_bytes,
+            "device_budget_bytes": budget.device_total_bytes, "device_reserved_bytes": budget.device_used_bytes,
+            "resident": sum(1 for s in slots if s.resident),
+            "loading": sum(1 for s in slots if s.residency() == "loading"),
+            "models": len(slots),
+            "pinned": sum(1 for s in slots if s.pinned),
+            "loads_in_flight": sum(1 for s in slots if s.loader is not None and not s.loader.done()),
+            "waiting_requests": sum(s.waiting for s in slots),
+        }
 
     def count(self, slot: ModelSlot) -> None:
         """Count a request in lazy mode: a hit when its model is resident, a miss when it must load."""
