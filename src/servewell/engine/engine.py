@@ -189,8 +189,7 @@ class InferenceEngine:
         slot = self._slot(name, version)
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
-        slot.used()
-        return ServedModelHandle(slot, self, _ready(slot.entry))
+        return ServedModelHandle(slot, self, _ready(slot.entry))  # its `infer` marks the model used
 
     async def resolve_async(self, name: str, version: str | None = None,
                             deadline: float | None = None) -> ServedModelHandle:
