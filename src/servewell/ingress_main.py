@@ -47,7 +47,7 @@ from servewell.live_config import load_keys
 from servewell.observability.console_feed import ConsoleFeed
 from servewell.observability.logging import configure_logging
 from servewell.observability.metrics import ServeMetrics
-from servewell.observability.tracing import DEFAULT_SAMPLE_RATIO, Tracing, settings_from
+from servewell.observability.tracing import Tracing, sample_ratio_or_default, settings_from
 from servewell.server import build_decoder, tune_garbage_collector
 from servewell.shutdown import GracefulServer, ShutdownPlan, uvicorn_graceful_timeout_s
 
@@ -135,8 +135,7 @@ def build_ingress(settings: ServerConfig, run_dir: Path, index: int) -> tuple[AS
         access.replace(live.keys, live.default_rate_per_s)
         knobs.slow_request_s = fresh.slow_request_ms / 1000.0
         knobs.metrics_need_key = fresh.metrics_require_key
-        ratio = fresh.trace_sample_ratio
-        tracing.set_sample_ratio(ratio if ratio is not None else DEFAULT_SAMPLE_RATIO)
+        tracing.set_sample_ratio(sample_ratio_or_default(fresh.trace_sample_ratio))
         logging.getLogger().setLevel(fresh.log_level.upper())
 
     engine = RemoteEngine(str(run_dir / ENGINE_DOOR_SOCKET), index, apply_live, view_snapshot=console.view.snapshot)

@@ -48,7 +48,7 @@ from servewell.config.watch import FileChange, FileWatch
 from servewell.engine.engine import InferenceEngine
 from servewell.engine.repository import outside_refusal, outside_repository, read_model_config
 from servewell.errors import ServeError
-from servewell.observability.tracing import DEFAULT_SAMPLE_RATIO, Tracing
+from servewell.observability.tracing import Tracing, sample_ratio_or_default
 
 log = logging.getLogger("servewell.config")
 
@@ -268,8 +268,7 @@ class ConfigReloader:
     def _apply_knobs(self) -> None:
         settings = self.settings
         logging.getLogger().setLevel(settings.log_level.upper())
-        ratio = settings.trace_sample_ratio
-        self._tracing.set_sample_ratio(ratio if ratio is not None else DEFAULT_SAMPLE_RATIO)
+        self._tracing.set_sample_ratio(sample_ratio_or_default(settings.trace_sample_ratio))
         self._knobs.slow_request_s = settings.slow_request_ms / 1000.0
         self._knobs.metrics_need_key = settings.metrics_require_key
 

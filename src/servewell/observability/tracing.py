@@ -65,10 +65,17 @@ def settings_from(endpoint: str | None, protocol: str | None, sample_ratio: floa
     endpoint = endpoint or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     protocol = protocol or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") \
         or "http/protobuf"
-    if sample_ratio is None:
-        raw = env.get("OTEL_TRACES_SAMPLER_ARG")
-        sample_ratio = float(raw) if raw else DEFAULT_SAMPLE_RATIO
-    return TracingSettings(endpoint, protocol, sample_ratio, env.get("OTEL_SERVICE_NAME", "servewell"))
+    return TracingSettings(endpoint, protocol, sample_ratio_or_default(sample_ratio),
+                           env.get("OTEL_SERVICE_NAME", "servewell"))
+
+
+def sample_ratio_or_default(sample_ratio: float | None) -> float:
+    """The configured ratio, else OTEL_TRACES_SAMPLER_ARG, else the default. Every place that
+    (re)applies the setting uses this, so a live reload keeps the environment's ratio."""
+    if sample_ratio is not None:
+        return sample_ratio
+    raw = os.environ.get("OTEL_TRACES_SAMPLER_ARG")
+    return float(raw) if raw else DEFAULT_SAMPLE_RATIO
 
 
 class Tracing:

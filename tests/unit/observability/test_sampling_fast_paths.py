@@ -84,3 +84,17 @@ def test_roots_are_recorded_at_the_configured_ratio():
     finally:
         tracing.shutdown()
 
+
+
+def test_a_reapplied_setting_keeps_the_environments_ratio(monkeypatch):
+    """Live settings re-apply the ratio in every ingress and on reload. A config that names none
+    must keep OTEL_TRACES_SAMPLER_ARG, not fall back to the default (it once did: an ingress then
+    sampled 1 in 100 root requests of a server told to sample 1 in a billion)."""
+    from servewell.observability.tracing import DEFAULT_SAMPLE_RATIO, sample_ratio_or_default
+
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "1e-9")
+    assert sample_ratio_or_default(None) == 1e-9
+    assert sample_ratio_or_default(0.5) == 0.5  # the config file wins over the environment
+    assert sample_ratio_or_default(0.0) == 0.0
+    monkeypatch.delenv("OTEL_TRACES_SAMPLER_ARG")
+    assert sample_ratio_or_default(None) == DEFAULT_SAMPLE_RATIO
