@@ -216,7 +216,9 @@ def test_grpc_says_a_loadable_model_is_ready_and_its_first_inference_loads_it(po
     onnx_mlp_model(pool_root, "grpc_lazy")
     eventually(lambda: "grpc_lazy" in models(pool), 20, "the poll did not find the new model")
     client = triton_grpc.InferenceServerClient(pool.grpc_url)
-    assert client.is_model_ready("grpc_lazy")
+    # Each ingress learns of the new model from the engine on its own: the gRPC call may reach one
+    # that has not yet (milliseconds later than the one that answered the listing above).
+    eventually(lambda: client.is_model_ready("grpc_lazy"), 10, "gRPC never said the loadable model is ready")
     assert models(pool)["grpc_lazy"]["residency"] == "not_loaded"
     x = triton_grpc.InferInput("x", [1, 4], "FP32")
     x.set_data_from_numpy(np.array([ROW], dtype=np.float32))
