@@ -33,6 +33,7 @@ from servewell.child_process import ENGINE_DOOR_SOCKET, ENGINE_HTTP_SOCKET, die_
 from servewell.observability.logging import configure_logging
 from servewell.server import build_app, remove_leftovers, remove_own_segments
 from servewell.shutdown import GracefulServer, ShutdownPlan, uvicorn_graceful_timeout_s
+from servewell.workers.spare import use_private_temp_dir
 
 log = logging.getLogger("servewell.server")
 
@@ -79,6 +80,7 @@ def main(argv: list[str]) -> int:
     configure_logging(settings.log_level, settings.log_format)
     remove_leftovers(settings)
     bound_freed_memory()
+    use_private_temp_dir(run_dir / "multiprocessing")  # the spares' fork server's socket
     app, plan = build_app(settings, source, door_path=str(run_dir / ENGINE_DOOR_SOCKET))
     http_socket = str(run_dir / ENGINE_HTTP_SOCKET)
     with contextlib.suppress(FileNotFoundError):

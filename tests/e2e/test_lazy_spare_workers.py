@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from faults import engine_pids
 from model_dirs import infer_body, onnx_linear_model
 from waiting import eventually
 
@@ -58,9 +59,21 @@ def test_first_requests_load_their_models_on_spare_workers_and_no_spare_outlives
         assert any("warmed up batch sizes 1..2 only" in line for line in stages), stages
     assert len(adopted) == 2
 
+    # Every spare is forked from one fork server (which imported the runtime once), a child of the
+    # engine: a refill is a fork, not an interpreter start and the imports.
     spare_pids = {doc["pid"] for doc in events(server.log(), "spare_ready")}
+    (fork_server,) = {parent_of(pid) for pid in spare_pids if not process_gone(pid)}
+    assert "forkserver" in Path(f"/proc/{fork_server}/cmdline").read_bytes().decode()
+    assert parent_of(fork_server) in engine_pids(server)
     server.stop()
     ends_at = time.monotonic() + 30
-    while not all(process_gone(pid) for pid in spare_pids) and time.monotonic() < ends_at:
+    every = spare_pids | {fork_server}
+    while not all(process_gone(pid) for pid in every) and time.monotonic() < ends_at:
         time.sleep(0.05)
-    assert all(process_gone(pid) for pid in spare_pids), [p for p in spare_pids if not process_gone(p)]
+    assert all(process_gone(pid) for pid in every), [p for p in every if not process_gone(p)]
+
+
+def parent_of(pid: int) -> int:
+    """The parent process id of `pid`, from /proc."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))

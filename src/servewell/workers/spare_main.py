@@ -29,9 +29,9 @@ def spare_main(conn: Connection, launch: SpareLaunch) -> None:
     """Import the runtime, say `SpareReady`, then become the worker of the model `AdoptSpare`
     names; exit on anything else (`Shutdown`, the engine gone)."""
     parent = os.getppid()
-    # Killed with the engine (its spawning thread lives as long as the engine's `SpareWorkers`):
-    # an idle spare holds nothing worth a graceful exit. Pipe EOF would end it too, but only once
-    # it reads; the imports below take a while.
+    # Killed with the process that forked it (the fork server, which lives as long as the engine;
+    # a spare started without one is a child of the engine's spawning thread): an idle spare holds
+    # nothing worth a graceful exit. Pipe EOF ends it too, once it reads.
     _parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:
         sys.exit(1)
