@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from servewell import __version__
 from servewell.config.fields import list_item_type, split_items, strip_optional
 from servewell.config.server import ConfigFileError, ConfigSource, ServerConfig
 from servewell.perf.commands import add_perf_parsers
+from servewell.workers.backends import ORT_TELEMETRY_SWITCH
 
 #: Settings that only a --config file (or the environment) sets: nested ones, and secrets that
 #: would show in `ps` as flags.
@@ -167,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `servewell` command."""
+    # onnxruntime (1.29 and later) starts a telemetry uploader in every process that imports it and
+    # keeps an event database in ~/.cache: a server's workers have no business phoning home, and
+    # the spares' fork server must not hold that thread or database when it forks. A user who
+    # wants it sets the variable to 0.
+    os.environ.setdefault(ORT_TELEMETRY_SWITCH, "1")
     args = build_parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     try:

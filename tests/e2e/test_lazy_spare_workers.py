@@ -65,6 +65,10 @@ def test_first_requests_load_their_models_on_spare_workers_and_no_spare_outlives
     (fork_server,) = {parent_of(pid) for pid in spare_pids if not process_gone(pid)}
     assert "forkserver" in Path(f"/proc/{fork_server}/cmdline").read_bytes().decode()
     assert parent_of(fork_server) in engine_pids(server)
+    # It forks with no onnxruntime telemetry thread or event database to inherit: `servewell` turns
+    # that telemetry off in its processes unless the user set the switch.
+    assert b"ORT_DISABLE_TELEMETRY=1" in Path(f"/proc/{fork_server}/environ").read_bytes().split(b"\0")
+    assert "onnxruntime.db" not in Path(f"/proc/{fork_server}/maps").read_text()
     server.stop()
     ends_at = time.monotonic() + 30
     every = spare_pids | {fork_server}

@@ -21,6 +21,10 @@ BACKEND_MODULES: dict[str, tuple[str, ...]] = {
 #: and an ONNX model adopting such a spare would carry that memory against its
 #: `host_memory_limit_bytes` and the memory budget: torch models import torch after adoption.
 SPARE_RUNTIME = "onnx"
+#: onnxruntime's switch for its telemetry (1.29 and later on Linux): set to 1 before the import, no
+#: uploader thread, device id or offline event database is created. `servewell` sets it unless the
+#: user has (cli.py).
+ORT_TELEMETRY_SWITCH = "ORT_DISABLE_TELEMETRY"
 
 
 def import_backend(runtime: str) -> None:

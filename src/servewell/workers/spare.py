@@ -15,7 +15,8 @@ from the models being served (issue 21's pinned-model p99 under churn). The fork
 child of the engine started with the first spare; its children are its own, so the engine learns
 of their exit through multiprocessing's pipe and a pidfd as before, and it exits once the engine
 and every process it forked have. Its socket lives in the engine's private run directory
-(`use_private_temp_dir`), which the supervisor removes on any exit.
+(`use_private_temp_dir`), which the supervisor removes on any exit. It imports onnxruntime only
+with onnxruntime's telemetry off (`fork_server_preload`), as `servewell` runs it by default.
 
 A model whose worker needs something that only a fresh spawn can give gets a fresh spawn
 (`fresh_spawn_reason`): `allocator: jemalloc` must be in LD_PRELOAD before the interpreter starts.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,7 +45,7 @@ from typing import Any
 
 from servewell.config.model import ModelConfig
 from servewell.config.server import ServerConfig
-from servewell.workers.backends import BACKEND_MODULES, SPARE_RUNTIME
+from servewell.workers.backends import BACKEND_MODULES, ORT_TELEMETRY_SWITCH, SPARE_RUNTIME
 from servewell.workers.entry import run_spare
 from servewell.workers.messages import SpareLaunch, SpareReady
 from servewell.workers.process_start import spawn
@@ -58,8 +60,16 @@ STOP_GRACE_S = 2.0
 
 
 #: What the fork server imports once, so that no spare it forks imports it again.
-FORK_SERVER_PRELOAD = ("servewell.workers.entry", "servewell.workers.spare_main", "servewell.workers.process_main",
-                       *BACKEND_MODULES.get(SPARE_RUNTIME, ()))
+FORK_SERVER_PRELOAD = ("servewell.workers.entry", "servewell.workers.spare_main", "servewell.workers.process_main")
+
+
+def fork_server_preload() -> list[str]:
+    """What the fork server imports: our worker modules, and the spare runtime unless onnxruntime's
+    telemetry is on. With it on, the import starts an uploader thread and opens an SQLite event
+    database, neither of which a forked child may inherit (the thread is gone in the child, and
+    SQLite's file locks are not inherited), so each spare then imports onnxruntime itself."""
+    backend = BACKEND_MODULES.get(SPARE_RUNTIME, ()) if os.environ.get(ORT_TELEMETRY_SWITCH) == "1" else ()
+    return [*FORK_SERVER_PRELOAD, *backend]
 
 
 def use_private_temp_dir(directory: Path) -> None:
@@ -68,12 +78,14 @@ def use_private_temp_dir(directory: Path) -> None:
     behind. multiprocessing has no public setting for it; this is the one its `get_temp_dir`
     reads, and it removes nothing it did not create."""
     directory.mkdir(mode=0o700, exist_ok=True)
-    multiprocessing.current_process()._config["tempdir"] = str(directory)  # type: ignore[attr-defined]
+    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]  # noqa: SLF001
+    config["tempdir"] = str(directory)
 
 
-def _fork_server() -> multiprocessing.context.BaseContext:
+def _fork_server() -> multiprocessing.context.ForkServerContext:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(FORK_SERVER_PRELOAD))  # type: ignore[attr-defined]
+    assert isinstance(context, multiprocessing.context.ForkServerContext)
+    context.set_forkserver_preload(fork_server_preload())
     return context
 
 
