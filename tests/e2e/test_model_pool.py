@@ -216,8 +216,8 @@ def test_grpc_says_a_loadable_model_is_ready_and_its_first_inference_loads_it(po
     onnx_mlp_model(pool_root, "grpc_lazy")
     eventually(lambda: "grpc_lazy" in models(pool), 20, "the poll did not find the new model")
     client = triton_grpc.InferenceServerClient(pool.grpc_url)
-    # Each ingress learns of the new model from the engine on its own: the gRPC call may reach one
-    # that has not yet (milliseconds later than the one that answered the listing above).
+    # The poll may have listed the directory while model.yaml was still being written (an invalid
+    # model, not loadable), and reads it again at its next round.
     eventually(lambda: client.is_model_ready("grpc_lazy"), 10, "gRPC never said the loadable model is ready")
     assert models(pool)["grpc_lazy"]["residency"] == "not_loaded"
     x = triton_grpc.InferInput("x", [1, 4], "FP32")
@@ -260,3 +260,20 @@ def test_an_evicted_model_keeps_its_snapshot_and_its_reload_links_the_same_files
     second = snapshots()
     assert len(second) == 1 and set(second) != set(first)  # a new snapshot, the parked one removed
     assert list(second.values()) == list(first.values())  # the same inode: linked, not copied
+
+
+def test_a_model_directory_caught_half_copied_by_the_poll_serves_once_complete(pool: ServerProcess, pool_root: Path,
+                                                                               tmp_path: Path) -> None:
+    # What `cp -r` into the repository looks like to a poll: the directory first, then its files.
+    staged = onnx_mlp_model(tmp_path, "copied")
+    directory = pool_root / "copied"
+    directory.mkdir()
+    (directory / "model.yaml").write_text("runtime: onn")  # the poll may read a file still being written
+    eventually(lambda: "copied" in models(pool), 20, "the poll did not find the new directory")
+    assert models(pool)["copied"]["loadable"] is False
+    (directory / "model.onnx").write_bytes((staged / "model.onnx").read_bytes())
+    (directory / "model.yaml").write_text((staged / "model.yaml").read_text())
+    eventually(lambda: models(pool)["copied"]["loadable"], 20, "the completed copy never became loadable")
+    r = httpx.post(f"{pool.url}/v2/models/copied/infer", timeout=60,
+                   json={"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": ROW}]})
+    assert r.status_code == 200, r.text
