@@ -239,8 +239,9 @@ def cmdline(pid: int) -> list[str]:
 
 def role_of(pid: int, root: int) -> str:
     """What a process of the tree rooted at `root` is: `supervisor` (the root of a split server),
-    `engine`, `ingress-<i>`, `worker` (a model worker, started by multiprocessing's spawn),
-    `other` (multiprocessing's resource tracker, helpers). The root of a single-process server
+    `engine`, `ingress-<i>`, `worker` (a model worker or spare, started by multiprocessing's spawn
+    or forked from the spares' fork server), `other` (multiprocessing's resource tracker, the fork
+    server itself, helpers). The root of a single-process server
     (no engine child) is reported as `supervisor` too: `role_of` sees one process at a time;
     `TreeCpu` renames it `server` when the tree has no engine."""
     argv = cmdline(pid)
@@ -256,9 +257,20 @@ def role_of(pid: int, root: int) -> str:
         return SUPERVISOR
     if "resource_tracker" in text:
         return OTHER
+    if "multiprocessing.forkserver" in text and "multiprocessing.forkserver" not in " ".join(cmdline(_parent(pid))):
+        return OTHER  # the fork server (its children, the spares and workers, share its command line)
     if "multiprocessing" in text or "spawn_main" in text:
         return WORKER
     return OTHER
+
+
+def _parent(pid: int) -> int:
+    """The parent of `pid` (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            return int(file.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _stat(pid: int) -> tuple[float, int] | None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -79,10 +81,17 @@ def test_proc_readers_take_the_kilobyte_lines():
     assert rollup_pss_bytes(rollup) == 300 * 1024
 
 
-def test_tree_memory_sampler_reads_this_process():
-    peak = TreeMemorySampler(os.getpid(), interval_s=0.01).start().stop()
+def test_tree_memory_sampler_reads_a_process_tree():
+    # A child of its own as the root: this pytest process may hold a spares' fork server (a worker,
+    # by its command line) that an in-process test started.
+    root = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        peak = TreeMemorySampler(root.pid, interval_s=0.01).start().stop()
+    finally:
+        root.kill()
+        root.wait()
     assert peak.samples >= 2
-    assert peak.all_rss > 1 << 20  # a Python process with pytest loaded
+    assert peak.all_rss > 1 << 20  # a Python interpreter
     assert peak.workers_rss == 0  # the root of the tree is never a model worker
 
 
@@ -149,3 +158,26 @@ def test_lru_hit_rate_evicts_the_least_recently_used_until_the_new_model_fits():
     assert lru_hit_rate(requests, cost, budget=5, pinned={"pin"}) == pytest.approx(4 / 9)
     assert lru_hit_rate([], cost, budget=5, pinned=set()) is None
     assert lru_hit_rate(["big", "big"], cost, budget=3, pinned=set()) == 0.0  # never fits: never resident
+
+
+def _sleep_forever() -> None:
+    time.sleep(60)
+
+
+def test_the_fork_server_is_not_a_worker_but_what_it_forks_is():
+    import multiprocessing
+
+    from bench.processes import OTHER, WORKER, role_of
+
+    context = multiprocessing.get_context("forkserver")
+    child = context.Process(target=_sleep_forever, daemon=True)
+    child.start()
+    try:
+        assert child.pid is not None
+        fork_server = int(Path(f"/proc/{child.pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+        assert fork_server != os.getpid()
+        assert role_of(fork_server, os.getpid()) == OTHER
+        assert role_of(child.pid, os.getpid()) == WORKER
+    finally:
+        child.kill()
+        child.join(10)
