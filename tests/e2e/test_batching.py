@@ -21,7 +21,9 @@ def server(tmp_path_factory, start_module_server):
     root = tmp_path_factory.mktemp("slow-repo")
     slow_model(root, "slow", 100, max_batch_size=4)
     slow_model(root, "tiny_queue", 150, max_batch_size=1, batching={"max_queue_size": 2})
-    slow_model(root, "one_at_a_time", 200, max_batch_size=1)
+    # 600 ms a request: long enough that on a loaded 2-core machine the first request is surely
+    # computing when the next arrives, and that an abandoned one is cancelled well before its turn.
+    slow_model(root, "one_at_a_time", 600, max_batch_size=1)
     # Batches of exactly two (the window waits up to 5 s for the second); a stopped worker is not
     # declared hung by its batch's budget while the transit test holds it.
     slow_model(root, "pair", 10, max_batch_size=2,
@@ -87,12 +89,12 @@ def test_abandoned_request_is_dropped_before_compute(server):
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
             first = asyncio.create_task(c.post("/v2/models/one_at_a_time/infer", json=body(1)))
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)  # the first is computing (600 ms)
             async with httpx.AsyncClient(base_url=server.url, timeout=0.05) as impatient:
                 with pytest.raises(httpx.TimeoutException):
                     await impatient.post("/v2/models/one_at_a_time/infer", json=body(2))
             assert (await first).status_code == 200
-            await asyncio.sleep(0.3)  # the abandoned request would have run by now
+            await asyncio.sleep(0.9)  # the abandoned request would have run (600 ms) by now
 
     asyncio.run(main())
     assert rows_computed(server.url, "one_at_a_time") - before == 1
