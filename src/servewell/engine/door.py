@@ -114,6 +114,7 @@ class EngineDoor:
         self._last_prints: dict[str, tuple[Any, ...]] = {}  # per model, as last pushed
         self._last_head: tuple[Any, ...] | None = None  # default model, readiness, accepting as last pushed
         self._last_live: tuple[Any, ...] | None = None
+        self._last_key: tuple[Any, ...] | None = None  # the engine's `table_key` at the last comparison
         self._asks: dict[int, asyncio.Future[Any]] = {}
         self._ask_ids = itertools.count(1)
         self._control_tasks: set[asyncio.Future[Any]] = set()  # control calls being awaited (strong refs)
@@ -319,11 +320,12 @@ class EngineDoor:
             if not self._ingresses:
                 continue
             try:
-                table = model_table(self._engine)
+                key = self._engine.table_key()
+                change = None if key == self._last_key else self._table_change(model_table(self._engine))
             except Exception:  # never let the watcher die
                 log.exception("building the model table failed")
                 continue
-            change = self._table_change(table)
+            self._last_key = key
             if change is not None:
                 for ingress in self._ingresses:
                     ingress.writer.send(change)

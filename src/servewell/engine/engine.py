@@ -456,6 +456,14 @@ class InferenceEngine:
         """`model` (the gRPC servicer awaits it: an ingress's engine asks the engine process)."""
         return self.model(name, version)
 
+    def table_key(self) -> tuple[Any, ...]:
+        """What the door's model table reads (`engine/door.py`), cheaply: equal keys, equal tables,
+        so its 50 ms poll builds no summaries nor readiness verdict while nothing changes."""
+        pool = self.pool
+        return (self.accepting, self.draining, self._readiness_policy, self._required_models, self._default_model,
+                tuple((name, slot.entry.version, slot.entry.state, slot.entry.reason, id(slot.entry.config),
+                       pool.loadable(slot), pool.readiness_state(slot)) for name, slot in self._slots.items()))
+
     def entries(self) -> list[Entry]:
         """Every model's current entry (name, version, state, reason, config), without building
         views: the door compares them every 50 ms, and a view reads each worker's memory."""

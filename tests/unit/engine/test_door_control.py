@@ -20,7 +20,8 @@ from servewell.errors import EngineUnavailable, NotFound, ServeError
 T = TypeVar("T")
 
 
-def _with_door(tmp_path: Path, scenario: Callable[[RemoteEngine, EngineDoor], Awaitable[T]]) -> T:
+def _with_door(tmp_path: Path, scenario: Callable[[RemoteEngine, EngineDoor], Awaitable[T]],
+               engine_out: list[InferenceEngine] | None = None) -> T:
     """Run `scenario` with an engine (one model whose model.yaml is invalid: no worker starts)
     behind a door, and an ingress's RemoteEngine connected to it."""
     repository = tmp_path / "models"
@@ -30,6 +31,8 @@ def _with_door(tmp_path: Path, scenario: Callable[[RemoteEngine, EngineDoor], Aw
     async def run() -> T:
         engine = InferenceEngine(repository, load_timeout_s=5.0)
         await engine.start()
+        if engine_out is not None:
+            engine_out.append(engine)
         door = EngineDoor(engine, str(tmp_path / "door.sock"), live=lambda: LiveSettings(None, None))
         await door.start()
         remote = RemoteEngine(str(tmp_path / "door.sock"), 0, lambda live: None)
@@ -83,3 +86,33 @@ def test_a_call_waiting_when_the_door_closes_gets_engine_unavailable(tmp_path: P
             await asyncio.wait_for(waiting, 5.0)
 
     _with_door(tmp_path, scenario)
+
+
+def test_the_table_is_pushed_when_it_changes_and_its_key_is_stable_while_nothing_does(tmp_path: Path) -> None:
+    engines: list[InferenceEngine] = []
+
+    async def scenario(remote: RemoteEngine, door: EngineDoor) -> None:
+        engine = engines[0]
+        key = engine.table_key()
+        assert engine.table_key() == key  # nothing changed: the door builds no table this tick
+        assert remote.knows("broken") and not remote.knows("late")
+        (tmp_path / "models" / "late").mkdir()
+        (tmp_path / "models" / "late" / "model.yaml").write_text("also: [broken\n")
+        assert await engine._discover() == ["late"]
+        assert engine.table_key() != key
+        for _ in range(100):  # the door's next poll pushes the new model to the ingress
+            if remote.knows("late"):
+                break
+            await asyncio.sleep(0.02)
+        assert remote.knows("late")
+        engine.accepting = False  # the head changes too: an ingress learns the engine stopped accepting
+        for _ in range(100):
+            try:
+                remote.check_open()
+            except ServeError:
+                break
+            await asyncio.sleep(0.02)
+        with pytest.raises(ServeError):
+            remote.check_open()
+
+    _with_door(tmp_path, scenario, engines)
