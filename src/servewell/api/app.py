@@ -10,6 +10,7 @@ from fastapi import FastAPI
 import servewell
 from servewell.api import (
     routes_admin,
+    routes_cache,
     routes_console,
     routes_docs,
     routes_metrics,
@@ -65,6 +66,7 @@ def create_app(
     app.include_router(routes_admin.router)
     app.include_router(routes_admin.repository_router)
     app.include_router(routes_pool.router)
+    app.include_router(routes_cache.router)
     app.include_router(routes_metrics.router)
     app.include_router(routes_console.router)
     app.include_router(routes_docs.router)

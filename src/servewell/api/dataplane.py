@@ -232,11 +232,12 @@ class InferenceCall:
         """Record the request's stages; the `Server-Timing` header value (milliseconds)."""
         self._plane.record(self.model.name, result, self.preprocess_s, self.postprocess_s)
         total_s = time.perf_counter() - self._started
-        return (
+        timing = (
             f"preprocess;dur={self.preprocess_s * 1000:.3f}, queue;dur={result.queue_s * 1000:.3f}, "
             f"compute;dur={result.compute_s * 1000:.3f}, postprocess;dur={self.postprocess_s * 1000:.3f}, "
             f"total;dur={total_s * 1000:.3f}"
         )
+        return f"{timing}, cache;desc={result.cache}" if result.cache else timing
 
 
 def select_outputs(model: str, outputs: dict[str, np.ndarray],

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import Field, ModelWrapValidatorHandler, ValidationError, field_validator, model_validator
 
 from servewell.config.batching import BatchingConfig, BatchingPatch
+from servewell.config.cache import ResponseCacheConfig
 from servewell.config.problems import Problems, config_error
 from servewell.config.processing import ClassifyPostprocess, ImagePreprocess
 from servewell.config.runtime_sections import (
@@ -132,6 +133,10 @@ class ModelConfig(StrictModel):
     preprocess: ImagePreprocess | None = Field(None, description="Image decoding for /predict and BYTES inputs.")
     postprocess: ClassifyPostprocess | None = Field(None, description="Label decoding for /predict.")
     metadata: dict[str, str] = Field(default_factory=dict, description="Free-form facts shown in model metadata.")
+    deterministic: bool = Field(True, description="Whether the same inputs always give the same outputs; a model "
+                                "declared false (sampling, dropout at inference) is never cached.")
+    cache: ResponseCacheConfig | None = Field(None, description="Answer repeated inputs from a cache in the engine, "
+                                              "and share one computation among identical requests in flight.")
 
     @model_validator(mode="wrap")
     @classmethod
@@ -235,6 +240,9 @@ class ModelConfig(StrictModel):
             self._check_preprocess(self.preprocess, problems)
         if self.postprocess is not None:
             self._check_postprocess(self.postprocess, problems)
+        if self.cache is not None and not self.deterministic:
+            problems.add(("cache",), "a model declared non-deterministic (deterministic: false) is never cached; "
+                         "remove cache or declare the model deterministic")
         if self.batching.reserve_instance_for_high and self.instances < 2:
             problems.add(("batching", "reserve_instance_for_high"),
                          f"needs instances >= 2; instances is {self.instances}")

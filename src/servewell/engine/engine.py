@@ -20,13 +20,14 @@ import numpy as np
 
 from servewell.config.model import ModelConfig
 from servewell.engine.entry import Entry, InvalidModel
-from servewell.engine.lanes import resolve_lane
 from servewell.engine.memory_budget import MemoryBudget, estimate_model_memory, machine_memory_budget
 from servewell.engine.model_entry import EntryServices, LoadProgressFn, ModelEntry
+from servewell.engine.model_handle import ServedModelHandle, ready_entry_or_refusal
 from servewell.engine.model_pool import ModelPool, ModelSlot, PoolSettings
 from servewell.engine.protocol import ModelView, Readiness, RequestResult
 from servewell.engine.readiness import ReadinessPolicy, evaluate_readiness
 from servewell.engine.repository import ModelSource, OutsidePolicy, read_model_config, scan_repository
+from servewell.engine.response_cache import ResponseCache
 from servewell.engine.snapshot import SnapshotStore
 from servewell.engine.validation import check_inputs
 from servewell.errors import Conflict, LoadFailed, NotFound, ShuttingDown, quote
@@ -40,60 +41,6 @@ log = logging.getLogger("servewell.engine")
 #: Profile captures running at once across models (one per model): each costs its worker the
 #: profiler's overhead and the frontend the trace's memory until it is sent.
 MAX_PROFILE_CAPTURES = 2
-
-
-class ServedModelHandle:
-    """A request's view of a ready model (`ServedModel`): admit and infer without lookups."""
-
-    __slots__ = ("_slot", "_engine", "name", "config", "_lanes")
-
-    def __init__(self, slot: ModelSlot, engine: InferenceEngine, entry: ModelEntry) -> None:
-        self._slot = slot
-        self._engine = engine
-        self.name = entry.name
-        self.config: ModelConfig = entry.config
-        self._lanes = entry.scheduler.lanes
-
-    def resolve_lane(self, urgency: str | None = None, priority: object = None) -> int:
-        """Lane index for a request's urgency and/or OIP priority (engine/lanes.py)."""
-        return resolve_lane(self._lanes, urgency, priority)
-
-    def _serving(self) -> ModelEntry:
-        entry = self._slot.entry
-        if not self._engine.accepting:
-            raise ShuttingDown("the server is shutting down and accepts no new requests")
-        return _ready(entry)
-
-    def admit(self, lane: int) -> None:
-        """Refuse now what could not be queued (not ready, lane full, shutting down)."""
-        if not self._slot.resident and self._engine.pool.loadable(self._slot):
-            return  # evicted since it resolved: `infer` loads it again
-        self._serving().scheduler.admit(lane)
-
-    def infer(self, inputs: dict[str, np.ndarray], *, lane: int, deadline: float | None, request_id: str,
-              arrived_at: float | None) -> asyncio.Future[RequestResult]:
-        """Validate and queue the request on the version serving now (`deadline`: absolute
-        `time.monotonic()` seconds, None for the model's default timeout from `arrived_at`)."""
-        slot = self._slot
-        slot.used()
-        if not slot.resident and self._engine.pool.loadable(slot):
-            # Evicted (or being evicted) since this request resolved it: load it again and queue there.
-            check_inputs(self.config, inputs)
-            return asyncio.ensure_future(self._engine.load_then_submit(slot, inputs, lane, deadline, request_id,
-                                                                       arrived_at))
-        entry = self._serving()
-        rows = check_inputs(entry.config, inputs)
-        return entry.scheduler.submit(inputs, rows, lane, deadline, request_id, arrived_at)
-
-
-def _ready(entry: Entry) -> ModelEntry:
-    """`entry` if it takes new requests; otherwise the error that says why (the model is not ready,
-    or it is being unloaded or replaced: its own 503 code, never `shutting_down`)."""
-    ready = entry.ready_entry()
-    refusal = ready.refusal()
-    if refusal is not None:
-        raise refusal
-    return ready
 
 
 class InferenceEngine:
@@ -189,7 +136,7 @@ class InferenceEngine:
         slot = self._slot(name, version)
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
-        return ServedModelHandle(slot, self, _ready(slot.entry))  # its `infer` marks the model used
+        return ServedModelHandle(slot, self, ready_entry_or_refusal(slot.entry))  # its infer marks it used
 
     async def resolve_async(self, name: str, version: str | None = None,
                             deadline: float | None = None) -> ServedModelHandle:
@@ -222,9 +169,9 @@ class InferenceEngine:
         await self.pool.acquire(slot, deadline)
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
-        entry = _ready(slot.entry)
+        entry = ready_entry_or_refusal(slot.entry)
         rows = check_inputs(entry.config, inputs)
-        return await entry.scheduler.submit(inputs, rows, lane, deadline, request_id, arrived_at)
+        return await entry.submit(inputs, rows, lane, deadline, request_id, arrived_at)
 
     def default_model_name(self) -> str:
         """The configured default model, else the only or first valid model."""
@@ -307,6 +254,10 @@ class InferenceEngine:
     def batching(self, name: str) -> dict[str, Any]:
         """Live batching settings of a model."""
         return self._valid(name).scheduler.settings()
+
+    def response_cache(self, name: str) -> ResponseCache | None:
+        """The response cache of the version serving `name` (None: it has none)."""
+        return self._valid(name).cache
 
     def update_batching(self, name: str, changes: Mapping[str, Any]) -> dict[str, Any]:
         """Change a model's batching settings while it serves (all or nothing; None: back to

@@ -14,16 +14,20 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from servewell.config.model import ModelConfig
 from servewell.engine.clock import Clock
 from servewell.engine.entry import StopCause, not_ready
 from servewell.engine.memory_budget import MemoryBudget, MemoryEstimate, estimate_model_memory
 from servewell.engine.model_files import model_files, unlisted_files
-from servewell.engine.protocol import InstanceInfo, ModelState, ModelView, SchedulingFacts
+from servewell.engine.protocol import InstanceInfo, ModelState, ModelView, RequestResult, SchedulingFacts
 from servewell.engine.repository import OutsidePolicy, outside_refusal
+from servewell.engine.response_cache import ResponseCache
 from servewell.engine.scheduler import ModelScheduler
 from servewell.engine.snapshot import Snapshot, SnapshotError, SnapshotStore
 from servewell.errors import (
@@ -94,6 +98,8 @@ class ModelEntry:
         telemetry = BatchTelemetry(config.name, config.version, config.batching.lanes, metrics,
                                    tracing.tracer if tracing is not None else None)
         self.scheduler = ModelScheduler(config, telemetry, services.clock)
+        self._telemetry = telemetry
+        self.cache = self._new_cache(config)
         progress = services.on_progress
         workers = services.workers or WorkerSettings()
         if tracing is None and workers.tracing is not None:
@@ -119,14 +125,34 @@ class ModelEntry:
         return f"model '{self.name}' version '{self.version}'"
 
     def apply_batching(self, config: ModelConfig) -> dict[str, object]:
-        """Take a new model.yaml whose only changes are live batching settings (and a max batch size
-        within what warm-up proved): the file's values apply, admin overrides end. Returns the
-        overrides that were dropped."""
+        """Take a new model.yaml whose only changes are live settings (batching, a max batch size
+        within what warm-up proved, the response cache): the file's values apply, admin overrides
+        end, and the response cache starts empty (a changed config may change the answers). Returns
+        the overrides that were dropped."""
         self.scheduler.update({**config.batching.model_dump(exclude={"lanes"}),
                                "max_batch_size": max(1, config.max_batch_size)})
         dropped, self.overrides = self.overrides, {}
         self.config, self.configured_at = config, time.time()
+        self.cache = self._new_cache(config)
         return dropped
+
+    def _new_cache(self, config: ModelConfig) -> ResponseCache | None:
+        if config.cache is None or not config.deterministic:
+            return None
+        return ResponseCache(self.name, config.cache, self._services.metrics)
+
+    def submit(self, inputs: dict[str, np.ndarray], rows: int, lane: int, deadline: float | None, request_id: str,
+               arrived_at: float | None) -> asyncio.Future[RequestResult]:
+        """Queue a request (`ModelScheduler.submit`); a model with a response cache answers a repeat
+        from it, or shares an identical request's computation (engine/response_cache.py)."""
+        cache = self.cache
+        if cache is None:
+            return self.scheduler.submit(inputs, rows, lane, deadline, request_id, arrived_at)
+        if deadline is None:
+            start = arrived_at if arrived_at is not None else time.monotonic()
+            deadline = start + self.scheduler.batching.default_timeout_ms / 1000.0
+        return cache.serve(inputs, deadline, partial(self.scheduler.submit, inputs, rows, lane, deadline, request_id,
+                                                     arrived_at), partial(self._telemetry.count, lane, "success"))
 
     def update_batching(self, changes: Mapping[str, Any]) -> dict[str, Any]:
         """An admin's live change of batching settings (all or nothing); a None value returns that
@@ -175,7 +201,8 @@ class ModelEntry:
         if config.max_batch_size > self.scheduler.proven_max_batch_size or (config.max_batch_size == 0) != (
                 self.config.max_batch_size == 0):
             return False
-        same = {"batching", "max_batch_size", "pinned", "idle_unload_s"}  # the pool reads the last two per use
+        # The pool reads pinned and idle_unload_s per use; the cache is rebuilt by apply_batching.
+        same = {"batching", "max_batch_size", "pinned", "idle_unload_s", "cache", "deterministic"}
         return config.model_dump(exclude=same) == self.config.model_dump(exclude=same)
 
     # --- the Entry interface (engine/entry.py) ---------------------------------------------
@@ -208,8 +235,11 @@ class ModelEntry:
     def sample(self) -> ModelSample:
         """State, queues and workers for a metrics scrape."""
         s = self.scheduler
+        cache = self.cache
         return ModelSample(self.name, self.state, s.lane_depths(), s.queue_depth + s.running_rows, s.max_batch_size,
-                           tuple(WorkerSample(self.name, i.instance, i.alive, i.pid) for i in self.instances()))
+                           tuple(WorkerSample(self.name, i.instance, i.alive, i.pid) for i in self.instances()),
+                           cache_bytes=cache.bytes if cache is not None else None,
+                           cache_entries=cache.entries if cache is not None else 0)
 
     def facts(self) -> ModelFacts | None:
         """Queue fill, restarts and memory headroom, for the alert webhook."""
@@ -224,6 +254,7 @@ class ModelEntry:
             "state": self.state, "version": self.version, "file": str(self.directory / "model.yaml"),
             "loaded_at": self.configured_at, "overrides": dict(self.overrides),
             "batching": self.scheduler.settings(), "config": self.config.model_dump(mode="json"),
+            "cache": self.cache.report() if self.cache is not None else None,
         }
 
     def _set_state(self, state: ModelState, reason: str | None = None) -> None:
@@ -364,6 +395,8 @@ class ModelEntry:
             # An evicted model keeps its snapshot until it loads again: the next snapshot hard-links
             # its unchanged files, so the reload reads weights the page cache still holds.
             await self._release_snapshot()
+        if self.cache is not None:
+            self.cache.clear()  # its answers are this version's: memory back now, not when the entry is collected
         if self.state != "failed":
             self._set_state(state, reason)
 

@@ -35,6 +35,7 @@ class RequestResult:
     queue_s: float
     compute_s: float
     batch_size: int
+    cache: str = ""  # "hit" or "coalesced" when the response cache answered it (engine/response_cache.py)
 
 
 @dataclass(slots=True, frozen=True)

@@ -75,6 +75,8 @@ class ModelSample:
     pinned: bool = False
     last_used_at: float | None = None  # wall clock of the model's last request (None: never used)
     estimated_bytes: int | None = None  # host memory its instances are estimated to need
+    cache_bytes: int | None = None  # its response cache's kept answers (None: no cache)
+    cache_entries: int = 0
 
 
 MODEL_STATES = ("loading", "ready", "restarting", "failed", "invalid", "unloaded")
@@ -276,6 +278,13 @@ class ServeMetrics:
         self.pool_requests = LoopCounter(
             "servewell_model_pool_requests", "Lazy mode: inference requests by whether their model was resident "
             "(hit) or had to be loaded first (miss).", ["result"], registry=r)
+        self.cache_requests = LoopCounter(
+            "servewell_response_cache_requests", "Requests to a model with a response cache, by result (hit: "
+            "answered from the cache; coalesced: shared an identical request's computation; miss: computed).",
+            ["model", "result"], registry=r)
+        self.cache_evictions = LoopCounter(
+            "servewell_response_cache_evictions", "Cached answers dropped, by reason (size: max_bytes; ttl: older "
+            "than ttl_s).", ["model", "reason"], registry=r)
         self.worker_restarts = LoopCounter(
             "servewell_worker_restarts", "Worker processes replaced, by reason (crash: died; hung: no heartbeat "
             "or a batch over its compute budget, killed; memory: over host_memory_limit_bytes, drained).",
@@ -462,6 +471,11 @@ class _PoolGauges:
         self.by_residency = GaugeMetricFamily(
             "servewell_model_pool_models", "Models of the repository by residency (resident, loading, evicted, "
             "not_loaded, failed, invalid).", labels=["residency"])
+        self.cache_bytes = GaugeMetricFamily(
+            "servewell_response_cache_bytes", "Bytes of answers the model's response cache keeps (models with "
+            "cache: only).", labels=["model"])
+        self.cache_entries = GaugeMetricFamily(
+            "servewell_response_cache_entries", "Answers the model's response cache keeps.", labels=["model"])
         self._counts = dict.fromkeys(RESIDENCIES, 0)
 
     def add(self, model: ModelSample) -> None:
@@ -472,13 +486,17 @@ class _PoolGauges:
             self.last_used.add_metric([model.name], model.last_used_at)
         if model.estimated_bytes is not None:
             self.estimated.add_metric([model.name], model.estimated_bytes)
+        if model.cache_bytes is not None:
+            self.cache_bytes.add_metric([model.name], model.cache_bytes)
+            self.cache_entries.add_metric([model.name], model.cache_entries)
         self._counts[model.residency] = self._counts.get(model.residency, 0) + 1
 
     def families(self) -> list[Metric]:
         """Every family, the per-residency counts added."""
         for residency, count in self._counts.items():
             self.by_residency.add_metric([residency], count)
-        return [self.resident, self.pinned, self.last_used, self.estimated, self.by_residency]
+        return [self.resident, self.pinned, self.last_used, self.estimated, self.by_residency, self.cache_bytes,
+                self.cache_entries]
 
 
 class ProcessRestartsCollector(Collector):
