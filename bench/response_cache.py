@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 rate = GOAL_THROUGHPUT_RATIO * row["repeat/plain"]["ok_per_s"] if times else None
                 result = run_phase(server, kind, model, repeated, args.clients, args.seconds, 100 * r + len(row), rate)
                 row[f"{kind}/{name}"] = result
-                print(f"round {r + 1} {kind}/{model}: {result['ok_per_s']:.0f} ok/s, p99 "
+                print(f"round {r + 1} {kind}/{name}: {result['ok_per_s']:.0f} ok/s, p99 "
                       f"{result['latency_ms']['p99']:.1f} ms, {result['cpu_us_per_request']:.0f} us CPU/request, "
                       f"statuses {result['statuses']}", flush=True)
             rounds.append(row)

@@ -93,6 +93,12 @@ class RateLimited(ServeError):
     status, code = 429, "rate_limited"
 
 
+class OverQuota(RateLimited):
+    """The caller's tenant is over one of its quotas (rate, concurrency, queued requests)."""
+
+    code = "over_quota"
+
+
 class Forbidden(ServeError):
     """The caller may not use this endpoint."""
 

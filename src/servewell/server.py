@@ -33,6 +33,7 @@ from servewell.engine.engine import InferenceEngine
 from servewell.engine.envelope import LiveSettings
 from servewell.engine.model_pool import PoolSettings
 from servewell.engine.snapshot import SnapshotStore
+from servewell.engine.tenants import Tenants
 from servewell.live_config import ConfigReloader, load_keys
 from servewell.observability.alerting import run_alerting
 from servewell.observability.console_feed import ConsoleFeed
@@ -144,6 +145,8 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     spares = SpareWorkers(effective_spare_workers(settings), SpareLaunch(settings.log_level, settings.log_format))
     workers = WorkerSettings(settings.worker_heartbeat_timeout_s, settings.log_level, settings.log_format,
                              tracing.settings, spares=spares, warmup_first_only=effective_warmup_first_only(settings))
+    access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
+    tenants = Tenants(lambda: access.ring if access.enabled else None, metrics)
     engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes,
                              metrics, tracing, default_model, workers=workers, snapshots=snapshot_store(settings),
                              readiness=settings.readiness, required_models=settings.required_models,
@@ -152,7 +155,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
                                                settings.max_load_wait_ms / 1000,
                                                settings.max_concurrent_loads or max(1, usable_cpus() // 4),
                                                settings.load_queue_per_model, settings.idle_unload_s),
-                             device_memory_budget_bytes=settings.device_memory_budget_bytes)
+                             device_memory_budget_bytes=settings.device_memory_budget_bytes, tenants=tenants)
     if metrics is not None:
         set_step_sink(lambda name, seconds: metrics.trace_steps.labels(name).observe(seconds), tracing.tracer)
         gpus = GpuProbe()
@@ -163,7 +166,6 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     decoder, pools = build_decoder(settings)
     plane = DataPlane(engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side), metrics,
                       tracing)
-    access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
     knobs = LiveKnobs(settings.slow_request_ms / 1000.0, settings.metrics_require_key)
     console = ConsoleFeed(metrics)  # the console's chart series and recent slow/failed requests
     console.recent.slow_log.lines_per_window = settings.slow_request_lines_per_model

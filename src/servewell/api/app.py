@@ -16,6 +16,7 @@ from servewell.api import (
     routes_metrics,
     routes_pool,
     routes_simple,
+    routes_tenants,
     routes_v2,
 )
 from servewell.api.errors import install_error_handlers
@@ -67,6 +68,7 @@ def create_app(
     app.include_router(routes_admin.repository_router)
     app.include_router(routes_pool.router)
     app.include_router(routes_cache.router)
+    app.include_router(routes_tenants.router)
     app.include_router(routes_metrics.router)
     app.include_router(routes_console.router)
     app.include_router(routes_docs.router)

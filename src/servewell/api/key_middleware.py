@@ -52,8 +52,7 @@ class ApiKeyMiddleware:
         except ServeError as exc:
             await serve_error_response(exc, path=scope["path"])(scope, receive, send)
             return
-        token = client_var.set(client or "")
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            client_var.reset(token)
+        # Not reset here: the request context middleware around this one resets it after recording the
+        # request (its slow/failed record names the caller's key, for the console's tenant filter).
+        client_var.set(client or "")
+        await self.app(scope, receive, send)

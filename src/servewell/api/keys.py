@@ -8,6 +8,14 @@ separated), in the same entry format:
     <id>:sha256:<64 hex digits>    only the key's SHA-256 is stored, not the key
     ... rate=<n>                   optional: this key's request rate limit, per second
 
+and, for tenants (issue 22; engine/tenants.py enforces them in the engine, for the whole server):
+
+    ... tenant=<id>                the tenant the key belongs to (default: the key's id); keys
+                                   of one tenant share its weight and quotas
+    ... weight=<w>                 its share of a model's batches when tenants compete (default 1)
+    ... concurrency=<n>            its requests admitted and not yet answered, at most (all models)
+    ... queue=<n>                  its requests queued per model, at most
+
 `#` starts a comment. Only SHA-256 digests are kept in memory; a presented key is hashed once
 and compared with every stored digest in constant time. Ids (never keys) appear in logs and as
 a metric label, so their number is bounded by the configuration.
@@ -15,6 +23,7 @@ a metric label, so their number is bounded by the configuration.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import math
@@ -22,6 +31,7 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from servewell.errors import RateLimited, Unauthorized
 from servewell.observability.metrics import ServeMetrics
@@ -42,13 +52,29 @@ class NoKeysError(KeyFormatError):
     """Keys are configured (a keys file, SERVEWELL_API_KEYS) but yield none: never read as "open"."""
 
 
+#: Bounds of the tenant fields: a weight from 1/1000 to 1000 of another's; quotas a server can hold.
+MAX_WEIGHT = 1000.0
+MAX_QUOTA = 1_000_000
+_FIELDS = ("rate", "tenant", "weight", "concurrency", "queue")
+
+
 @dataclass(slots=True, frozen=True)
 class ApiKey:
-    """One accepted key: its id, the SHA-256 of the key, and its own rate limit if any."""
+    """One accepted key: its id, the SHA-256 of the key, its own rate limit if any, and its
+    tenant's name, weight and quotas."""
 
     id: str
     digest: bytes
     rate_per_s: float | None = None
+    tenant: str = ""  # "" : the key's id
+    weight: float | None = None
+    max_concurrent: int | None = None
+    max_queued: int | None = None
+
+    @property
+    def tenant_id(self) -> str:
+        """The tenant this key's requests count against."""
+        return self.tenant or self.id
 
 
 def parse_keys(lines: Iterable[str], source: str) -> list[ApiKey]:
@@ -62,22 +88,55 @@ def parse_keys(lines: Iterable[str], source: str) -> list[ApiKey]:
             continue
         where = f"{source}: entry {number}"
         fields = line.split()
-        rate: float | None = None
-        for extra in fields[1:]:
-            if not extra.startswith("rate="):
-                raise KeyFormatError(f"{where}: unexpected field (only 'rate=<requests per second>' may follow a key)")
-            try:
-                rate = float(extra[5:])
-            except ValueError:
-                rate = -1.0
-            if not (rate > 0 and math.isfinite(rate)):
-                raise KeyFormatError(f"{where}: rate must be a positive number of requests per second")
-        key = _parse_entry(fields[0], where, rate)
+        extras = _extra_fields(fields[1:], where)
+        key = dataclasses.replace(_parse_entry(fields[0], where, None), **extras)
         if key.id in seen:
             raise KeyFormatError(f"{where}: key id '{key.id}' appears twice")
         seen.add(key.id)
         keys.append(key)
+    _check_tenants(keys, source)
     return keys
+
+
+def _extra_fields(fields: list[str], where: str) -> dict[str, Any]:
+    """The `name=value` fields after a key, checked."""
+    out: dict[str, Any] = {}
+    for extra in fields:
+        name, sep, value = extra.partition("=")
+        if not sep or name not in _FIELDS:
+            raise KeyFormatError(f"{where}: unexpected field (after a key: {', '.join(f + '=' for f in _FIELDS)})")
+        if name == "tenant":
+            if not _ID.match(value):
+                raise KeyFormatError(f"{where}: tenant must be 1-64 letters, digits, '-', '_' or '.'")
+            out["tenant"] = value
+        elif name in ("rate", "weight"):
+            try:
+                number = float(value)
+            except ValueError:
+                number = -1.0
+            if not (number > 0 and math.isfinite(number)) or (name == "weight" and number > MAX_WEIGHT):
+                raise KeyFormatError(f"{where}: {name} must be a positive number"
+                                     + (" of requests per second" if name == "rate" else f" up to {MAX_WEIGHT:g}"))
+            out["rate_per_s" if name == "rate" else "weight"] = number
+        else:
+            if not value.isdigit() or not 1 <= int(value) <= MAX_QUOTA:
+                raise KeyFormatError(f"{where}: {name} must be a whole number from 1 to {MAX_QUOTA}")
+            out["max_concurrent" if name == "concurrency" else "max_queued"] = int(value)
+    return out
+
+
+def _check_tenants(keys: list[ApiKey], source: str) -> None:
+    """Keys of one tenant must not state its weight or a quota differently (which would win?)."""
+    stated: dict[tuple[str, str], tuple[object, str]] = {}
+    for key in keys:
+        for field_name in ("weight", "max_concurrent", "max_queued"):
+            value = getattr(key, field_name)
+            if value is None:
+                continue
+            first = stated.setdefault((key.tenant_id, field_name), (value, key.id))
+            if first[0] != value:
+                raise KeyFormatError(f"{source}: keys '{first[1]}' and '{key.id}' of tenant '{key.tenant_id}' give "
+                                     f"its {field_name.replace('max_', '')} differently ({first[0]} and {value})")
 
 
 def _parse_entry(entry: str, where: str, rate: float | None) -> ApiKey:
@@ -121,6 +180,11 @@ class KeyRing:
     def ids(self) -> tuple[str, ...]:
         """Ids of the accepted keys."""
         return tuple(k.id for k in self._keys)
+
+    @property
+    def keys(self) -> tuple[ApiKey, ...]:
+        """The accepted keys (their digests, ids, limits and tenants)."""
+        return self._keys
 
     def identify(self, presented: str) -> ApiKey | None:
         """The key `presented` matches, or None. Every stored digest is compared, whichever matches."""

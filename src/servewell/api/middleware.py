@@ -23,6 +23,7 @@ from servewell.errors import quote
 from servewell.observability.context import (
     BatchPlacement,
     RecordedElsewhere,
+    client_var,
     error_code_var,
     model_var,
     placement_var,
@@ -75,7 +76,7 @@ class RequestContextMiddleware:
         request_id = request_id or uuid.uuid4().hex
         elsewhere = RecordedElsewhere()
         tokens = (request_id_var.set(request_id), model_var.set(""), stages_var.set({}),
-                  placement_var.set(BatchPlacement()), recorded_elsewhere_var.set(elsewhere))
+                  placement_var.set(BatchPlacement()), recorded_elsewhere_var.set(elsewhere), client_var.set(""))
         span = otel_token = trace_token = None
         if self.tracing is not None:
             span, span_context = begin_server_span(
@@ -124,6 +125,7 @@ class RequestContextMiddleware:
             stages_var.reset(tokens[2])
             placement_var.reset(tokens[3])
             recorded_elsewhere_var.reset(tokens[4])
+            client_var.reset(tokens[5])  # the key check sets it inside; the record in `_finish` names it
 
     def _finish(self, scope: Scope, status: int, elapsed: float, span: Span | None, elsewhere: bool) -> None:
         route = scope.get("route")

@@ -11,7 +11,7 @@ import logging
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
-from servewell.observability.context import model_var, placement_var, request_id_var, stages_var
+from servewell.observability.context import client_var, model_var, placement_var, request_id_var, stages_var
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.recent_requests import RecentRequests, RequestRecord
 from servewell.observability.slow_log import record_fields
@@ -53,7 +53,7 @@ def record_outcome(*, protocol: str, route: str, status: int, error_code: str, e
     record = RequestRecord(request_id_var.get(), protocol, route, model, status, error_code,
                            round(elapsed_s * 1000, 3), slow, stages, batch_id=facts.get("batch_id"),
                            batch_size=facts.get("batch_size"), instance=facts.get("instance"),
-                           queue_position=facts.get("queue_position"))
+                           queue_position=facts.get("queue_position"), client=client_var.get())
     if slow:
         if recent is not None:
             recent.slow_log.slow(record)

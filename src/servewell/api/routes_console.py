@@ -29,6 +29,7 @@ from servewell.api.openapi import error_responses
 from servewell.api.routes_pool import pool_fields, pool_report
 from servewell.api.state import AppState, app_state
 from servewell.engine.protocol import ModelView
+from servewell.engine.tenants import Tenants
 from servewell.errors import NotFound, ServeError
 from servewell.observability.console_feed import ALL_MODELS, ConsoleFeed
 from servewell.observability.latency_reading import latency_split
@@ -98,13 +99,16 @@ async def console_state(
     request: Request,
     model: str = Query(ALL_MODELS, max_length=200, description="Whose chart series: a model name, or * for all."),
     recent: int = Query(50, ge=0, le=_RECENT_LIMIT, description="How many recent slow/failed requests."),
+    tenant: str | None = Query(None, max_length=64, description="Only this tenant's recent requests (a tenant of "
+                               "the keys file, or - for requests without a key)."),
 ) -> Response:
     """Server facts (with `/healthz`'s status and reason), every model (state, reason, instances
     and their memory, queue per lane, effective max batch size, `signals` over the last 30 s and
     `latency_split` of its p99 with a reading, its place in the model pool: residency, pinned, last
     use, estimated memory), the pool's summary, the server's active alerts, the chart series of
     `model` over the last minutes, and (admin only) the recent slow and failed requests and each
-    model's batching settings. Needs an API key when keys are configured."""
+    model's batching settings, and the tenants (weights, quotas, in progress, refusals by reason;
+    `tenant` filters the recent requests to one). Needs an API key when keys are configured."""
     state = app_state(request)
     if model != ALL_MODELS and not state.engine.knows(model):
         raise NotFound("unknown model; use * or one of this server's models")
@@ -138,7 +142,8 @@ async def console_state(
         },
         "models": [_model(view, state if admin else None) for view in state.engine.models()],
         "series": {**feed.series(model), "models": feed.models()},
-        "recent": feed.recent.to_json(recent) if admin else None,
+        "recent": feed.recent.to_json(recent, _tenant_keys(state, tenant)) if admin else None,
+        "tenants": _tenants_report(state) if admin else None,
         "recent_recorded": feed.recent.recorded if admin else None,
         "config": state.config_status(),  # rejected config files (live_config.py), shown as a banner
         "alerts": feed.alerts.to_json(),
@@ -191,3 +196,19 @@ def _add_golden_signals(entry: dict[str, Any], feed: ConsoleFeed) -> None:
     summary = feed.summary(entry["name"])
     entry["signals"] = summary
     entry["latency_split"] = latency_split(summary, entry.get("compute_by_batch_size")).to_json()
+
+
+def _tenant_keys(state: AppState, tenant: str | None) -> frozenset[str] | None:
+    """The key ids of `tenant` (None: no filter); 404 for a tenant the keys in force do not name."""
+    if tenant is None:
+        return None
+    tenants = getattr(state.engine, "tenants", None)
+    keys = tenants.keys_of(tenant) if isinstance(tenants, Tenants) else frozenset()
+    if not keys:
+        raise NotFound("unknown tenant; use one of the keys file's tenants, or - for requests without a key")
+    return keys
+
+
+def _tenants_report(state: AppState) -> list[dict[str, Any]] | None:
+    tenants = getattr(state.engine, "tenants", None)
+    return tenants.report() if isinstance(tenants, Tenants) else None

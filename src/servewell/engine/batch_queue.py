@@ -1,14 +1,24 @@
-"""Pure, synchronous queueing rules of one model: priority lanes, deadlines, bounds, shapes.
+"""Pure, synchronous queueing rules of one model: priority lanes, deadlines, bounds, shapes, and
+weighted fair shares between tenants inside a lane.
 
 No clocks, sockets or event loop here: callers pass `now`, so every rule is unit-tested
 directly. `ModelScheduler` drives this from the event loop.
+
+**Tenants** (issue 22). Each lane keeps one deadline-ordered heap per tenant (the API key's
+tenant; "" without keys) and a virtual time per tenant: the rows it was given divided by its
+weight. A batch is led by the tenant furthest behind (least virtual time; ties by deadline) and
+filled by taking, row by row, from whichever same-shape tenant is then furthest behind, so over
+time each tenant with work queued gets rows in proportion to its weight (start-time fair
+queuing by rows) and a tenant that sends 10x its share waits behind itself. A tenant that
+becomes busy again starts at the least virtual time of the busy ones: idle time is not banked.
+With one tenant this is the earliest-deadline-first heap it always was.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -28,6 +38,7 @@ class QueuedItem(Generic[T]):
     seq: int = 0
     cancelled: bool = False
     queued: bool = False
+    tenant: str = ""
 
 
 @dataclass(order=True, slots=True)
@@ -37,19 +48,57 @@ class _HeapEntry:
     item: QueuedItem[Any] = field(compare=False)
 
 
+class _Lane:
+    """One lane: a deadline heap per tenant, live items and virtual time per tenant."""
+
+    __slots__ = ("heaps", "live", "vtime")
+
+    def __init__(self) -> None:
+        self.heaps: dict[str, list[_HeapEntry]] = {}
+        self.live: dict[str, int] = {}  # queued, not cancelled; a tenant with 0 is idle
+        self.vtime: dict[str, float] = {}
+
+    def busy(self) -> list[str]:
+        return [tenant for tenant, count in self.live.items() if count > 0]
+
+    def behind(self, tenants: list[str]) -> str:
+        """The tenant furthest behind (least virtual time; ties: the earliest deadline at its head)."""
+        if len(tenants) == 1:
+            return tenants[0]
+        return min(tenants, key=lambda t: (self.vtime.get(t, 0.0), _head_deadline(self.heaps[t])))
+
+
+def _head_deadline(heap: list[_HeapEntry]) -> float:
+    _drop_cancelled_head(heap)
+    return heap[0].deadline_at if heap else float("inf")
+
+
+def _drop_cancelled_head(heap: list[_HeapEntry]) -> None:
+    while heap and heap[0].item.cancelled:
+        heapq.heappop(heap)
+
+
+def _equal_weights(tenant: str) -> float:
+    return 1.0
+
+
 class BatchQueue(Generic[T]):
-    """Lanes ordered by priority (lane 0 first); earliest deadline first within a lane; a lower
-    lane gets a batch after `max_consecutive_high` higher-lane batches in a row.
+    """Lanes ordered by priority (lane 0 first); inside a lane, tenants in proportion to their
+    weights and earliest deadline first within a tenant; a lower lane gets a batch after
+    `max_consecutive_high` higher-lane batches in a row.
 
     Each lane holds at most `max_queue_size` requests; `push` refuses beyond that so
-    memory stays bounded whatever the load.
+    memory stays bounded whatever the load. `weight_of(tenant)` is read when a batch is taken,
+    so a weight changed live applies to the next batch.
     """
 
-    def __init__(self, lanes: int, max_queue_size: int, max_consecutive_high: int = 8) -> None:
-        self._lanes: list[list[_HeapEntry]] = [[] for _ in range(lanes)]
+    def __init__(self, lanes: int, max_queue_size: int, max_consecutive_high: int = 8,
+                 weight_of: Callable[[str], float] = _equal_weights) -> None:
+        self._lanes = [_Lane() for _ in range(lanes)]
         self._counts = [0] * lanes
         self.max_queue_size = max_queue_size
         self.max_consecutive_high = max_consecutive_high
+        self.weight_of = weight_of
         self._seq = itertools.count()
         self._streak = 0
 
@@ -60,13 +109,29 @@ class BatchQueue(Generic[T]):
         """Requests waiting in `lane` (cancelled ones excluded)."""
         return self._counts[lane]
 
+    def tenant_depth(self, tenant: str) -> int:
+        """Requests of `tenant` waiting in any lane."""
+        return sum(lane.live.get(tenant, 0) for lane in self._lanes)
+
     def push(self, item: QueuedItem[T]) -> bool:
         """Queue `item`; False when its lane is full (the caller refuses the request)."""
         if self._counts[item.lane] >= self.max_queue_size:
             return False
         item.seq = next(self._seq)
         item.queued = True
-        heapq.heappush(self._lanes[item.lane], _HeapEntry(item.deadline_at, item.seq, item))
+        lane = self._lanes[item.lane]
+        tenant = item.tenant
+        heap = lane.heaps.get(tenant)
+        if heap is None:
+            heap = lane.heaps[tenant] = []
+        live = lane.live.get(tenant, 0)
+        if live == 0 and len(lane.heaps) > 1:
+            busy = lane.busy()
+            if busy:  # busy again: start level with the busy tenant furthest behind, never earlier
+                floor = min(lane.vtime.get(t, 0.0) for t in busy)
+                lane.vtime[tenant] = max(lane.vtime.get(tenant, 0.0), floor)
+        lane.live[tenant] = live + 1
+        heapq.heappush(heap, _HeapEntry(item.deadline_at, item.seq, item))
         self._counts[item.lane] += 1
         return True
 
@@ -76,31 +141,35 @@ class BatchQueue(Generic[T]):
             item.cancelled = True
             item.queued = False
             self._counts[item.lane] -= 1
+            self._lanes[item.lane].live[item.tenant] -= 1
 
     def expire(self, now: float) -> list[QueuedItem[T]]:
         """Remove and return every queued item whose deadline is at or before `now`.
 
-        Each lane is a heap ordered by deadline, so expired items are at its top: this costs
-        the expired items, not the queue (it runs on every submit and every finished batch).
+        Each tenant's heap is ordered by deadline, so expired items are at its top: this costs
+        the expired items and the tenants, not the queue (it runs on every submit and batch).
         """
         expired: list[QueuedItem[T]] = []
-        for lane, heap in enumerate(self._lanes):
-            while heap and (heap[0].item.cancelled or heap[0].deadline_at <= now):
-                item = heapq.heappop(heap).item
-                if item.cancelled:
-                    continue
-                item.queued = False
-                expired.append(item)
-                self._counts[lane] -= 1
+        for index, lane in enumerate(self._lanes):
+            for tenant, heap in lane.heaps.items():
+                while heap and (heap[0].item.cancelled or heap[0].deadline_at <= now):
+                    item = heapq.heappop(heap).item
+                    if item.cancelled:
+                        continue
+                    item.queued = False
+                    expired.append(item)
+                    self._counts[index] -= 1
+                    lane.live[tenant] -= 1
         return expired
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of any queued item."""
         best: float | None = None
-        for heap in self._lanes:
-            self._drop_cancelled_head(heap)
-            if heap and (best is None or heap[0].deadline_at < best):
-                best = heap[0].deadline_at
+        for lane in self._lanes:
+            for heap in lane.heaps.values():
+                deadline = _head_deadline(heap)
+                if heap and (best is None or deadline < best):
+                    best = deadline
         return best
 
     def next_lane(self) -> int | None:
@@ -118,23 +187,30 @@ class BatchQueue(Generic[T]):
         lane = self.next_lane() if lane is None else lane
         if lane is None:
             return None
-        heap = self._lanes[lane]
-        self._drop_cancelled_head(heap)
+        entries = self._lanes[lane]
+        busy = entries.busy()
+        if not busy:
+            return None
+        heap = entries.heaps[entries.behind(busy)]
+        _drop_cancelled_head(heap)
         return heap[0].item if heap else None
 
     def oldest_enqueued_at(self, lane: int) -> float | None:
         """When the longest-waiting item of `lane` arrived."""
-        times = [e.item.enqueued_at for e in self._lanes[lane] if not e.item.cancelled]
+        times = [e.item.enqueued_at for heap in self._lanes[lane].heaps.values() for e in heap
+                 if not e.item.cancelled]
         return min(times) if times else None
 
     def ready_rows(self, lane: int, shape_key: Hashable) -> int:
         """Rows queued in `lane` that could join a batch of `shape_key`."""
-        return sum(e.item.rows for e in self._lanes[lane] if not e.item.cancelled and e.item.shape_key == shape_key)
+        return sum(e.item.rows for heap in self._lanes[lane].heaps.values() for e in heap
+                   if not e.item.cancelled and e.item.shape_key == shape_key)
 
     def take_batch(self, max_rows: int, lane: int | None = None) -> list[QueuedItem[T]]:
         """Remove and return the next batch from one lane (lanes never share a batch, so an urgent
-        batch stays small): led by that lane's earliest deadline, filled with same-shape items in
-        deadline order up to `max_rows` rows (a single larger item still goes alone)."""
+        batch stays small): led by the head of the tenant furthest behind, filled with same-shape
+        items, each from the tenant then furthest behind (its earliest deadline first), up to
+        `max_rows` rows (a single larger item still goes alone)."""
         lane = self.next_lane() if lane is None else lane
         lead = self.head(lane) if lane is not None else None
         if lane is None or lead is None:
@@ -144,26 +220,43 @@ class BatchQueue(Generic[T]):
             self._streak += 1
         else:
             self._streak = 0
-        heap = self._lanes[lane]
+        entries = self._lanes[lane]
+        candidates = entries.busy()
         batch: list[QueuedItem[T]] = []
         rows = 0
-        skipped: list[_HeapEntry] = []
-        while heap and rows < max_rows:
+        skipped: list[tuple[list[_HeapEntry], _HeapEntry]] = []
+        while candidates and rows < max_rows:
+            tenant = entries.behind(candidates)
+            item = self._pop_fitting(entries.heaps[tenant], lead.shape_key, max_rows - rows if batch else None, skipped)
+            if item is None:
+                candidates.remove(tenant)  # nothing more of this tenant fits this batch
+                continue
+            batch.append(item)
+            rows += item.rows
+            self._counts[lane] -= 1
+            entries.live[tenant] -= 1
+            entries.vtime[tenant] = entries.vtime.get(tenant, 0.0) + item.rows / self._weight(tenant)
+        for heap, entry in skipped:
+            heapq.heappush(heap, entry)
+        return batch
+
+    def _weight(self, tenant: str) -> float:
+        weight = self.weight_of(tenant)
+        return weight if weight > 0 else 1.0
+
+    @staticmethod
+    def _pop_fitting(heap: list[_HeapEntry], shape_key: Hashable, room: int | None,
+                     skipped: list[tuple[list[_HeapEntry], _HeapEntry]]) -> QueuedItem[Any] | None:
+        """Pop the earliest-deadline item of `heap` with `shape_key` and at most `room` rows (any
+        size when None: the batch's first item); the others popped on the way go to `skipped`."""
+        while heap:
             entry = heapq.heappop(heap)
             item = entry.item
             if item.cancelled:
                 continue
-            if item.shape_key != lead.shape_key or (batch and rows + item.rows > max_rows):
-                skipped.append(entry)
+            if item.shape_key != shape_key or (room is not None and item.rows > room):
+                skipped.append((heap, entry))
                 continue
             item.queued = False
-            batch.append(item)
-            rows += item.rows
-            self._counts[lane] -= 1
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-        return batch
-
-    def _drop_cancelled_head(self, heap: list[_HeapEntry]) -> None:
-        while heap and heap[0].item.cancelled:
-            heapq.heappop(heap)
+            return item
+        return None

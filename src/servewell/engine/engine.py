@@ -29,6 +29,7 @@ from servewell.engine.readiness import ReadinessPolicy, evaluate_readiness
 from servewell.engine.repository import ModelSource, OutsidePolicy, read_model_config, scan_repository
 from servewell.engine.response_cache import ResponseCache
 from servewell.engine.snapshot import SnapshotStore
+from servewell.engine.tenants import Tenants
 from servewell.engine.validation import check_inputs
 from servewell.errors import Conflict, LoadFailed, NotFound, ShuttingDown, quote
 from servewell.observability.metrics import ModelSample, ServeMetrics
@@ -63,6 +64,7 @@ class InferenceEngine:
         models_outside_repository: OutsidePolicy = "warn",
         pool: PoolSettings | None = None,
         device_memory_budget_bytes: int | None = None,
+        tenants: Tenants | None = None,
     ) -> None:
         self.repository = repository
         self.budget = MemoryBudget(memory_budget_bytes or machine_memory_budget(), device_memory_budget_bytes)
@@ -70,7 +72,9 @@ class InferenceEngine:
         self.pool = ModelPool(pool or PoolSettings(), self._slots, self.budget, self._new_entry, metrics)
         self._services = EntryServices(load_timeout_s, self.budget, metrics, tracing, on_progress,
                                        workers=workers, snapshots=snapshots, repository=repository,
-                                       outside_repository=models_outside_repository, make_room=self.pool.make_room)
+                                       outside_repository=models_outside_repository, make_room=self.pool.make_room,
+                                       tenants=tenants)
+        self.tenants = tenants
         self._default_model = default_model
         self._first_load_locks: dict[str, asyncio.Lock] = {}  # names with a directory but no slot yet
         self._readiness_policy: ReadinessPolicy = readiness

@@ -30,6 +30,7 @@ from servewell.engine.repository import OutsidePolicy, outside_refusal
 from servewell.engine.response_cache import ResponseCache
 from servewell.engine.scheduler import ModelScheduler
 from servewell.engine.snapshot import Snapshot, SnapshotError, SnapshotStore
+from servewell.engine.tenants import Tenants
 from servewell.errors import (
     Conflict,
     ModelLoading,
@@ -41,6 +42,7 @@ from servewell.errors import (
     WorkerLost,
 )
 from servewell.observability.batch_telemetry import BatchTelemetry
+from servewell.observability.context import client_var
 from servewell.observability.metrics import ModelSample, ServeMetrics, WorkerSample
 from servewell.observability.signals import ModelFacts
 from servewell.observability.tracing import Tracing
@@ -75,6 +77,8 @@ class EntryServices:
     #: Reserves a load's memory, evicting idle models first in lazy mode (engine/model_pool.py);
     #: None: the budget's own reserve (refused when it does not fit).
     make_room: Callable[[ModelEntry, MemoryEstimate], Awaitable[None]] | None = None
+    #: The server's tenants (engine/tenants.py): quotas per request, weights in the queue.
+    tenants: Tenants | None = None
 
 
 class ModelEntry:
@@ -97,7 +101,9 @@ class ModelEntry:
         tracing = services.tracing if services.tracing is not None and services.tracing.enabled else None
         telemetry = BatchTelemetry(config.name, config.version, config.batching.lanes, metrics,
                                    tracing.tracer if tracing is not None else None)
-        self.scheduler = ModelScheduler(config, telemetry, services.clock)
+        tenants = services.tenants
+        self.scheduler = ModelScheduler(config, telemetry, services.clock,
+                                        tenants.weight if tenants is not None else None)
         self._telemetry = telemetry
         self.cache = self._new_cache(config)
         progress = services.on_progress
@@ -143,16 +149,34 @@ class ModelEntry:
 
     def submit(self, inputs: dict[str, np.ndarray], rows: int, lane: int, deadline: float | None, request_id: str,
                arrived_at: float | None) -> asyncio.Future[RequestResult]:
-        """Queue a request (`ModelScheduler.submit`); a model with a response cache answers a repeat
-        from it, or shares an identical request's computation (engine/response_cache.py)."""
+        """Queue a request (`ModelScheduler.submit`) for its tenant (the caller's key, `client_var`),
+        within the tenant's quotas (`OverQuota` beyond: engine/tenants.py); a model with a response
+        cache answers a repeat from it, or shares an identical request's computation
+        (engine/response_cache.py)."""
+        tenants = self._services.tenants
+        if tenants is None:
+            return self._submit(inputs, rows, lane, deadline, request_id, arrived_at, "")
+        policy = tenants.of(client_var.get())
+        tenants.admit(policy, self.scheduler.tenant_depth(policy.id), self.name)
+        started = time.monotonic()
+        try:
+            future = self._submit(inputs, rows, lane, deadline, request_id, arrived_at, policy.id)
+        except BaseException:
+            tenants.release(policy.id, started)
+            raise
+        future.add_done_callback(lambda _: tenants.release(policy.id, started))
+        return future
+
+    def _submit(self, inputs: dict[str, np.ndarray], rows: int, lane: int, deadline: float | None, request_id: str,
+                arrived_at: float | None, tenant: str) -> asyncio.Future[RequestResult]:
         cache = self.cache
         if cache is None:
-            return self.scheduler.submit(inputs, rows, lane, deadline, request_id, arrived_at)
+            return self.scheduler.submit(inputs, rows, lane, deadline, request_id, arrived_at, tenant)
         if deadline is None:
             start = arrived_at if arrived_at is not None else time.monotonic()
             deadline = start + self.scheduler.batching.default_timeout_ms / 1000.0
-        return cache.serve(inputs, deadline, partial(self.scheduler.submit, inputs, rows, lane, deadline, request_id,
-                                                     arrived_at), partial(self._telemetry.count, lane, "success"))
+        compute = partial(self.scheduler.submit, inputs, rows, lane, deadline, request_id, arrived_at, tenant)
+        return cache.serve(inputs, deadline, compute, partial(self._telemetry.count, lane, "success"))
 
     def update_batching(self, changes: Mapping[str, Any]) -> dict[str, Any]:
         """An admin's live change of batching settings (all or nothing); a None value returns that

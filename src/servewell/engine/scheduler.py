@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +72,7 @@ class ModelScheduler:
     """Queues requests for one model and runs them in batches on its runners."""
 
     def __init__(self, config: ModelConfig, telemetry: BatchTelemetry | None = None,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, weight_of: Callable[[str], float] | None = None) -> None:
         self.config = config
         self.lanes: tuple[str, ...] = tuple(config.batching.lanes)
         self.batching: BatchingConfig = config.batching
@@ -83,7 +83,8 @@ class ModelScheduler:
         self._proven_max = max(1, config.max_batch_size)
         self.max_batch_size = self._proven_max
         self._queue: BatchQueue[PendingRequest] = BatchQueue(
-            len(self.lanes), self.batching.max_queue_size, self.batching.max_consecutive_high
+            len(self.lanes), self.batching.max_queue_size, self.batching.max_consecutive_high,
+            **({"weight_of": weight_of} if weight_of is not None else {}),
         )
         self._runners: RunnerRoster[BatchRunner] = RunnerRoster()  # who may be handed a batch, and who is free
         self._timer: TimerHandle | None = None
@@ -178,6 +179,10 @@ class ModelScheduler:
         """Requests waiting, all lanes together."""
         return len(self._queue)
 
+    def tenant_depth(self, tenant: str) -> int:
+        """Requests of `tenant` queued (every lane)."""
+        return self._queue.tenant_depth(tenant)
+
     def lane_depths(self) -> dict[str, int]:
         """Requests waiting per lane."""
         return {name: self._queue.depth(i) for i, name in enumerate(self.lanes)}
@@ -213,6 +218,7 @@ class ModelScheduler:
         deadline: float | None,
         request_id: str,
         arrived_at: float | None = None,
+        tenant: str = "",
     ) -> asyncio.Future[RequestResult]:
         """Queue a request in lane index `lane`; its future resolves with the result or a `ServeError`.
 
@@ -239,7 +245,8 @@ class ModelScheduler:
         future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         shape_key = tuple((name, a.shape[1:], a.dtype.str) for name, a in inputs.items())
         mark = self._telemetry.mark(self._queue.depth(lane))  # queue position: requests ahead in its lane
-        item = QueuedItem(PendingRequest(inputs, request_id, future, mark), lane, rows, shape_key, deadline_at, now)
+        item = QueuedItem(PendingRequest(inputs, request_id, future, mark), lane, rows, shape_key, deadline_at, now,
+                          tenant=tenant)
         if not self._queue.push(item):
             raise self._refuse(lane)
         self._learned.arrivals.observe(now)

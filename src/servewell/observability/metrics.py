@@ -285,6 +285,13 @@ class ServeMetrics:
         self.cache_evictions = LoopCounter(
             "servewell_response_cache_evictions", "Cached answers dropped, by reason (size: max_bytes; ttl: older "
             "than ttl_s).", ["model", "reason"], registry=r)
+        self.tenant_requests = LoopCounter(
+            "servewell_tenant_requests", "Inference requests per tenant (the keys file's tenants; '-': no key) by "
+            "result: admitted, or refused over a quota (over_rate, over_concurrency, over_queue).",
+            ["tenant", "result"], registry=r)
+        self.tenant_duration = LoopHistogram(
+            "servewell_tenant_request_duration_seconds", "Per tenant: from the engine admitting a request to its "
+            "answer (queue, batch, compute; cached answers too).", ["tenant"], buckets=latency_buckets, registry=r)
         self.worker_restarts = LoopCounter(
             "servewell_worker_restarts", "Worker processes replaced, by reason (crash: died; hung: no heartbeat "
             "or a batch over its compute budget, killed; memory: over host_memory_limit_bytes, drained).",

@@ -74,6 +74,7 @@ class RequestRecord:
     batch_size: int | None = None  # rows of the whole batch
     instance: int | None = None  # worker instance of the model, 0-based
     queue_position: int | None = None  # requests already waiting in its lane when it was queued
+    client: str = ""  # the caller's API key id ("" without keys): the console filters by tenant with it
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON-ready dict."""
@@ -85,7 +86,7 @@ class RequestRecord:
         and 2.9 ms (the engine turns them back into records only when the console reads them)."""
         return (self.request_id, self.protocol, self.route, self.model, self.status, self.code, self.total_ms,
                 self.slow, self.stages_ms, self.at, self.batch_id, self.batch_size, self.instance,
-                self.queue_position)
+                self.queue_position, self.client)
 
     @classmethod
     def from_fields(cls, fields: RecordFields) -> RequestRecord:
@@ -259,9 +260,11 @@ class RecentRequests:
                               counts, self._base_recorded + sum(p.recorded for p in self._sources.values()))
         return self._absorbed
 
-    def to_json(self, limit: int | None = None) -> list[dict[str, Any]]:
-        """`latest(limit)` as JSON-ready dicts."""
-        return [r.to_json() for r in self.latest(limit)]
+    def to_json(self, limit: int | None = None, clients: frozenset[str] | None = None) -> list[dict[str, Any]]:
+        """`latest(limit)` as JSON-ready dicts (only those of `clients`' key ids, when given)."""
+        if clients is None:
+            return [r.to_json() for r in self.latest(limit)]
+        return [r.to_json() for r in self.latest(None) if r.client in clients][:limit]
 
     def refusals_json(self, limit: int | None = None) -> dict[str, Any]:
         """`{"counts": {code: n}, "recent": [record, ...]}`: every refusal since start by code, and

@@ -26,7 +26,8 @@ def test_json_holds_the_breakdown_and_nothing_else():
     (doc,) = ring.to_json()
     assert doc == {"request_id": "id-7", "protocol": "http", "route": "/predict", "model": "digits", "status": 200,
                    "code": "", "total_ms": 7.0, "slow": True, "stages_ms": {"queue": 1.5}, "at": 1007.0,
-                   "batch_id": None, "batch_size": None, "instance": None, "queue_position": None}
+                   "batch_id": None, "batch_size": None, "instance": None, "queue_position": None,
+                   "client": ""}  # the key id (never the key), for the tenant filter
 
 
 def test_a_record_is_stamped_when_it_is_made():
@@ -56,7 +57,7 @@ def test_a_flood_of_refusals_does_not_evict_a_real_failure():
     assert ring.to_json()[0] | {"at": 0} == {
         "request_id": "real", "protocol": "http", "route": "/predict", "model": "digits", "status": 500,
         "code": "model_error", "total_ms": 3.0, "slow": False, "stages_ms": {}, "at": 0,
-        "batch_id": 7, "batch_size": 4, "instance": 1, "queue_position": 2}
+        "batch_id": 7, "batch_size": 4, "instance": 1, "queue_position": 2, "client": ""}
 
 
 @pytest.mark.parametrize(("status", "model", "refusal"), [

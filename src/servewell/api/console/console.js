@@ -35,6 +35,7 @@
   // What the page holds, for people poking around in the devtools and for the browser tests.
   const page = (window.servewellConsole = { state: null, charts: {}, polls: 0, lastTry: null });
   let chartModel = "*";
+  let recentTenant = ""; // "" : every tenant's recent requests
   let waitingForKey = false;
   let pollTimer = null;
   let lastOk = 0;
@@ -130,15 +131,17 @@
       setLive(false, "needs an API key");
       return;
     }
-    const url = `/console/api/state?model=${encodeURIComponent(chartModel)}&recent=${RECENT_ROWS}`;
+    const url = `/console/api/state?model=${encodeURIComponent(chartModel)}&recent=${RECENT_ROWS}` +
+      (recentTenant ? `&tenant=${encodeURIComponent(recentTenant)}` : "");
     try {
       const response = await fetch(url, { headers: headers(), cache: "no-store" });
       if (response.status === 401 || response.status === 429) {
         waitingForKey = response.status === 401;
         showAuth(await errorMessage(response));
         setLive(false, response.status === 401 ? "API key refused" : "rate limited");
-      } else if (response.status === 404 && chartModel !== "*") {
-        chartModel = "*"; // the model went away
+      } else if (response.status === 404 && (chartModel !== "*" || recentTenant)) {
+        chartModel = "*"; // the model (or the tenant) went away
+        recentTenant = "";
       } else if (!response.ok) {
         setLive(false, await errorMessage(response));
       } else {
@@ -166,8 +169,45 @@
     renderCharts(doc.series);
     renderTryModels(doc.models);
     renderRecent(doc);
+    renderTenants(doc.tenants);
     renderConfigBanner(doc.config);
   }
+
+  /* Tenants (issue 22): weights, quotas, in progress and refusals by reason; the select filters the
+     recent requests to one tenant (the server filters: ?tenant=). Admin data, as recent requests. */
+  function renderTenants(tenants) {
+    const select = $("recent-tenant");
+    const body = $("tenants-table").tBodies[0];
+    clear(body);
+    const known = (tenants || []).map((t) => t.tenant);
+    const wanted = ["", ...known];
+    if ([...select.options].map((o) => o.value).join("\n") !== wanted.join("\n")) {
+      clear(select);
+      for (const name of wanted) select.appendChild(new Option(name || "all tenants", name));
+    }
+    select.value = known.includes(recentTenant) ? recentTenant : "";
+    if (!tenants) {
+      const cell = el("td", "muted", "tenants are operator data and follow the admin rule");
+      cell.colSpan = 7;
+      body.insertRow().appendChild(cell);
+      return;
+    }
+    const quota = (v) => (v === null || v === undefined ? "–" : String(v));
+    for (const t of tenants) {
+      const row = body.insertRow();
+      row.insertCell().appendChild(el("code", null, t.tenant));
+      row.insertCell().textContent = String(t.weight);
+      row.insertCell().textContent = `${quota(t.rate_per_s)} / ${quota(t.max_concurrent)} / ${quota(t.max_queued)}`;
+      row.insertCell().textContent = String(t.inflight);
+      row.insertCell().textContent = String(t.admitted);
+      row.insertCell().textContent = `${t.over_rate} / ${t.over_concurrency} / ${t.over_queue}`;
+      row.insertCell().textContent = Object.keys(t.overrides || {}).join(", ") || "–";
+    }
+  }
+  $("recent-tenant").addEventListener("change", (event) => {
+    recentTenant = event.target.value;
+    pollNow();
+  });
 
   /* Rejected configuration files (hot reload), one line each: file, field, reason, time. The
      banner is made here so that index.html stays as it is; text only (textContent), never HTML. */

@@ -1,0 +1,77 @@
+"""The tenants' admin API (engine/tenants.py): every tenant's weight, quotas, requests in progress
+and counts, and a live change of a tenant's weight or quotas.
+
+Guarded like every /admin route (`require_admin`); in a split server an ingress forwards them to
+the engine's app (api/forward.py), where the one `Tenants` of the server lives.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from pydantic import Field, ValidationError
+
+from servewell.api.body import check_content_type, read_body
+from servewell.api.keys import MAX_QUOTA, MAX_WEIGHT
+from servewell.api.openapi import error_responses
+from servewell.api.routes_admin import require_admin
+from servewell.api.state import AppState
+from servewell.config.problems import field_problems
+from servewell.config.strict import StrictModel
+from servewell.engine.tenants import Tenants
+from servewell.errors import BadRequest, InvalidInput, ServeError
+
+router = APIRouter(prefix="/admin", tags=["admin"])
+
+Quota = Annotated[int, Field(ge=1, le=MAX_QUOTA)]
+
+
+class TenantPatch(StrictModel):
+    """The body of `PATCH /admin/tenants/{tenant}`: the fields to change (null: back to the keys
+    file's value), with the keys file's bounds."""
+
+    weight: Annotated[float, Field(gt=0, le=MAX_WEIGHT, description="Share of a model's batches.")] | None = None
+    rate_per_s: Annotated[float, Field(gt=0, le=float(MAX_QUOTA), description="Requests per second.")] | None = None
+    max_concurrent: Annotated[Quota, Field(description="Requests in progress, all models.")] | None = None
+    max_queued: Annotated[Quota, Field(description="Requests queued per model.")] | None = None
+
+
+def _tenants(state: AppState) -> Tenants:
+    tenants = getattr(state.engine, "tenants", None)
+    if isinstance(tenants, Tenants):
+        return tenants
+    raise ServeError("this process has no tenants; the request should have been forwarded to the engine")
+
+
+@router.get("/tenants", summary="Tenants: weights, quotas and counts", responses=error_responses(401, 403))
+async def get_tenants(state: AppState = Depends(require_admin)) -> Response:
+    """Each tenant of the keys in force ("-": requests without a key): weight, quotas (null: none),
+    admin overrides in force, requests in progress, and requests by result since the server
+    started (admitted, over_rate, over_concurrency, over_queue)."""
+    return Response(orjson.dumps({"tenants": _tenants(state).report()}), media_type="application/json")
+
+
+@router.patch("/tenants/{tenant}", summary="Change a tenant's weight or quotas while serving",
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": TenantPatch.model_json_schema()}}}},
+              responses=error_responses(400, 401, 403, 404, 413, 415, 422))
+async def patch_tenant(tenant: str, request: Request, state: AppState = Depends(require_admin)) -> Response:
+    """Apply the given fields at once (the next request and batch use them); `null` returns a
+    field to the keys file's value. Lasts until the keys file changes or the server restarts.
+    404 for a tenant the keys file does not name."""
+    check_content_type(request, ("application/json",))
+    try:
+        raw: Any = orjson.loads(await read_body(request, state.settings.max_body_bytes))
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    try:
+        patch = TenantPatch.model_validate(raw)
+    except ValidationError as exc:
+        raise InvalidInput("; ".join(str(p)[:200] for p in field_problems(exc)[:5])) from None
+    changes = patch.model_dump(exclude_unset=True)
+    if not changes:
+        raise InvalidInput("name at least one of weight, rate_per_s, max_concurrent, max_queued")
+    return Response(orjson.dumps(_tenants(state).update(tenant, changes)), media_type="application/json")

@@ -1,0 +1,197 @@
+"""Tenants (issue 22): who is calling, as the engine sees it, with a weight and quotas.
+
+A tenant is an API key, or the keys that name the same `tenant=` in the keys file
+(api/keys.py); requests without a key (no keys configured) are the one anonymous tenant "".
+This lives in the engine process, one per server, so quotas hold across every ingress process:
+
+* **rate** (`rate=`): a token bucket per tenant, bursts up to one second's worth;
+* **concurrency** (`concurrency=`): requests admitted and not yet answered, all models together;
+* **queue** (`queue=`): requests waiting in one model's queue.
+
+Over a quota is 429 `over_quota` with a `Retry-After` (a model's own full queue stays 503
+`overloaded`): the tenant must slow down, the server is not full. The weight (`weight=`) is the
+tenant's share of a model's batches when tenants compete (engine/batch_queue.py).
+
+The policies are rebuilt when the keys in force change (a keys-file reload, applied live); a
+tenant's counters and bucket survive a reload that keeps it. Metric labels are tenant ids from
+the keys file (bounded by the configuration, never by a client); "" is shown as "-".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from servewell.errors import NotFound, OverQuota, quote
+from servewell.observability.metrics import ServeMetrics
+
+if TYPE_CHECKING:
+    from servewell.api.keys import KeyRing
+
+#: The anonymous tenant: requests that presented no key (the server has none configured).
+ANONYMOUS = ""
+TENANT_RESULTS = ("admitted", "over_rate", "over_concurrency", "over_queue")
+
+
+def tenant_label(tenant: str) -> str:
+    """A tenant id as a metric label and in documents."""
+    return tenant or "-"
+
+
+@dataclass(slots=True, frozen=True)
+class TenantPolicy:
+    """A tenant's weight and quotas (None: no limit)."""
+
+    id: str
+    weight: float = 1.0
+    rate_per_s: float | None = None
+    max_concurrent: int | None = None
+    max_queued: int | None = None
+
+    @property
+    def limited(self) -> bool:
+        """Whether any quota applies (an unlimited tenant costs a request nothing here)."""
+        return self.rate_per_s is not None or self.max_concurrent is not None or self.max_queued is not None
+
+
+def policies_of(ring: KeyRing) -> dict[str, TenantPolicy]:
+    """Each key id's tenant policy (keys of one tenant share it; api/keys.py checked they agree)."""
+    by_tenant: dict[str, dict[str, Any]] = {}
+    owners: dict[str, str] = {}
+    for key in ring.keys:
+        fields = by_tenant.setdefault(key.tenant_id, {})
+        for name, value in (("weight", key.weight), ("rate_per_s", key.rate_per_s),
+                            ("max_concurrent", key.max_concurrent), ("max_queued", key.max_queued)):
+            if value is not None:
+                fields.setdefault(name, value)
+        owners[key.id] = key.tenant_id
+    policies = {tenant: TenantPolicy(tenant, **fields) for tenant, fields in by_tenant.items()}
+    return {key_id: policies[tenant] for key_id, tenant in owners.items()}
+
+
+class Tenants:
+    """The tenants of the keys in force: quotas checked per request, counts kept per tenant."""
+
+    def __init__(self, ring: Callable[[], KeyRing | None] = lambda: None, metrics: ServeMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._ring = ring
+        self._seen: KeyRing | None = None
+        self._file: dict[str, TenantPolicy] = {}  # per key id, as the keys file says
+        self._overrides: dict[str, dict[str, Any]] = {}  # per tenant, from the admin API
+        self._by_key: dict[str, TenantPolicy] = {}  # per key id, the policy in force
+        self._weights: dict[str, float] = {}
+        self._anonymous = TenantPolicy(ANONYMOUS)
+        self._metrics = metrics
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, last refill)
+        self.inflight: dict[str, int] = {}
+        self.counts: dict[str, dict[str, int]] = {}
+
+    def _refresh(self) -> None:
+        ring = self._ring()
+        if ring is self._seen:
+            return
+        self._seen = ring
+        self._file = policies_of(ring) if ring is not None else {}
+        self._overrides.clear()  # the file changed: it wins, as model.yaml does over batching changes
+        self._apply()
+        tenants = set(self._weights) | {ANONYMOUS}
+        for table in (self._buckets, self.counts):
+            for gone in [t for t in table if t not in tenants]:
+                del table[gone]
+
+    def _apply(self) -> None:
+        changed = {p.id: dataclasses.replace(p, **self._overrides[p.id]) for p in self._file.values()
+                   if p.id in self._overrides}
+        self._by_key = {key: changed.get(p.id, p) for key, p in self._file.items()}
+        self._weights = {p.id: p.weight for p in self._by_key.values()}
+
+    def update(self, tenant: str, changes: dict[str, Any]) -> dict[str, Any]:
+        """An admin's live change of a tenant's weight or quotas (a None value: back to the keys
+        file's). It lasts until the keys file changes or the server restarts; `NotFound` for a
+        tenant the keys file does not name. Returns the tenant as `report` shows it."""
+        self._refresh()
+        if tenant not in self._weights:
+            raise NotFound(f"no tenant {quote(tenant)} in the keys in force")
+        merged = {**self._overrides.get(tenant, {}), **changes}
+        self._overrides[tenant] = {k: v for k, v in merged.items() if v is not None}
+        self._apply()
+        return next(t for t in self.report() if t["tenant"] == tenant)
+
+    def keys_of(self, tenant: str) -> frozenset[str]:
+        """The key ids of `tenant` ("-": requests without a key)."""
+        self._refresh()
+        if tenant == tenant_label(ANONYMOUS):
+            return frozenset({""})
+        return frozenset(key for key, policy in self._by_key.items() if policy.id == tenant)
+
+    def of(self, key_id: str) -> TenantPolicy:
+        """The policy of the tenant whose key is `key_id` ("" or an unknown id: anonymous)."""
+        self._refresh()
+        return self._by_key.get(key_id, self._anonymous) if key_id else self._anonymous
+
+    def weight(self, tenant: str) -> float:
+        """A tenant's weight (1 for one not configured)."""
+        self._refresh()
+        return self._weights.get(tenant, 1.0)
+
+    def admit(self, policy: TenantPolicy, queued: int, model: str) -> None:
+        """Count one request of `policy`'s tenant in, or raise `OverQuota`; `queued`: its requests
+        waiting in `model`'s queue now. Pair every admit with `release`."""
+        if policy.limited:
+            self._check(policy, queued, model)
+        tenant = policy.id
+        self.inflight[tenant] = self.inflight.get(tenant, 0) + 1
+        self._count(tenant, "admitted")
+
+    def release(self, tenant: str, started: float) -> None:
+        """A request admitted for `tenant` at `started` (this clock) was answered."""
+        self.inflight[tenant] -= 1
+        if self._metrics is not None:
+            self._metrics.tenant_duration.labels(tenant_label(tenant)).observe(self._clock() - started)
+
+    def _check(self, policy: TenantPolicy, queued: int, model: str) -> None:
+        tenant, name = policy.id, tenant_label(policy.id)
+        if policy.max_concurrent is not None and self.inflight.get(tenant, 0) >= policy.max_concurrent:
+            self._count(tenant, "over_concurrency")
+            raise OverQuota(f"tenant '{name}' has {policy.max_concurrent} requests in progress, its concurrency "
+                            "quota; retry once one is answered", retry_after_s=1.0)
+        if policy.max_queued is not None and queued >= policy.max_queued:
+            self._count(tenant, "over_queue")
+            raise OverQuota(f"tenant '{name}' has {queued} requests queued for model '{model}', its queue quota",
+                            retry_after_s=1.0)
+        if policy.rate_per_s is not None:
+            rate, now = policy.rate_per_s, self._clock()
+            burst = max(1.0, rate)
+            tokens, last = self._buckets.get(tenant, (burst, now))
+            tokens = min(burst, tokens + (now - last) * rate)
+            if tokens < 1.0:
+                self._buckets[tenant] = (tokens, now)
+                self._count(tenant, "over_rate")
+                raise OverQuota(f"tenant '{name}' is over its rate of {rate:g} requests per second",
+                                retry_after_s=(1.0 - tokens) / rate)
+            self._buckets[tenant] = (tokens - 1.0, now)
+
+    def _count(self, tenant: str, result: str) -> None:
+        counts = self.counts.get(tenant)
+        if counts is None:
+            counts = self.counts[tenant] = dict.fromkeys(TENANT_RESULTS, 0)
+        counts[result] += 1
+        if self._metrics is not None:
+            self._metrics.tenant_requests.labels(tenant_label(tenant), result).inc()
+
+    def report(self) -> list[dict[str, Any]]:
+        """Every configured tenant (and the anonymous one once it sent a request): policy, requests
+        in progress and counts by result since the server started."""
+        self._refresh()
+        policies = {p.id: p for p in self._by_key.values()}
+        if ANONYMOUS in self.counts:
+            policies.setdefault(ANONYMOUS, self._anonymous)
+        return [{"tenant": tenant_label(t), "weight": p.weight, "rate_per_s": p.rate_per_s,
+                 "max_concurrent": p.max_concurrent, "max_queued": p.max_queued,
+                 "overrides": dict(self._overrides.get(t, {})),
+                 "inflight": self.inflight.get(t, 0), **self.counts.get(t, dict.fromkeys(TENANT_RESULTS, 0))}
+                for t, p in sorted(policies.items())]

@@ -1,0 +1,162 @@
+"""Tenants (issue 22) through a real split server with two ingress processes and a keys file:
+quotas hold for the whole server (429 over_quota with Retry-After, distinct from the model's own
+503), a heavy tenant waits behind itself, the admin API shows and changes tenants live, a keys
+file change applies live, and the console filters recent requests by tenant.
+
+`slow` echoes its input after 200 ms per batch, one row a batch, so every request is a batch and
+the order of answers is the order the scheduler chose."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from error_bodies import error_code
+from model_dirs import infer_body, slow_model
+from servers import ServerFactory, ServerProcess
+from waiting import eventually
+
+ADMIN = "tenants-admin-token-0123456789"
+KEYS = {name: f"{name}-secret-0123456789abcdef" for name in ("gold", "bulk", "light", "capped", "paced")}
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
+KEYS_FILE = (
+    f"gold:{KEYS['gold']} tenant=gold weight=4 concurrency=3\n"
+    f"bulk:{KEYS['bulk']} tenant=shared\n"
+    f"light:{KEYS['light']} tenant=light\n"
+    f"capped:{KEYS['capped']} queue=2\n"
+    f"paced:{KEYS['paced']} rate=2\n"
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, start_module_server: ServerFactory) -> ServerProcess:
+    root = tmp_path_factory.mktemp("tenants-repo")
+    slow_model(root, "slow", 200, max_batch_size=1, batching={"max_queue_size": 256})
+    keys_file = tmp_path_factory.mktemp("tenant-keys") / "keys.txt"
+    keys_file.write_text(KEYS_FILE)
+    started = start_module_server(["--model-repository", str(root), "--ingress-processes", "2",
+                                   "--api-keys-file", str(keys_file), "--admin-token", ADMIN,
+                                   "--config-poll-s", "0.3", "--slow-request-ms", "50"])
+    started.wait_ready()
+    started.keys_file = keys_file  # type: ignore[attr-defined]
+    return started
+
+
+async def burst(server: ServerProcess, key: str, count: int, value: float = 1.0) -> list[httpx.Response]:
+    """`count` requests at once, each on its own connection (spread over both ingress processes)."""
+    async def one() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return await client.post("/v2/models/slow/infer", json=infer_body(value), headers={"X-API-Key": key})
+
+    return list(await asyncio.gather(*(one() for _ in range(count))))
+
+
+def tenants(server: ServerProcess) -> dict[str, dict[str, Any]]:
+    doc = httpx.get(server.url + "/admin/tenants", headers=ADMIN_AUTH, timeout=10).json()
+    return {t["tenant"]: t for t in doc["tenants"]}
+
+
+def metric(server: ServerProcess, name: str, **labels: str) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def test_a_concurrency_quota_holds_across_ingress_processes(server: ServerProcess) -> None:
+    answers = asyncio.run(burst(server, KEYS["gold"], 8))
+    ok = [a for a in answers if a.status_code == 200]
+    refused = [a for a in answers if a.status_code == 429]
+    assert len(ok) + len(refused) == 8 and 1 <= len(ok) <= 3, [a.status_code for a in answers]
+    for answer in refused:
+        assert error_code(answer) == "over_quota" and int(answer.headers["retry-after"]) >= 1
+        assert "concurrency quota" in answer.json()["error"]
+    assert tenants(server)["gold"]["over_concurrency"] == len(refused)
+    assert metric(server, "servewell_tenant_requests_total", tenant="gold", result="over_concurrency") == len(refused)
+
+
+def test_a_queue_quota_counts_this_tenants_queued_requests(server: ServerProcess) -> None:
+    answers = asyncio.run(burst(server, KEYS["capped"], 8))
+    codes = sorted(a.status_code for a in answers)
+    assert 200 in codes and 429 in codes, codes
+    assert codes.count(200) <= 3  # at most one running and two queued at any time
+    refused = [a for a in answers if a.status_code == 429]
+    assert all("requests queued for model 'slow'" in a.json()["error"] for a in refused)
+
+
+def test_a_rate_quota_is_one_bucket_for_the_whole_server(server: ServerProcess) -> None:
+    started = time.monotonic()
+    answers = asyncio.run(burst(server, KEYS["paced"], 8))
+    elapsed = time.monotonic() - started
+    ok = sum(a.status_code == 200 for a in answers)
+    assert ok <= 2 + 2 * elapsed + 1, (ok, elapsed)  # a burst of 2, then 2 a second (each ingress alone would allow 4)
+    assert all(a.status_code in (200, 429) for a in answers)
+    assert all(int(a.headers["retry-after"]) >= 1 for a in answers if a.status_code == 429)
+
+
+def test_a_heavy_tenant_waits_behind_itself(server: ServerProcess) -> None:
+    async def scenario() -> tuple[list[str], float]:
+        order: list[str] = []
+
+        async def send(client: httpx.AsyncClient, key: str, tag: str) -> None:
+            response = await client.post("/v2/models/slow/infer", json=infer_body(2.0), headers={"X-API-Key": key})
+            assert response.status_code == 200, response.text
+            order.append(tag)
+
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=httpx.Limits(max_connections=64)) as c:
+            heavy = [asyncio.create_task(send(c, KEYS["bulk"], "bulk")) for _ in range(16)]
+            await asyncio.sleep(0.5)  # the bulk tenant's 16 are queued (3.2 s of work)
+            started = time.monotonic()
+            await send(c, KEYS["light"], "light")
+            light_s = time.monotonic() - started
+            await asyncio.gather(*heavy)
+        return order, light_s
+
+    order, light_s = asyncio.run(scenario())
+    # First in, first out, the light request would wait for every bulk request queued before it.
+    assert order.index("light") <= 5, order
+    assert light_s < 1.5
+
+
+def test_the_admin_api_changes_a_tenant_live_until_the_keys_file_changes(server: ServerProcess) -> None:
+    before = tenants(server)
+    assert before["gold"]["weight"] == 4 and before["gold"]["max_concurrent"] == 3
+    assert before["shared"]["weight"] == 1 and before["capped"]["max_queued"] == 2
+    patched = httpx.patch(server.url + "/admin/tenants/gold", json={"max_concurrent": 10, "weight": 2},
+                          headers=ADMIN_AUTH, timeout=10)
+    assert patched.status_code == 200, patched.text
+    assert patched.json()["max_concurrent"] == 10 and patched.json()["overrides"] == {"max_concurrent": 10, "weight": 2}
+    answers = asyncio.run(burst(server, KEYS["gold"], 6))
+    assert all(a.status_code == 200 for a in answers)  # 6 at once: within the new quota
+    for body, status in (({"weight": 0}, 422), ({"max_queued": "many"}, 422), ({}, 422), ({"color": 1}, 422)):
+        answer = httpx.patch(server.url + "/admin/tenants/gold", json=body, headers=ADMIN_AUTH, timeout=10)
+        assert answer.status_code == status, (body, answer.text)
+    assert httpx.patch(server.url + "/admin/tenants/nobody", json={"weight": 2}, headers=ADMIN_AUTH,
+                       timeout=10).status_code == 404
+    assert httpx.patch(server.url + "/admin/tenants/gold", json={"weight": 2}, timeout=10,
+                       headers={"Authorization": f"Bearer {KEYS['gold']}"}).status_code == 401
+    keys_file: Path = server.keys_file  # type: ignore[attr-defined]
+    keys_file.write_text(KEYS_FILE.replace("weight=4 concurrency=3", "weight=8 concurrency=3"))
+    eventually(lambda: tenants(server)["gold"]["weight"] == 8, 30, "the keys file change never applied")
+    after = tenants(server)["gold"]
+    assert after["max_concurrent"] == 3 and after["overrides"] == {}  # the file wins again
+
+
+def test_the_console_filters_recent_requests_by_tenant(server: ServerProcess) -> None:
+    asyncio.run(burst(server, KEYS["light"], 1))
+    url = server.url + "/console/api/state"
+    both = {**ADMIN_AUTH, "X-API-Key": KEYS["light"]}  # the console's data takes a key; recent requests, admin
+    doc = httpx.get(url, params={"tenant": "light"}, headers=both, timeout=10).json()
+    assert doc["recent"] and {r["client"] for r in doc["recent"]} == {"light"}
+    assert {t["tenant"] for t in doc["tenants"]} >= {"gold", "shared", "light", "capped", "paced"}
+    everyone = httpx.get(url, headers=both, timeout=10).json()
+    assert len({r["client"] for r in everyone["recent"]}) > 1
+    assert httpx.get(url, params={"tenant": "nobody"}, headers=both, timeout=10).status_code == 404

@@ -1,0 +1,87 @@
+"""Weighted fair shares between tenants inside a lane (engine/batch_queue.py, issue 22): with one
+tenant the queue is the earliest-deadline-first heap it was; with several, rows go to tenants in
+proportion to their weights, a heavy tenant waits behind itself, idle time is not banked."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from servewell.engine.batch_queue import BatchQueue, QueuedItem
+
+
+def item(tenant: str, deadline: float, rows: int = 1, shape: str = "s", lane: int = 0) -> QueuedItem[str]:
+    return QueuedItem(f"{tenant}@{deadline:g}", lane, rows, shape, deadline, 0.0, tenant=tenant)
+
+
+def drain(queue: BatchQueue[str], max_rows: int) -> list[list[str]]:
+    batches = []
+    while len(queue):
+        batches.append([i.payload for i in queue.take_batch(max_rows)])
+    return batches
+
+
+def test_one_tenant_is_earliest_deadline_first() -> None:
+    queue: BatchQueue[str] = BatchQueue(1, 100)
+    for deadline in (5, 1, 4, 2, 3):
+        assert queue.push(item("", deadline))
+    assert drain(queue, 2) == [["@1", "@2"], ["@3", "@4"], ["@5"]]
+
+
+def test_a_heavy_tenant_waits_behind_itself() -> None:
+    queue: BatchQueue[str] = BatchQueue(1, 1000)
+    for i in range(40):  # the heavy tenant's burst arrived first, with the earlier deadlines
+        queue.push(item("heavy", i))
+    for i in range(4):
+        queue.push(item("light", 100 + i))
+    first_two = drain(queue, 4)[:2]
+    assert Counter(p.split("@")[0] for batch in first_two for p in batch) == {"heavy": 4, "light": 4}
+    assert queue.tenant_depth("light") == 0
+
+
+def test_shares_follow_the_weights() -> None:
+    weights = {"a": 1.0, "b": 2.0, "c": 4.0}
+    queue: BatchQueue[str] = BatchQueue(1, 10_000, weight_of=weights.__getitem__)
+    for tenant in weights:
+        for i in range(1000):
+            queue.push(item(tenant, i))
+    taken: Counter[str] = Counter()
+    for _ in range(70):  # 560 rows, while every tenant still has work queued
+        taken.update(i.tenant for i in queue.take_batch(8))
+    assert taken == {"a": 80, "b": 160, "c": 320}
+
+
+def test_idle_time_is_not_banked() -> None:
+    queue: BatchQueue[str] = BatchQueue(1, 1000)
+    for i in range(100):
+        queue.push(item("early", i))
+    for _ in range(10):
+        queue.take_batch(8)  # 'early' alone: 80 rows, its virtual time is 80
+    for i in range(40):
+        queue.push(item("late", 1000 + i))  # busy now: starts level with 'early', not 80 rows behind
+    taken = Counter(i.tenant for i in queue.take_batch(8) + queue.take_batch(8))
+    assert taken == {"early": 8, "late": 8}
+
+
+def test_weights_apply_to_whole_rows_and_batches_keep_one_shape() -> None:
+    queue: BatchQueue[str] = BatchQueue(1, 100)
+    queue.push(item("a", 1, rows=3))
+    queue.push(item("b", 2, rows=3, shape="other"))
+    queue.push(item("b", 3, rows=2))
+    queue.push(item("a", 4, rows=2))
+    first = queue.take_batch(8)
+    assert [i.payload for i in first] == ["a@1", "b@3", "a@4"]  # b's other-shape item waits for its own batch
+    assert [i.payload for i in queue.take_batch(8)] == ["b@2"]
+
+
+def test_cancel_and_expiry_keep_every_tenants_count() -> None:
+    queue: BatchQueue[str] = BatchQueue(2, 100)
+    items = [item("a", 1), item("a", 5), item("b", 2), item("b", 6, lane=1)]
+    for i in items:
+        queue.push(i)
+    queue.cancel(items[1])
+    assert queue.tenant_depth("a") == 1 and queue.tenant_depth("b") == 2 and len(queue) == 3
+    assert [i.payload for i in queue.expire(3.0)] == ["a@1", "b@2"]
+    assert queue.tenant_depth("a") == 0 and queue.tenant_depth("b") == 1
+    assert queue.next_deadline() == 6
+    assert [i.payload for i in queue.take_batch(8)] == ["b@6"]
+    assert len(queue) == 0 and queue.head() is None
