@@ -9,8 +9,10 @@ tenant; "" without keys) and a virtual time per tenant: the rows it was given di
 weight. A batch is led by the tenant furthest behind (least virtual time; ties by deadline) and
 filled by taking, row by row, from whichever same-shape tenant is then furthest behind, so over
 time each tenant with work queued gets rows in proportion to its weight (start-time fair
-queuing by rows) and a tenant that sends 10x its share waits behind itself. A tenant that
-becomes busy again starts at the least virtual time of the busy ones: idle time is not banked.
+queuing by rows) and a tenant that sends 10x its share waits behind itself. The lane's virtual
+clock is the virtual time at which the last row taken started; a tenant that becomes busy starts
+at its own virtual time or the clock, whichever is later: idle time is not banked, and rows a
+tenant got while it was alone are not held against it when another arrives.
 With one tenant this is the earliest-deadline-first heap it always was.
 """
 
@@ -51,12 +53,13 @@ class _HeapEntry:
 class _Lane:
     """One lane: a deadline heap per tenant, live items and virtual time per tenant."""
 
-    __slots__ = ("heaps", "live", "vtime")
+    __slots__ = ("heaps", "live", "vtime", "clock")
 
     def __init__(self) -> None:
         self.heaps: dict[str, list[_HeapEntry]] = {}
         self.live: dict[str, int] = {}  # queued, not cancelled; a tenant with 0 is idle
         self.vtime: dict[str, float] = {}
+        self.clock = 0.0  # the virtual time the last row taken started at
 
     def busy(self) -> list[str]:
         return [tenant for tenant, count in self.live.items() if count > 0]
@@ -125,11 +128,8 @@ class BatchQueue(Generic[T]):
         if heap is None:
             heap = lane.heaps[tenant] = []
         live = lane.live.get(tenant, 0)
-        if live == 0 and len(lane.heaps) > 1:
-            busy = lane.busy()
-            if busy:  # busy again: start level with the busy tenant furthest behind, never earlier
-                floor = min(lane.vtime.get(t, 0.0) for t in busy)
-                lane.vtime[tenant] = max(lane.vtime.get(tenant, 0.0), floor)
+        if live == 0:  # busy again: never behind the lane's clock (start-time fair queuing's rule)
+            lane.vtime[tenant] = max(lane.vtime.get(tenant, 0.0), lane.clock)
         lane.live[tenant] = live + 1
         heapq.heappush(heap, _HeapEntry(item.deadline_at, item.seq, item))
         self._counts[item.lane] += 1
@@ -235,7 +235,9 @@ class BatchQueue(Generic[T]):
             rows += item.rows
             self._counts[lane] -= 1
             entries.live[tenant] -= 1
-            entries.vtime[tenant] = entries.vtime.get(tenant, 0.0) + item.rows / self._weight(tenant)
+            start = entries.vtime.get(tenant, 0.0)
+            entries.clock = max(entries.clock, start)
+            entries.vtime[tenant] = start + item.rows / self._weight(tenant)
         for heap, entry in skipped:
             heapq.heappush(heap, entry)
         return batch

@@ -62,6 +62,18 @@ def test_idle_time_is_not_banked() -> None:
     assert taken == {"early": 8, "late": 8}
 
 
+def test_rows_a_tenant_got_alone_are_not_held_against_it() -> None:
+    queue: BatchQueue[str] = BatchQueue(1, 1000)
+    for i in range(50):
+        queue.push(item("light", i))
+    drain(queue, 4)  # light alone: 50 rows, then idle
+    for i in range(100):
+        queue.push(item("heavy", 100 + i))
+    queue.push(item("light", 500))  # light again, behind a heavy backlog
+    first_two = [i.tenant for i in queue.take_batch(4) + queue.take_batch(4)]
+    assert "light" in first_two, first_two  # not after heavy's next 50 rows
+
+
 def test_weights_apply_to_whole_rows_and_batches_keep_one_shape() -> None:
     queue: BatchQueue[str] = BatchQueue(1, 100)
     queue.push(item("a", 1, rows=3))
