@@ -29,7 +29,7 @@ router = APIRouter(prefix="/admin", tags=["admin"])
 Quota = Annotated[int, Field(ge=1, le=MAX_QUOTA)]
 
 
-class TenantPatch(StrictModel):
+class TenantPatch(StrictModel, json_schema_extra={"minProperties": 1}):
     """The body of `PATCH /admin/tenants/{tenant}`: the fields to change (null: back to the keys
     file's value), with the keys file's bounds."""
 
