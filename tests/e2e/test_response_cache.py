@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import tritonclient.http as triton
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from model_dirs import infer_body, slow_model
+from monitoring import scraped_total
 from servers import ServerFactory, ServerProcess
 from waiting import eventually
 
@@ -54,12 +54,7 @@ def post(server: ServerProcess, model: str, value: float) -> httpx.Response:
 
 
 def metric(server: ServerProcess, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
+    return scraped_total(server.url, name, **labels)
 
 
 def test_a_repeat_is_answered_from_the_cache_without_compute(server: ServerProcess) -> None:

@@ -15,10 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from error_bodies import error_code
 from model_dirs import infer_body, slow_model
+from monitoring import scraped_total
 from servers import ServerFactory, ServerProcess
 from waiting import eventually
 
@@ -63,12 +63,7 @@ def tenants(server: ServerProcess) -> dict[str, dict[str, Any]]:
 
 
 def metric(server: ServerProcess, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
+    return scraped_total(server.url, name, **labels)
 
 
 def test_a_concurrency_quota_holds_across_ingress_processes(server: ServerProcess) -> None:

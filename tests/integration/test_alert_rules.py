@@ -24,6 +24,7 @@ from monitoring import (
     RECORDED_NAME,
     ROOT,
     SERIES,
+    TENANT_CACHE_FAMILIES,
     alerts,
     dashboard,
     panels,
@@ -117,6 +118,7 @@ def test_dashboard_covers_every_signal():
     families = {family(name) for name in used}
     assert set(HISTOGRAMS) | set(COUNTERS) | set(GAUGES) | set(GPU_GAUGES) <= families
     assert {family(name) for name in POOL_FAMILIES} <= families
+    assert {family(name) for name in TENANT_CACHE_FAMILIES} <= families
 
 
 def test_panels_named_in_alert_actions_exist():

@@ -39,6 +39,12 @@ POOL_FAMILIES = (
     "servewell_model_pool_requests_total",
     *(f"servewell_model_cold_start_seconds{suffix}" for suffix in ("_bucket", "_sum", "_count")),
 )
+#: Tenants and the response cache (issue 22), on the dashboard's "Tenants and response cache" row.
+TENANT_CACHE_FAMILIES = (
+    "servewell_tenant_requests_total", "servewell_response_cache_requests_total",
+    "servewell_response_cache_evictions_total", "servewell_response_cache_bytes", "servewell_response_cache_entries",
+    *(f"servewell_tenant_request_duration_seconds{suffix}" for suffix in ("_bucket", "_sum", "_count")),
+)
 GPU_GAUGES = (
     "servewell_gpu_utilization_ratio", "servewell_gpu_memory_used_bytes", "servewell_gpu_memory_total_bytes",
     "servewell_gpu_power_watts", "servewell_gpu_temperature_celsius",
@@ -47,6 +53,7 @@ GPU_GAUGES = (
 SERIES = frozenset(
     [f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")]
     + [f"{c}_total" for c in COUNTERS + DIAGNOSTIC_COUNTERS] + list(GAUGES) + list(GPU_GAUGES) + list(POOL_FAMILIES)
+    + list(TENANT_CACHE_FAMILIES)
 )
 METRIC_NAME = re.compile(r"\bservewell_[a-z0-9_]+")
 RECORDED_NAME = re.compile(r"\bservewell:[a-z0-9_:]+")
@@ -72,3 +79,16 @@ def dashboard() -> dict[str, Any]:
 def panels() -> list[dict[str, Any]]:
     """The dashboard's panels, without its row headers."""
     return [p for p in dashboard()["panels"] if p["type"] != "row"]
+
+
+def scraped_total(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` with these labels in `url`/metrics (0 when there is none)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
+import orjson
 from fastapi import Request
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from servewell.errors import ClientClosed, PayloadTooLarge, UnsupportedMediaType, quote
+from servewell.config.problems import field_problems
+from servewell.errors import BadRequest, ClientClosed, InvalidInput, PayloadTooLarge, UnsupportedMediaType, quote
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def check_content_type(request: Request, allowed: tuple[str, ...]) -> None:
@@ -36,3 +43,18 @@ async def read_body(request: Request, limit: int) -> bytes:
         # The client's choice, not a server error: a 499 that nobody reads, logged at INFO.
         raise ClientClosed(f"the client disconnected after sending {size} bytes of the body") from None
     return b"".join(chunks)
+
+
+async def read_json_patch(request: Request, limit: int, model: type[M]) -> M:
+    """An admin PATCH body: JSON (415 otherwise), at most `limit` bytes, checked by `model` (400 for
+    JSON that does not parse, 422 naming the first few problems; field names come from the client,
+    so each problem is cut short)."""
+    check_content_type(request, ("application/json",))
+    try:
+        raw: Any = orjson.loads(await read_body(request, limit))
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise InvalidInput("; ".join(str(p)[:200] for p in field_problems(exc)[:5])) from None

@@ -8,16 +8,13 @@ from typing import Annotated, Any
 import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
-from pydantic import ValidationError
 
 from servewell.api.access import came_through_proxy, check_admin
-from servewell.api.body import check_content_type, read_body
+from servewell.api.body import read_json_patch
 from servewell.api.openapi import error_responses
 from servewell.api.state import AppState, state_dependency
 from servewell.config.batching import BatchingPatch
-from servewell.config.problems import field_problems
 from servewell.engine.protocol import ModelView
-from servewell.errors import BadRequest, InvalidInput
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 #: The OIP model-repository extension (Triton's load/unload), guarded like /admin.
@@ -65,16 +62,7 @@ async def patch_batching(name: str, request: Request, state: AppState = Depends(
     field to model.yaml's value. Each field is bounded to values that cannot stop the model (422
     naming the field and the bound). 409 when the model is unloaded, failed or being unloaded. The
     change lasts until the model's model.yaml next changes or the server restarts."""
-    check_content_type(request, ("application/json",))
-    try:
-        raw: Any = orjson.loads(await read_body(request, state.settings.max_body_bytes))
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    try:
-        patch = BatchingPatch.model_validate(raw)
-    except ValidationError as exc:
-        # Field names come from the client: each problem is cut short, and only the first few are echoed.
-        raise InvalidInput("; ".join(str(p)[:200] for p in field_problems(exc)[:5])) from None
+    patch = await read_json_patch(request, state.settings.max_body_bytes, BatchingPatch)
     return Response(orjson.dumps(state.engine.update_batching(name, patch.changes())), media_type="application/json")
 
 

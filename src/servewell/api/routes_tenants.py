@@ -7,22 +7,21 @@ the engine's app (api/forward.py), where the one `Tenants` of the server lives.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from servewell.api.body import check_content_type, read_body
+from servewell.api.body import read_json_patch
 from servewell.api.keys import MAX_QUOTA, MAX_WEIGHT
 from servewell.api.openapi import error_responses
 from servewell.api.routes_admin import require_admin
 from servewell.api.state import AppState
-from servewell.config.problems import field_problems
 from servewell.config.strict import StrictModel
 from servewell.engine.tenants import Tenants
-from servewell.errors import BadRequest, InvalidInput, ServeError
+from servewell.errors import InvalidInput, ServeError
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
@@ -62,15 +61,7 @@ async def patch_tenant(tenant: str, request: Request, state: AppState = Depends(
     """Apply the given fields at once (the next request and batch use them); `null` returns a
     field to the keys file's value. Lasts until the keys file changes or the server restarts.
     404 for a tenant the keys file does not name."""
-    check_content_type(request, ("application/json",))
-    try:
-        raw: Any = orjson.loads(await read_body(request, state.settings.max_body_bytes))
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    try:
-        patch = TenantPatch.model_validate(raw)
-    except ValidationError as exc:
-        raise InvalidInput("; ".join(str(p)[:200] for p in field_problems(exc)[:5])) from None
+    patch = await read_json_patch(request, state.settings.max_body_bytes, TenantPatch)
     changes = patch.model_dump(exclude_unset=True)
     if not changes:
         raise InvalidInput("name at least one of weight, rate_per_s, max_concurrent, max_queued")
