@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
+import tritonclient.grpc as triton_grpc
+from tritonclient.utils import InferenceServerException
 
 from error_bodies import error_code
 from model_dirs import infer_body, slow_model
@@ -155,3 +158,31 @@ def test_the_console_filters_recent_requests_by_tenant(server: ServerProcess) ->
     everyone = httpx.get(url, headers=both, timeout=10).json()
     assert len({r["client"] for r in everyone["recent"]}) > 1
     assert httpx.get(url, params={"tenant": "nobody"}, headers=both, timeout=10).status_code == 404
+
+
+def test_a_quota_holds_over_grpc_too(server: ServerProcess) -> None:
+    """gold's concurrency quota (3) counts gRPC and HTTP requests alike: with three HTTP requests in
+    progress, a gRPC call is refused RESOURCE_EXHAUSTED with the over_quota code."""
+    x = triton_grpc.InferInput("x", [1, 1], "FP32")
+    x.set_data_from_numpy(np.array([[1.0]], dtype=np.float32))
+    client = triton_grpc.InferenceServerClient(server.grpc_url)
+
+    async def scenario() -> tuple[list[httpx.Response], InferenceServerException | None]:
+        holding = asyncio.ensure_future(burst(server, KEYS["gold"], 3))
+        async with httpx.AsyncClient(base_url=server.url, headers=ADMIN_AUTH, timeout=10) as admin:
+            for _ in range(200):  # until the three are in progress (200 ms a batch, one row each)
+                doc = (await admin.get("/admin/tenants")).json()
+                if next(t for t in doc["tenants"] if t["tenant"] == "gold")["inflight"] == 3:
+                    break
+                await asyncio.sleep(0.01)
+        refused = None
+        try:
+            await asyncio.to_thread(client.infer, "slow", [x], headers={"x-api-key": KEYS["gold"]})
+        except InferenceServerException as exc:
+            refused = exc
+        return await holding, refused
+
+    answers, refused = asyncio.run(scenario())
+    assert [a.status_code for a in answers] == [200] * 3
+    assert refused is not None and refused.status() == "StatusCode.RESOURCE_EXHAUSTED", refused
+    assert "concurrency quota" in refused.message()
