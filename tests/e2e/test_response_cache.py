@@ -11,6 +11,8 @@ same model without a cache.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import pytest
 import tritonclient.http as triton
 import yaml
 
+from error_bodies import error_code
 from model_dirs import infer_body, slow_model
 from monitoring import scraped_total
 from servers import ServerFactory, ServerProcess
@@ -123,6 +126,41 @@ def test_the_admin_api_shows_and_empties_a_cache(server: ServerProcess) -> None:
                            timeout=10)
     assert proxied.status_code in (401, 403)  # not loopback once a proxy says so: no token, refused
     assert cache_doc(server, "cached")["cache"]["entries"] == 1
+
+
+def test_an_admin_patch_changes_the_bounds_live(server: ServerProcess) -> None:
+    url = f"{server.url}/admin/models/cached/cache"
+    patched = httpx.patch(url, json={"max_bytes": 4096, "ttl_s": 30}, timeout=10)
+    assert patched.status_code == 200, patched.text
+    assert patched.json()["cache"]["max_bytes"] == 4096 and patched.json()["cache"]["bytes"] <= 4096
+    for body in ({"max_bytes": 10}, {"ttl_s": -1}, {}, {"max_bytes": "big"}):
+        assert httpx.patch(url, json=body, timeout=10).status_code == 422, body
+    refused = httpx.patch(f"{server.url}/admin/models/plain/cache", json={"ttl_s": 5}, timeout=10)
+    assert refused.status_code == 409
+    assert httpx.patch(url, json={"max_bytes": CACHE["max_bytes"], "ttl_s": CACHE["ttl_s"]},
+                       timeout=10).status_code == 200
+
+
+def test_a_worker_killed_under_shared_requests_fails_only_the_one_it_held(server: ServerProcess) -> None:
+    """The first request's error is its own: when the worker computing it dies, the identical
+    requests waiting on it compute for themselves once the worker is back, and get their answer."""
+    pid = httpx.get(server.url + "/healthz", timeout=10).json()["models"]["cached"]["instances"][0]["pid"]
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            same = [asyncio.ensure_future(client.post("/v2/models/cached/infer", json=infer_body(11.5)))
+                    for _ in range(6)]
+            await asyncio.sleep(0.25)  # the first is computing (400 ms), the rest wait on it
+            os.kill(pid, signal.SIGKILL)
+            return list(await asyncio.gather(*same))
+
+    answers = asyncio.run(scenario())
+    ok = [a for a in answers if a.status_code == 200]
+    lost = [a for a in answers if a.status_code != 200]
+    assert all(a.json()["outputs"][0]["data"] == [11.5] for a in ok)
+    assert len(lost) <= 1 and all(error_code(a) == "worker_lost" for a in lost), [a.text for a in lost]
+    eventually(lambda: httpx.get(server.url + "/healthz", timeout=10).json()["models"]["cached"]["state"] == "ready",
+               60, "the worker was not replaced")
 
 
 def test_a_model_yaml_change_empties_the_cache_live(server: ServerProcess) -> None:

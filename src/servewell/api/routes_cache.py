@@ -1,5 +1,5 @@
 """The response cache's admin API (engine/response_cache.py): what a model's cache holds and its
-counts, and emptying it (after fixing data the model reads, say).
+counts, new bounds while serving, and emptying it (after fixing data the model reads, say).
 
 Guarded like every /admin route (`require_admin`); in a split server an ingress forwards them to
 the engine's app (api/forward.py), where the one cache of each model lives.
@@ -7,18 +7,22 @@ the engine's app (api/forward.py), where the one cache of each model lives.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Annotated, Protocol, runtime_checkable
 
 import orjson
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from pydantic import Field
 
+from servewell.api.body import read_json_patch
 from servewell.api.openapi import error_responses
 from servewell.api.routes_admin import require_admin
 from servewell.api.state import AppState
+from servewell.config.cache import MAX_CACHE_BYTES, MAX_TTL_S
+from servewell.config.strict import StrictModel
 from servewell.engine.protocol import ServingEngine
 from servewell.engine.response_cache import ResponseCache
-from servewell.errors import Conflict, ServeError
+from servewell.errors import Conflict, InvalidInput, ServeError
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
@@ -46,6 +50,31 @@ async def get_cache(name: str, state: AppState = Depends(require_admin)) -> Resp
     cache = _cache(state.engine, name)
     return Response(orjson.dumps({"model": name, "cache": cache.report() if cache is not None else None}),
                     media_type="application/json")
+
+
+class CachePatch(StrictModel, json_schema_extra={"minProperties": 1}):
+    """The body of `PATCH /admin/models/{name}/cache`: new bounds, with model.yaml's limits."""
+
+    max_bytes: Annotated[int, Field(ge=1024, le=MAX_CACHE_BYTES, description="Bytes of answers kept.")] | None = None
+    ttl_s: Annotated[float, Field(gt=0, le=MAX_TTL_S, description="Seconds an answer is served.")] | None = None
+
+
+@router.patch("/models/{name}/cache", summary="Change a model's response cache bounds while serving",
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": CachePatch.model_json_schema()}}}},
+              responses=error_responses(400, 401, 403, 404, 409, 413, 415, 422))
+async def patch_cache(name: str, request: Request, state: AppState = Depends(require_admin)) -> Response:
+    """New `max_bytes` (the least recently used answers beyond it go at once) and/or `ttl_s` (for
+    answers kept from now on), until the model's model.yaml next changes or the server restarts.
+    409 when the model has no cache (a cache is declared in model.yaml, never by an admin)."""
+    patch = await read_json_patch(request, state.settings.max_body_bytes, CachePatch)
+    if patch.max_bytes is None and patch.ttl_s is None:
+        raise InvalidInput("name max_bytes, ttl_s or both")
+    cache = _cache(state.engine, name)
+    if cache is None:
+        raise Conflict(f"model {name!r} has no response cache (no cache: in its model.yaml)")
+    cache.resize(patch.max_bytes, patch.ttl_s)
+    return Response(orjson.dumps({"model": name, "cache": cache.report()}), media_type="application/json")
 
 
 @router.delete("/models/{name}/cache", summary="Empty a model's response cache",

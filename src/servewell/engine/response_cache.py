@@ -200,6 +200,16 @@ class ResponseCache:
         if self._metrics is not None:
             self._metrics.cache_requests.labels(self.model, result).inc()
 
+    def resize(self, max_bytes: int | None = None, ttl_s: float | None = None) -> None:
+        """New bounds from now on (an admin's live change): past the new `max_bytes` the least
+        recently used answers go at once; a new `ttl_s` applies to answers kept from now on."""
+        if ttl_s is not None:
+            self.ttl_s = ttl_s
+        if max_bytes is not None:
+            self.max_bytes = max_bytes
+            while self.bytes > self.max_bytes and self._kept:
+                self._drop(next(iter(self._kept)), "size")
+
     def clear(self) -> int:
         """Drop every kept answer (computations in flight still answer their requests); how many."""
         dropped = len(self._kept)

@@ -232,3 +232,19 @@ def test_a_non_deterministic_model_cannot_be_cached() -> None:
         ModelConfig(**fields, deterministic=False, cache={"max_bytes": 1 << 20})
     with pytest.raises(ValidationError):
         ModelConfig(**fields, cache={"max_bytes": 0})
+
+
+def test_new_bounds_apply_at_once() -> None:
+    async def run() -> None:
+        cache, model = _cache(max_bytes=1 << 20, ttl_s=60.0), Model()
+        for i in range(4):
+            cache.serve(_inputs(float(i)), FAR, model.submit)
+            model.answer(i, float(i))
+            await asyncio.sleep(0)
+        size = cache.bytes // 4
+        cache.resize(max_bytes=2 * size, ttl_s=5.0)
+        assert cache.entries == 2 and cache.bytes == 2 * size and cache.counts["evicted_size"] == 2
+        assert cache.serve(_inputs(3.0), FAR, model.submit).done()  # the most recent ones stay
+        assert cache.report()["ttl_s"] == 5.0 and cache.report()["max_bytes"] == 2 * size
+
+    asyncio.run(run())
