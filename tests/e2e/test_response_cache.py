@@ -137,8 +137,10 @@ def test_an_admin_patch_changes_the_bounds_live(server: ServerProcess) -> None:
         assert httpx.patch(url, json=body, timeout=10).status_code == 422, body
     refused = httpx.patch(f"{server.url}/admin/models/plain/cache", json={"ttl_s": 5}, timeout=10)
     assert refused.status_code == 409
-    assert httpx.patch(url, json={"max_bytes": CACHE["max_bytes"], "ttl_s": CACHE["ttl_s"]},
-                       timeout=10).status_code == 200
+    restored = httpx.patch(url, json={"max_bytes": None, "ttl_s": None}, timeout=10)  # null: model.yaml's
+    assert restored.status_code == 200
+    assert (restored.json()["cache"]["max_bytes"], restored.json()["cache"]["ttl_s"]) == (CACHE["max_bytes"],
+                                                                                          CACHE["ttl_s"])
 
 
 def test_a_worker_killed_under_shared_requests_fails_only_the_one_it_held(server: ServerProcess) -> None:

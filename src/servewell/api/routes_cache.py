@@ -65,15 +65,17 @@ class CachePatch(StrictModel, json_schema_extra={"minProperties": 1}):
               responses=error_responses(400, 401, 403, 404, 409, 413, 415, 422))
 async def patch_cache(name: str, request: Request, state: AppState = Depends(require_admin)) -> Response:
     """New `max_bytes` (the least recently used answers beyond it go at once) and/or `ttl_s` (for
-    answers kept from now on), until the model's model.yaml next changes or the server restarts.
-    409 when the model has no cache (a cache is declared in model.yaml, never by an admin)."""
-    patch = await read_json_patch(request, state.settings.max_body_bytes, CachePatch)
-    if patch.max_bytes is None and patch.ttl_s is None:
+    answers kept from now on; `null`: back to model.yaml's value), until the model's model.yaml
+    next changes or the server restarts. 409 when the model has no cache (a cache is declared in
+    model.yaml, never by an admin)."""
+    given = (await read_json_patch(request, state.settings.max_body_bytes, CachePatch)).model_dump(exclude_unset=True)
+    if not given:
         raise InvalidInput("name max_bytes, ttl_s or both")
     cache = _cache(state.engine, name)
     if cache is None:
         raise Conflict(f"model {name!r} has no response cache (no cache: in its model.yaml)")
-    cache.resize(patch.max_bytes, patch.ttl_s)
+    bounds = {field: getattr(cache.config, field) if value is None else value for field, value in given.items()}
+    cache.resize(**bounds)
     return Response(orjson.dumps({"model": name, "cache": cache.report()}), media_type="application/json")
 
 

@@ -93,6 +93,7 @@ class ResponseCache:
     def __init__(self, model: str, config: ResponseCacheConfig, metrics: ServeMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.model = model
+        self.config = config  # model.yaml's bounds (an admin's change returns to them with null)
         self.max_bytes = config.max_bytes
         self.ttl_s = config.ttl_s
         self._clock = clock
