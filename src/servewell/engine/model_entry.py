@@ -154,7 +154,7 @@ class ModelEntry:
         cache answers a repeat from it, or shares an identical request's computation
         (engine/response_cache.py)."""
         tenants = self._services.tenants
-        if tenants is None:
+        if tenants is None or not tenants.enabled:
             return self._submit(inputs, rows, lane, deadline, request_id, arrived_at, "")
         policy = tenants.of(client_var.get())
         tenants.admit(policy, self.scheduler.tenant_depth(policy.id), self.name)

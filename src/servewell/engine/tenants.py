@@ -121,6 +121,13 @@ class Tenants:
         self._apply()
         return next(t for t in self.report() if t["tenant"] == tenant)
 
+    @property
+    def enabled(self) -> bool:
+        """Whether keys are in force (without them every request is the anonymous tenant, which has
+        no quota and the one weight: the engine then skips tenants altogether, at no cost)."""
+        self._refresh()
+        return self._seen is not None
+
     def keys_of(self, tenant: str) -> frozenset[str]:
         """The key ids of `tenant` ("-": requests without a key)."""
         self._refresh()

@@ -87,6 +87,8 @@ def test_a_reload_keeps_the_counts_of_kept_tenants_and_drops_the_others() -> Non
 
 def test_without_keys_every_request_is_the_anonymous_tenant() -> None:
     tenants = Tenants()
+    assert not tenants.enabled  # the engine skips tenants altogether without keys
+    assert Tenants(lambda: ring(f"k:{SECRET}")).enabled
     policy = tenants.of("")
     assert policy.id == "" and not policy.limited
     for _ in range(100):
