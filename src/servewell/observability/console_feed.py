@@ -32,7 +32,8 @@ from itertools import accumulate
 from typing import Any
 
 from servewell.observability.alerting import ActiveAlerts
-from servewell.observability.metrics import OUTCOMES, LoopHistogram, ServeMetrics
+from servewell.observability.loop_metrics import LoopHistogram
+from servewell.observability.metrics import OUTCOMES, ServeMetrics
 from servewell.observability.recent_requests import RecentRequests
 from servewell.observability.view_sources import ViewSources
 

@@ -4,10 +4,9 @@ would for the same observations."""
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from servewell.observability.loop_metrics import LoopCounter, LoopHistogram
 from servewell.observability.metrics import (
     LATENCY_BUCKETS,
-    LoopCounter,
-    LoopHistogram,
     ModelSample,
     ServeMetrics,
     StateCollector,
