@@ -20,12 +20,14 @@ from pydantic import Field, ModelWrapValidatorHandler, ValidationError, field_va
 
 from servewell.config.batching import BatchingConfig, BatchingPatch
 from servewell.config.cache import ResponseCacheConfig
+from servewell.config.pipeline import PipelineSpec
 from servewell.config.problems import Problems, config_error
 from servewell.config.processing import ClassifyPostprocess, ImagePreprocess
 from servewell.config.runtime_sections import (
     MOVED_TO_SECTIONS,
     RUNTIMES,
     OnnxSettings,
+    PythonSettings,
     PyTorchSettings,
     RuntimeName,
     ServingDtype,
@@ -52,6 +54,8 @@ _OPTIONAL_SECTIONS = ("onnx", "torchscript")
 #: Entries of `extra_files`, and characters of one: a list, not a second repository.
 MAX_EXTRA_FILES = 256
 MAX_EXTRA_FILE_CHARS = 1000
+#: A pipeline's `artifact`: it has no model file, and its model.yaml is the file it is made of.
+PIPELINE_ARTIFACT = "model.yaml"
 #: Artifact suffix that holds weights only, which only the pytorch runtime can load.
 _WEIGHTS_ONLY_SUFFIX = ".safetensors"
 
@@ -73,10 +77,16 @@ class ModelConfig(StrictModel):
 
     name: str = Field(description="Model name used in URLs; must match the directory name.")
     version: str = Field("1", description="Version served under /v2/models/{name}/versions/{version}.")
-    runtime: RuntimeName = Field(description="Backend that runs the model: onnx, torchscript or pytorch.")
+    kind: Literal["model", "pipeline"] = Field(
+        "model", description="model: one artifact run by a runtime; pipeline: steps that are other served models "
+        "(the `pipeline:` section), with no artifact nor runtime of its own.",
+    )
+    runtime: RuntimeName = Field(description="Backend that runs the model: onnx, torchscript, pytorch or python "
+                                 "(a pipeline's is 'pipeline', set for it).")
     artifact: str = Field(
-        description="Model file relative to the model directory: .onnx, TorchScript .pt, or weights "
-        "(.safetensors or a state-dict .pt) for the pytorch runtime."
+        description="Model file relative to the model directory: .onnx, TorchScript .pt, weights "
+        "(.safetensors or a state-dict .pt) for the pytorch runtime, the module's .py file for the python runtime "
+        "(a pipeline's is its model.yaml, set for it)."
     )
     extra_files: list[str] = Field(
         default_factory=list, max_length=MAX_EXTRA_FILES,
@@ -130,6 +140,11 @@ class ModelConfig(StrictModel):
     pytorch: PyTorchSettings | None = Field(
         None, description="Settings of runtime pytorch, which needs at least 'factory' (only with runtime: pytorch)."
     )
+    python: PythonSettings | None = Field(
+        None, description="Settings of runtime python, which needs at least 'entry: module:Class' (only with "
+        "runtime: python)."
+    )
+    pipeline: PipelineSpec | None = Field(None, description="The steps of a pipeline (only with kind: pipeline).")
     preprocess: ImagePreprocess | None = Field(None, description="Image decoding for /predict and BYTES inputs.")
     postprocess: ClassifyPostprocess | None = Field(None, description="Label decoding for /predict.")
     metadata: dict[str, str] = Field(default_factory=dict, description="Free-form facts shown in model metadata.")
@@ -161,6 +176,11 @@ class ModelConfig(StrictModel):
                 rest["host_memory_limit_bytes"] = rest.pop(DEPRECATED_HOST_LIMIT)
         if runtime in _OPTIONAL_SECTIONS and rest.get(runtime) is None:
             rest[runtime] = {}
+        if rest.get("kind") == "pipeline":
+            for key in ("runtime", "artifact"):
+                if key in rest:
+                    problems.add((key,), "a pipeline has none: its steps are served models (remove it)", rest[key])
+            rest["runtime"], rest["artifact"] = "pipeline", PIPELINE_ARTIFACT
         for key in moved:
             problems.add((key,), moved_field_reason(key, runtime), data[key])
         try:
@@ -236,6 +256,8 @@ class ModelConfig(StrictModel):
             for index, name in enumerate(names):
                 if names.index(name) != index:
                     problems.add((group, index, "name"), f"{group[:-1]} name {name!r} is used twice")
+        if self.pipeline is not None:
+            self._check_pipeline(self.pipeline, problems)
         if self.preprocess is not None:
             self._check_preprocess(self.preprocess, problems)
         if self.postprocess is not None:
@@ -253,6 +275,13 @@ class ModelConfig(StrictModel):
         return self
 
     def _check_sections(self, problems: Problems) -> None:
+        if (self.kind == "pipeline") != (self.runtime == "pipeline"):
+            problems.add(("runtime",), "runtime pipeline is for a model.yaml of kind: pipeline (and it sets it)")
+        if (self.kind == "pipeline") != (self.pipeline is not None):
+            problems.add(("pipeline",), "kind: pipeline needs this section (steps and outputs)" if self.pipeline is None
+                         else "a pipeline section needs kind: pipeline")
+        if self.runtime == "python" and self.python is None:
+            problems.add(("python",), "runtime python needs this section, with at least 'entry: module:Class'")
         for section in RUNTIMES:
             if section != self.runtime and getattr(self, section) is not None:
                 problems.add((section,), f"settings of runtime {section}; this model's runtime is {self.runtime} "
@@ -272,6 +301,27 @@ class ModelConfig(StrictModel):
             elif torch is not None and torch.gpu_memory_fraction is not None:
                 problems.add(("device_memory_limit_bytes",), f"and {self.runtime}.gpu_memory_fraction both cap "
                              "device memory; give one of them")
+
+    def _check_pipeline(self, spec: PipelineSpec, problems: Problems) -> None:
+        """Its sources name declared inputs, and its outputs are exactly the declared ones."""
+        inputs = [t.name for t in self.inputs]
+        for index, step in enumerate(spec.steps):
+            sources = [(("inputs", target), source) for target, source in step.inputs.items()]
+            if step.when is not None:
+                sources.append((("when", "tensor"), step.when.tensor))
+            for where, source in sources:
+                if "." not in source and source not in inputs:
+                    problems.add(("pipeline", "steps", index, *where), f"{source!r} is not an input of the pipeline "
+                                 f"(its inputs are {inputs})", source)
+        declared = [t.name for t in self.outputs]
+        for name in spec.outputs:
+            if name not in declared:
+                problems.add(("pipeline", "outputs", name), f"is not a declared output (outputs are {declared})")
+        for name in declared:
+            if name not in spec.outputs:
+                problems.add(("pipeline", "outputs"), f"declared output {name!r} has no source here")
+        if self.cache is not None:
+            problems.add(("cache",), "a pipeline has no cache of its own; give its step models one")
 
     def _check_preprocess(self, spec: ImagePreprocess, problems: Problems) -> None:
         names = [t.name for t in self.inputs]

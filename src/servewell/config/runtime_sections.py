@@ -1,4 +1,4 @@
-"""Per-runtime sections of model.yaml: `onnx:`, `torchscript:`, `pytorch:`.
+"""Per-runtime sections of model.yaml: `onnx:`, `torchscript:`, `pytorch:`, `python:`.
 
 Each section holds every knob its runtime has, so a model.yaml shows at a glance what applies
 to it, and a knob of another runtime is an error instead of being silently ignored. The serving
@@ -16,9 +16,12 @@ from pydantic import Field, field_validator
 from servewell.config.problems import Problems, config_error
 from servewell.config.strict import StrictModel
 
-RuntimeName = Literal["onnx", "torchscript", "pytorch"]
+#: What runs a model: a backend in a worker process, or (`pipeline`) the engine itself, which runs
+#: a pipeline's steps on other models (config/pipeline.py) and has no worker nor artifact.
+RuntimeName = Literal["onnx", "torchscript", "pytorch", "python", "pipeline"]
 ServingDtype = Literal["fp32", "fp16", "bf16", "auto"]
-RUNTIMES: tuple[RuntimeName, ...] = ("onnx", "torchscript", "pytorch")
+#: The runtimes that have a section of their own in model.yaml.
+RUNTIMES: tuple[RuntimeName, ...] = ("onnx", "torchscript", "pytorch", "python")
 
 
 class OnnxSettings(StrictModel):
@@ -108,23 +111,45 @@ class PyTorchSettings(TorchSettings):
         return names
 
 
+class PythonSettings(StrictModel):
+    """Settings of the python runtime: a class of the model directory's code runs the batches."""
+
+    entry: str = Field(
+        description="'module:Class' in the model directory (the artifact is that module's file): the class is "
+        "instantiated without arguments, then setup(config) runs once, execute(inputs) runs each batch of named "
+        "numpy arrays and returns named arrays, and teardown() (optional) runs when the worker stops."
+    )
+    settings: dict[str, Any] = Field(
+        default_factory=dict, description="Free-form values handed to setup() as config['settings']."
+    )
+
+    @field_validator("entry")
+    @classmethod
+    def _entry_spec(cls, entry: str) -> str:
+        module, colon, attribute = entry.partition(":")
+        if not colon or not _dotted_identifiers(module) or not attribute.isidentifier():
+            raise config_error(f"{entry!r} must look like 'module:Class' (e.g. 'steps:Cropper')")
+        return entry
+
+
 #: The section class of each runtime.
 SECTIONS: dict[str, type[StrictModel]] = {
     "onnx": OnnxSettings,
     "torchscript": TorchScriptSettings,
     "pytorch": PyTorchSettings,
+    "python": PythonSettings,
 }
 
 
 def runtimes_with(field: str) -> list[str]:
     """The runtimes whose section has `field`, in the order of `RUNTIMES`."""
-    return [name for name in RUNTIMES if field in SECTIONS[name].model_fields]
+    return [name for name in RUNTIMES if field in SECTIONS[name].model_fields and name != "python"]
 
 
 #: Flat top-level keys of model.yaml from before the per-runtime sections, now fields of a section.
 MOVED_TO_SECTIONS: tuple[str, ...] = tuple(
-    sorted({name for section in SECTIONS.values() for name in section.model_fields})
-)
+    sorted({name for runtime, section in SECTIONS.items() if runtime != "python" for name in section.model_fields})
+)  # the python runtime came with its section: none of its keys was ever flat
 
 
 def moved_field_reason(field: str, runtime: object) -> str:
