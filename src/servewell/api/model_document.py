@@ -18,10 +18,13 @@ from servewell.errors import InvalidInput, quote
 
 #: Our runtime -> Triton's `platform` name for the same kind of model (tritonclient and tools such as
 #: perf_analyzer branch on it).
-PLATFORMS: dict[str, str] = {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch", "pytorch": "pytorch"}
+PLATFORMS: dict[str, str] = {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch", "pytorch": "pytorch",
+                             "python": "python", "pipeline": "ensemble"}
 #: Our runtime -> Triton's `backend` name (Triton's onnxruntime and pytorch backends; ours is `pytorch`
 #: for both TorchScript and eager modules, as Triton's libtorch backend serves both).
-BACKENDS: dict[str, str] = {"onnx": "onnxruntime", "torchscript": "pytorch", "pytorch": "pytorch"}
+#: A python model is Triton's python backend; a pipeline is its ensemble platform (which has no backend).
+BACKENDS: dict[str, str] = {"onnx": "onnxruntime", "torchscript": "pytorch", "pytorch": "pytorch", "python": "python",
+                            "pipeline": ""}
 #: Our model states -> the states of Triton's repository index (anything else: UNAVAILABLE).
 TRITON_STATES: dict[str, str] = {"ready": "READY", "loading": "LOADING", "restarting": "LOADING"}
 

@@ -22,7 +22,10 @@ _FLOAT = {"F64", "F32", "F16", "BF16"}
 _SERVING_ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "auto": 4}  # auto may stay fp32: plan for it
 #: Resident cost of a worker before any weights: interpreter, framework, arenas (measured here:
 #: an onnxruntime worker ~90 MB, a torch worker ~350 MB RSS after import and warm-up of a tiny model).
-RUNTIME_BASE_BYTES = {"onnx": 120 << 20, "torchscript": 400 << 20, "pytorch": 400 << 20}
+#: A python model's interpreter with numpy (its own imports come on top, unknown until it loads: its
+#: warm-up measures them); a pipeline has no worker.
+RUNTIME_BASE_BYTES = {"onnx": 120 << 20, "torchscript": 400 << 20, "pytorch": 400 << 20, "python": 60 << 20,
+                      "pipeline": 0}
 #: Activations and allocator slack on top of the weights.
 WORKING_SET_FACTOR = 1.25
 
@@ -41,7 +44,9 @@ class MemoryEstimate:
 
 
 def estimate_model_memory(config: ModelConfig, model_dir: Path) -> MemoryEstimate:
-    """Estimate the resident memory of all instances of a model before loading it."""
+    """Estimate the resident memory of all instances of a model before loading it (a pipeline: none)."""
+    if config.kind == "pipeline":
+        return MemoryEstimate(0, 0, 0, "a pipeline runs in the engine")
     path = model_dir / config.artifact
     dtype = config.torch_settings.dtype if config.torch_settings is not None else "fp32"  # onnx: as exported
     if path.suffix == ".safetensors":
