@@ -39,7 +39,8 @@ def view(scheduled_max: int | None = None, **fields: Any) -> ModelView:
 
 def test_every_runtime_has_a_triton_platform_and_backend():
     assert set(PLATFORMS) == set(BACKENDS) == set(get_args(RuntimeName))
-    assert PLATFORMS == {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch", "pytorch": "pytorch"}
+    assert PLATFORMS == {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch", "pytorch": "pytorch",
+                         "python": "python", "pipeline": "ensemble"}
 
 
 def test_the_document_carries_triton_names_and_the_live_batch_size():
