@@ -45,6 +45,11 @@ TENANT_CACHE_FAMILIES = (
     "servewell_response_cache_evictions_total", "servewell_response_cache_bytes", "servewell_response_cache_entries",
     *(f"servewell_tenant_request_duration_seconds{suffix}" for suffix in ("_bucket", "_sum", "_count")),
 )
+#: Pipelines (issue 23), on the dashboard's "Pipelines" row.
+PIPELINE_FAMILIES = (
+    "servewell_pipeline_steps_total",
+    *(f"servewell_pipeline_step_duration_seconds{suffix}" for suffix in ("_bucket", "_sum", "_count")),
+)
 GPU_GAUGES = (
     "servewell_gpu_utilization_ratio", "servewell_gpu_memory_used_bytes", "servewell_gpu_memory_total_bytes",
     "servewell_gpu_power_watts", "servewell_gpu_temperature_celsius",
@@ -53,7 +58,7 @@ GPU_GAUGES = (
 SERIES = frozenset(
     [f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")]
     + [f"{c}_total" for c in COUNTERS + DIAGNOSTIC_COUNTERS] + list(GAUGES) + list(GPU_GAUGES) + list(POOL_FAMILIES)
-    + list(TENANT_CACHE_FAMILIES)
+    + list(TENANT_CACHE_FAMILIES) + list(PIPELINE_FAMILIES)
 )
 METRIC_NAME = re.compile(r"\bservewell_[a-z0-9_]+")
 RECORDED_NAME = re.compile(r"\bservewell:[a-z0-9_:]+")

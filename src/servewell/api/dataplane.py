@@ -88,6 +88,8 @@ class DataPlane:
         if stages is not None:
             stages.update(preprocess=preprocess_s, queue=result.queue_s, compute=result.compute_s,
                           postprocess=postprocess_s)
+            for step in result.steps:  # a pipeline's: each step's own time (skipped steps: 0)
+                stages[f"step.{step.step}"] = step.total_s
 
     def stage_span(self, name: str, model: str) -> contextlib.AbstractContextManager[object]:
         """A span for a request stage, only when the request is sampled (unsampled ones pay nothing)."""
@@ -237,6 +239,8 @@ class InferenceCall:
             f"compute;dur={result.compute_s * 1000:.3f}, postprocess;dur={self.postprocess_s * 1000:.3f}, "
             f"total;dur={total_s * 1000:.3f}"
         )
+        if result.steps:  # a pipeline: one entry per step (step names are tokens: letters, digits, - and _)
+            timing += "".join(f", step.{s.step};dur={s.total_s * 1000:.3f};desc={s.outcome}" for s in result.steps)
         return f"{timing}, cache;desc={result.cache}" if result.cache else timing
 
 

@@ -24,6 +24,7 @@ from servewell.engine.memory_budget import MemoryBudget, estimate_model_memory, 
 from servewell.engine.model_entry import EntryServices, LoadProgressFn, ModelEntry
 from servewell.engine.model_handle import ServedModelHandle, ready_entry_or_refusal
 from servewell.engine.model_pool import ModelPool, ModelSlot, PoolSettings
+from servewell.engine.pipeline import PipelineEntry, PipelineHandle, recheck_pipelines, step_config_of
 from servewell.engine.protocol import ModelView, Readiness, RequestResult
 from servewell.engine.readiness import ReadinessPolicy, evaluate_readiness
 from servewell.engine.repository import ModelSource, OutsidePolicy, read_model_config, scan_repository
@@ -31,7 +32,7 @@ from servewell.engine.response_cache import ResponseCache
 from servewell.engine.snapshot import SnapshotStore
 from servewell.engine.tenants import Tenants
 from servewell.engine.validation import check_inputs
-from servewell.errors import Conflict, LoadFailed, NotFound, ShuttingDown, quote
+from servewell.errors import Conflict, LoadFailed, ModelNotReady, NotFound, ShuttingDown, quote
 from servewell.observability.metrics import ModelSample, ServeMetrics
 from servewell.observability.signals import ModelFacts
 from servewell.observability.tracing import Tracing
@@ -97,6 +98,7 @@ class InferenceEngine:
                      sum(1 for s in self._slots.values() if s.pinned))
             await asyncio.gather(*(self.pool.acquire(s, None) for s in self._slots.values()
                                    if s.pinned and self.pool.loadable(s)), return_exceptions=True)
+            await asyncio.gather(*(s.entry.load() for s in self._slots.values() if isinstance(s.entry, PipelineEntry)))
             return
         await asyncio.gather(*(s.entry.load() for s in self._slots.values()))
 
@@ -105,7 +107,7 @@ class InferenceEngine:
         if source.config is None:
             entry = InvalidModel(source.name, source.directory, source.error or "invalid model.yaml")
         else:
-            entry = ModelEntry(source.name, source.directory, source.config, self._services)
+            entry = self._build(source.name, source.directory, source.config)
         slot = self._slots[source.name] = ModelSlot(entry)
         if source.config is not None:
             try:
@@ -116,6 +118,11 @@ class InferenceEngine:
 
     def _new_entry(self, name: str, config: ModelConfig) -> ModelEntry:
         return ModelEntry(name, self.repository / name, config, self._services)
+
+    def _build(self, name: str, directory: Path, config: ModelConfig) -> ModelEntry | PipelineEntry:
+        if config.kind == "pipeline":
+            return PipelineEntry(name, directory, config, self._services, self)
+        return ModelEntry(name, directory, config, self._services)
 
     async def _discover(self) -> list[str]:
         """Add the models whose directories appeared since the last scan, and take an invalid
@@ -135,15 +142,18 @@ class InferenceEngine:
 
     # --- the data plane's entry point -----------------------------------------------------
 
-    def resolve(self, name: str, version: str | None = None) -> ServedModelHandle:
+    def resolve(self, name: str, version: str | None = None) -> ServedModelHandle | PipelineHandle:
         """The ready model `name` (`NotFound`, `ModelNotReady`, `ShuttingDown` otherwise)."""
         slot = self._slot(name, version)
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
+        if isinstance(slot.entry, PipelineEntry):
+            slot.used()
+            return PipelineHandle(slot.entry, self)
         return ServedModelHandle(slot, self, ready_entry_or_refusal(slot.entry))  # its infer marks it used
 
     async def resolve_async(self, name: str, version: str | None = None,
-                            deadline: float | None = None) -> ServedModelHandle:
+                            deadline: float | None = None) -> ServedModelHandle | PipelineHandle:
         """`resolve`; in lazy mode a model that is not resident is loaded first (the request waits
         up to `deadline`, absolute `time.monotonic()`, and `max_load_wait_ms`)."""
         slot = self._slot(name, version)
@@ -177,6 +187,34 @@ class InferenceEngine:
         rows = check_inputs(entry.config, inputs)
         return await entry.submit(inputs, rows, lane, deadline, request_id, arrived_at)
 
+    async def step_entry(self, name: str, version: str | None, deadline: float) -> ModelEntry:
+        """The serving entry of a pipeline step's model, loading it first in lazy mode (the step
+        waits up to `deadline`); the same refusals as a request of the model itself."""
+        slot = self._slot(name, version)
+        if isinstance(slot.entry, PipelineEntry):
+            raise ModelNotReady(f"model '{name}' is a pipeline; a step must be a model", retry_after_s=None)
+        self.pool.count(slot)
+        if self.accepting and not slot.resident and self.pool.loadable(slot):
+            await self.pool.acquire(slot, deadline)
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down and accepts no new requests")
+        slot.used()
+        return ready_entry_or_refusal(slot.entry)
+
+    def step_config(self, name: str) -> tuple[ModelConfig | None, str]:
+        """A pipeline step's model config as model.yaml says now, or None with why it cannot be a step."""
+        return step_config_of(self._slots, name)
+
+    @property
+    def tracing(self) -> Tracing | None:
+        """The server's tracing (pipelines open a span per step)."""
+        return self._services.tracing
+
+    @property
+    def metrics(self) -> ServeMetrics | None:
+        """The server's metrics (pipelines count their steps)."""
+        return self._services.metrics
+
     def default_model_name(self) -> str:
         """The configured default model, else the only or first valid model."""
         if self._default_model is not None and self._default_model in self._slots:
@@ -209,7 +247,7 @@ class InferenceEngine:
                     config = read_model_config(directory)
                 except ValueError as exc:
                     raise LoadFailed(str(exc)) from None
-            fresh = ModelEntry(name, directory, config, self._services)
+            fresh = self._build(name, directory, config)
             await fresh.load()
             if fresh.state != "ready":
                 if self._slots.get(name) is None:
@@ -221,11 +259,12 @@ class InferenceEngine:
             slot = self._slots.get(name)
             if slot is None:
                 self._slots[name] = ModelSlot(fresh)
-                return fresh.view()
-            slot.unloaded_by_operator = slot.evicted = False
-            old, slot.entry = slot.entry, fresh  # from here on, new requests go to the new version
-            await old.stop("reloading", reason="replaced by a reload")  # drains what the old version had accepted
-            return fresh.view()
+            else:
+                slot.unloaded_by_operator = slot.evicted = False
+                old, slot.entry = slot.entry, fresh  # from here on, new requests go to the new version
+                await old.stop("reloading", reason="replaced by a reload")  # drains what the old version had accepted
+        await recheck_pipelines(self._slots, name)
+        return fresh.view()
 
     async def unload_model(self, name: str) -> ModelView:
         """Stop serving a model: queued and running requests finish, then its workers stop."""
@@ -277,7 +316,7 @@ class InferenceEngine:
         slot = self._slot(name, None)
         async with slot.lock:
             entry = slot.entry
-            if self.pool.loadable(slot) and entry.state == "unloaded":
+            if self.pool.loadable(slot) and entry.state == "unloaded" and config.kind == "model":
                 slot.entry = self._new_entry(name, config)
                 await entry.release_snapshot()  # an eviction kept it for a reload of the old config
                 slot.estimated_bytes = estimate_model_memory(config, slot.entry.directory).total_bytes
@@ -286,10 +325,13 @@ class InferenceEngine:
                 return "not applied: the model was unloaded by an operator (load it through the repository API)"
             if entry.state in ("ready", "restarting") and config == entry.config:
                 return "unchanged"
-            if entry.state == "ready" and (serving := entry.ready_entry()).live_changes_only(config):
+            pipeline = isinstance(entry, PipelineEntry) or config.kind == "pipeline"  # reloads: a check, no worker
+            if entry.state == "ready" and not pipeline and (serving := entry.ready_entry()).live_changes_only(config):
                 dropped = serving.apply_batching(config)
                 return "applied live" + (f"; admin overrides {sorted(dropped)} replaced by the file" if dropped else "")
         await self.load_model(name, config)
+        if config.kind == "pipeline":
+            return "reloaded (the pipeline's steps checked again)"
         return "reloaded (new workers warmed up before traffic moved)"
 
     def config_report(self) -> dict[str, Any]:

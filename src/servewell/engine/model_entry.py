@@ -155,20 +155,22 @@ class ModelEntry:
         (engine/response_cache.py)."""
         tenants = self._services.tenants
         if tenants is None or not tenants.enabled:
-            return self._submit(inputs, rows, lane, deadline, request_id, arrived_at, "")
+            return self.submit_admitted(inputs, rows, lane, deadline, request_id, arrived_at, "")
         policy = tenants.of(client_var.get())
         tenants.admit(policy, self.scheduler.tenant_depth(policy.id), self.name)
         started = time.monotonic()
         try:
-            future = self._submit(inputs, rows, lane, deadline, request_id, arrived_at, policy.id)
+            future = self.submit_admitted(inputs, rows, lane, deadline, request_id, arrived_at, policy.id)
         except BaseException:
             tenants.release(policy.id, started)
             raise
         future.add_done_callback(lambda _: tenants.release(policy.id, started))
         return future
 
-    def _submit(self, inputs: dict[str, np.ndarray], rows: int, lane: int, deadline: float | None, request_id: str,
-                arrived_at: float | None, tenant: str) -> asyncio.Future[RequestResult]:
+    def submit_admitted(self, inputs: dict[str, np.ndarray], rows: int, lane: int, deadline: float | None,
+                        request_id: str, arrived_at: float | None, tenant: str) -> asyncio.Future[RequestResult]:
+        """`submit` for a request whose tenant's quotas were counted already (a pipeline's step:
+        the pipeline request counts once); `tenant` still orders it in the fair queue."""
         cache = self.cache
         if cache is None:
             return self.scheduler.submit(inputs, rows, lane, deadline, request_id, arrived_at, tenant)

@@ -93,9 +93,11 @@ class ModelSlot:
     @property
     def pinned(self) -> bool:
         """Never evicted: an admin's pin or unpin, else model.yaml's `pinned`."""
+        config = self.entry.config
+        if config is not None and config.kind == "pipeline":
+            return True  # it holds no memory: nothing to gain by evicting it
         if self.pinned_by_admin is not None:
             return self.pinned_by_admin
-        config = self.entry.config
         return bool(config is not None and config.pinned)
 
     @property
@@ -202,8 +204,8 @@ class ModelPool:
         """Whether a request would load this model now (lazy mode, a valid config, not unloaded by
         an operator, not failed since its last change)."""
         entry = slot.entry
-        return (self.lazy and entry.config is not None and entry.state in ("unloaded", "loading")
-                and not slot.unloaded_by_operator)
+        return (self.lazy and entry.config is not None and entry.config.kind == "model"
+                and entry.state in ("unloaded", "loading") and not slot.unloaded_by_operator)
 
     # --- waiting for a load ------------------------------------------------------------------
 

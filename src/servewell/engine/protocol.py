@@ -27,15 +27,29 @@ def client_shape(config: ModelConfig, spec: TensorSpec) -> list[int]:
     return ([-1] if config.max_batch_size > 0 else []) + list(spec.shape)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
+class StepTiming:
+    """One step of a pipeline request (engine/pipeline.py): where its time went, or why it did not run."""
+
+    step: str
+    model: str
+    queue_s: float
+    compute_s: float
+    total_s: float  # from its inputs being ready to its outputs
+    batch_size: int
+    outcome: str  # success or skipped
+
+
+@dataclass(slots=True, frozen=True)
 class RequestResult:
     """What a request gets back: its own rows of every output plus its timings."""
 
     outputs: dict[str, np.ndarray]
-    queue_s: float
+    queue_s: float  # a pipeline's: summed over the steps that ran
     compute_s: float
     batch_size: int
     cache: str = ""  # "hit" or "coalesced" when the response cache answered it (engine/response_cache.py)
+    steps: tuple[StepTiming, ...] = ()  # a pipeline's steps, in its model.yaml's order
 
 
 @dataclass(slots=True, frozen=True)

@@ -210,6 +210,11 @@ class ModelScheduler:
             retry_after_s=self._predicted_drain_s(),
         )
 
+    def predicted_compute_s(self, rows: int) -> float:
+        """What a batch of `rows` is expected to take, from the batches measured so far (0 before any)."""
+        latency = self._learned.latency
+        return latency.predict(rows) if latency.observed else 0.0
+
     def submit(
         self,
         inputs: dict[str, np.ndarray],

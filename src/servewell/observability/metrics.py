@@ -142,6 +142,14 @@ class ServeMetrics:
         self.tenant_duration = LoopHistogram(
             "servewell_tenant_request_duration_seconds", "Per tenant: from the engine admitting a request to its "
             "answer (queue, batch, compute; cached answers too).", ["tenant"], buckets=latency_buckets, registry=r)
+        self.pipeline_steps = LoopCounter(
+            "servewell_pipeline_steps", "Steps of pipeline requests, by pipeline, step and outcome (success, "
+            "skipped by its condition, or the error code that ended the request there).",
+            ["pipeline", "step", "outcome"], registry=r)
+        self.pipeline_step_duration = LoopHistogram(
+            "servewell_pipeline_step_duration_seconds", "Per pipeline step: from the step's start (its inputs ready) "
+            "to its outputs (queue, batch and compute in the step model).", ["pipeline", "step"],
+            buckets=latency_buckets, registry=r)
         self.worker_restarts = LoopCounter(
             "servewell_worker_restarts", "Worker processes replaced, by reason (crash: died; hung: no heartbeat "
             "or a batch over its compute budget, killed; memory: over host_memory_limit_bytes, drained).",

@@ -1,0 +1,400 @@
+"""A pipeline (`kind: pipeline`): a model to every client, whose requests run steps on other served
+models inside the engine.
+
+Each step is queued on its model's own scheduler, so it batches with that model's direct requests
+and everyone else's steps; the request's lane (by name), tenant and absolute deadline go with it
+through every step, and a step whose model's measured batch time no longer fits before the
+deadline is not started. Tensors between steps stay in the engine process: they never go back
+through an ingress. Steps whose sources are ready run together (the DAG's levels, computed once),
+so a fan-out costs the slowest branch, not the sum.
+
+`PipelineEntry` is the pipeline's `Entry` in its slot (no worker, no memory; validated against its
+step models at load, and a step again whenever its model was reloaded); `PipelineHandle` is what
+a request resolves (`ServedModel`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from opentelemetry import trace
+
+from servewell.config.model import ModelConfig
+from servewell.config.pipeline import PipelineStep, split_source
+from servewell.config.tensors import TensorSpec
+from servewell.engine.entry import StopCause, not_ready
+from servewell.engine.lanes import resolve_lane
+from servewell.engine.pipeline_check import StepConfigs, check_pipeline, check_step
+from servewell.engine.protocol import ModelState, ModelView, RequestResult, StepTiming
+from servewell.engine.validation import check_inputs
+from servewell.errors import Conflict, DeadlineExceeded, InvalidInput, ModelNotReady, ServeError, ShuttingDown
+from servewell.observability.context import client_var
+from servewell.observability.metrics import ModelSample
+from servewell.observability.signals import ModelFacts
+
+if TYPE_CHECKING:
+    from servewell.engine.engine import InferenceEngine
+    from servewell.engine.model_entry import EntryServices, ModelEntry
+    from servewell.engine.model_pool import ModelSlot
+
+log = logging.getLogger("servewell.engine")
+
+
+@dataclass(slots=True)
+class _Run:
+    """One request's tensors by source name, and what its steps did."""
+
+    values: dict[str, np.ndarray]
+    skipped: set[str]
+    timings: dict[str, StepTiming]
+
+
+class PipelineEntry:
+    """A pipeline in its slot: validated steps, no worker (an `Entry`)."""
+
+    def __init__(self, name: str, directory: Path, config: ModelConfig, services: EntryServices,
+                 engine: InferenceEngine) -> None:
+        assert config.pipeline is not None
+        self.name = name
+        self.directory = directory
+        self.config = config
+        self.state: ModelState = "unloaded"
+        self.reason: str | None = None
+        self.stopping: StopCause | None = None
+        self.configured_at = time.time()
+        self._services = services
+        self._engine = engine
+        self.spec = config.pipeline
+        self.levels = _levels(self.spec.steps)
+        #: The step model config each step was last checked against (by identity: a reload makes a new one).
+        self._checked: dict[str, ModelConfig] = {}
+        self._inflight: set[asyncio.Future[RequestResult]] = set()
+
+    @property
+    def version(self) -> str:
+        """The version it serves."""
+        return self.config.version
+
+    @property
+    def label(self) -> str:
+        """How errors name it."""
+        return f"pipeline '{self.name}'"
+
+    async def load(self) -> None:
+        """Check the steps against their models' configs: ready, or failed with every mismatch."""
+        problems = check_pipeline(self.config, self._step_configs)
+        if problems:
+            self.state, self.reason = "failed", "; ".join(problems)
+            log.error("%s does not fit its step models: %s", self.label, self.reason, extra={"model": self.name})
+            return
+        for step in self.spec.steps:
+            config, _ = self._step_configs(step.model)
+            assert config is not None
+            self._checked[step.name] = config
+        self.state, self.reason, self.stopping = "ready", None, None
+        log.info("%s ready: %d steps in %d levels", self.label, len(self.spec.steps), len(self.levels),
+                 extra={"model": self.name})
+
+    def _step_configs(self, model: str) -> tuple[ModelConfig | None, str]:
+        return self._engine.step_config(model)
+
+    def step_config_checked(self, step: PipelineStep, config: ModelConfig) -> None:
+        """Refuse a step whose model's config changed (a reload) and no longer fits; remember one that does."""
+        if self._checked.get(step.name) is config:
+            return
+        tensors = {t.name: t for t in self.config.inputs}
+        for earlier in self.spec.steps:
+            if earlier.name == step.name:
+                break
+            seen = self._checked.get(earlier.name)
+            if seen is not None:
+                tensors.update({f"{earlier.name}.{out.name}": out for out in seen.outputs})
+        problems: list[str] = []
+        fixed: StepConfigs = lambda _: (config, "")  # noqa: E731
+        check_step(self.config, step, tensors, fixed, problems)
+        problems += _outputs_fit(self.config, step, config)
+        if problems:
+            raise ModelNotReady(f"{self.label} step {step.name!r}: model {step.model!r} changed since the pipeline "
+                                f"loaded and no longer fits: {'; '.join(problems)}", retry_after_s=None)
+        self._checked[step.name] = config
+
+    def close(self) -> None:
+        """Nothing restarts: a pipeline has no worker."""
+
+    async def stop(self, cause: StopCause, state: ModelState = "unloaded", reason: str | None = None,
+                   worker_timeout_s: float = 5.0) -> None:
+        """Take no new request; those running finish on their step models (each step drains there)."""
+        self.stopping = cause
+        if self._inflight:
+            await asyncio.wait(set(self._inflight), timeout=max(worker_timeout_s, 0.1) * 6)
+        self.state, self.reason = state, reason
+
+    async def release_snapshot(self) -> None:
+        """A pipeline has no snapshot."""
+
+    def fail_all(self, error: ServeError) -> None:
+        """Answer every running pipeline request with `error` now (the steps it waits on are dropped)."""
+        for future in list(self._inflight):
+            if not future.done():
+                future.set_exception(error)
+
+    def ready_entry(self) -> ModelEntry:
+        """A pipeline is served through its `PipelineHandle`, never as one model's entry."""
+        if self.state != "ready":
+            raise not_ready(self.name, self.state, self.reason)
+        raise Conflict(f"{self.label} has no worker, scheduler or batching of its own; its steps' models "
+                       f"({', '.join(sorted({s.model for s in self.spec.steps}))}) have them")
+
+    def configurable(self) -> ModelEntry:
+        """The same: nothing of a pipeline is configured live but through its model.yaml."""
+        return self.ready_entry()
+
+    def view(self) -> ModelView:
+        """What the API shows of it: state and config; no instances, no queue of its own."""
+        return ModelView(self.name, self.version, self.state, self.reason, self.config, None, 0, 0, (), None)
+
+    def sample(self) -> ModelSample:
+        """Its state for a scrape; its requests are counted per step."""
+        return ModelSample(self.name, self.state, {}, len(self._inflight), self.config.max_batch_size, ())
+
+    def facts(self) -> ModelFacts | None:
+        """Nothing of its own to alert on (its step models have their facts)."""
+        return None
+
+    def report(self) -> dict[str, Any]:
+        """The active config."""
+        return {"state": self.state, "version": self.version, "file": str(self.directory / "model.yaml"),
+                "loaded_at": self.configured_at, "overrides": {}, "config": self.config.model_dump(mode="json")}
+
+    def track(self, future: asyncio.Future[RequestResult]) -> None:
+        """Keep a running request until it ends (drain on stop, `fail_all`)."""
+        self._inflight.add(future)
+        future.add_done_callback(self._inflight.discard)
+
+
+class PipelineHandle:
+    """A request's view of a ready pipeline (`ServedModel`)."""
+
+    __slots__ = ("_entry", "_engine", "name", "config")
+
+    def __init__(self, entry: PipelineEntry, engine: InferenceEngine) -> None:
+        self._entry = entry
+        self._engine = engine
+        self.name = entry.name
+        self.config: ModelConfig = entry.config
+
+    def resolve_lane(self, urgency: str | None = None, priority: object = None) -> int:
+        """Lane index for a request's urgency and/or OIP priority, among the pipeline's lanes."""
+        return resolve_lane(self.config.batching.lanes, urgency, priority)
+
+    def admit(self, lane: int) -> None:
+        """Refuse now what could not run: the pipeline stopping or not ready, the server draining."""
+        self._check_open()
+
+    def _check_open(self) -> None:
+        entry = self._entry
+        if not self._engine.accepting:
+            raise ShuttingDown("the server is shutting down and accepts no new requests")
+        if entry.stopping is not None or entry.state != "ready":
+            raise not_ready(self.name, entry.state if entry.stopping is None else "unloaded", entry.reason)
+
+    def infer(self, inputs: dict[str, np.ndarray], *, lane: int, deadline: float | None, request_id: str,
+              arrived_at: float | None) -> asyncio.Future[RequestResult]:
+        """Validate the request against the pipeline's inputs and run its steps."""
+        self._check_open()
+        rows = check_inputs(self.config, inputs)
+        now = time.monotonic()
+        start = arrived_at if arrived_at is not None else now
+        deadline_at = deadline if deadline is not None else start + self.config.batching.default_timeout_ms / 1000.0
+        if deadline_at <= now:
+            raise DeadlineExceeded(f"the request's deadline passed before {self._entry.label} started")
+        tenants = self._engine.tenants
+        tenant = ""
+        if tenants is not None and tenants.enabled:  # a pipeline request counts once against its quotas
+            policy = tenants.of(client_var.get())
+            tenants.admit(policy, 0, self.name)
+            tenant = policy.id
+        outer: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(self._run(inputs, rows, lane, deadline_at, request_id, tenant))
+        task.add_done_callback(partial(_settle, outer))
+        outer.add_done_callback(lambda _: task.cancel())  # answered elsewhere or cancelled: drop its steps
+        if tenants is not None and tenants.enabled:
+            outer.add_done_callback(lambda _: tenants.release(tenant, now))
+        self._entry.track(outer)
+        return outer
+
+    async def _run(self, inputs: dict[str, np.ndarray], rows: int, lane: int, deadline: float, request_id: str,
+                   tenant: str) -> RequestResult:
+        run = _Run(dict(inputs), set(), {})
+        lane_name = self.config.batching.lanes[min(lane, len(self.config.batching.lanes) - 1)]
+        for level in self._entry.levels:
+            if len(level) == 1:
+                await self._step(level[0], run, rows, lane_name, deadline, request_id, tenant)
+                continue
+            tasks = [asyncio.ensure_future(self._step(step, run, rows, lane_name, deadline, request_id, tenant))
+                     for step in level]
+            try:
+                await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                raise
+        outputs = {spec.name: self._output(spec, run) for spec in self.config.outputs}
+        timings = tuple(run.timings[step.name] for step in self._entry.spec.steps)
+        ran = [t for t in timings if t.outcome == "success"]
+        return RequestResult(outputs, sum(t.queue_s for t in ran), sum(t.compute_s for t in ran),
+                             max((t.batch_size for t in ran), default=rows), steps=timings)
+
+    def _output(self, spec: TensorSpec, run: _Run) -> np.ndarray:
+        alternatives = self._entry.spec.alternatives(spec.name)
+        for source in alternatives:
+            step, _ = split_source(source)
+            if step not in run.skipped and source in run.values:
+                return run.values[source]
+        raise InvalidInput(f"{self._entry.label}: no branch answered output {spec.name!r} for this request (the steps "
+                           f"of {alternatives} were skipped by their conditions)")
+
+    async def _step(self, step: PipelineStep, run: _Run, rows: int, lane_name: str, deadline: float,
+                    request_id: str, tenant: str) -> None:
+        started = time.monotonic()
+        if self._skipped(step, run):
+            run.skipped.add(step.name)
+            run.timings[step.name] = StepTiming(step.name, step.model, 0.0, 0.0, 0.0, 0, "skipped")
+            self._count(step, "skipped", None)
+            return
+        try:
+            entry = await self._engine.step_entry(step.model, step.version, deadline)
+            self._entry.step_config_checked(step, entry.config)
+            inputs = {target: run.values[source] for target, source in step.inputs.items()}
+            step_rows = check_inputs(entry.config, inputs)
+            left = deadline - time.monotonic()
+            needed = entry.scheduler.predicted_compute_s(step_rows)
+            if left <= needed:
+                raise DeadlineExceeded(f"{left * 1000:.1f} ms were left of the request's deadline and a batch of "
+                                       f"model {step.model!r} takes about {needed * 1000:.1f} ms: not started")
+            lanes = entry.scheduler.lanes
+            step_lane = lanes.index(lane_name) if lane_name in lanes else resolve_lane(lanes)
+            with self._span(step) as span:
+                result = await entry.submit_admitted(inputs, step_rows, step_lane, deadline, request_id, started,
+                                                     tenant)
+                if span is not None:
+                    span.set_attribute("servewell.batch_size", result.batch_size)
+        except ServeError as exc:
+            self._count(step, exc.code, None)
+            raise _named(exc, self._entry.label, step) from None
+        elapsed = time.monotonic() - started
+        for name, array in result.outputs.items():
+            run.values[f"{step.name}.{name}"] = array
+        run.timings[step.name] = StepTiming(step.name, step.model, result.queue_s, result.compute_s, elapsed,
+                                            result.batch_size, "success")
+        self._count(step, "success", elapsed)
+
+    @staticmethod
+    def _skipped(step: PipelineStep, run: _Run) -> bool:
+        """Whether the step does not run: a source of it was skipped, or its condition is false."""
+        sources = list(step.inputs.values()) + ([step.when.tensor] if step.when is not None else [])
+        if any(split_source(source)[0] in run.skipped for source in sources):
+            return True
+        if step.when is None:
+            return False
+        return not bool(np.all(run.values[step.when.tensor] == step.when.equals))
+
+    @contextmanager
+    def _span(self, step: PipelineStep) -> Iterator[trace.Span | None]:
+        """A span for the step, a child of the request's span, current while the step is queued (so the
+        step model's batch span links to it); nothing when the request is not sampled."""
+        tracing = self._engine.tracing
+        parent = trace.get_current_span()
+        if tracing is None or not tracing.enabled or not parent.get_span_context().is_valid:
+            yield None
+            return
+        with tracing.tracer.start_as_current_span(
+                f"step {step.name}", attributes={"servewell.pipeline": self.name, "servewell.step": step.name,
+                                                 "servewell.model": step.model}) as span:
+            yield span
+
+    def _count(self, step: PipelineStep, outcome: str, elapsed: float | None) -> None:
+        metrics = self._engine.metrics
+        if metrics is None:
+            return
+        metrics.pipeline_steps.labels(self.name, step.name, outcome).inc()
+        if elapsed is not None:
+            metrics.pipeline_step_duration.labels(self.name, step.name).observe(elapsed)
+
+
+def step_config_of(slots: Mapping[str, ModelSlot], name: str) -> tuple[ModelConfig | None, str]:
+    """A pipeline step's model config as model.yaml says now, or None with why it cannot be a step."""
+    slot = slots.get(name)
+    if slot is None:
+        return None, f"the repository has no model {name!r}"
+    config = slot.entry.config
+    if config is None:
+        return None, f"model {name!r} is invalid: {slot.entry.reason}"
+    if config.kind == "pipeline":
+        return None, f"model {name!r} is a pipeline; a step must be a model (list its steps here instead)"
+    return config, ""
+
+
+async def recheck_pipelines(slots: Mapping[str, ModelSlot], loaded: str) -> None:
+    """Check again each pipeline that failed and has a step on model `loaded`, which just loaded:
+    a step model that was missing or invalid when the pipeline loaded may fit now."""
+    for slot in list(slots.values()):
+        entry = slot.entry
+        if isinstance(entry, PipelineEntry) and entry.state == "failed" and \
+                any(step.model == loaded for step in entry.spec.steps):
+            async with slot.lock:
+                if slot.entry is entry:
+                    await entry.load()
+
+
+def _settle(outer: asyncio.Future[RequestResult], task: asyncio.Future[RequestResult]) -> None:
+    """Hand a finished run's result or error to the request's future (unless it was answered already)."""
+    if outer.done():
+        return
+    if task.cancelled():
+        outer.cancel()
+    elif (error := task.exception()) is not None:
+        outer.set_exception(error)
+    else:
+        outer.set_result(task.result())
+
+
+def _named(error: ServeError, label: str, step: PipelineStep) -> ServeError:
+    """A copy of a step's error whose message names the pipeline, the step and its model (the error
+    object may be shared by every request of a batch: it is not changed)."""
+    named = copy.copy(error)
+    named.message = f"{label} step {step.name!r} (model {step.model!r}): {error.message}"
+    named.args = (named.message,)
+    return named
+
+
+def _levels(steps: list[PipelineStep]) -> list[list[PipelineStep]]:
+    """Steps grouped so each group's sources come from inputs or earlier groups: a group runs together."""
+    level: dict[str, int] = {}
+    for step in steps:
+        sources = list(step.inputs.values()) + ([step.when.tensor] if step.when is not None else [])
+        after = [level[s] for s in (split_source(source)[0] for source in sources) if s is not None]
+        level[step.name] = 1 + max(after, default=-1)
+    return [[s for s in steps if level[s.name] == n] for n in range(max(level.values()) + 1)]
+
+
+def _outputs_fit(config: ModelConfig, step: PipelineStep, step_config: ModelConfig) -> list[str]:
+    """What of the pipeline (later steps, its outputs) reads an output the step's model no longer has."""
+    have = {out.name for out in step_config.outputs}
+    spec = config.pipeline
+    assert spec is not None
+    sources = [src for s in spec.steps for src in s.inputs.values()]
+    sources += [src for out in config.outputs for src in spec.alternatives(out.name)]
+    missing = sorted({split_source(src)[1] for src in sources
+                      if split_source(src)[0] == step.name and split_source(src)[1] not in have})
+    return [f"its outputs {sorted(have)} lack {missing}"] if missing else []
