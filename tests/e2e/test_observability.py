@@ -4,26 +4,21 @@ received by an in-test OTLP/HTTP collector and decoded with the official protobu
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
 import socket
 import textwrap
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 import torch
 import yaml
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
 from model_dirs import infer_body as body
+from otlp_collector import Collector
 from waiting import eventually
 
 STEPPED = textwrap.dedent('''
@@ -48,43 +43,6 @@ STEPPED = textwrap.dedent('''
 ''')
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-
-
-class Collector:
-    """A minimal OTLP/HTTP trace receiver."""
-
-    def __init__(self) -> None:
-        self.spans: list = []
-        collector = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                raw = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    raw = gzip.decompress(raw)
-                request = ExportTraceServiceRequest.FromString(raw)
-                for resource_spans in request.resource_spans:
-                    for scope_spans in resource_spans.scope_spans:
-                        collector.spans.extend(scope_spans.spans)
-                reply = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args):  # keep the test output quiet
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def named(self, name: str) -> list:
-        return [s for s in self.spans if s.name == name]
-
-    def close(self) -> None:
-        self.server.shutdown()
 
 
 def stepped_model(root) -> None:
