@@ -19,6 +19,7 @@ from monitoring import (
     GPU_GAUGES,
     HISTOGRAMS,
     METRIC_NAME,
+    PIPELINE_FAMILIES,
     POOL_FAMILIES,
     PROMETHEUS_DIR,
     RECORDED_NAME,
@@ -119,6 +120,7 @@ def test_dashboard_covers_every_signal():
     assert set(HISTOGRAMS) | set(COUNTERS) | set(GAUGES) | set(GPU_GAUGES) <= families
     assert {family(name) for name in POOL_FAMILIES} <= families
     assert {family(name) for name in TENANT_CACHE_FAMILIES} <= families
+    assert {family(name) for name in PIPELINE_FAMILIES} <= families
 
 
 def test_panels_named_in_alert_actions_exist():
