@@ -19,12 +19,14 @@ import sys
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from servewell.config.model import ModelConfig, TensorSpec
 from servewell.config.model_file import CONFIG_FILE, ModelConfigError, read_model_yaml
 from servewell.engine.memory_budget import MiB, estimate_model_memory
+from servewell.engine.pipeline_check import check_pipeline
 from servewell.engine.repository import scan_repository
 
 #: A factory that takes longer than this to import and build on meta would also stall a load.
@@ -69,6 +71,7 @@ def report_repository(
         checks = [pool.submit(_child_checks, source.config, source.directory, check_factories, check_graphs)
                   if source.config is not None else None for source in sources]
         results = [check.result() if check is not None else ([], []) for check in checks]
+    configs = {source.name: source.config for source in sources}
     for source, (found, notes) in zip(sources, results, strict=True):
         report = ModelReport(source.name, source.directory / CONFIG_FILE)
         reports.append(report)
@@ -78,6 +81,8 @@ def report_repository(
         config = source.config
         report.problems.extend(affinity_problems(config, available_cpus))
         report.problems.extend(found)
+        if config.kind == "pipeline":  # against its step models, as the server checks it when it loads
+            report.problems.extend(f"pipeline: {p}" for p in check_pipeline(config, partial(_step_config, configs)))
         report.notes.extend(notes)
         # The server reserves every valid model's estimate before any load finishes, in this order.
         try:
@@ -96,6 +101,18 @@ def report_repository(
             reserved += estimate.total_bytes
         report.settings = effective_settings(config, f"~{_mib(estimate.total_bytes)} ({estimate.basis})")
     return reports
+
+
+def _step_config(configs: dict[str, ModelConfig | None], name: str) -> tuple[ModelConfig | None, str]:
+    """A step model's config from the repository read here (the server's `step_config`)."""
+    if name not in configs:
+        return None, f"the repository has no model {name!r}"
+    config = configs[name]
+    if config is None:
+        return None, f"model {name!r} is invalid (see its own report)"
+    if config.kind == "pipeline":
+        return None, f"model {name!r} is a pipeline; a step must be a model"
+    return config, ""
 
 
 def _child_checks(config: ModelConfig, directory: Path, check_factories: bool,
@@ -177,6 +194,13 @@ def check_factory(config: ModelConfig, directory: Path) -> tuple[list[str], str 
 def effective_settings(config: ModelConfig, memory: str) -> list[str]:
     """Two or three lines: what runs where, the tensors, and every setting that is not its default."""
     instances = f"{config.instances} instance{'s' if config.instances > 1 else ''}"
+    if config.pipeline is not None:
+        steps = " -> ".join(f"{s.name} ({s.model})" for s in config.pipeline.steps)
+        head = f"version {config.version}, pipeline of {len(config.pipeline.steps)} steps: {steps}; max_batch_size " \
+            f"{config.max_batch_size}"
+        tensors = "tensors: " + ", ".join(_tensor(t) for t in config.inputs) + " -> " + \
+            ", ".join(_tensor(t) for t in config.outputs)
+        return [head, tensors]
     lines = [
         f"version {config.version}, {config.runtime} {config.artifact}, {instances} x {config.threads} "
         f"thread{'s' if config.threads > 1 else ''} on {config.device}, max_batch_size {config.max_batch_size}, "

@@ -82,3 +82,22 @@ def test_pytorch_factories_can_be_left_unchecked(tmp_path: Path) -> None:
     }))
     (report,) = report_repository(tmp_path, 1 << 40, {0}, check_factories=False)
     assert report.status == "ok" and report.notes == ["factory not checked (--no-factory-check)"]
+
+
+def test_a_pipeline_is_checked_against_its_step_models(tmp_path: Path) -> None:
+    onnx_model(tmp_path, "mlp")
+    for name, source in (("good", "x"), ("wrong", "z")):
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "model.yaml").write_text(yaml.safe_dump({
+            "kind": "pipeline", "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]},
+                                           {"name": "z", "datatype": "INT64", "shape": [4]}],
+            "outputs": [{"name": "y", "datatype": "FP32", "shape": [3]}],
+            "pipeline": {"steps": [{"name": "one", "model": "mlp", "inputs": {"x": source}}],
+                         "outputs": {"y": "one.y"}}}))
+    good, mlp, wrong = report_repository(tmp_path, 1 << 40, {0}, check_graphs=False)
+    assert good.status == "ok" and mlp.status == "ok"
+    assert good.settings[0] == "version 1, pipeline of 1 steps: one (mlp); max_batch_size 16"
+    assert wrong.status == "INVALID"
+    assert wrong.problems == [
+        "pipeline: step 'one' (model 'mlp') input 'x' is FP32 [4], but its source 'z' is INT64 [4]"]
