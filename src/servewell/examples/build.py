@@ -58,12 +58,33 @@ def _build_resnet50(model_dir: Path, progress: ProgressFn, runtime: str) -> Mode
     return build_resnet50(model_dir, progress, runtime)
 
 
+def _pipeline_part(name: str) -> Callable[[Path, ProgressFn, str], ModelConfig]:
+    """The builder of one model of the example pipelines (examples/pipelines.py)."""
+    def build(model_dir: Path, progress: ProgressFn, runtime: str) -> ModelConfig:
+        from servewell.examples import pipelines
+
+        return getattr(pipelines, PIPELINE_PARTS[name])(model_dir, progress)  # type: ignore[no-any-return]
+
+    return build
+
+
+#: The models of the example pipelines, by name -> their builder in examples/pipelines.py.
+PIPELINE_PARTS = {
+    "digits_crop": "build_crop", "digits_format": "build_format", "digits_linear": "build_linear",
+    "digits_average": "build_average", "digits_page": "build_page_pipeline",
+    "digits_ensemble": "build_ensemble_pipeline",
+}
+
 #: The example models, by name.
 BUILDERS: dict[str, ExampleBuilder] = {
     "digits": ExampleBuilder("digits", 1, ("onnx",), _build_digits),
     # Version 2: the pytorch build's model.yaml names its factory in the `pytorch:` section.
     "resnet50": ExampleBuilder("resnet50", 2, ("onnx", "torchscript", "pytorch"), _build_resnet50),
+    **{name: ExampleBuilder(name, 1, ("python",) if name not in ("digits_page", "digits_ensemble") else ("pipeline",),
+                            _pipeline_part(name)) for name in PIPELINE_PARTS},
 }
+#: Names that build several models: the example pipelines and every model they use.
+GROUPS: dict[str, tuple[str, ...]] = {"pipelines": ("digits", *PIPELINE_PARTS)}
 
 
 def build_model(
@@ -176,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m servewell.examples.build", description="Build an example model into a model repository."
     )
-    parser.add_argument("model", choices=sorted(BUILDERS), help="example model to build")
+    parser.add_argument("model", choices=sorted([*BUILDERS, *GROUPS]),
+                        help="example model to build (pipelines: the example pipelines and their models)")
     parser.add_argument("--out", required=True, type=Path, help="model repository directory")
     parser.add_argument("--runtime", choices=["onnx", "torchscript", "pytorch"], help="runtime to build for")
     parser.add_argument("--force", action="store_true", help="rebuild even if a current build exists")
@@ -184,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     # On a terminal each step (training epochs, export) replaces the last; in a log, one line each.
     progress = LineSink()
     try:
-        build_model(args.model, args.out, args.runtime, progress, force=args.force)
+        for name in GROUPS.get(args.model, (args.model,)):
+            build_model(name, args.out, args.runtime if name == args.model else None, progress, force=args.force)
     except ValueError as exc:
         progress.close()
         print(f"error: {exc}", file=sys.stderr)

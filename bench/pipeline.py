@@ -1,0 +1,277 @@
+"""Pipelines (issue 23): one call through a 3-step pipeline against the client calling the three
+models itself, and a pipeline at saturation against its slowest step alone.
+
+    flock /tmp/servewell-bench.lock .venv/bin/python -m bench.pipeline [--rounds 3] [--requests 400] [--seconds 10]
+
+One server (`servewell serve`, the split as in production) serves, all CPU, one instance each:
+
+* `pre` (python runtime: scale and shift 64 values), `post` (python runtime: softmax of 10);
+* `mid_light`, an ONNX MLP 64 -> 256 -> 10 (tens of microseconds a row): the steps are cheap, so
+  what a pipeline saves (round trips, serialisation) and adds (hops between processes) shows;
+* `mid_heavy`, an ONNX MLP 64 -> 4096 -> 4096 -> 10 (milliseconds a row, max batch 32): the
+  slowest step by far, for the saturation goal;
+* `chain_light` = pre -> mid_light -> post and `chain_heavy` = pre -> mid_heavy -> post.
+
+Per round, in alternating order:
+
+* low load (one client, `--requests` sequential requests, the first 20 not measured), with this
+  module's raw keep-alive HTTP/1.1 client and JSON bodies: `client3` (the client calls pre,
+  mid_light and post itself, decoding each answer and sending it on), `pipeline` (one call to
+  chain_light) and `mid` (mid_light alone). Server CPU per request is the whole server tree's
+  (/proc) over the phase divided by the chains completed;
+* saturation (closed loop, `--clients` clients, `--seconds`): chain_heavy and mid_heavy alone.
+
+Goals (medians over the rounds): pipeline p50 <= 0.5x client3's, server CPU per chain lower than
+client3's, (pipeline p50 - mid p50) / 2 <= 0.3 ms (two steps added to the middle model); chain_heavy
+throughput >= 0.9x mid_heavy's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import yaml
+
+from bench.processes import ServerProcess, TreeCpu, free_port
+from bench.workspace import RESULTS, WORK
+from servewell.perf import loop as load_loop
+from servewell.perf.httpclient import HttpConnection, encode_request
+from servewell.perf.loop import LoadShape
+from servewell.perf.oip_http import HttpOipConnection
+from servewell.perf.stats import summarize_ms
+
+WIDTH, CLASSES = 64, 10
+GOAL_LATENCY_RATIO = 0.5
+GOAL_ADDED_MS_PER_STEP = 0.3
+GOAL_SATURATION_RATIO = 0.9
+WARMUP_REQUESTS = 20
+
+PRE = textwrap.dedent('''
+    import numpy as np
+
+
+    class Pre:
+        def execute(self, inputs):
+            return {"x": (inputs["raw"] * 0.5 + 0.25).astype(np.float32)}
+''')
+POST = textwrap.dedent('''
+    import numpy as np
+
+
+    class Post:
+        def execute(self, inputs):
+            z = inputs["logits"] - inputs["logits"].max(axis=-1, keepdims=True)
+            e = np.exp(z)
+            return {"probabilities": (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)}
+''')
+
+
+def _tensor(name: str, size: int) -> dict[str, Any]:
+    return {"name": name, "datatype": "FP32", "shape": [size]}
+
+
+def build_repository(root: Path) -> Path:
+    """pre, post, mid_light, mid_heavy and the two chains."""
+    import torch
+
+    repository = root / "repository"
+    for name, source, entry, given, made in (("pre", PRE, "Pre", _tensor("raw", WIDTH), _tensor("x", WIDTH)),
+                                             ("post", POST, "Post", _tensor("logits", CLASSES),
+                                              _tensor("probabilities", CLASSES))):
+        directory = repository / name
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"{name}.py").write_text(source)
+        (directory / "model.yaml").write_text(yaml.safe_dump({
+            "runtime": "python", "artifact": f"{name}.py", "python": {"entry": f"{name}:{entry}"},
+            "max_batch_size": 32, "inputs": [given], "outputs": [made]}))
+    for name, hidden in (("mid_light", (256,)), ("mid_heavy", (4096, 4096))):
+        directory = repository / name
+        directory.mkdir(parents=True, exist_ok=True)
+        if not (directory / "model.onnx").exists():
+            torch.manual_seed(23)
+            sizes = (WIDTH, *hidden)
+            layers: list[torch.nn.Module] = []
+            for a, b in zip(sizes, sizes[1:], strict=False):
+                layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+            net = torch.nn.Sequential(*layers, torch.nn.Linear(sizes[-1], CLASSES))
+            torch.onnx.export(net, (torch.zeros(2, WIDTH),), str(directory / "model.onnx"), dynamo=False,
+                              input_names=["x"], output_names=["logits"],
+                              dynamic_axes={"x": {0: "b"}, "logits": {0: "b"}})
+        (directory / "model.yaml").write_text(yaml.safe_dump({
+            "runtime": "onnx", "artifact": "model.onnx", "max_batch_size": 32, "threads": 1,
+            "inputs": [_tensor("x", WIDTH)], "outputs": [_tensor("logits", CLASSES)]}))
+    for chain, mid in (("chain_light", "mid_light"), ("chain_heavy", "mid_heavy")):
+        directory = repository / chain
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "model.yaml").write_text(yaml.safe_dump({
+            "kind": "pipeline", "max_batch_size": 32, "inputs": [_tensor("raw", WIDTH)],
+            "outputs": [_tensor("probabilities", CLASSES)],
+            "pipeline": {"steps": [{"name": "pre", "model": "pre", "inputs": {"raw": "raw"}},
+                                   {"name": "mid", "model": mid, "inputs": {"x": "pre.x"}},
+                                   {"name": "post", "model": "post", "inputs": {"logits": "mid.logits"}}],
+                         "outputs": {"probabilities": "post.probabilities"}}}))
+    return repository
+
+
+def _request(host: str, model: str, name: str, values: list[float]) -> bytes:
+    body = orjson.dumps({"inputs": [{"name": name, "shape": [1, len(values)], "datatype": "FP32", "data": values}]})
+    return encode_request("POST", host, f"/v2/models/{model}/infer", body)
+
+
+def _first_output(body: bytes) -> list[float]:
+    data: list[float] = orjson.loads(body)["outputs"][0]["data"]
+    return data
+
+
+async def _sequential(port: int, kind: str, requests: int, rng: np.random.Generator) -> list[float]:
+    """Latencies (ms) of `requests` chains of `kind` (client3, pipeline, mid) from one client."""
+    host = f"127.0.0.1:{port}"
+    connection = HttpConnection("127.0.0.1", port)
+    latencies = []
+    try:
+        for i in range(requests):
+            raw = rng.random(WIDTH, dtype=np.float32).tolist()
+            started = time.perf_counter()
+            if kind == "client3":
+                x = _first_output((await connection.request(_request(host, "pre", "raw", raw))).body)
+                logits = _first_output((await connection.request(_request(host, "mid_light", "x", x))).body)
+                reply = await connection.request(_request(host, "post", "logits", logits))
+            elif kind == "pipeline":
+                reply = await connection.request(_request(host, "chain_light", "raw", raw))
+            else:
+                reply = await connection.request(_request(host, "mid_light", "x", raw))
+            _first_output(reply.body)
+            if reply.status != 200:
+                raise RuntimeError(f"{kind}: HTTP {reply.status}: {reply.body[:200]!r}")
+            if i >= WARMUP_REQUESTS:
+                latencies.append((time.perf_counter() - started) * 1000)
+    finally:
+        connection.close()
+    return latencies
+
+
+def low_load(server: ServerProcess, kind: str, requests: int, seed: int) -> dict[str, Any]:
+    """One client, sequential: latency and the server tree's CPU per chain."""
+    meter = TreeCpu(server.pid).start()
+    latencies = asyncio.run(_sequential(server.port, kind, requests, np.random.default_rng(seed)))
+    spent = meter.stop()
+    return {"latency_ms": summarize_ms(latencies), "cpu_us_per_chain": 1e6 * sum(spent.values()) / requests}
+
+
+class _Same:
+    """The load loop's trace: one pre-encoded request over and over."""
+
+    def __init__(self, payload: bytes) -> None:
+        self._payload = payload
+
+    def next(self) -> tuple[str, bytes]:
+        return "same", self._payload
+
+
+def saturation(server: ServerProcess, model: str, clients: int, seconds: float) -> dict[str, Any]:
+    """Closed loop at `clients`: answered per second and latency."""
+    name = "raw" if model.startswith("chain") else "x"
+    payload = _request(f"127.0.0.1:{server.port}", model, name, np.linspace(0, 1, WIDTH, dtype=np.float32).tolist())
+    shape = LoadShape("closed", concurrency=clients, duration_s=seconds, warmup_s=min(2.0, seconds / 2), grace_s=15,
+                      max_requests=1_000_000)
+    recorder = asyncio.run(load_loop.run_load(shape, lambda: HttpOipConnection("127.0.0.1", server.port),
+                                              _Same(payload)))
+    window = [o for o in recorder.outcomes if recorder.in_window(o.arrival)]
+    ok = [o for o in window if o.ok]
+    span = recorder.window_end - recorder.window_start
+    return {"ok_per_s": len(ok) / span if span > 0 else 0.0, "errors": len(window) - len(ok),
+            "latency_ms": summarize_ms([o.latency_ms for o in ok])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=RESULTS / "pipeline.json")
+    args = parser.parse_args(argv)
+    (RESULTS / "logs").mkdir(parents=True, exist_ok=True)
+    repository = build_repository(WORK / "pipeline")
+    port = free_port()
+    server = ServerProcess("pipeline", [sys.executable, "-m", "servewell", "serve", "--host", "127.0.0.1",
+                                        "--port", str(port), "--model-repository", str(repository),
+                                        "--log-format", "json"],
+                           port, RESULTS / "logs" / "pipeline.log", env={"SERVEWELL_GRPC_PORT": "0"})
+    server.start()
+    server.wait_ready(180)
+    rounds: list[dict[str, Any]] = []
+    try:
+        for r in range(args.rounds):
+            row: dict[str, Any] = {}
+            kinds = ("client3", "pipeline", "mid") if r % 2 == 0 else ("mid", "pipeline", "client3")
+            for kind in kinds:
+                row[kind] = result = low_load(server, kind, args.requests, 100 * r + len(row))
+                print(f"round {r + 1} {kind}: p50 {result['latency_ms']['p50']:.3f} ms, p99 "
+                      f"{result['latency_ms']['p99']:.3f} ms, {result['cpu_us_per_chain']:.0f} us CPU/chain",
+                      flush=True)
+            for model in (("mid_heavy", "chain_heavy") if r % 2 == 0 else ("chain_heavy", "mid_heavy")):
+                row[model] = result = saturation(server, model, args.clients, args.seconds)
+                print(f"round {r + 1} {model} at saturation: {result['ok_per_s']:.0f} ok/s, p99 "
+                      f"{result['latency_ms']['p99']:.1f} ms, {result['errors']} errors", flush=True)
+            rounds.append(row)
+    finally:
+        server.stop()
+    report = summarize(rounds)
+    report["rounds"] = rounds
+    print_table(report)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"written to {args.out}")
+    return 0
+
+
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-round figures and their medians."""
+    def median(f: Any) -> float:
+        return statistics.median(f(row) for row in rounds)
+
+    return {
+        "latency_ratio": median(lambda r: r["pipeline"]["latency_ms"]["p50"] / r["client3"]["latency_ms"]["p50"]),
+        "cpu_ratio": median(lambda r: r["pipeline"]["cpu_us_per_chain"] / r["client3"]["cpu_us_per_chain"]),
+        "added_ms_per_step": median(lambda r: (r["pipeline"]["latency_ms"]["p50"] - r["mid"]["latency_ms"]["p50"]) / 2),
+        "saturation_ratio": median(lambda r: r["chain_heavy"]["ok_per_s"] / r["mid_heavy"]["ok_per_s"]),
+        "p50_ms": {k: median(lambda r, k=k: r[k]["latency_ms"]["p50"]) for k in ("client3", "pipeline", "mid")},
+        "cpu_us": {k: median(lambda r, k=k: r[k]["cpu_us_per_chain"]) for k in ("client3", "pipeline", "mid")},
+        "ok_per_s": {k: median(lambda r, k=k: r[k]["ok_per_s"]) for k in ("mid_heavy", "chain_heavy")},
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """Each goal beside its figure (medians over the rounds)."""
+    p50, cpu, ok = report["p50_ms"], report["cpu_us"], report["ok_per_s"]
+    print(f"p50 ms: client3 {p50['client3']:.3f}, pipeline {p50['pipeline']:.3f}, mid alone {p50['mid']:.3f}; "
+          f"server CPU us per chain: client3 {cpu['client3']:.0f}, pipeline {cpu['pipeline']:.0f}, "
+          f"mid {cpu['mid']:.0f}; saturation ok/s: mid_heavy {ok['mid_heavy']:.0f}, "
+          f"chain_heavy {ok['chain_heavy']:.0f}")
+    rows = [
+        ("p50: pipeline / client calling the 3 models", report["latency_ratio"], "x", f"<= {GOAL_LATENCY_RATIO:g}x",
+         report["latency_ratio"] <= GOAL_LATENCY_RATIO),
+        ("server CPU per chain: pipeline / client3", report["cpu_ratio"], "x", "< 1x", report["cpu_ratio"] < 1.0),
+        ("added p50 per step vs the middle model alone", report["added_ms_per_step"], " ms",
+         f"<= {GOAL_ADDED_MS_PER_STEP:g} ms", report["added_ms_per_step"] <= GOAL_ADDED_MS_PER_STEP),
+        ("saturation: chain_heavy / mid_heavy alone", report["saturation_ratio"], "x",
+         f">= {GOAL_SATURATION_RATIO:g}x", report["saturation_ratio"] >= GOAL_SATURATION_RATIO),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"{'figure':<{width}}  {'value':>9}  {'goal':<9} verdict")
+    for figure, value, unit, goal, passed in rows:
+        print(f"{figure:<{width}}  {value:>7.3f}{unit:<2} {goal:<9} {'PASS' if passed else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
