@@ -93,11 +93,11 @@ class ModelSlot:
     @property
     def pinned(self) -> bool:
         """Never evicted: an admin's pin or unpin, else model.yaml's `pinned`."""
-        config = self.entry.config
-        if config is not None and config.kind == "pipeline":
+        if _is_pipeline(self):
             return True  # it holds no memory: nothing to gain by evicting it
         if self.pinned_by_admin is not None:
             return self.pinned_by_admin
+        config = self.entry.config
         return bool(config is not None and config.pinned)
 
     @property
@@ -197,14 +197,14 @@ class ModelPool:
 
     def count(self, slot: ModelSlot) -> None:
         """Count a request in lazy mode: a hit when its model is resident, a miss when it must load."""
-        if self._metrics is not None and self.lazy:
+        if self._metrics is not None and self.lazy and not _is_pipeline(slot):  # a pipeline's steps count
             self._metrics.pool_requests.labels("hit" if slot.resident else "miss").inc()
 
     def loadable(self, slot: ModelSlot) -> bool:
         """Whether a request would load this model now (lazy mode, a valid config, not unloaded by
         an operator, not failed since its last change)."""
         entry = slot.entry
-        return (self.lazy and entry.config is not None and entry.config.kind == "model"
+        return (self.lazy and entry.config is not None and not _is_pipeline(slot)
                 and entry.state in ("unloaded", "loading") and not slot.unloaded_by_operator)
 
     # --- waiting for a load ------------------------------------------------------------------
@@ -449,3 +449,9 @@ def _consume(task: asyncio.Task[None]) -> None:
     as 'never retrieved'."""
     if not task.cancelled():
         task.exception()
+
+
+def _is_pipeline(slot: ModelSlot) -> bool:
+    """Whether the slot holds a pipeline (no memory, never loaded by the pool)."""
+    config = slot.entry.config
+    return config is not None and config.kind == "pipeline"
