@@ -6,6 +6,7 @@ warm-up and the worker use when a runtime has them (the torch runtimes have all 
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
@@ -21,6 +22,14 @@ ProgressFn = Callable[[str], None]
 
 class ModelLoadError(Exception):
     """The model cannot be loaded; the message says why in words a user can act on."""
+
+
+class ModelOutputError(ValueError):
+    """The outputs a model's code returned for a batch do not fit model.yaml (names, dtypes, shapes).
+
+    The message names each mismatch; where in servewell it was found would tell a model's author
+    nothing, so the worker reports the message alone.
+    """
 
 
 class DeviceUnusableError(RuntimeError):
@@ -42,6 +51,24 @@ class ModelRuntime(Protocol):
     def close(self) -> None:
         """Release the model's resources."""
         ...
+
+
+def describe_failure(exc: BaseException) -> str:
+    """A model's failure in one line, as a worker reports it (to the client of a failed batch too):
+    the message, the exception's type where the message alone would not say it, and the last line
+    the exception passed through, which tells a model's author where it broke without a traceback."""
+    try:
+        text = str(exc) or type(exc).__name__
+    except Exception:  # an exception whose __str__ fails: raised from here, it would end the worker
+        text = type(exc).__name__
+    if not isinstance(exc, (ValueError, RuntimeError, OSError, ModelLoadError)):
+        text = f"{type(exc).__name__}: {text}"
+    # A mismatch of outputs is found in servewell's code, whose line would tell the author nothing.
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames and not isinstance(exc, (ModelLoadError, ModelOutputError)):
+        last = frames[-1]
+        text += f" (at {Path(last.filename).name}:{last.lineno})"
+    return text
 
 
 class PeakMemoryProbe(Protocol):

@@ -7,7 +7,9 @@ runtime's `dtype: auto` resolved to bf16 or fp16, it first compares the outputs 
 reference and falls back to fp32 when they differ by more than `dtype_tolerance`.
 
 Warm-up runs the whole model, so it also loads `pytorch.lazy_submodules`; a model whose lazy parts
-should wait for the first real request needs `warmup: false`.
+should wait for the first real request needs `warmup: false`. A python model's `execute` gets the
+same dummy batches (zeros in each declared input, variable sizes as 1): one that cannot take them
+(it refuses zeros, or needs a size above 1) needs `warmup: false` too.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from servewell.runtimes.base import (
     PeakMemoryProbe,
     PrecisionChecking,
     ProgressFn,
+    describe_failure,
 )
 from servewell.runtimes.memory_probe import ProcessPeakMemory
 from servewell.runtimes.precision import PrecisionCheck
@@ -143,7 +146,8 @@ def warm_up(runtime: ModelRuntime, config: ModelConfig, progress: ProgressFn | N
         try:
             outputs = runtime.run(dummy_batch(config, batch_size))
         except Exception as exc:  # any failure here means the model cannot serve; say so at load
-            raise ModelLoadError(f"warm-up batch of {batch_size} failed: {exc}") from exc
+            # Described as a failed batch is (a model's own KeyError: its type and line, not just 'x').
+            raise ModelLoadError(f"warm-up batch of {batch_size} failed: {describe_failure(exc)}") from exc
         latencies.append((batch_size, time.perf_counter() - batch_started))
         peak = probe.peak_bytes()
         peaks.append((batch_size, peak))

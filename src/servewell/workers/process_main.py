@@ -10,7 +10,6 @@ import logging
 import os
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -22,7 +21,7 @@ from servewell.observability.logging import configure_logging
 from servewell.observability.process import rss_bytes
 from servewell.observability.steps import set_step_sink
 from servewell.observability.tracing import Tracing, context_from_traceparent
-from servewell.runtimes.base import DeviceUnusableError, ModelLoadError, ModelRuntime, OomSplitting
+from servewell.runtimes.base import DeviceUnusableError, ModelRuntime, OomSplitting, describe_failure
 from servewell.workers.backends import import_backend
 from servewell.workers.expiry import RowPlan, keep_rows, plan_rows
 from servewell.workers.messages import (
@@ -93,7 +92,7 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, beg
             progress("warm-up")
             report = warm_up(runtime, config, progress, first_only=launch.warmup_first_only)
     except Exception as exc:  # any load failure is reported, never raised into the void
-        conn.send(WorkerLoadFailed(_describe(exc)))
+        conn.send(WorkerLoadFailed(describe_failure(exc)))
         conn.close()
         return
 
@@ -192,7 +191,7 @@ def _profile(message: StartProfile | StopProfile, profiler: WorkerProfiler, runt
         else:
             profiler.stop()
     except Exception as exc:  # a profiler that fails must not take the worker down
-        send(ProfileDone(None, _describe(exc)))
+        send(ProfileDone(None, describe_failure(exc)))
 
 
 def _run(message: RunBatch, plan: RowPlan, runtime: ModelRuntime, reader: SegmentReader, arena: SharedArena,
@@ -206,21 +205,9 @@ def _run(message: RunBatch, plan: RowPlan, runtime: ModelRuntime, reader: Segmen
         compute_s = time.perf_counter() - started
         refs = arena.write({k: np.ascontiguousarray(v) for k, v in outputs.items()})
     except Exception as exc:
-        return BatchFailed(message.batch_id, _describe(exc), fatal=isinstance(exc, DeviceUnusableError))
+        return BatchFailed(message.batch_id, describe_failure(exc), fatal=isinstance(exc, DeviceUnusableError))
     finally:
         del inputs
     oom_limited = runtime.oom_limited_batch_size if isinstance(runtime, OomSplitting) else None
     return BatchDone(message.batch_id, arena.name, refs, compute_s, rss_bytes(), rows_computed, tuple(steps),
                      oom_limited, plan.skipped)
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    if not isinstance(exc, (ValueError, RuntimeError, OSError, ModelLoadError)):
-        text = f"{type(exc).__name__}: {text}"
-    # The last frame tells a model author where it broke without dumping a full trace to clients.
-    frames = traceback.extract_tb(exc.__traceback__)
-    if frames and not isinstance(exc, ModelLoadError):
-        last = frames[-1]
-        text += f" (at {Path(last.filename).name}:{last.lineno})"
-    return text
