@@ -1,4 +1,4 @@
-"""Model backends: ONNX Runtime, TorchScript and PyTorch (+ safetensors).
+"""Model backends: ONNX Runtime, TorchScript, PyTorch (+ safetensors), and python (the model's own class).
 
 `load_runtime` is the one entry point. Each backend module is imported only when a model
 needs it, so importing this package pulls in neither torch nor onnxruntime.
@@ -36,6 +36,10 @@ def load_runtime(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> 
 
 
 def _loader(runtime: str) -> RuntimeLoader:
+    if runtime == "python":  # numpy only, which servewell itself needs: no package to name
+        from servewell.runtimes import python_runtime
+
+        return python_runtime.load
     try:
         if runtime == "onnx":
             from servewell.runtimes import onnx_runtime
@@ -54,4 +58,4 @@ def _loader(runtime: str) -> RuntimeLoader:
             f"runtime {runtime} needs the {_RUNTIME_PACKAGE[runtime]} package, which cannot be imported ({exc}); "
             f"install it with: pip install 'servewell[{_RUNTIME_EXTRA[runtime]}]'"
         ) from exc
-    raise ModelLoadError(f"unknown runtime {runtime!r}; use onnx, torchscript or pytorch")
+    raise ModelLoadError(f"unknown runtime {runtime!r}; use onnx, torchscript, pytorch or python")

@@ -13,6 +13,7 @@ BACKEND_MODULES: dict[str, tuple[str, ...]] = {
     "onnx": ("servewell.runtimes.onnx_runtime", "servewell.runtimes.warmup"),
     "torchscript": ("servewell.runtimes.torchscript_runtime", "servewell.runtimes.warmup"),
     "pytorch": ("servewell.runtimes.pytorch_runtime", "servewell.runtimes.warmup"),
+    "python": ("servewell.runtimes.python_runtime", "servewell.runtimes.warmup"),
 }
 
 #: What a spare worker imports before it knows its model. onnxruntime only: on the 2-core dev
