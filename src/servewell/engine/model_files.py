@@ -6,8 +6,8 @@ beside a 232 KB model made it copy 695 MB. It now copies, from the config being 
 - `model.yaml` and the artifact;
 - onnx: the external-data files the graph names (`engine.onnx_external_data`), relative to the
   artifact's directory, as onnxruntime resolves them;
-- pytorch: every `*.py` file (the factory is imported from the model directory and may import
-  its siblings and packages);
+- pytorch and python: every `*.py` file (the factory or the entry class is imported from the
+  model directory and may import its siblings and packages);
 - the model's `extra_files`: names (a file, or a directory copied whole) and glob patterns
   (`*` and `?` within one path segment, `**` across any number of them).
 
@@ -31,6 +31,8 @@ from servewell.engine.snapshot import SnapshotError
 #: Files listed while enumerating one model directory: a listing, not a crawl of a data set.
 MAX_LISTED_FILES = 100_000
 _SKIPPED_DIRECTORIES = frozenset(("__pycache__", ".git"))
+#: Runtimes that import the model directory's own Python code.
+_CODE_RUNTIMES = ("pytorch", "python")
 #: Paths a failure reason may name, and so need a look in the repository.
 _MAX_HINTS = 5
 
@@ -48,9 +50,10 @@ def model_files(config: ModelConfig, directory: Path) -> list[str]:
                 chosen.update((str(base / location), None) for location in external_data_files(artifact))
             except (OnnxFormatError, OSError) as exc:
                 raise SnapshotError(f"cannot find the external data that {artifact} names: {exc}") from None
-    if config.runtime == "pytorch" or config.extra_files:
+    code = config.runtime in _CODE_RUNTIMES
+    if code or config.extra_files:
         listed = list_files(directory)
-        if config.runtime == "pytorch":
+        if code:
             chosen.update((path, None) for path in listed if path.endswith(".py"))
         for entry in config.extra_files:
             chosen.update((path, None) for path in matching(entry, directory, listed))

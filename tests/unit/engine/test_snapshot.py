@@ -141,6 +141,16 @@ def test_extra_files_select_by_name_directory_and_glob(tmp_path: Path) -> None:
     assert model_files(pytorch_config(**onnx), source) == ["model.yaml", "model.onnx"]  # no .py for onnx
 
 
+def test_a_python_model_takes_its_python_files_as_a_pytorch_model_does(tmp_path: Path) -> None:
+    # Its entry module may import siblings and packages of the directory (relatively).
+    source = model_dir(tmp_path)
+    (source / "steps.py").write_text("class Model: ...\n")
+    (source / "sub" / "helpers.py").write_text("")
+    python = {"runtime": "python", "artifact": "steps.py", "pytorch": None, "python": {"entry": "steps:Model"}}
+    assert model_files(pytorch_config(**python), source) == ["model.yaml", "steps.py", "factory.py", "sub/helpers.py"]
+    assert model_files(pytorch_config(**python, extra_files=["sub/labels.txt"]), source)[-1] == "sub/labels.txt"
+
+
 def test_a_snapshot_has_a_size_cap(tmp_path: Path) -> None:
     source = model_dir(tmp_path)
     with pytest.raises(SnapshotError, match="snapshot_max_bytes"):
