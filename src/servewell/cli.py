@@ -147,12 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
         "models", help="check a repository's models: problems, memory against the budget, settings",
         description="Check every model of a repository as the server would load it: each problem of its "
         "model.yaml (file, field, reason), its CPU affinity on this machine, a pytorch factory built on the meta "
-        "device and its weights' names and shapes, an ONNX graph's inputs and outputs, and its estimated memory "
+        "device and its weights' names and shapes, a python model's entry class, an ONNX graph's inputs and "
+        "outputs, and its estimated memory "
         "against the memory budget; shows the effective settings. "
         "Exit code 1 if any model is invalid or would be refused.")
     models.add_argument("--config", type=Path, default=None, help="YAML file with settings.")
     models.add_argument("--no-factory-check", action="store_true",
-                        help="do not import pytorch factories (each check starts a process that imports torch)")
+                        help="do not import pytorch factories nor python models' entry classes (each check starts "
+                        "a process that imports torch or the model's code)")
     models.add_argument("--no-graph-check", action="store_true",
                         help="do not open ONNX graphs (each check starts a process that imports onnxruntime)")
     _add_config_flags(models, only=("model_repository", "cache_dir", "memory_budget_bytes"))

@@ -3,7 +3,8 @@
 For every model directory, in the order the server loads them: every problem of its model.yaml
 (file, field, reason); its CPU affinity against the CPUs of this machine; for the pytorch
 runtime, the factory built on the meta device in a child process (the lazy submodules must
-exist, the parameter names and shapes must be the weights file's); for the onnx runtime, the
+exist, the parameter names and shapes must be the weights file's); for the python runtime, the
+entry class imported in a child process (not instantiated); for the onnx runtime, the
 graph opened by onnxruntime in a child process (names, datatypes and shapes against model.yaml,
 a corrupt file); and the memory estimate against the budget, reserved model after model exactly as the
 server reserves them (`engine.memory_budget`), so a model the server would refuse is reported as
@@ -28,6 +29,7 @@ from servewell.config.model_file import CONFIG_FILE, ModelConfigError, read_mode
 from servewell.engine.memory_budget import MiB, estimate_model_memory
 from servewell.engine.pipeline_check import check_pipeline
 from servewell.engine.repository import scan_repository
+from servewell.runtimes.python_entry import config_problems
 
 #: A factory that takes longer than this to import and build on meta would also stall a load.
 FACTORY_CHECK_TIMEOUT_S = 60.0
@@ -61,7 +63,7 @@ def report_repository(
     root: Path, budget_bytes: int, available_cpus: set[int], check_factories: bool = True, check_graphs: bool = True
 ) -> list[ModelReport]:
     """A report per model directory of `root`, in the server's load order (`check_factories`,
-    `check_graphs`: run the pytorch and onnx checks, each in a child process)."""
+    `check_graphs`: run the pytorch and python checks, and the onnx check, each in a child process)."""
     reports = []
     reserved = 0
     sources = list(scan_repository(root))
@@ -125,6 +127,10 @@ def _child_checks(config: ModelConfig, directory: Path, check_factories: bool,
         return found, [note] if note else []
     if config.runtime == "onnx":
         return check_onnx(config, directory) if check_graphs else ([], ["graph not checked (--no-graph-check)"])
+    if config.runtime == "python":
+        if not check_factories:  # what model.yaml alone tells is still said: it costs no import
+            return [str(p) for p in config_problems(config)], ["entry not checked (--no-factory-check)"]
+        return check_entry(config, directory), []
     return [], []
 
 
@@ -189,6 +195,23 @@ def check_factory(config: ModelConfig, directory: Path) -> tuple[list[str], str 
             return [], "factory not checked: torch is not installed here"
         return [f"field 'pytorch.factory': the check exited with code {done.returncode}: {tail[0]}"], None
     return [f"field '{p['field']}': {p['reason']}" for p in answer.get("problems", [])], None
+
+
+def check_entry(config: ModelConfig, directory: Path) -> list[str]:
+    """Problems of a python model's entry (its module imported, its class looked up), from a child process."""
+    command = [sys.executable, "-m", "servewell.runtimes.entry_check", str(directory)]
+    try:
+        done = subprocess.run(command, input=config.model_dump_json(), capture_output=True, text=True,
+                              timeout=FACTORY_CHECK_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return [f"field 'python.entry': importing {config.artifact} took over {FACTORY_CHECK_TIMEOUT_S:.0f} s "
+                "(a load would stall the same way)"]
+    try:
+        answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        return [f"field 'python.entry': the check exited with code {done.returncode}: {tail[0]}"]
+    return [f"field '{p['field']}': {p['reason']}" for p in answer.get("problems", [])]
 
 
 def effective_settings(config: ModelConfig, memory: str) -> list[str]:
