@@ -63,7 +63,8 @@ def _pipeline_part(name: str) -> Callable[[Path, ProgressFn, str], ModelConfig]:
     def build(model_dir: Path, progress: ProgressFn, runtime: str) -> ModelConfig:
         from servewell.examples import pipelines
 
-        return getattr(pipelines, PIPELINE_PARTS[name])(model_dir, progress)  # type: ignore[no-any-return]
+        builder: Callable[[Path, ProgressFn], ModelConfig] = getattr(pipelines, PIPELINE_PARTS[name])
+        return builder(model_dir, progress)
 
     return build
 

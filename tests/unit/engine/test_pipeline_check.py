@@ -64,13 +64,12 @@ def test_every_mismatch_is_named_with_both_sides() -> None:
 
 
 def test_an_unfed_input_and_an_unknown_output_are_named() -> None:
-    steps = [{"name": "crop", "model": "crop", "inputs": {"page": "page"}},
-             {"name": "cls", "model": "classify", "inputs": {"input": "crop.digits"}}]
+    steps: list[dict[str, Any]] = [{"name": "crop", "model": "crop", "inputs": {"page": "page"}},
+                                   {"name": "cls", "model": "classify", "inputs": {"input": "crop.digits"}}]
     problems = check_pipeline(pipeline(steps, {"logits": "cls.logits"}, {"logits": ("FP32", [10])}), configs)
     assert problems == ["step 'cls' (model 'classify') input 'input': step 'crop' has no output 'digits'; its outputs "
                         "are ['box', 'digit']"]
-    steps[1]["inputs"] = {}
-    steps[1]["inputs"]["other"] = "crop.digit"
+    steps[1]["inputs"] = {"other": "crop.digit"}
     problems = check_pipeline(pipeline(steps, {"logits": "cls.logits"}, {"logits": ("FP32", [10])}), configs)
     assert "step 'cls' (model 'classify'): input 'input' is not fed (add it to the step's inputs)" in problems
 
