@@ -35,6 +35,7 @@ import statistics
 import sys
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -178,19 +179,37 @@ class _Same:
         return "same", self._payload
 
 
+def _worker_models(port: int) -> dict[int, str]:
+    """pid -> model name of every worker, from /healthz."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as reply:
+        health = json.loads(reply.read())
+    return {i["pid"]: name for name, model in health["models"].items() for i in model.get("instances", [])
+            if i.get("pid")}
+
+
 def saturation(server: ServerProcess, model: str, clients: int, seconds: float) -> dict[str, Any]:
     """Closed loop at `clients`: answered per second and latency."""
     name = "raw" if model.startswith("chain") else "x"
     payload = _request(f"127.0.0.1:{server.port}", model, name, np.linspace(0, 1, WIDTH, dtype=np.float32).tolist())
     shape = LoadShape("closed", concurrency=clients, duration_s=seconds, warmup_s=min(2.0, seconds / 2), grace_s=15,
                       max_requests=1_000_000)
+    meter = TreeCpu(server.pid).start()
     recorder = asyncio.run(load_loop.run_load(shape, lambda: HttpOipConnection("127.0.0.1", server.port),
                                               _Same(payload)))
+    meter.stop()
+    cpu: dict[str, float] = {}
+    workers = _worker_models(server.port)
+    for key, seconds in meter.processes.items():  # role:pid; a model worker by its model's name
+        role, _, pid = key.rpartition(":")
+        label = workers.get(int(pid), role) if pid.isdigit() else role
+        cpu[label] = cpu.get(label, 0.0) + seconds
     window = [o for o in recorder.outcomes if recorder.in_window(o.arrival)]
     ok = [o for o in window if o.ok]
     span = recorder.window_end - recorder.window_start
     return {"ok_per_s": len(ok) / span if span > 0 else 0.0, "errors": len(window) - len(ok),
-            "latency_ms": summarize_ms([o.latency_ms for o in ok])}
+            "latency_ms": summarize_ms([o.latency_ms for o in ok]),
+            "cpu_us_per_request": {role: round(1e6 * seconds / max(1, len(recorder.outcomes)))
+                                   for role, seconds in sorted(cpu.items())}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             for model in (("mid_heavy", "chain_heavy") if r % 2 == 0 else ("chain_heavy", "mid_heavy")):
                 row[model] = result = saturation(server, model, args.clients, args.seconds)
                 print(f"round {r + 1} {model} at saturation: {result['ok_per_s']:.0f} ok/s, p99 "
-                      f"{result['latency_ms']['p99']:.1f} ms, {result['errors']} errors", flush=True)
+                      f"{result['latency_ms']['p99']:.1f} ms, {result['errors']} errors, CPU us/request by process "
+                      f"{result['cpu_us_per_request']}", flush=True)
             rounds.append(row)
     finally:
         server.stop()

@@ -24,7 +24,7 @@ from servewell.engine.memory_budget import MemoryBudget, estimate_model_memory, 
 from servewell.engine.model_entry import EntryServices, LoadProgressFn, ModelEntry
 from servewell.engine.model_handle import ServedModelHandle, ready_entry_or_refusal
 from servewell.engine.model_pool import ModelPool, ModelSlot, PoolSettings
-from servewell.engine.pipeline import PipelineEntry, PipelineHandle, recheck_pipelines, step_config_of
+from servewell.engine.pipeline import PipelineEntry, PipelineHandle, recheck_pipelines
 from servewell.engine.protocol import ModelView, Readiness, RequestResult
 from servewell.engine.readiness import ReadinessPolicy, evaluate_readiness
 from servewell.engine.repository import ModelSource, OutsidePolicy, read_model_config, scan_repository
@@ -76,6 +76,7 @@ class InferenceEngine:
                                        outside_repository=models_outside_repository, make_room=self.pool.make_room,
                                        tenants=tenants)
         self.tenants = tenants
+        self.tracing, self.metrics = tracing, metrics  # pipelines open a span per step and count their steps
         self._default_model = default_model
         self._first_load_locks: dict[str, asyncio.Lock] = {}  # names with a directory but no slot yet
         self._readiness_policy: ReadinessPolicy = readiness
@@ -187,6 +188,18 @@ class InferenceEngine:
         rows = check_inputs(entry.config, inputs)
         return await entry.submit(inputs, rows, lane, deadline, request_id, arrived_at)
 
+    def resident_step_entry(self, name: str, version: str | None) -> ModelEntry | None:
+        """A step's model entry if resident and serving (no coroutine); None: ask `step_entry`."""
+        slot = self._slots.get(name)
+        if slot is None or not self.accepting or not slot.resident or isinstance(slot.entry, PipelineEntry):
+            return None
+        entry = slot.entry
+        if version not in (None, entry.version) or getattr(entry, "stopping", None) is not None:
+            return None
+        slot.used()
+        self.pool.count(slot)
+        return entry.ready_entry()
+
     async def step_entry(self, name: str, version: str | None, deadline: float) -> ModelEntry:
         """The serving entry of a pipeline step's model, loading it first in lazy mode (the step
         waits up to `deadline`); the same refusals as a request of the model itself."""
@@ -201,19 +214,10 @@ class InferenceEngine:
         slot.used()
         return ready_entry_or_refusal(slot.entry)
 
-    def step_config(self, name: str) -> tuple[ModelConfig | None, str]:
-        """A pipeline step's model config as model.yaml says now, or None with why it cannot be a step."""
-        return step_config_of(self._slots, name)
-
     @property
-    def tracing(self) -> Tracing | None:
-        """The server's tracing (pipelines open a span per step)."""
-        return self._services.tracing
-
-    @property
-    def metrics(self) -> ServeMetrics | None:
-        """The server's metrics (pipelines count their steps)."""
-        return self._services.metrics
+    def slots(self) -> Mapping[str, ModelSlot]:
+        """Every model name's slot (pipelines read their step models' configs from them)."""
+        return self._slots
 
     def default_model_name(self) -> str:
         """The configured default model, else the only or first valid model."""

@@ -106,7 +106,7 @@ class PipelineEntry:
                  extra={"model": self.name})
 
     def _step_configs(self, model: str) -> tuple[ModelConfig | None, str]:
-        return self._engine.step_config(model)
+        return step_config_of(self._engine.slots, model)
 
     def step_config_checked(self, step: PipelineStep, config: ModelConfig) -> None:
         """Refuse a step whose model's config changed (a reload) and no longer fits; remember one that does."""
@@ -273,7 +273,9 @@ class PipelineHandle:
             self._count(step, "skipped", None)
             return
         try:
-            entry = await self._engine.step_entry(step.model, step.version, deadline)
+            entry = self._engine.resident_step_entry(step.model, step.version)
+            if entry is None:  # lazy mode, not resident: load it (the step waits up to the deadline)
+                entry = await self._engine.step_entry(step.model, step.version, deadline)
             self._entry.step_config_checked(step, entry.config)
             inputs = {target: run.values[source] for target, source in step.inputs.items()}
             step_rows = check_inputs(entry.config, inputs)
@@ -284,11 +286,14 @@ class PipelineHandle:
                                        f"model {step.model!r} takes about {needed * 1000:.1f} ms: not started")
             lanes = entry.scheduler.lanes
             step_lane = lanes.index(lane_name) if lane_name in lanes else resolve_lane(lanes)
-            with self._span(step) as span:
+            if self._traced():
+                with self._span(step) as span:
+                    result = await entry.submit_admitted(inputs, step_rows, step_lane, deadline, request_id, started,
+                                                         tenant)
+                    span.set_attribute("servewell.batch_size", result.batch_size)
+            else:
                 result = await entry.submit_admitted(inputs, step_rows, step_lane, deadline, request_id, started,
                                                      tenant)
-                if span is not None:
-                    span.set_attribute("servewell.batch_size", result.batch_size)
         except ServeError as exc:
             self._count(step, exc.code, None)
             raise _named(exc, self._entry.label, step) from None
@@ -309,15 +314,17 @@ class PipelineHandle:
             return False
         return not bool(np.all(run.values[step.when.tensor] == step.when.equals))
 
-    @contextmanager
-    def _span(self, step: PipelineStep) -> Iterator[trace.Span | None]:
-        """A span for the step, a child of the request's span, current while the step is queued (so the
-        step model's batch span links to it); nothing when the request is not sampled."""
+    def _traced(self) -> bool:
+        """Whether the request is traced (tracing on, and a sampled request span to hang steps under)."""
         tracing = self._engine.tracing
-        parent = trace.get_current_span()
-        if tracing is None or not tracing.enabled or not parent.get_span_context().is_valid:
-            yield None
-            return
+        return tracing is not None and tracing.enabled and trace.get_current_span().get_span_context().is_valid
+
+    @contextmanager
+    def _span(self, step: PipelineStep) -> Iterator[trace.Span]:
+        """A span for the step, a child of the request's span, current while the step is queued (so the
+        step model's batch span links to it); only for a traced request (`_traced`)."""
+        tracing = self._engine.tracing
+        assert tracing is not None
         with tracing.tracer.start_as_current_span(
                 f"step {step.name}", attributes={"servewell.pipeline": self.name, "servewell.step": step.name,
                                                  "servewell.model": step.model}) as span:
