@@ -48,6 +48,7 @@ import orjson
 import yaml
 
 from bench.processes import ServerProcess, TreeCpu, free_port
+from bench.report import finish_rounds, median_over
 from bench.workspace import RESULTS, WORK
 from servewell.perf import loop as load_loop
 from servewell.perf.httpclient import HttpConnection, encode_request
@@ -60,6 +61,7 @@ GOAL_LATENCY_RATIO = 0.5
 GOAL_ADDED_MS_PER_STEP = 0.3
 GOAL_SATURATION_RATIO = 0.9
 WARMUP_REQUESTS = 20
+LOW_LOAD = ("client3", "pipeline", "mid")
 
 PRE = textwrap.dedent('''
     import numpy as np
@@ -252,28 +254,22 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(row)
     finally:
         server.stop()
-    report = summarize(rounds)
-    report["rounds"] = rounds
-    print_table(report)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"written to {args.out}")
+    finish_rounds(summarize(rounds), rounds, print_table, args.out)
     return 0
 
 
 def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-round figures and their medians."""
-    def median(f: Any) -> float:
-        return statistics.median(f(row) for row in rounds)
-
+    median = median_over(rounds)
     return {
         "latency_ratio": median(lambda r: r["pipeline"]["latency_ms"]["p50"] / r["client3"]["latency_ms"]["p50"]),
         "cpu_ratio": median(lambda r: r["pipeline"]["cpu_us_per_chain"] / r["client3"]["cpu_us_per_chain"]),
         "added_ms_per_step": median(lambda r: (r["pipeline"]["latency_ms"]["p50"] - r["mid"]["latency_ms"]["p50"]) / 2),
         "saturation_ratio": median(lambda r: r["chain_heavy"]["ok_per_s"] / r["mid_heavy"]["ok_per_s"]),
         "saturation_ratio_heavier": median(lambda r: r["chain_heavier"]["ok_per_s"] / r["mid_heavier"]["ok_per_s"]),
-        "p50_ms": {k: median(lambda r, k=k: r[k]["latency_ms"]["p50"]) for k in ("client3", "pipeline", "mid")},
-        "cpu_us": {k: median(lambda r, k=k: r[k]["cpu_us_per_chain"]) for k in ("client3", "pipeline", "mid")},
-        "ok_per_s": {k: median(lambda r, k=k: r[k]["ok_per_s"])
+        "p50_ms": {k: statistics.median(r[k]["latency_ms"]["p50"] for r in rounds) for k in LOW_LOAD},
+        "cpu_us": {k: statistics.median(r[k]["cpu_us_per_chain"] for r in rounds) for k in LOW_LOAD},
+        "ok_per_s": {k: statistics.median(r[k]["ok_per_s"] for r in rounds)
                      for k in ("mid_heavy", "chain_heavy", "mid_heavier", "chain_heavier")},
     }
 

@@ -1,9 +1,13 @@
-"""The printed tables and the latency-vs-load plot."""
+"""The printed tables, the latency-vs-load plot, and the end of a benchmark of rounds."""
 
 from __future__ import annotations
 
+import json
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from servewell.perf.report import table
 
@@ -91,3 +95,20 @@ def plot_latency_vs_load(sweep: dict[str, list[dict]], saturation_rps: float | N
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
+
+
+def median_over(rounds: list[dict[str, Any]]) -> Callable[[Callable[[dict[str, Any]], float]], float]:
+    """`median(f)`: the median over `rounds` of `f(round)` (a benchmark's goal figures)."""
+    def median(f: Callable[[dict[str, Any]], float]) -> float:
+        return statistics.median(f(row) for row in rounds)
+
+    return median
+
+
+def finish_rounds(report: dict[str, Any], rounds: list[dict[str, Any]],
+                  print_table: Callable[[dict[str, Any]], None], out: Path) -> None:
+    """Keep the rounds beside their summary, print the goals table, write the JSON."""
+    report["rounds"] = rounds
+    print_table(report)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"written to {out}")

@@ -33,9 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,6 +43,7 @@ import orjson
 import yaml
 
 from bench.processes import ServerProcess, TreeCpu, free_port
+from bench.report import finish_rounds, median_over
 from bench.workspace import RESULTS, WORK
 from servewell.perf import loop as load_loop
 from servewell.perf.httpclient import encode_request
@@ -191,19 +190,13 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(row)
     finally:
         server.stop()
-    report = summarize(rounds)
-    report["rounds"] = rounds
-    print_table(report)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"written to {args.out}")
+    finish_rounds(summarize(rounds), rounds, print_table, args.out)
     return 0
 
 
 def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-round ratios and their medians."""
-    def median(f: Any) -> float:
-        return statistics.median(f(row) for row in rounds)
-
+    median = median_over(rounds)
     return {
         "throughput_ratio": median(lambda r: r["repeat/cached@5x"]["ok_per_s"] / r["repeat/plain"]["ok_per_s"]),
         "p99_ratio": median(lambda r: r["repeat/cached@5x"]["latency_ms"]["p99"]
