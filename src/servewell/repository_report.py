@@ -156,62 +156,77 @@ def affinity_problems(config: ModelConfig, available_cpus: set[int]) -> list[str
     return problems
 
 
-def check_onnx(config: ModelConfig, directory: Path) -> tuple[list[str], list[str]]:
-    """Problems of an ONNX model's graph against its model.yaml, from a child process; and notes."""
-    command = [sys.executable, "-m", "servewell.runtimes.onnx_check", str(directory)]
+@dataclass(slots=True, frozen=True)
+class _ChildCheck:
+    """How a runtime's check in a child process ended: its answer, or why there is none."""
+
+    answer: dict[str, Any] | None  # the last line of its output, as JSON
+    timed_out: bool = False
+    returncode: int = 0
+    stderr: str = ""
+
+    @property
+    def tail(self) -> str:
+        """The last line it wrote to stderr."""
+        return (self.stderr.strip().splitlines()[-1:] or ["no output"])[0]
+
+    def problems(self) -> list[str]:
+        """Its answer's problems, each naming its field."""
+        return [f"field '{p['field']}': {p['reason']}" for p in (self.answer or {}).get("problems", [])]
+
+
+def _run_check(module: str, config: ModelConfig, directory: Path) -> _ChildCheck:
+    """Run `python -m servewell.runtimes.<module> DIRECTORY` with the config on stdin."""
+    command = [sys.executable, "-m", f"servewell.runtimes.{module}", str(directory)]
     try:
         done = subprocess.run(command, input=config.model_dump_json(), capture_output=True, text=True,
                               timeout=FACTORY_CHECK_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
-        return [f"field 'artifact': onnxruntime took over {FACTORY_CHECK_TIMEOUT_S:.0f} s to open "
-                f"{config.artifact} (a load would stall the same way)"], []
+        return _ChildCheck(None, timed_out=True)
     try:
         answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
+        return _ChildCheck(None, returncode=done.returncode, stderr=done.stderr)
+    return _ChildCheck(answer)
+
+
+def check_onnx(config: ModelConfig, directory: Path) -> tuple[list[str], list[str]]:
+    """Problems of an ONNX model's graph against its model.yaml, from a child process; and notes."""
+    done = _run_check("onnx_check", config, directory)
+    if done.timed_out:
+        return [f"field 'artifact': onnxruntime took over {FACTORY_CHECK_TIMEOUT_S:.0f} s to open "
+                f"{config.artifact} (a load would stall the same way)"], []
+    if done.answer is None:
         if "No module named 'onnxruntime'" in done.stderr:
             return [], ["graph not checked: onnxruntime is not installed here"]
-        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
         # A graph that crashes onnxruntime (a signal: negative code) would crash the worker too.
         return [f"field 'artifact': opening {config.artifact} with onnxruntime exited with code "
-                f"{done.returncode}: {tail[0]}"], []
-    return ([f"field '{p['field']}': {p['reason']}" for p in answer.get("problems", [])],
-            [str(note) for note in answer.get("notes", [])])
+                f"{done.returncode}: {done.tail}"], []
+    return done.problems(), [str(note) for note in done.answer.get("notes", [])]
 
 
 def check_factory(config: ModelConfig, directory: Path) -> tuple[list[str], str | None]:
     """Problems of a pytorch model's factory and weights, from a child process; and a note when it could not run."""
-    command = [sys.executable, "-m", "servewell.runtimes.factory_check", str(directory)]
-    try:
-        done = subprocess.run(command, input=config.model_dump_json(), capture_output=True, text=True,
-                              timeout=FACTORY_CHECK_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired:
+    done = _run_check("factory_check", config, directory)
+    if done.timed_out:
         return [f"field 'pytorch.factory': building the module on the meta device took over "
                 f"{FACTORY_CHECK_TIMEOUT_S:.0f} s (a load would stall the same way)"], None
-    try:
-        answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+    if done.answer is None:
         if "No module named 'torch'" in done.stderr:
             return [], "factory not checked: torch is not installed here"
-        return [f"field 'pytorch.factory': the check exited with code {done.returncode}: {tail[0]}"], None
-    return [f"field '{p['field']}': {p['reason']}" for p in answer.get("problems", [])], None
+        return [f"field 'pytorch.factory': the check exited with code {done.returncode}: {done.tail}"], None
+    return done.problems(), None
 
 
 def check_entry(config: ModelConfig, directory: Path) -> list[str]:
     """Problems of a python model's entry (its module imported, its class looked up), from a child process."""
-    command = [sys.executable, "-m", "servewell.runtimes.entry_check", str(directory)]
-    try:
-        done = subprocess.run(command, input=config.model_dump_json(), capture_output=True, text=True,
-                              timeout=FACTORY_CHECK_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired:
+    done = _run_check("entry_check", config, directory)
+    if done.timed_out:
         return [f"field 'python.entry': importing {config.artifact} took over {FACTORY_CHECK_TIMEOUT_S:.0f} s "
                 "(a load would stall the same way)"]
-    try:
-        answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
-        return [f"field 'python.entry': the check exited with code {done.returncode}: {tail[0]}"]
-    return [f"field '{p['field']}': {p['reason']}" for p in answer.get("problems", [])]
+    if done.answer is None:
+        return [f"field 'python.entry': the check exited with code {done.returncode}: {done.tail}"]
+    return done.problems()
 
 
 def effective_settings(config: ModelConfig, memory: str) -> list[str]:
