@@ -33,6 +33,7 @@ from servewell.config.runtime_sections import (
     ServingDtype,
     TorchScriptSettings,
     TorchSettings,
+    entry_module_problem,
     moved_field_reason,
 )
 from servewell.config.strict import StrictModel
@@ -92,7 +93,7 @@ class ModelConfig(StrictModel):
         default_factory=list, max_length=MAX_EXTRA_FILES,
         description="Other files the model reads (labels, tokenizer, a JSON the factory opens), relative to the "
         "model directory; globs and whole directories allowed. The snapshot copies only the artifact, its ONNX "
-        "external data, model.yaml, the *.py files of a pytorch model and these.",
+        "external data, model.yaml, the *.py files of a pytorch or python model and these.",
     )
     inputs: list[TensorSpec] = Field(min_length=1, description="Input tensors (shape without the batch dimension).")
     outputs: list[TensorSpec] = Field(min_length=1, description="Output tensors (shape without the batch dimension).")
@@ -282,6 +283,16 @@ class ModelConfig(StrictModel):
                          else "a pipeline section needs kind: pipeline")
         if self.runtime == "python" and self.python is None:
             problems.add(("python",), "runtime python needs this section, with at least 'entry: module:Class'")
+        elif self.runtime == "python" and self.python is not None:
+            mismatch = entry_module_problem(self.python.entry, self.artifact)
+            if mismatch is not None:
+                problems.add(("python", "entry"), mismatch)
+            for group in ("inputs", "outputs"):
+                for index, spec in enumerate(getattr(self, group)):
+                    if spec.datatype == "BYTES":
+                        problems.add((group, index, "datatype"), f"{group[:-1]} {spec.name!r} is BYTES: a python "
+                                     "model takes and returns numeric and BOOL tensors (a batch crosses to its "
+                                     "worker in shared memory, which cannot hold Python objects)")
         for section in RUNTIMES:
             if section != self.runtime and getattr(self, section) is not None:
                 problems.add((section,), f"settings of runtime {section}; this model's runtime is {self.runtime} "

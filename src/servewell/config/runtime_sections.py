@@ -9,6 +9,7 @@ inherit them from `TorchSettings` rather than sharing a fourth section: one mode
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -130,6 +131,23 @@ class PythonSettings(StrictModel):
         if not colon or not _dotted_identifiers(module) or not attribute.isidentifier():
             raise config_error(f"{entry!r} must look like 'module:Class' (e.g. 'steps:Cropper')")
         return entry
+
+
+def entry_module_problem(entry: str, artifact: str) -> str | None:
+    """Why a python model's `artifact` and `python.entry` disagree (None: they agree): the artifact
+    is the file of the entry's module, `steps.py` for `steps:Cropper`, `pkg/steps.py` for
+    `pkg.steps:Cropper`."""
+    module = entry.partition(":")[0]
+    path = PurePosixPath(artifact)
+    expected = "/".join(module.split(".")) + ".py"
+    if path.suffix != ".py":
+        return (f"the artifact of a python model is the .py file of its entry's module ({expected} for entry "
+                f"{entry!r}); {artifact!r} is not a .py file")
+    if ".".join(path.with_suffix("").parts) != module:
+        return (f"artifact {artifact!r} must be the file of the entry's module: python.entry names module "
+                f"{module!r}, whose file is {expected} (the artifact's stem must equal the entry's module); "
+                "rename one of them")
+    return None
 
 
 #: The section class of each runtime.

@@ -21,11 +21,12 @@ import itertools
 import re
 import sys
 import traceback
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from servewell.config.model import ModelConfig
 from servewell.config.problems import FieldProblem
 from servewell.config.runtime_sections import PythonSettings
+from servewell.config.runtime_sections import entry_module_problem as entry_module_problem_of
 from servewell.runtimes.base import ModelLoadError
 
 #: Datatypes a python model can neither take nor return (see `config_problems`).
@@ -43,19 +44,8 @@ def python_settings(config: ModelConfig) -> PythonSettings:
 
 
 def entry_module_problem(config: ModelConfig) -> str | None:
-    """Why `artifact` and `python.entry` disagree (None: they agree): the artifact is the file of
-    the entry's module, `steps.py` for `steps:Cropper`, `pkg/steps.py` for `pkg.steps:Cropper`."""
-    module = python_settings(config).entry.partition(":")[0]
-    path = PurePosixPath(config.artifact)
-    expected = "/".join(module.split(".")) + ".py"
-    if path.suffix != ".py":
-        return (f"the artifact of a python model is the .py file of its entry's module ({expected} for entry "
-                f"{python_settings(config).entry!r}); {config.artifact!r} is not a .py file")
-    if ".".join(path.with_suffix("").parts) != module:
-        return (f"artifact {config.artifact!r} must be the file of the entry's module: python.entry names module "
-                f"{module!r}, whose file is {expected} (the artifact's stem must equal the entry's module); "
-                "rename one of them")
-    return None
+    """Why `artifact` and `python.entry` disagree (None: they agree); model.yaml's own check."""
+    return entry_module_problem_of(python_settings(config).entry, config.artifact)
 
 
 def config_problems(config: ModelConfig) -> list[FieldProblem]:

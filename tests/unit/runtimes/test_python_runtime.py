@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from servewell.config.model import ModelConfig
 from servewell.runtimes import ModelLoadError, load_runtime
@@ -263,10 +264,6 @@ def test_a_class_that_needs_arguments_says_it_is_made_without(tmp_path: Path) ->
      r"python.entry 'steps:Model': steps.py has no class 'Model'; it defines Other"),
     ("Model = 3\n", "steps:Model", "steps.py", r"'Model' in steps.py is a int, not a class"),
     ("class Model:\n    pass\n", "steps:Model", "steps.py", r"class Model has no execute\(inputs\) method"),
-    ("class Model: ...\n", "other:Model", "steps.py",
-     r"artifact 'steps.py' must be the file of the entry's module: python.entry names module 'other', whose file "
-     r"is other.py \(the artifact's stem must equal the entry's module\)"),
-    ("class Model: ...\n", "steps:Model", "steps.txt", r"'steps.txt' is not a .py file"),
     ("import not_a_module_anywhere\n", "steps:Model", "steps.py",
      r"cannot import steps.py: ModuleNotFoundError: No module named 'not_a_module_anywhere' \(at steps.py:1\)$"),
     ("def broken(:\n", "steps:Model", "steps.py",
@@ -282,13 +279,20 @@ def test_a_missing_module_class_or_method_is_a_load_error_saying_what_is_missing
     assert set(sys.modules) <= before  # nothing of the failed load left behind
 
 
-def test_bytes_tensors_are_refused_at_load(tmp_path: Path) -> None:
-    config, directory = python_model(tmp_path, returning("{'y': x}"),
-                                     outputs=[{"name": "y", "datatype": "BYTES", "shape": [1]}])
-    with pytest.raises(ModelLoadError, match="output 'y' is BYTES: a python model takes and returns numeric"):
-        load(config, directory)
-    (problem,) = check_entry(config, directory)
-    assert problem.field == "outputs.0.datatype"
+@pytest.mark.parametrize(("entry", "artifact", "fields", "where", "message"), [
+    ("other:Model", "steps.py", {}, "python.entry",
+     "artifact 'steps.py' must be the file of the entry's module: python.entry names module 'other', whose file "
+     "is other.py (the artifact's stem must equal the entry's module)"),
+    ("steps:Model", "steps.txt", {}, "python.entry", "'steps.txt' is not a .py file"),
+    ("steps:Model", "steps.py", {"outputs": [{"name": "y", "datatype": "BYTES", "shape": [1]}]},
+     "outputs.0.datatype", "output 'y' is BYTES: a python model takes and returns numeric"),
+])
+def test_what_model_yaml_alone_tells_is_refused_with_the_file(
+        tmp_path: Path, entry: str, artifact: str, fields: dict[str, Any], where: str, message: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        python_model(tmp_path, returning("{'y': x}"), entry=entry, artifact=artifact, **fields)
+    found = {".".join(str(p) for p in e["loc"]): e["msg"] for e in refused.value.errors()}
+    assert message in found[where]
 
 
 def test_modules_of_the_same_name_in_two_models_and_an_installed_name_do_not_meet(tmp_path: Path) -> None:
