@@ -358,3 +358,23 @@ def test_each_step_has_a_span_under_the_request_span(served: Any) -> None:
         return step_ids <= links or None
 
     eventually(linked, 20, "no batch span links to the step spans")
+
+
+def test_in_lazy_mode_a_pipeline_loads_its_step_models_on_its_first_request(
+        tmp_path: Path, start_server: ServerFactory) -> None:
+    python_step(tmp_path, "double", factor=2.0)
+    python_step(tmp_path, "triple", factor=3.0)
+    pipeline(tmp_path, "six", [{"name": "a", "model": "double", "inputs": {"x": "x"}},
+                               {"name": "b", "model": "triple", "inputs": {"x": "a.y"}}], {"y": "b.y"})
+    server = start_server(["--model-repository", str(tmp_path), "--repository-mode", "lazy"])
+    server.wait_ready()
+    health = httpx.get(server.url + "/healthz", timeout=10).json()["models"]
+    assert health["six"]["state"] == "ready"  # a pipeline holds no memory: always resident
+    assert health["double"]["residency"] != "resident" and health["triple"]["residency"] != "resident"
+    reply = infer(server, "six", 1.5, timeout_s=120)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["outputs"][0]["data"] == [9.0]
+    health = httpx.get(server.url + "/healthz", timeout=10).json()["models"]
+    assert health["double"]["residency"] == "resident" and health["triple"]["residency"] == "resident"
+    evicted = httpx.post(server.url + "/admin/models/six/evict", timeout=10)
+    assert evicted.status_code == 409 and "is a pipeline: it holds no memory" in error_of(evicted)["message"]

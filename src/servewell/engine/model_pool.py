@@ -396,6 +396,8 @@ class ModelPool:
 
     async def evict(self, slot: ModelSlot) -> None:
         """An operator's eviction: `Conflict` when the model is pinned, busy or not resident."""
+        if _is_pipeline(slot):
+            raise Conflict(f"model '{slot.name}' is a pipeline: it holds no memory (evict its step models)")
         if slot.pinned:
             raise Conflict(f"model '{slot.name}' is pinned; unpin it first")
         if not slot.resident:
