@@ -378,3 +378,13 @@ def test_in_lazy_mode_a_pipeline_loads_its_step_models_on_its_first_request(
     assert health["double"]["residency"] == "resident" and health["triple"]["residency"] == "resident"
     evicted = httpx.post(server.url + "/admin/models/six/evict", timeout=10)
     assert evicted.status_code == 409 and "is a pipeline: it holds no memory" in error_of(evicted)["message"]
+
+
+def test_the_request_lane_goes_through_every_step(served: Any) -> None:
+    server, _, _ = served
+    before = scraped_total(server.url, "servewell_requests_total", model="double", lane="high", outcome="success")
+    reply = httpx.post(f"{server.url}/v2/models/router/infer", json=router_body(2.0, 1),
+                       headers={"X-Urgency": "high"}, timeout=30)
+    assert reply.json()["outputs"][0]["data"] == [4.0]
+    eventually(lambda: scraped_total(server.url, "servewell_requests_total", model="double", lane="high",
+                                     outcome="success") >= before + 1, 10, "the step did not run in the high lane")
