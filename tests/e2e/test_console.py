@@ -101,9 +101,12 @@ def test_console_shows_models_live_charts_and_failed_requests(digits_server, bro
     latency = browser.execute_script("return window.servewellConsole.charts.latency.data[1]")
     assert any(v is not None and 0 < v < 30_000 for v in latency)
 
-    model_row = browser.find_element(By.CSS_SELECTOR, '#models tr[data-model="digits"]')
-    assert "ready" in model_row.text and re.search(r"#0 pid \d+ · [\d.]+ MB", model_row.text)
-    assert re.search(r"high \d+", model_row.text) and re.search(r"normal \d+", model_row.text)  # queue per lane
+    # One read of the row's text: the table is rebuilt on every poll, so an element found first and
+    # read later can be gone (StaleElementReferenceException in a full run).
+    row_text = browser.execute_script(
+        "return document.querySelector('#models tr[data-model=\"digits\"]').innerText")
+    assert "ready" in row_text and re.search(r"#0 pid \d+ · [\d.]+ MB", row_text)
+    assert re.search(r"high \d+", row_text) and re.search(r"normal \d+", row_text)  # queue per lane
 
     # The failed request is listed with its code, found by its request id.
     browser.find_element(By.ID, "recent-filter").send_keys(bad_id)
