@@ -20,6 +20,7 @@ import mmap
 import os
 import struct
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -146,7 +147,10 @@ class SharedArena:
         return self._segment.name
 
     def write(self, arrays: dict[str, np.ndarray]) -> tuple[TensorRef, ...]:
-        """Copy `arrays` into the segment (growing it if needed) and describe where they lie."""
+        """Copy `arrays` into the segment (growing it if needed) and describe where they lie.
+        `TypeError` for an array of Python objects (a BYTES tensor not decoded to numbers): its
+        bytes are pointers into this process, which the other process would follow and crash on."""
+        _refuse_objects(name for name, array in arrays.items() if array.dtype.hasobject)
         need = sum(_aligned(a.nbytes) for a in arrays.values())
         self._ensure(need)
         refs: list[TensorRef] = []
@@ -159,7 +163,8 @@ class SharedArena:
         return tuple(refs)
 
     def views(self, shapes: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, np.ndarray]:
-        """Writable arrays laid out in the segment, for filling a batch in place."""
+        """Writable arrays laid out in the segment, for filling a batch in place (numbers only)."""
+        _refuse_objects(name for name, (_, dtype) in shapes.items() if np.dtype(dtype).hasobject)
         need = sum(_aligned(int(np.prod(s)) * np.dtype(d).itemsize) for s, d in shapes.values())
         self._ensure(need)
         out: dict[str, np.ndarray] = {}
@@ -255,3 +260,11 @@ class HeartbeatCell:
     def unlink(self) -> None:
         """Remove the name."""
         self._segment.unlink()
+
+
+def _refuse_objects(names: Iterable[str]) -> None:
+    """`TypeError` naming the tensors that hold Python objects: shared memory carries numbers only."""
+    found = list(names)
+    if found:
+        raise TypeError(f"tensor(s) {found} hold Python objects (BYTES not decoded to numbers); shared memory "
+                        "between processes carries numeric and BOOL tensors only")

@@ -95,3 +95,14 @@ def test_without_copy_the_reader_returns_views_into_the_segment(arena, reader):
     arena.write({"x": np.zeros(8, dtype=np.int32)})  # the same segment, overwritten in place
     assert view.tolist() == [0] * 8
     del view  # a view must not outlive the reader's close(): it would point at unmapped memory
+
+
+def test_arrays_of_python_objects_are_refused(arena):
+    """BYTES not decoded to numbers would put this process's pointers into the segment, and the
+    reader would follow them into another process's memory."""
+    strings = np.array([b"ab", b"cde"], dtype=object)
+    with pytest.raises(TypeError, match=r"\['s'\] hold Python objects"):
+        arena.write({"x": np.zeros(2, np.float32), "s": strings})
+    with pytest.raises(TypeError, match=r"\['s'\] hold Python objects"):
+        arena.views({"s": ((2,), np.dtype(object))})
+    assert arena.write({"x": np.ones(2, np.float32)})  # numbers still go through
