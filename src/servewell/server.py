@@ -34,11 +34,12 @@ from servewell.engine.envelope import LiveSettings
 from servewell.engine.model_pool import PoolSettings
 from servewell.engine.snapshot import SnapshotStore
 from servewell.engine.tenants import Tenants
+from servewell.engine.versions import rollout_gauges
 from servewell.live_config import ConfigReloader, load_keys
 from servewell.observability.alerting import run_alerting
 from servewell.observability.console_feed import ConsoleFeed
 from servewell.observability.gpu import GpuProbe
-from servewell.observability.metrics import ProcessRestartsCollector, ServeMetrics, StateCollector
+from servewell.observability.metrics import ProcessRestartsCollector, RolloutCollector, ServeMetrics, StateCollector
 from servewell.observability.process import process_facts
 from servewell.observability.signals import SignalTracker
 from servewell.observability.steps import set_step_sink
@@ -159,6 +160,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     if metrics is not None:
         set_step_sink(lambda name, seconds: metrics.trace_steps.labels(name).observe(seconds), tracing.tracer)
         gpus = GpuProbe()
+        metrics.registry.register(RolloutCollector(lambda: rollout_gauges(engine.slots.values())))
         metrics.registry.register(StateCollector(engine.samples, process_facts, gpus.read,
                                                  lambda: engine.memory_budget, lambda: engine.ready,
                                                  lambda: (engine.budget.device_total_bytes,

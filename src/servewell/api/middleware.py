@@ -21,6 +21,7 @@ from servewell.api.request_outcome import record_outcome
 from servewell.api.state import LiveKnobs
 from servewell.errors import quote
 from servewell.observability.context import (
+    MAX_ROUTE_KEY_CHARS,
     BatchPlacement,
     RecordedElsewhere,
     client_var,
@@ -30,6 +31,7 @@ from servewell.observability.context import (
     recorded_elsewhere_var,
     request_id_var,
     request_trace_var,
+    route_key_var,
     stages_var,
 )
 from servewell.observability.metrics import ServeMetrics
@@ -65,6 +67,7 @@ class RequestContextMiddleware:
             return
         started = time.perf_counter()
         request_id = traceparent = tracestate = None
+        route_key = ""
         for key, value in scope["headers"]:
             if key == b"x-request-id":
                 candidate = value.decode("latin-1")
@@ -73,10 +76,13 @@ class RequestContextMiddleware:
                 traceparent = value.decode("latin-1")
             elif key == b"tracestate":
                 tracestate = value.decode("latin-1")
+            elif key == b"x-route-key":
+                route_key = value[:MAX_ROUTE_KEY_CHARS].decode("latin-1")
         request_id = request_id or uuid.uuid4().hex
         elsewhere = RecordedElsewhere()
         tokens = (request_id_var.set(request_id), model_var.set(""), stages_var.set({}),
-                  placement_var.set(BatchPlacement()), recorded_elsewhere_var.set(elsewhere), client_var.set(""))
+                  placement_var.set(BatchPlacement()), recorded_elsewhere_var.set(elsewhere), client_var.set(""),
+                  route_key_var.set(route_key))
         span = otel_token = trace_token = None
         if self.tracing is not None:
             span, span_context = begin_server_span(
@@ -126,6 +132,7 @@ class RequestContextMiddleware:
             placement_var.reset(tokens[3])
             recorded_elsewhere_var.reset(tokens[4])
             client_var.reset(tokens[5])  # the key check sets it inside; the record in `_finish` names it
+            route_key_var.reset(tokens[6])
 
     def _finish(self, scope: Scope, status: int, elapsed: float, span: Span | None, elsewhere: bool) -> None:
         route = scope.get("route")

@@ -86,7 +86,7 @@ def model_document(view: ModelView) -> ModelDocument:
     if config.image_input:
         parameters["image_input"] = config.image_input
     return ModelDocument(
-        name=config.name, versions=[view.version], platform=PLATFORMS[config.runtime],
+        name=config.name, versions=list(view.versions) or [view.version], platform=PLATFORMS[config.runtime],
         backend=BACKENDS[config.runtime], max_batch_size=live_max,
         inputs=[tensor(t) for t in config.inputs], outputs=[tensor(t) for t in config.outputs],
         instance_count=config.instances, instance_kind="KIND_GPU" if config.device.startswith("cuda") else "KIND_CPU",

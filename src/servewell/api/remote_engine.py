@@ -35,6 +35,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from servewell.config.model import ModelConfig
+from servewell.config.rollout import TrafficPatch
 from servewell.engine.envelope import (
     Cancel,
     ControlCall,
@@ -55,7 +56,13 @@ from servewell.engine.envelope import (
 from servewell.engine.lanes import resolve_lane
 from servewell.engine.protocol import ModelView, Readiness, RequestResult
 from servewell.errors import EngineUnavailable, ModelNotReady, NotFound, ServeError, ShuttingDown, quote
-from servewell.observability.context import BatchPlacement, client_var, placement_var, request_trace_var
+from servewell.observability.context import (
+    BatchPlacement,
+    client_var,
+    placement_var,
+    request_trace_var,
+    route_key_var,
+)
 from servewell.observability.tracing import traceparent_of
 
 log = logging.getLogger("servewell.ingress")
@@ -227,7 +234,8 @@ class RemoteEngine:
         traceparent = traceparent_of(span_context) if span_context.is_valid and span_context.trace_flags.sampled \
             else None
         writer.send(Envelope(call_id, model, version, lane, deadline, arrived_at, request_id, inputs,
-                             tenant=client_var.get() or None, traceparent=traceparent))
+                             tenant=client_var.get() or None, traceparent=traceparent,
+                             route_key=route_key_var.get()))
         future.add_done_callback(lambda f: self._cancelled(call_id) if f.cancelled() else None)
         return future
 
@@ -265,8 +273,9 @@ class RemoteEngine:
         if entry is None:
             known = sorted(self._table.models)[:20] if self._table is not None else []
             raise NotFound(f"unknown model {quote(name)}; this server has {known}")
-        if version not in (None, "", entry.version):
-            raise NotFound(f"model '{name}' has no version {quote(version)}; it serves version '{entry.version}'")
+        if version not in (None, "", entry.version) and version not in entry.versions:
+            raise NotFound(f"model '{name}' has no version {quote(version)}; it serves "
+                           f"{[entry.version, *entry.versions]}")
         if (entry.state != "ready" and not entry.loadable) or entry.config is None:
             # A loadable model (lazy mode) goes to the engine, which loads it while the request waits.
             reason = f": {entry.reason}" if entry.reason else ""
@@ -349,6 +358,14 @@ class RemoteEngine:
         raise _control_plane()
 
     def update_batching(self, name: str, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """Not served by an ingress (forwarded to the engine)."""
+        raise _control_plane()
+
+    def rollout(self, name: str) -> dict[str, Any]:
+        """Not served by an ingress (forwarded to the engine)."""
+        raise _control_plane()
+
+    def update_rollout(self, name: str, patch: TrafficPatch) -> dict[str, Any]:
         """Not served by an ingress (forwarded to the engine)."""
         raise _control_plane()
 

@@ -14,6 +14,7 @@ from servewell.api.body import read_json_patch
 from servewell.api.openapi import error_responses
 from servewell.api.state import AppState, state_dependency
 from servewell.config.batching import BatchingPatch
+from servewell.config.rollout import TrafficPatch
 from servewell.engine.protocol import ModelView
 
 router = APIRouter(prefix="/admin", tags=["admin"])
@@ -64,6 +65,31 @@ async def patch_batching(name: str, request: Request, state: AppState = Depends(
     change lasts until the model's model.yaml next changes or the server restarts."""
     patch = await read_json_patch(request, state.settings.max_body_bytes, BatchingPatch)
     return Response(orjson.dumps(state.engine.update_batching(name, patch.changes())), media_type="application/json")
+
+
+@router.get("/models/{name}/rollout", summary="A model's traffic split, shadow and rollback state",
+            responses=error_responses(*_ADMIN_ERRORS))
+async def get_rollout(name: str, state: AppState = Depends(require_admin)) -> Response:
+    """Weights in force and in model.yaml, each version's state, the shadow's agreement, the rules'
+    window per version (requests, error rate, p99) and the last verdict with its evidence. 404 when
+    the model splits no traffic."""
+    return Response(orjson.dumps(state.engine.rollout(name)), media_type="application/json")
+
+
+@router.patch(
+    "/models/{name}/rollout",
+    summary="Change a model's traffic weights or shadow share while serving",
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+        "schema": TrafficPatch.model_json_schema()}}}},
+    responses=error_responses(400, *_ADMIN_ERRORS, 409, 413, 415, 422),
+)
+async def patch_rollout(name: str, request: Request, state: AppState = Depends(require_admin)) -> Response:
+    """`traffic` (weights per loaded version) and/or `shadow_percent`; null returns a field to
+    model.yaml's value. Clears a rollback or promotion (the admin decided). Lasts until the
+    model's model.yaml changes its traffic or the server restarts. 404 for a version that is not
+    loaded; 409 when the model splits no traffic."""
+    patch = await read_json_patch(request, state.settings.max_body_bytes, TrafficPatch)
+    return Response(orjson.dumps(state.engine.update_rollout(name, patch)), media_type="application/json")
 
 
 @router.post("/models/{name}/profile", summary="Profile a model worker (Chrome/Perfetto trace)",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -96,7 +97,8 @@ async def predict(request: Request) -> Response:
                               disconnected=disconnected(request))
     with call.postprocessing():
         body_out = orjson.dumps({"result": interpret(config, result.outputs), "request_id": request_id_var.get()})
-    return Response(body_out, 200, {"Server-Timing": call.finish(result)}, "application/json")
+    return Response(body_out, 200, {"Server-Timing": call.finish(result),
+                                    "X-Model-Version": result.version or config.version}, "application/json")
 
 
 def hot_routes() -> list[HotRoute]:
@@ -127,6 +129,16 @@ def interpret(config: ModelConfig, outputs: dict[str, np.ndarray]) -> dict[str, 
     return {**top[0], "top_k": top}
 
 
+def _rollout_summary(rollout: dict[str, Any] | None, roots: tuple[Path | None, ...]) -> dict[str, Any] | None:
+    """A traffic split as /healthz shows it to anyone: weights, state and the verdict's reason."""
+    if rollout is None:
+        return None
+    versions = rollout.get("versions")
+    return {"state": rollout["state"], "weights": rollout["weights"],
+            "reason": without_paths(rollout.get("reason"), roots),
+            "versions": {v: doc["state"] for v, doc in versions.items()} if isinstance(versions, dict) else {}}
+
+
 @router.get("/healthz", summary="Server and per-model health",
             responses=not_ready_response("The server is not ready (same document, ready: false)."))
 async def healthz(state: AppState = Depends(state_dependency)) -> Response:
@@ -153,6 +165,8 @@ async def healthz(state: AppState = Depends(state_dependency)) -> Response:
             "scheduler": _scheduler_counts(view.scheduling),
             **pool_fields(view),  # the model pool (engine/model_pool.py): where the model is
             "last_start": view.last_start,  # spawn, import, load, warm-up of its last worker start
+            "versions": list(view.versions) or [view.version],
+            "rollout": _rollout_summary(view.rollout, roots),  # full detail: GET /admin/models/{name}/rollout
         }
     readiness = state.engine.readiness()
     total, reserved = state.engine.memory_budget

@@ -61,7 +61,7 @@ def _metadata(view: ModelView) -> dict[str, Any]:
     model.yaml is invalid gets its state and reason only."""
     config = view.config
     if config is None:
-        return {"name": view.name, "versions": [view.version], "state": view.state, "reason": view.reason}
+        return {"name": view.name, "versions": list(view.versions) or [view.version], "state": view.state, "reason": view.reason}
     doc = metadata_json(model_document(view))
     doc["state"] = view.state
     doc["parameters"] = {"max_batch_size": config.max_batch_size, **config.metadata}
@@ -164,8 +164,9 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
     with call.postprocessing():
         outputs = select_outputs(name, result.outputs, parsed.requested_outputs)
         binary = set(outputs) if parsed.all_binary else parsed.binary_outputs
-        body_out, json_length = encode_infer_response(name, model.config.version, parsed.id, outputs, binary)
-    headers = {"Server-Timing": call.finish(result)}
+        version = result.version or model.config.version  # a traffic split may have drawn another version
+        body_out, json_length = encode_infer_response(name, version, parsed.id, outputs, binary)
+    headers = {"Server-Timing": call.finish(result), "X-Model-Version": version}
     if json_length is None:
         return Response(body_out, 200, headers, "application/json")
     headers["Inference-Header-Content-Length"] = str(json_length)

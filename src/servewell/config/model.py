@@ -23,6 +23,7 @@ from servewell.config.cache import ResponseCacheConfig
 from servewell.config.pipeline import PipelineSpec
 from servewell.config.problems import Problems, config_error
 from servewell.config.processing import ClassifyPostprocess, ImagePreprocess
+from servewell.config.rollout import RolloutConfig, check_traffic, is_version_name
 from servewell.config.runtime_sections import (
     MOVED_TO_SECTIONS,
     RUNTIMES,
@@ -153,6 +154,12 @@ class ModelConfig(StrictModel):
                                 "declared false (sampling, dropout at inference) is never cached.")
     cache: ResponseCacheConfig | None = Field(None, description="Answer repeated inputs from a cache in the engine, "
                                               "and share one computation among identical requests in flight.")
+    traffic: dict[str, float] | None = Field(
+        None, description="Weights of the versions that share this model's requests, e.g. {\"1\": 95, \"2\": 5}: "
+        "this model.yaml's version and others under versions/<v>/ (each with its own model.yaml); unset: this "
+        "version takes everything. A version asked for in the request's path still wins.")
+    rollout: RolloutConfig | None = Field(None, description="Stickiness, shadow traffic and the automatic rollback "
+                                          "rules of the traffic split.")
 
     @model_validator(mode="wrap")
     @classmethod
@@ -199,6 +206,18 @@ class ModelConfig(StrictModel):
         if not name or not all(c.isalnum() or c in "-_." for c in name):
             raise config_error("use letters, digits, '-', '_' or '.'")
         return name
+
+    @field_validator("version")
+    @classmethod
+    def _version_is_name(cls, version: str) -> str:
+        if not is_version_name(version):
+            raise config_error("use letters, digits, '-', '_' or '.' (at most 64, not starting with '.')")
+        return version
+
+    @field_validator("traffic")
+    @classmethod
+    def _traffic_weights(cls, traffic: dict[str, float] | None) -> dict[str, float] | None:
+        return None if traffic is None else check_traffic(traffic)
 
     @field_validator("device")
     @classmethod
@@ -266,6 +285,8 @@ class ModelConfig(StrictModel):
         if self.cache is not None and not self.deterministic:
             problems.add(("cache",), "a model declared non-deterministic (deterministic: false) is never cached; "
                          "remove cache or declare the model deterministic")
+        if self.kind == "pipeline" and (self.traffic is not None or self.rollout is not None):
+            problems.add(("traffic",), "a pipeline has one version; split the traffic of its step models instead")
         if self.batching.reserve_instance_for_high and self.instances < 2:
             problems.add(("batching", "reserve_instance_for_high"),
                          f"needs instances >= 2; instances is {self.instances}")

@@ -46,9 +46,12 @@ class ModelConfigError(ValueError):
         super().__init__(f"{path}: " + "; ".join(str(p) for p in self.problems))
 
 
-def read_model_yaml(directory: Path, max_bytes: int = DEFAULT_MAX_CONFIG_BYTES) -> ModelConfig:
+def read_model_yaml(directory: Path, max_bytes: int = DEFAULT_MAX_CONFIG_BYTES, *,
+                    version_of: str | None = None) -> ModelConfig:
     """Parse and check `<directory>/model.yaml`, the artifact's presence included. Only a regular
     file of at most `max_bytes` is read, and its YAML is bounded (`config.bounded_yaml`).
+    `version_of`: `directory` is `<model>/versions/<v>/` of model `version_of`: the name defaults
+    to it and the version to `<v>`, which it must be, and a version splits no traffic of its own.
 
     Raises `ModelConfigError` naming the file and, for each problem, the field and the reason.
     """
@@ -64,15 +67,24 @@ def read_model_yaml(directory: Path, max_bytes: int = DEFAULT_MAX_CONFIG_BYTES) 
     if not isinstance(raw, dict):
         got = type(raw).__name__
         raise ModelConfigError(path, [FieldProblem(TOP_LEVEL, f"expected a mapping of fields, got {got}")])
-    raw.setdefault("name", directory.name)
+    expected = version_of or directory.name
+    raw.setdefault("name", expected)
+    if version_of is not None:
+        raw.setdefault("version", directory.name)
     try:
         config = ModelConfig.model_validate(raw)
     except ValidationError as exc:
         raise ModelConfigError(path, field_problems(exc)) from None
     problems = []
-    if config.name != directory.name:
-        problems.append(FieldProblem("name", f"'{cut(config.name, 100)}' must match the directory name "
-                                             f"'{directory.name}'"))
+    if config.name != expected:
+        problems.append(FieldProblem("name", f"'{cut(config.name, 100)}' must match the "
+                                             f"{'model' if version_of else 'directory'} name '{expected}'"))
+    if version_of is not None and config.version != directory.name:
+        problems.append(FieldProblem("version", f"'{cut(config.version, 100)}' must match its directory "
+                                                f"versions/{directory.name}"))
+    if version_of is not None and (config.traffic is not None or config.rollout is not None):
+        problems.append(FieldProblem("traffic", "a version under versions/ splits no traffic: the model's own "
+                                                "model.yaml holds traffic and rollout"))
     artifact = directory / config.artifact
     if not artifact.is_file():
         problems.append(FieldProblem("artifact", f"file {artifact} does not exist"))

@@ -54,7 +54,13 @@ from servewell.engine.envelope import (
 )
 from servewell.engine.protocol import RequestResult
 from servewell.errors import ModelError, ServeError, quote
-from servewell.observability.context import BatchPlacement, client_var, placement_var, request_id_var
+from servewell.observability.context import (
+    BatchPlacement,
+    client_var,
+    placement_var,
+    request_id_var,
+    route_key_var,
+)
 
 log = logging.getLogger("servewell.engine")
 
@@ -66,14 +72,17 @@ VIEW_PULL_TIMEOUT_S = 1.0
 CONTROL_METHODS = frozenset(("models", "model", "load_model", "unload_model", "readiness"))
 
 
-def summarize(entry: Entry, loadable: bool = False) -> ModelEntrySummary:
-    """What an ingress needs of one model (`loadable`: lazy mode, a request loads it)."""
-    return ModelEntrySummary(entry.name, entry.version, entry.state, entry.reason, entry.config, loadable=loadable)
+def summarize(entry: Entry, loadable: bool = False, versions: tuple[str, ...] = ()) -> ModelEntrySummary:
+    """What an ingress needs of one model (`loadable`: lazy mode, a request loads it; `versions`:
+    the other versions it serves)."""
+    return ModelEntrySummary(entry.name, entry.version, entry.state, entry.reason, entry.config, loadable=loadable,
+                             versions=versions)
 
 
 def model_table(engine: InferenceEngine) -> ModelTable:
     """The engine's models as the ingress processes see them."""
-    models = {entry.name: summarize(entry, engine.loadable(entry.name)) for entry in engine.entries()}
+    models = {entry.name: summarize(entry, engine.loadable(entry.name), engine.other_versions(entry.name))
+              for entry in engine.entries()}
     try:
         default: str | None = engine.default_model_name()
     except ServeError:
@@ -82,7 +91,7 @@ def model_table(engine: InferenceEngine) -> ModelTable:
 
 
 def _fingerprint(entry: ModelEntrySummary) -> tuple[Any, ...]:
-    return (entry.version, entry.state, entry.reason, id(entry.config), entry.loadable)
+    return (entry.version, entry.state, entry.reason, id(entry.config), entry.loadable, entry.versions)
 
 
 class _Ingress:
@@ -195,7 +204,8 @@ class EngineDoor:
             if ask is not None and not ask.done():
                 ask.set_result(message.snapshot)
         elif isinstance(message, Resolve):
-            entry = next((summarize(e, self._engine.loadable(e.name)) for e in self._engine.entries()
+            entry = next((summarize(e, self._engine.loadable(e.name), self._engine.other_versions(e.name))
+                          for e in self._engine.entries()
                           if e.name == message.model), None)
             ingress.writer.send(Resolved(message.ask_id, entry))
         elif isinstance(message, ControlCall):
@@ -249,6 +259,7 @@ class EngineDoor:
     def _on_envelope(self, ingress: _Ingress, envelope: Envelope) -> None:
         token = request_id_var.set(envelope.request_id)
         client_token = client_var.set(envelope.tenant or "")
+        route_token = route_key_var.set(envelope.route_key)
         placement = BatchPlacement()  # filled by the scheduler's telemetry; goes back with the outcome
         placement_token = placement_var.set(placement)
         trace_token = None
@@ -271,6 +282,7 @@ class EngineDoor:
             placement_var.reset(placement_token)
             request_id_var.reset(token)
             client_var.reset(client_token)
+            route_key_var.reset(route_token)
         ingress.pending[envelope.call_id] = future
         future.add_done_callback(partial(self._answer, ingress, envelope.call_id, placement))
 

@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import logging
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from servewell.config.model import ModelConfig
+from servewell.engine.admin_ops import EngineAdmin
 from servewell.engine.entry import Entry, InvalidModel
 from servewell.engine.memory_budget import MemoryBudget, estimate_model_memory, machine_memory_budget
 from servewell.engine.model_entry import EntryServices, LoadProgressFn, ModelEntry
@@ -32,6 +32,7 @@ from servewell.engine.response_cache import ResponseCache
 from servewell.engine.snapshot import SnapshotStore
 from servewell.engine.tenants import Tenants
 from servewell.engine.validation import check_inputs
+from servewell.engine.versions import candidate_entries, judge_forever, stop_versions, sync_versions
 from servewell.errors import Conflict, LoadFailed, ModelNotReady, NotFound, ShuttingDown, quote
 from servewell.observability.metrics import ModelSample, ServeMetrics
 from servewell.observability.signals import ModelFacts
@@ -45,8 +46,9 @@ log = logging.getLogger("servewell.engine")
 MAX_PROFILE_CAPTURES = 2
 
 
-class InferenceEngine:
-    """All models of one repository (implements `ServingEngine`)."""
+class InferenceEngine(EngineAdmin):
+    """All models of one repository (implements `ServingEngine`); the admin API's pool and
+    rollout operations are `EngineAdmin`'s."""
 
     def __init__(
         self,
@@ -83,6 +85,8 @@ class InferenceEngine:
         self._required_models = tuple(required_models)
         self.accepting = True
         self.draining = False  # shutting down: not ready, nothing restarts, requests still served
+        self.payload_log: Any = None  # observability/payload_log.py: set by the server when configured
+        self._judge: asyncio.Task[None] | None = None  # applies the rollout rules (engine/versions.py)
 
     async def start(self) -> None:
         """Read the repository and load every valid model (concurrently); in lazy mode only the
@@ -100,8 +104,14 @@ class InferenceEngine:
             await asyncio.gather(*(self.pool.acquire(s, None) for s in self._slots.values()
                                    if s.pinned and self.pool.loadable(s)), return_exceptions=True)
             await asyncio.gather(*(s.entry.load() for s in self._slots.values() if isinstance(s.entry, PipelineEntry)))
-            return
-        await asyncio.gather(*(s.entry.load() for s in self._slots.values()))
+        else:
+            await asyncio.gather(*(s.entry.load() for s in self._slots.values()))
+        await asyncio.gather(*(self._sync_versions(s) for s in list(self._slots.values())))
+        self._judge = asyncio.get_running_loop().create_task(judge_forever(self._slots))
+
+    async def _sync_versions(self, slot: ModelSlot) -> None:
+        async with slot.lock:
+            await sync_versions(slot, self._services, self.metrics)
 
     def _add(self, source: ModelSource) -> ModelSlot:
         entry: Entry
@@ -151,7 +161,7 @@ class InferenceEngine:
         if isinstance(slot.entry, PipelineEntry):
             slot.used()
             return PipelineHandle(slot.entry, self)
-        return ServedModelHandle(slot, self, ready_entry_or_refusal(slot.entry))  # its infer marks it used
+        return ServedModelHandle(slot, self, ready_entry_or_refusal(slot.entry), version)  # its infer marks it used
 
     async def resolve_async(self, name: str, version: str | None = None,
                             deadline: float | None = None) -> ServedModelHandle | PipelineHandle:
@@ -198,7 +208,7 @@ class InferenceEngine:
             return None
         slot.used()
         self.pool.count(slot)
-        return entry.ready_entry()
+        return entry.ready_entry() if slot.rollout is None else slot.rollout.choose(entry.ready_entry(), None)
 
     async def step_entry(self, name: str, version: str | None, deadline: float) -> ModelEntry:
         """The serving entry of a pipeline step's model, loading it first in lazy mode (the step
@@ -212,7 +222,8 @@ class InferenceEngine:
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
         slot.used()
-        return ready_entry_or_refusal(slot.entry)
+        entry = ready_entry_or_refusal(slot.entry)
+        return entry if slot.rollout is None else slot.rollout.choose(entry, version)
 
     @property
     def slots(self) -> Mapping[str, ModelSlot]:
@@ -267,6 +278,7 @@ class InferenceEngine:
                 slot.unloaded_by_operator = slot.evicted = False
                 old, slot.entry = slot.entry, fresh  # from here on, new requests go to the new version
                 await old.stop("reloading", reason="replaced by a reload")  # drains what the old version had accepted
+            await sync_versions(self._slots[name], self._services, self.metrics)
         await recheck_pipelines(self._slots, name)
         return fresh.view()
 
@@ -277,6 +289,7 @@ class InferenceEngine:
             entry = slot.entry
             slot.unloaded_by_operator = True  # lazy mode: no request loads it again until an operator does
             await entry.stop("unloading", "unloaded", "unloaded by an operator")
+            await stop_versions(slot, "unloading")
             return self._view(slot, entry)
 
     async def profile(self, name: str, instance: int, seconds: float) -> bytes:
@@ -332,6 +345,7 @@ class InferenceEngine:
             pipeline = isinstance(entry, PipelineEntry) or config.kind == "pipeline"  # reloads: a check, no worker
             if entry.state == "ready" and not pipeline and (serving := entry.ready_entry()).live_changes_only(config):
                 dropped = serving.apply_batching(config)
+                await sync_versions(slot, self._services, self.metrics)
                 return "applied live" + (f"; admin overrides {sorted(dropped)} replaced by the file" if dropped else "")
         await self.load_model(name, config)
         if config.kind == "pipeline":
@@ -347,15 +361,15 @@ class InferenceEngine:
         admitted and served (a load balancer may send some until it notices)."""
         self.draining = True
         self.pool.stop()
-        for slot in self._slots.values():
-            slot.entry.close()
+        for entry in [s.entry for s in self._slots.values()] + candidate_entries(self._slots.values()):
+            entry.close()
 
     def abort(self, why: str) -> None:
         """Stop admitting, and answer every queued and running request now with 503 shutting_down
         (the drain ran out of time, or a second signal said so)."""
         self.draining, self.accepting = True, False
-        for slot in self._slots.values():
-            slot.entry.fail_all(ShuttingDown(f"the server is shutting down: {why}"))
+        for entry in [s.entry for s in self._slots.values()] + candidate_entries(self._slots.values()):
+            entry.fail_all(ShuttingDown(f"the server is shutting down: {why}"))
 
     async def stop(self, worker_timeout_s: float = 5.0) -> None:
         """Stop admitting, finish what was admitted, stop every worker (each gets `worker_timeout_s`
@@ -363,8 +377,11 @@ class InferenceEngine:
         self.begin_shutdown()
         self.accepting = False
         self.pool.stop()
+        if self._judge is not None:
+            self._judge.cancel()
         await asyncio.gather(*(s.entry.stop("shutting_down", worker_timeout_s=worker_timeout_s)
-                               for s in self._slots.values()))
+                               for s in self._slots.values()),
+                             *(stop_versions(s, "shutting_down", worker_timeout_s) for s in self._slots.values()))
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -404,8 +421,11 @@ class InferenceEngine:
     def _view(self, slot: ModelSlot, entry: Entry | None = None) -> ModelView:
         pool = getattr(entry or slot.entry, "pool", None)
         breakdown = pool.last_start_breakdown if pool is not None else None
+        rollout = slot.rollout
         return dataclasses.replace(
             (entry or slot.entry).view(), last_start=breakdown.as_dict() if breakdown is not None else None,
+            versions=tuple(rollout.versions()) if rollout is not None else (),
+            rollout=rollout.to_json() if rollout is not None else None,
             residency=slot.residency(), pinned=slot.pinned,
             last_used_at=slot.last_used_at, estimated_bytes=slot.estimated_bytes, loadable=self.pool.loadable(slot),
             cold_starts=slot.cold_starts, evictions=slot.evictions)
@@ -414,40 +434,6 @@ class InferenceEngine:
         """Whether a request for `name` would load it now (lazy mode)."""
         slot = self._slots.get(name)
         return slot is not None and self.pool.loadable(slot)
-
-    # --- the model pool's admin API ------------------------------------------------------------
-
-    async def pin(self, name: str) -> ModelView:
-        """Never evict `name` (until unpinned or the server restarts)."""
-        slot = self._slot(name, None)
-        slot.pinned_by_admin = True
-        return self._view(slot)
-
-    async def unpin(self, name: str) -> ModelView:
-        """`name` may be evicted again (whatever its model.yaml says)."""
-        slot = self._slot(name, None)
-        slot.pinned_by_admin = False
-        return self._view(slot)
-
-    async def preload(self, name: str) -> ModelView:
-        """Load `name` now if it is not resident (lazy mode; evicts idle models to make room)."""
-        slot = self._slot(name, None)
-        if not slot.resident:
-            if not self.pool.loadable(slot):
-                return await self.load_model(name)
-            await self.pool.acquire(slot, time.monotonic() + self._services.load_timeout_s + 60)
-        return self._view(slot)
-
-    async def evict(self, name: str) -> ModelView:
-        """Unload `name` now to free its memory (`Conflict` when pinned, busy or not resident); in
-        lazy mode its next request loads it again."""
-        slot = self._slot(name, None)
-        await self.pool.evict(slot)
-        return self._view(slot)
-
-    def pool_report(self) -> dict[str, Any]:
-        """The model pool as /healthz and the console show it."""
-        return self.pool.report()
 
     async def models_async(self) -> list[ModelView]:
         """`models` (the gRPC servicer awaits it: an ingress's engine asks the engine process)."""
@@ -463,7 +449,13 @@ class InferenceEngine:
         pool = self.pool
         return (self.accepting, self.draining, self._readiness_policy, self._required_models, self._default_model,
                 tuple((name, slot.entry.version, slot.entry.state, slot.entry.reason, id(slot.entry.config),
-                       pool.loadable(slot), pool.readiness_state(slot)) for name, slot in self._slots.items()))
+                       pool.loadable(slot), pool.readiness_state(slot), self.other_versions(name))
+                      for name, slot in self._slots.items()))
+
+    def other_versions(self, name: str) -> tuple[str, ...]:
+        """The versions `name` serves beside its stable one (a traffic split's), sorted."""
+        slot = self._slots.get(name)
+        return tuple(sorted(slot.rollout.candidates)) if slot is not None and slot.rollout is not None else ()
 
     def entries(self) -> list[Entry]:
         """Every model's current entry (name, version, state, reason, config), without building
@@ -486,8 +478,10 @@ class InferenceEngine:
         slot = self._slots.get(name)
         if slot is None:
             raise NotFound(f"unknown model {quote(name)}; this server has {sorted(self._slots)[:20]}")
-        if version not in (None, "", slot.entry.version):
-            raise NotFound(f"model '{name}' has no version {quote(version)}; it serves version '{slot.entry.version}'")
+        if version not in (None, "", slot.entry.version) and (slot.rollout is None or version not in
+                                                              slot.rollout.candidates):
+            raise NotFound(f"model '{name}' has no version {quote(version)}; it serves "
+                           f"{[slot.entry.version, *self.other_versions(name)]}")
         return slot
 
     def _valid(self, name: str) -> ModelEntry:

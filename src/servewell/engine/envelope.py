@@ -55,6 +55,7 @@ class Envelope:
     inputs: dict[str, np.ndarray]
     tenant: str | None = None  # the API key id, when keys are required
     traceparent: str | None = None  # W3C trace context of the request's span in the ingress
+    route_key: str = ""  # the client's X-Route-Key: keeps it on one version of a traffic split
 
 
 @dataclass(slots=True)
@@ -85,6 +86,7 @@ class ModelEntrySummary:
     config: ModelConfig | None
     lanes: tuple[str, ...] = ()
     loadable: bool = False  # lazy mode: not resident, and a request loads it (the engine waits for the load)
+    versions: tuple[str, ...] = ()  # the other versions it serves beside `version` (a traffic split)
 
 
 @dataclass(slots=True, frozen=True)

@@ -145,7 +145,7 @@ class ModelEntry:
     def _new_cache(self, config: ModelConfig) -> ResponseCache | None:
         if config.cache is None or not config.deterministic:
             return None
-        return ResponseCache(self.name, config.cache, self._services.metrics)
+        return ResponseCache(self.name, config.cache, self._services.metrics, version=config.version)
 
     def submit(self, inputs: dict[str, np.ndarray], rows: int, lane: int, deadline: float | None, request_id: str,
                arrived_at: float | None) -> asyncio.Future[RequestResult]:
@@ -228,7 +228,7 @@ class ModelEntry:
                 self.config.max_batch_size == 0):
             return False
         # The pool reads pinned and idle_unload_s per use; the cache is rebuilt by apply_batching.
-        same = {"batching", "max_batch_size", "pinned", "idle_unload_s", "cache", "deterministic"}
+        same = {"batching", "max_batch_size", "pinned", "idle_unload_s", "cache", "deterministic", "traffic", "rollout"}
         return config.model_dump(exclude=same) == self.config.model_dump(exclude=same)
 
     # --- the Entry interface (engine/entry.py) ---------------------------------------------

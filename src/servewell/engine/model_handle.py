@@ -4,7 +4,9 @@ check every path that queues a request makes (engine/engine.py resolves names to
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+import time
+from functools import partial
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -15,6 +17,7 @@ from servewell.engine.model_pool import ModelSlot
 from servewell.engine.protocol import RequestResult
 from servewell.engine.validation import check_inputs
 from servewell.errors import ShuttingDown
+from servewell.observability.context import client_var
 
 if TYPE_CHECKING:
     from servewell.engine.engine import InferenceEngine
@@ -24,14 +27,15 @@ if TYPE_CHECKING:
 class ServedModelHandle:
     """A request's view of a ready model (`ServedModel`): admit and infer without lookups."""
 
-    __slots__ = ("_slot", "_engine", "name", "config", "_lanes")
+    __slots__ = ("_slot", "_engine", "name", "config", "_lanes", "_version")
 
-    def __init__(self, slot: ModelSlot, engine: InferenceEngine, entry: ModelEntry) -> None:
+    def __init__(self, slot: ModelSlot, engine: InferenceEngine, entry: ModelEntry, version: str | None = None) -> None:
         self._slot = slot
         self._engine = engine
         self.name = entry.name
         self.config: ModelConfig = entry.config
         self._lanes = entry.scheduler.lanes
+        self._version = version or None  # the version the request's path named (None: the traffic split draws)
 
     def resolve_lane(self, urgency: str | None = None, priority: object = None) -> int:
         """Lane index for a request's urgency and/or OIP priority (engine/lanes.py)."""
@@ -53,6 +57,15 @@ class ServedModelHandle:
               arrived_at: float | None) -> asyncio.Future[RequestResult]:
         """Validate and queue the request on the version serving now (`deadline`: absolute
         `time.monotonic()` seconds, None for the model's default timeout from `arrived_at`)."""
+        future = self._submit(inputs, lane, deadline, request_id, arrived_at)
+        payload = self._engine.payload_log
+        if payload is not None and payload.wants(self.name):
+            future.add_done_callback(partial(log_payload, payload, self.name, self._version or self.config.version,
+                                             inputs, request_id, time.monotonic()))
+        return future
+
+    def _submit(self, inputs: dict[str, np.ndarray], lane: int, deadline: float | None, request_id: str,
+                arrived_at: float | None) -> asyncio.Future[RequestResult]:
         slot = self._slot
         slot.used()
         if not slot.resident and self._engine.pool.loadable(slot):
@@ -61,8 +74,17 @@ class ServedModelHandle:
             return asyncio.ensure_future(self._engine.load_then_submit(slot, inputs, lane, deadline, request_id,
                                                                        arrived_at))
         entry = self._serving()
+        rollout = slot.rollout
+        if rollout is None:
+            rows = check_inputs(entry.config, inputs)
+            return entry.submit(inputs, rows, lane, deadline, request_id, arrived_at)
+        entry = rollout.choose(entry, self._version)
         rows = check_inputs(entry.config, inputs)
-        return entry.submit(inputs, rows, lane, deadline, request_id, arrived_at)
+        future = entry.submit(inputs, rows, lane, deadline, request_id, arrived_at)
+        if rollout.watching():
+            future.add_done_callback(partial(rollout.report, entry.version, time.monotonic()))
+            rollout.shadow(entry, inputs, rows, request_id, future)
+        return future
 
 
 def ready_entry_or_refusal(entry: Entry) -> ModelEntry:
@@ -73,3 +95,30 @@ def ready_entry_or_refusal(entry: Entry) -> ModelEntry:
     if refusal is not None:
         raise refusal
     return ready
+
+
+def log_payload(payload: PayloadSink, model: str, version: str, inputs: dict[str, np.ndarray], request_id: str,
+                started: float, future: asyncio.Future[RequestResult]) -> None:
+    """A done callback: hand a finished request to the payload log (observability/payload_log.py)."""
+    if future.cancelled():
+        return
+    error = future.exception()
+    result = future.result() if error is None else None
+    payload.record(model=model, version=result.version or version if result is not None else version,
+                   tenant=client_var.get() or None, request_id=request_id, inputs=inputs,
+                   outputs=result.outputs if result is not None else None,
+                   latency_s=time.monotonic() - started, error=error)
+
+
+class PayloadSink(Protocol):
+    """What the engine calls of the payload log."""
+
+    def wants(self, model: str) -> bool:
+        """Whether this request of `model` is sampled (cheap; called for every request)."""
+        ...
+
+    def record(self, *, model: str, version: str, tenant: str | None, request_id: str,
+               inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray] | None, latency_s: float,
+               error: BaseException | None) -> None:
+        """Take one finished request (never blocks, never raises)."""
+        ...

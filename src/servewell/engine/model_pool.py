@@ -33,6 +33,7 @@ from servewell.errors import Conflict, ModelLoading, ModelNotReady, ShuttingDown
 if TYPE_CHECKING:
     from servewell.config.model import ModelConfig
     from servewell.engine.model_entry import ModelEntry
+    from servewell.engine.rollout import Rollout
     from servewell.observability.metrics import ServeMetrics
 
 log = logging.getLogger("servewell.engine")
@@ -67,7 +68,7 @@ class ModelSlot:
 
     __slots__ = ("entry", "lock", "profiling", "last_used_at", "pinned_by_admin", "waiting", "loader",
                  "cold_starts", "evictions", "evicted", "unloaded_by_operator", "load_s", "estimated_bytes",
-                 "wanted_at")
+                 "wanted_at", "rollout")
 
     def __init__(self, entry: Entry) -> None:
         self.entry = entry
@@ -84,6 +85,7 @@ class ModelSlot:
         self.load_s: float | None = None  # the last measured load (Retry-After of model_loading)
         self.estimated_bytes: int | None = None
         self.wanted_at = 0.0  # monotonic time a request last asked for this model's load
+        self.rollout: Rollout | None = None  # its other versions and traffic split (engine/rollout.py)
 
     @property
     def name(self) -> str:
@@ -95,9 +97,11 @@ class ModelSlot:
         """Never evicted: an admin's pin or unpin, else model.yaml's `pinned`."""
         if _is_pipeline(self):
             return True  # it holds no memory: nothing to gain by evicting it
+        config = self.entry.config
+        if self.rollout is not None or (config is not None and (config.traffic or config.rollout) is not None):
+            return True  # a rollout in progress: its versions and verdicts live as long as the model
         if self.pinned_by_admin is not None:
             return self.pinned_by_admin
-        config = self.entry.config
         return bool(config is not None and config.pinned)
 
     @property

@@ -34,6 +34,7 @@ from servewell.config.pipeline import PipelineStep, split_source
 from servewell.config.tensors import TensorSpec
 from servewell.engine.entry import StopCause, not_ready
 from servewell.engine.lanes import resolve_lane
+from servewell.engine.model_handle import log_payload
 from servewell.engine.pipeline_check import StepConfigs, check_pipeline, check_step
 from servewell.engine.protocol import ModelState, ModelView, RequestResult, StepTiming
 from servewell.engine.validation import check_inputs
@@ -231,6 +232,10 @@ class PipelineHandle:
         if tenants is not None and tenants.enabled:
             outer.add_done_callback(lambda _: tenants.release(tenant, now))
         self._entry.track(outer)
+        payload = self._engine.payload_log
+        if payload is not None and payload.wants(self.name):
+            outer.add_done_callback(partial(log_payload, payload, self.name, self.config.version, inputs, request_id,
+                                            now))
         return outer
 
     async def _run(self, inputs: dict[str, np.ndarray], rows: int, lane: int, deadline: float, request_id: str,
@@ -253,7 +258,8 @@ class PipelineHandle:
         timings = tuple(run.timings[step.name] for step in self._entry.spec.steps)
         ran = [t for t in timings if t.outcome == "success"]
         return RequestResult(outputs, sum(t.queue_s for t in ran), sum(t.compute_s for t in ran),
-                             max((t.batch_size for t in ran), default=rows), steps=timings)
+                             max((t.batch_size for t in ran), default=rows), steps=timings,
+                             version=self.config.version)
 
     def _output(self, spec: TensorSpec, run: _Run) -> np.ndarray:
         alternatives = self._entry.spec.alternatives(spec.name)

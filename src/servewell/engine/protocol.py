@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from servewell.config.model import ModelConfig, TensorSpec
+from servewell.config.rollout import TrafficPatch
 
 ModelState = Literal["loading", "ready", "restarting", "failed", "invalid", "unloaded"]
 
@@ -50,6 +51,7 @@ class RequestResult:
     batch_size: int
     cache: str = ""  # "hit" or "coalesced" when the response cache answered it (engine/response_cache.py)
     steps: tuple[StepTiming, ...] = ()  # a pipeline's steps, in its model.yaml's order
+    version: str = ""  # the version that answered (a traffic split may choose another than the path named)
 
 
 @dataclass(slots=True, frozen=True)
@@ -124,6 +126,8 @@ class ModelView:
     cold_starts: int = 0  # lazy loads since the server started
     evictions: int = 0  # unloads to make room, when idle, or by an operator's evict
     last_start: dict[str, object] | None = None  # where the last worker start's time went (workers/cold_start.py)
+    versions: tuple[str, ...] = ()  # every version it serves (the stable one first); () : only `version`
+    rollout: dict[str, object] | None = None  # its traffic split, shadow and verdict (engine/rollout.py)
 
     @property
     def queue_depth(self) -> int:
@@ -231,6 +235,14 @@ class ServingEngine(Protocol):
 
     def update_batching(self, name: str, changes: Mapping[str, Any]) -> dict[str, Any]:
         """Change a model's batching settings while it serves (all or nothing)."""
+        ...
+
+    def rollout(self, name: str) -> dict[str, Any]:
+        """A model's traffic split (engine/rollout.py)."""
+        ...
+
+    def update_rollout(self, name: str, patch: TrafficPatch) -> dict[str, Any]:
+        """An admin's traffic weights and/or shadow share."""
         ...
 
     async def load_model(self, name: str) -> ModelView:

@@ -33,11 +33,12 @@ class ModelSource:
     error: str | None
 
 
-def read_model_config(directory: Path) -> ModelConfig:
+def read_model_config(directory: Path, version_of: str | None = None) -> ModelConfig:
     """Parse and check `<directory>/model.yaml`; raises `ValueError` naming file, field and reason
-    (whatever went wrong: an unexpected error is reported as a `ValueError` too)."""
+    (whatever went wrong: an unexpected error is reported as a `ValueError` too). `version_of`: a
+    version directory (`<model>/versions/<v>/`) of that model."""
     try:
-        return read_model_yaml(directory)
+        return read_model_yaml(directory, version_of=version_of)
     except ValueError:
         raise
     except Exception as exc:  # one bad file must never stop the scan or the watcher

@@ -91,8 +91,9 @@ class ResponseCache:
     """Kept answers and computations in flight of one model version."""
 
     def __init__(self, model: str, config: ResponseCacheConfig, metrics: ServeMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, version: str = "") -> None:
         self.model = model
+        self.version = version  # the version whose answers it keeps (a hit says so)
         self.config = config  # model.yaml's bounds (an admin's change returns to them with null)
         self.max_bytes = config.max_bytes
         self.ttl_s = config.ttl_s
@@ -128,7 +129,7 @@ class ResponseCache:
             self._count("hit")
             served()
             future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
-            future.set_result(RequestResult(kept.outputs, 0.0, 0.0, 0, cache="hit"))
+            future.set_result(RequestResult(kept.outputs, 0.0, 0.0, 0, cache="hit", version=self.version))
             return future
         if leader is not None:
             self._count("coalesced")

@@ -436,7 +436,7 @@ class ModelScheduler:
                 continue
             queue_s = started - item.enqueued_at
             self._telemetry.request_succeeded(item.lane, queue_s)
-            future.set_result(RequestResult(outputs, queue_s, outcome.compute_s, rows))
+            future.set_result(RequestResult(outputs, queue_s, outcome.compute_s, rows, version=self.config.version))
 
     def _predicted_drain_s(self) -> float:
         """Seconds until the queue would drain at the learned batch latency."""

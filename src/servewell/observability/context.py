@@ -9,6 +9,11 @@ from dataclasses import dataclass
 request_id_var: ContextVar[str] = ContextVar("servewell_request_id", default="")
 #: Id of the API key the current request presented ("" without keys); never the key itself.
 client_var: ContextVar[str] = ContextVar("servewell_client", default="")
+#: What keeps the current request's client on one version of a traffic split: the X-Route-Key header
+#: (gRPC metadata x-route-key), at most MAX_ROUTE_KEY_CHARS kept ("" when none was sent).
+route_key_var: ContextVar[str] = ContextVar("servewell_route_key", default="")
+#: Longest route key kept: the rest is cut (it is only hashed, never echoed nor logged).
+MAX_ROUTE_KEY_CHARS = 256
 #: Model the current request is for ("" when unknown).
 model_var: ContextVar[str] = ContextVar("servewell_model", default="")
 

@@ -166,6 +166,31 @@ class ServeMetrics:
             "servewell_http_fast_path_requests", "HTTP inference requests dispatched straight to their endpoint, "
             "without FastAPI's routing (by route template; the rest of the API goes through FastAPI).",
             ["route"], registry=r)
+        self.rollout_requests = LoopCounter(
+            "servewell_rollout_requests", "Answers of a model with a traffic split or a shadow, by version and "
+            "outcome (error: the version's own failure: model error, worker lost or hung, deadline).",
+            ["model", "version", "outcome"], registry=r)
+        self.rollout_events = LoopCounter(
+            "servewell_rollout_events", "Automatic rollbacks and promotions of a model's versions, by the rule "
+            "that decided (error_rate, p99, shadow_agreement, promote).", ["model", "version", "action", "rule"],
+            registry=r)
+        self.shadow_requests = LoopCounter(
+            "servewell_shadow_requests", "Copies of requests for a shadow version: compared with the primary's "
+            "answer, shed (no spare capacity) or failed.", ["model", "version", "outcome"], registry=r)
+        self.shadow_rows = LoopCounter(
+            "servewell_shadow_rows", "Rows whose top-1 was compared between the primary and the shadow, per output.",
+            ["model", "version", "output"], registry=r)
+        self.shadow_top1_matches = LoopCounter(
+            "servewell_shadow_top1_matches", "Compared rows whose top-1 (argmax) agrees between the primary and the "
+            "shadow, per output.", ["model", "version", "output"], registry=r)
+        self.shadow_max_abs_diff = LoopHistogram(
+            "servewell_shadow_max_abs_diff", "Per compared request and output: the largest absolute difference "
+            "between the primary's and the shadow's values.", ["model", "version", "output"],
+            buckets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0), registry=r)
+        self.shadow_latency = LoopHistogram(
+            "servewell_shadow_latency_seconds", "Per shadow copy: from its submission to its answer (its queue, "
+            "batch and compute on spare capacity).", ["model", "version", "role"], buckets=latency_buckets,
+            registry=r)
         #: Unique per object: snapshots of a restarted process are told apart from the old one's.
         self.incarnation = uuid.uuid4().hex
         self._sequence = itertools.count(1)
@@ -378,3 +403,40 @@ class ProcessRestartsCollector(Collector):
         for role in ("engine", "ingress"):
             family.add_metric([role], float(counts.get(role, 0)))
         return [family]
+
+
+@dataclass(slots=True, frozen=True)
+class RolloutGauges:
+    """One model's traffic split as the scrape shows it (engine/rollout.py)."""
+
+    model: str
+    state: str  # steady, canary, rolled_back, promoted
+    shares: dict[str, float]  # version -> share of the requests that name no version, in force
+    rolled_back: dict[str, float]  # version -> 1 while it stands rolled back
+
+
+ROLLOUT_STATES = ("steady", "canary", "rolled_back", "promoted")
+
+
+class RolloutCollector(Collector):
+    """Gauges of every traffic split, read from the engine at scrape time."""
+
+    def __init__(self, read: Callable[[], Iterable[RolloutGauges]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        weight = GaugeMetricFamily("servewell_rollout_weight", "Share of a model's requests (those naming no "
+                                   "version) each version takes now.", labels=["model", "version"])
+        rolled = GaugeMetricFamily("servewell_rollout_rolled_back", "1 while a version stands rolled back by a "
+                                   "rule (until model.yaml's traffic or an admin changes the weights).",
+                                   labels=["model", "version"])
+        state = GaugeMetricFamily("servewell_rollout_state", "1 for the state each traffic split is in (steady, "
+                                  "canary, rolled_back, promoted).", labels=["model", "state"])
+        for rollout in self._read():
+            for version, share in rollout.shares.items():
+                weight.add_metric([rollout.model, version], share)
+            for version, value in rollout.rolled_back.items():
+                rolled.add_metric([rollout.model, version], value)
+            for name in ROLLOUT_STATES:
+                state.add_metric([rollout.model, name], 1.0 if rollout.state == name else 0.0)
+        return [weight, rolled, state]

@@ -36,12 +36,14 @@ from servewell.api.request_outcome import record_outcome
 from servewell.api.state import LiveKnobs
 from servewell.errors import ClientClosed, ServeError, Unavailable
 from servewell.observability.context import (
+    MAX_ROUTE_KEY_CHARS,
     BatchPlacement,
     client_var,
     model_var,
     placement_var,
     request_id_var,
     request_trace_var,
+    route_key_var,
     stages_var,
 )
 from servewell.observability.metrics import ServeMetrics
@@ -115,7 +117,8 @@ class RpcScope:
         given = metadata_value(metadata, "x-request-id")
         request_id = given if given is not None and _SAFE_ID.match(given) else uuid.uuid4().hex
         tokens = (request_id_var.set(request_id), model_var.set(""), stages_var.set({}),
-                  placement_var.set(BatchPlacement()))
+                  placement_var.set(BatchPlacement()),
+                  route_key_var.set((metadata_value(metadata, "x-route-key") or "")[:MAX_ROUTE_KEY_CHARS]))
         span = otel_token = trace_token = None
         if self._tracing is not None:
             span, span_context = begin_server_span(
@@ -181,6 +184,7 @@ class RpcScope:
             model_var.reset(tokens[1])
             stages_var.reset(tokens[2])
             placement_var.reset(tokens[3])
+            route_key_var.reset(tokens[4])
 
     def _finish(self, method: str, status: int, code: str, elapsed: float, span: trace.Span | None,
                 probe: bool, received: bool) -> None:

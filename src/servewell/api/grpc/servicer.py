@@ -114,9 +114,10 @@ class InferenceServicer:
             result = await call.infer(inputs, priority=decoded.priority, timeout_ms=timeout_ms, not_after=not_after)
             with call.postprocessing():
                 outputs = select_outputs(model.name, result.outputs, decoded.requested_outputs)
-                response = encode_response(model.name, model.config.version, request.id, outputs)
+                version = result.version or model.config.version  # a traffic split may have drawn another
+                response = encode_response(model.name, version, request.id, outputs)
             context.set_trailing_metadata((("x-request-id", request_id_var.get()),
-                                           ("server-timing", call.finish(result))))
+                                           ("server-timing", call.finish(result)), ("x-model-version", version)))
             return response
         return await self._scope.run("ModelInfer", context, incoming, handle)
 

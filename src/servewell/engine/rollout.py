@@ -1,0 +1,350 @@
+"""A model's traffic split between versions, its shadow, and the judge that takes a bad canary back.
+
+A `Rollout` lives in the model's slot beside the stable version (the slot's entry, from the
+model's own model.yaml) and holds the other versions it loaded from `versions/<v>/`. For every
+request that names no version it draws the version by the weights in force: the client's route
+key (or tenant) hashed onto the weights keeps one client on one version while they hold; without
+one, each request is drawn anew. A version that is not serving is never drawn (its share goes to
+the others).
+
+While a canary takes traffic, every answer of every version is reported to the judge
+(engine/rollout_rules.py), and `judge()`, called each second by the engine, applies its verdict:
+a rollback takes the canary's weight to 0 (and stops a shadow), logs why with the numbers, counts
+it in metrics, and keeps the evidence for the console, /healthz and the alert; a promotion (off by
+default) gives the canary all the traffic. Both last until model.yaml's traffic changes or an
+admin sets weights: the file or the admin wins, as with batching overrides.
+
+Shadowing copies a share of the requests to the shadow version on spare capacity only: its lowest
+lane, outside the tenant's quotas, and not at all while the primary has more than a batch queued
+or the shadow has a batch's worth outstanding (it is shed, and counted). Its answer is compared
+with the primary's (engine/shadow_compare.py) and never returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import random
+import time
+import zlib
+from collections.abc import Mapping
+from types import EllipsisType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from servewell.config.model import ModelConfig
+from servewell.config.rollout import RollbackConfig, RolloutConfig
+from servewell.engine.protocol import RequestResult
+from servewell.engine.rollout_rules import RollbackRules, RolloutJudge, Verdict
+from servewell.engine.shadow_compare import compare_outputs
+from servewell.errors import NotFound, ServeError, quote
+from servewell.observability.context import client_var, route_key_var
+from servewell.observability.metrics import RolloutGauges
+
+if TYPE_CHECKING:
+    from servewell.engine.model_entry import ModelEntry
+    from servewell.observability.metrics import ServeMetrics
+
+log = logging.getLogger("servewell.rollout")
+
+#: Error codes that count against a version in the rules: its own failures, not the client's
+#: mistakes nor the server's load (a full queue is capacity, not a bad model).
+JUDGED_ERRORS = frozenset(("model_error", "worker_lost", "worker_hung", "deadline_exceeded"))
+#: The shadow's deadline: a copy that cannot finish in this long is dropped, not waited for.
+SHADOW_TIMEOUT_S = 10.0
+
+
+def rules_of(config: RollbackConfig) -> RollbackRules:
+    """The judge's rules from model.yaml's `rollout.rollback`."""
+    return RollbackRules(window_s=config.window_s, min_requests=config.min_requests,
+                         max_error_rate_increase=config.max_error_rate_increase,
+                         max_p99_ratio=config.max_p99_ratio, min_shadow_agreement=config.min_shadow_agreement,
+                         promote_after_requests=config.promote_after_requests)
+
+
+def judged_error(error: BaseException | None) -> bool:
+    """Whether a request's failure counts against the version that served it."""
+    return isinstance(error, ServeError) and error.code in JUDGED_ERRORS
+
+
+class Rollout:
+    """The versions of one model beyond its stable one, and how its requests are split."""
+
+    def __init__(self, name: str, config: ModelConfig, metrics: ServeMetrics | None) -> None:
+        self.name = name
+        self.candidates: dict[str, ModelEntry] = {}  # loaded versions other than the stable one
+        self.failed: dict[str, str] = {}  # version -> why it is not serving (load failed, wrong inputs)
+        self._metrics = metrics
+        self.stable = config.version
+        self.settings = RolloutConfig()
+        self.file_weights: dict[str, float] = {}
+        self.weights: dict[str, float] = {}  # in force: the file's, an admin's, or after a verdict
+        self.admin_set = False
+        self.shadow_version: str | None = None
+        self.shadow_percent = 0.0
+        self.state = "steady"  # steady, canary, rolled_back, promoted
+        self.reason: str | None = None
+        self.evidence: dict[str, Any] = {}
+        self.changed_at = time.time()
+        self.judge = RolloutJudge(self.stable, RollbackRules())
+        self.shadow_counts = {"compared": 0, "shed": 0, "failed": 0}
+        self.agreement = {"rows": 0, "top1_matches": 0, "max_abs_diff": 0.0}
+        self._versions: list[str] = []  # the draw table: versions and cumulative weights
+        self._bounds: list[float] = []
+        self._shares: dict[str, float] = {}
+        self._comparing: set[asyncio.Future[None]] = set()
+        self.config_seen: ModelConfig | None = None  # the stable model.yaml last applied (engine/versions.py)
+        self.configure(config, None)
+
+    # --- settings --------------------------------------------------------------------------
+
+    def configure(self, config: ModelConfig, previous: ModelConfig | None) -> None:
+        """Take the stable version's model.yaml (at load, or changed live). Changed weights in the
+        file replace an admin's and a verdict's; unchanged ones leave them in force."""
+        self.stable = config.version
+        self.settings = config.rollout or RolloutConfig()
+        weights = dict(config.traffic) if config.traffic is not None else {config.version: 1.0}
+        changed = previous is None or weights != self.file_weights or previous.version != config.version
+        self.file_weights = weights
+        shadow = self.settings.shadow
+        file_shadow = (shadow.version, shadow.percent) if shadow is not None else (None, 0.0)
+        old_shadow = (previous.rollout.shadow if previous is not None and previous.rollout is not None else None)
+        if previous is None or file_shadow != ((old_shadow.version, old_shadow.percent) if old_shadow else (None, 0.0)):
+            self.shadow_version, self.shadow_percent = file_shadow
+        if changed:
+            self.weights, self.admin_set = dict(weights), False
+            self._set_state("canary" if self.canaries() else "steady", None, {})
+        self.judge = RolloutJudge(self.stable, rules_of(self.settings.rollback))
+        self._rebuild()
+
+    def set_by_admin(self, traffic: Mapping[str, float] | None | EllipsisType,
+                     shadow_percent: float | None | EllipsisType) -> None:
+        """An admin's weights and/or shadow share (`...`: unchanged; None: model.yaml's); versions
+        must be loaded. A verdict is cleared: the admin decided."""
+        if shadow_percent is not ... and self.shadow_version is None:
+            raise NotFound(f"model '{self.name}' has no shadow version (rollout.shadow in model.yaml)")
+        if traffic is not ...:
+            weights = dict(self.file_weights) if traffic is None else dict(traffic)
+            unknown = [v for v in weights if v != self.stable and v not in self.candidates]
+            if unknown:
+                raise NotFound(f"model '{self.name}' has no loaded version {quote(unknown[0])}; loaded: "
+                               f"{self.versions()}")
+            self.weights, self.admin_set = weights, traffic is not None
+            for version in weights:
+                self.judge.reset(version)
+            self._set_state("canary" if self.canaries() else "steady", "weights set by an admin", {})
+        if shadow_percent is not ...:
+            shadow = self.settings.shadow
+            self.shadow_percent = float(shadow.percent if shadow is not None and shadow_percent is None
+                                        else shadow_percent or 0.0)
+        self._rebuild()
+
+    def wanted_versions(self, config: ModelConfig) -> set[str]:
+        """Versions other than the stable one that `config` needs loaded."""
+        wanted = set(config.traffic or ())
+        if config.rollout is not None and config.rollout.shadow is not None:
+            wanted.add(config.rollout.shadow.version)
+        wanted.discard(config.version)
+        return wanted
+
+    def versions(self) -> list[str]:
+        """The stable version, then the loaded candidates."""
+        return [self.stable, *sorted(self.candidates)]
+
+    def canaries(self) -> list[str]:
+        """Candidate versions with traffic in force."""
+        return [v for v, w in self.weights.items() if v != self.stable and w > 0 and v in self.candidates]
+
+    def _rebuild(self) -> None:
+        serving = {v: w for v, w in self.weights.items() if w > 0 and (v == self.stable or v in self.candidates)}
+        versions, bounds, total = [], [], 0.0
+        for version in sorted(serving):
+            total += serving[version]
+            versions.append(version)
+            bounds.append(total)
+        self._versions, self._bounds = versions, [b / total for b in bounds] if total else []
+        self._shares = {v: (serving.get(v, 0.0) / total if total else 0.0) for v in self.versions()}
+
+    # --- the request path ------------------------------------------------------------------
+
+    def split(self) -> bool:
+        """Whether requests that name no version may go elsewhere than the stable version."""
+        return self._versions != [self.stable]
+
+    def choose(self, stable: ModelEntry, asked: str | None) -> ModelEntry:
+        """The entry that serves a request: the version it asked for, else drawn by the weights."""
+        if asked not in (None, ""):
+            if asked == stable.version:
+                return stable
+            entry = self.candidates.get(asked or "")
+            if entry is None:
+                raise NotFound(f"model '{self.name}' has no version {quote(asked)}; it serves {self.versions()}")
+            return entry.ready_entry()
+        versions = self._versions
+        if not versions or versions == [stable.version]:
+            return stable
+        sticky = self.settings.sticky
+        key = route_key_var.get() if sticky == "route_key" else ""
+        if not key and sticky != "none":
+            key = client_var.get()
+        point = (zlib.crc32(key.encode("utf-8", "replace")) / 4294967296.0) if key else random.random()
+        version = versions[min(bisect.bisect_right(self._bounds, point), len(versions) - 1)]
+        if version == stable.version:
+            return stable
+        entry = self.candidates.get(version)
+        if entry is None or entry.state != "ready" or entry.stopping is not None:
+            return stable
+        return entry
+
+    def watching(self) -> bool:
+        """Whether answers are reported to the judge (a canary takes traffic, or a shadow runs)."""
+        return self.state == "canary" or (self.shadow_version is not None and self.shadow_percent > 0)
+
+    def report(self, version: str, started: float, future: asyncio.Future[RequestResult]) -> None:
+        """A request of `version` finished (a done callback): feed the judge and the counters."""
+        if future.cancelled():
+            return
+        error = future.exception()
+        bad = judged_error(error)
+        now = time.monotonic()
+        self.judge.request_done(version, now, now - started, bad)
+        if self._metrics is not None:
+            self._metrics.rollout_requests.labels(self.name, version, "error" if bad else "success").inc()
+
+    def shadow(self, primary: ModelEntry, inputs: dict[str, np.ndarray], rows: int, request_id: str,
+               primary_future: asyncio.Future[RequestResult]) -> None:
+        """Copy the request to the shadow version when the dice and the spare capacity allow."""
+        version = self.shadow_version
+        if version is None or version == primary.version or random.random() * 100.0 >= self.shadow_percent:
+            return
+        entry = self.candidates.get(version)
+        if entry is None or entry.state != "ready" or entry.stopping is not None:
+            return
+        batch = max(1, primary.scheduler.max_batch_size)
+        outstanding = entry.scheduler.queue_depth + entry.scheduler.running_rows
+        if primary.scheduler.queue_depth > batch or outstanding >= max(1, entry.scheduler.max_batch_size) * \
+                entry.config.instances:
+            self._count_shadow(version, "shed")
+            return
+        started = time.monotonic()
+        try:
+            copy = entry.submit_admitted(inputs, rows, len(entry.scheduler.lanes) - 1, started + SHADOW_TIMEOUT_S,
+                                         request_id, started, "")
+        except ServeError:
+            self._count_shadow(version, "shed")
+            return
+        task = asyncio.ensure_future(self._compare(version, started, primary_future, copy))
+        self._comparing.add(task)  # kept until done: the loop holds tasks only weakly
+        task.add_done_callback(self._comparing.discard)
+
+    async def _compare(self, version: str, started: float, primary: asyncio.Future[RequestResult],
+                       copy: asyncio.Future[RequestResult]) -> None:
+        try:
+            shadow_result = await copy
+        except (ServeError, asyncio.CancelledError):
+            self._count_shadow(version, "failed")
+            return
+        shadow_s = time.monotonic() - started
+        try:
+            primary_result = await asyncio.shield(primary)
+        except BaseException:
+            return  # the primary failed: nothing to compare with (its own count says so)
+        self._count_shadow(version, "compared")
+        rows = top1 = 0
+        worst = 0.0
+        for agreement in compare_outputs(primary_result.outputs, shadow_result.outputs):
+            matches = agreement.top1_matches
+            if agreement.shape_mismatch:
+                matches = 0
+            if matches is not None:
+                rows += agreement.rows
+                top1 += matches
+            if agreement.max_abs_diff is not None:
+                worst = max(worst, agreement.max_abs_diff)
+            if self._metrics is not None:
+                if matches is not None:
+                    self._metrics.shadow_rows.labels(self.name, version, agreement.output).inc(agreement.rows)
+                    self._metrics.shadow_top1_matches.labels(self.name, version, agreement.output).inc(matches)
+                if agreement.max_abs_diff is not None:
+                    self._metrics.shadow_max_abs_diff.labels(self.name, version, agreement.output).observe(
+                        agreement.max_abs_diff)
+        self.agreement["rows"] += rows
+        self.agreement["top1_matches"] += top1
+        self.agreement["max_abs_diff"] = max(float(self.agreement["max_abs_diff"]), worst)
+        if rows:
+            self.judge.shadow_compared(version, time.monotonic(), rows, top1)
+        if self._metrics is not None:
+            self._metrics.shadow_latency.labels(self.name, version, "shadow").observe(shadow_s)
+
+    def _count_shadow(self, version: str, outcome: str) -> None:
+        self.shadow_counts[outcome] += 1
+        if self._metrics is not None:
+            self._metrics.shadow_requests.labels(self.name, version, outcome).inc()
+
+    # --- verdicts --------------------------------------------------------------------------
+
+    def judge_now(self) -> Verdict | None:
+        """Apply the judge's verdict, if any (the engine calls this each second)."""
+        if not self.watching():
+            return None
+        shadow = self.shadow_version if self.shadow_percent > 0 else None
+        verdict = self.judge.judge(time.monotonic(), self.canaries(), shadow)
+        if verdict is None:
+            return None
+        if verdict.action == "rollback":
+            self.weights[verdict.version] = 0.0
+            if verdict.version == self.shadow_version:
+                self.shadow_percent = 0.0
+            self._set_state("rolled_back", verdict.reason, {"version": verdict.version, "rule": verdict.rule,
+                                                            **verdict.evidence})
+            log.warning("model %s: rolled back version %s (%s): %s", self.name, verdict.version, verdict.rule,
+                        verdict.reason, extra={"model": self.name})
+        else:
+            self.weights = {verdict.version: 100.0}
+            self._set_state("promoted", verdict.reason, {"version": verdict.version, **verdict.evidence})
+            log.info("model %s: promoted version %s to all traffic: %s", self.name, verdict.version, verdict.reason,
+                     extra={"model": self.name})
+        self.judge.reset(verdict.version)
+        if self._metrics is not None:
+            self._metrics.rollout_events.labels(self.name, verdict.version, verdict.action, verdict.rule).inc()
+        self._rebuild()
+        return verdict
+
+    def _set_state(self, state: str, reason: str | None, evidence: dict[str, Any]) -> None:
+        self.state, self.reason, self.evidence, self.changed_at = state, reason, evidence, time.time()
+
+    def gauges(self) -> RolloutGauges:
+        """What the metrics scrape shows of this rollout now."""
+        rolled = self.evidence.get("version") if self.state == "rolled_back" else None
+        return RolloutGauges(self.name, self.state, dict(self._shares),
+                             {v: 1.0 if v == rolled else 0.0 for v in self.versions()})
+
+    def alert_reason(self) -> str | None:
+        """The rollback the alert names, while it holds."""
+        return self.reason if self.state == "rolled_back" else None
+
+    def to_json(self) -> dict[str, Any]:
+        """The rollout as /healthz, the console and GET /admin/models/{name}/rollout show it."""
+        now = time.monotonic()
+        window = self.judge.rules.window_s
+        stats = {}
+        for version in self.versions():
+            s = self.judge.window_stats(version, now)
+            stats[version] = {"requests": s.requests, "errors": s.errors, "error_rate": s.error_rate,
+                              "p99_ms": None if s.p99_s is None else round(s.p99_s * 1000, 3)}
+        rows = int(self.agreement["rows"])
+        return {
+            "state": self.state, "stable": self.stable, "weights": dict(self.weights),
+            "file_weights": dict(self.file_weights), "set_by_admin": self.admin_set,
+            "sticky": self.settings.sticky, "reason": self.reason, "evidence": dict(self.evidence),
+            "changed_at": self.changed_at,
+            "versions": {v: {"state": e.state, "reason": e.reason} for v, e in sorted(self.candidates.items())}
+            | {v: {"state": "failed", "reason": why} for v, why in sorted(self.failed.items())},
+            "shadow": None if self.shadow_version is None else {
+                "version": self.shadow_version, "percent": self.shadow_percent, **self.shadow_counts,
+                "top1_agreement": (self.agreement["top1_matches"] / rows) if rows else None,
+                "max_abs_diff": self.agreement["max_abs_diff"]},
+            "window_s": window, "window": stats,
+        }

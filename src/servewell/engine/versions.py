@@ -1,0 +1,131 @@
+"""The versions a model serves beside its stable one: loaded from `<model>/versions/<v>/` when its
+model.yaml's `traffic` or `rollout.shadow` names them, replaced when their model.yaml changed,
+stopped when no longer named (engine/rollout.py splits the requests between them).
+
+Every version must take the stable version's inputs and give its outputs (names, datatypes,
+shapes): a request is decoded against the stable version's config before its version is drawn.
+A version that fails to load or differs is listed with its reason and takes no traffic; the
+others keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+
+from servewell.config.model import ModelConfig
+from servewell.config.rollout import VERSIONS_DIRECTORY
+from servewell.engine.model_entry import EntryServices, ModelEntry
+from servewell.engine.model_pool import ModelSlot
+from servewell.engine.repository import read_model_config
+from servewell.engine.rollout import Rollout
+from servewell.observability.metrics import RolloutGauges, ServeMetrics
+
+log = logging.getLogger("servewell.rollout")
+
+#: How often the rollout rules are applied.
+JUDGE_INTERVAL_S = 1.0
+
+
+def signature_problem(stable: ModelConfig, other: ModelConfig) -> str | None:
+    """Why `other` cannot share `stable`'s requests (None: it can)."""
+    for group in ("inputs", "outputs"):
+        mine = [(t.name, t.datatype, tuple(t.shape)) for t in getattr(stable, group)]
+        theirs = [(t.name, t.datatype, tuple(t.shape)) for t in getattr(other, group)]
+        if sorted(mine) != sorted(theirs):
+            return (f"its {group} {theirs} differ from stable version '{stable.version}''s {mine}: every version of "
+                    "a model takes the same requests and gives the same outputs")
+    if (stable.max_batch_size == 0) != (other.max_batch_size == 0):
+        return "max_batch_size 0 (no batch dimension) must be the same for every version"
+    return None
+
+
+async def sync_versions(slot: ModelSlot, services: EntryServices, metrics: ServeMetrics | None) -> None:
+    """Make `slot`'s versions what its stable version's model.yaml names (call with `slot.lock`
+    held, after the stable version loaded or its model.yaml changed)."""
+    stable = slot.entry
+    if not isinstance(stable, ModelEntry) or stable.state not in ("ready", "restarting"):
+        return
+    config = stable.config
+    rollout = slot.rollout
+    if rollout is None and config.traffic is None and config.rollout is None:
+        return
+    previous = rollout.config_seen if rollout is not None else None
+    if rollout is None:
+        rollout = slot.rollout = Rollout(stable.name, config, metrics)
+    wanted = rollout.wanted_versions(config)
+    for version in [v for v in rollout.candidates if v not in wanted]:
+        await rollout.candidates.pop(version).stop("unloading", "unloaded", "no longer named by traffic or shadow")
+    rollout.failed = {}
+    await asyncio.gather(*(_load_version(rollout, stable, version, services) for version in sorted(wanted)))
+    if config.traffic is None and config.rollout is None:
+        slot.rollout = None
+        return
+    rollout.configure(config, previous)
+    rollout.config_seen = config
+
+
+async def _load_version(rollout: Rollout, stable: ModelEntry, version: str, services: EntryServices) -> None:
+    directory = stable.directory / VERSIONS_DIRECTORY / version
+    try:
+        config = await asyncio.to_thread(read_model_config, directory, stable.name)
+    except ValueError as exc:
+        rollout.failed[version] = str(exc)
+        log.error("model %s: version %s cannot be read: %s", stable.name, version, exc, extra={"model": stable.name})
+        return
+    problem = signature_problem(stable.config, config)
+    if problem is not None:
+        rollout.failed[version] = problem
+        log.error("model %s: version %s takes no traffic: %s", stable.name, version, problem,
+                  extra={"model": stable.name})
+        return
+    current = rollout.candidates.get(version)
+    if current is not None and current.config == config and current.state in ("ready", "restarting"):
+        return
+    fresh = ModelEntry(stable.name, directory, config, services)
+    await fresh.load()
+    if fresh.state != "ready":
+        rollout.failed[version] = f"failed to load: {fresh.reason}"
+        return  # a version that served before keeps serving
+    rollout.candidates[version] = fresh
+    if current is not None:
+        await current.stop("reloading", reason="replaced by a reload")
+
+
+async def stop_versions(slot: ModelSlot, cause: str, worker_timeout_s: float = 5.0) -> None:
+    """Stop every version beside the stable one (the model is unloaded, or the server stops)."""
+    rollout = slot.rollout
+    if rollout is None:
+        return
+    entries = list(rollout.candidates.values())
+    rollout.candidates.clear()
+    await asyncio.gather(*(e.stop(cause, worker_timeout_s=worker_timeout_s)  # type: ignore[arg-type]
+                           for e in entries))
+    slot.rollout = None
+
+
+def candidate_entries(slots: Iterable[ModelSlot]) -> list[ModelEntry]:
+    """Every loaded version beside the stable ones (shutdown closes and fails them too)."""
+    return [e for s in slots if s.rollout is not None for e in s.rollout.candidates.values()]
+
+
+def rollout_gauges(slots: Iterable[ModelSlot]) -> list[RolloutGauges]:
+    """Every traffic split, for the metrics scrape."""
+    return [s.rollout.gauges() for s in slots if s.rollout is not None]
+
+
+async def judge_forever(slots: dict[str, ModelSlot], interval_s: float = JUDGE_INTERVAL_S) -> None:
+    """Apply the rollout rules of every model each `interval_s` (a background task of the engine)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        started = time.monotonic()
+        for slot in list(slots.values()):
+            if slot.rollout is not None:
+                try:
+                    slot.rollout.judge_now()
+                except Exception:  # a bug in one rollout must not end the others' judging
+                    log.exception("model %s: the rollout rules failed", slot.name)
+        if time.monotonic() - started > interval_s:
+            log.warning("judging the rollouts took %.1f s", time.monotonic() - started)
