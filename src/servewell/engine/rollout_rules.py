@@ -1,0 +1,250 @@
+"""When a canary or shadow version is taken back, or a canary promoted: pure and clock-free.
+
+engine/rollout.py reports every finished request of every version (`request_done`) and every
+shadow comparison (`shadow_compared`), and asks `judge()` about once a second. The judge counts
+only what it is told: the engine passes error=True for model failures and timeouts (5xx), not for
+client errors (4xx), so a client sending bad inputs never takes a canary back.
+
+Memory is bounded per version: a window is WINDOW_BUCKETS time buckets (1 s each for a 30 s
+window), each holding counts and a sparse latency histogram with log-spaced bins. A report costs
+O(1) (one log and a few dict updates); `judge()` merges at most WINDOW_BUCKETS + 1 buckets per
+version. A sample leaves a window between window_s and window_s + one bucket after it was taken.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+#: Time buckets per window: the window's edge is exact to 1/30 of it (1 s of 30 s).
+WINDOW_BUCKETS = 30
+#: Latency bins grow by 2 %; a bin reports its geometric middle, so a p99 is within ±1 % of the
+#: exact nearest-rank p99 of the window's samples (sqrt(1.02) - 1 = 0.995 %).
+LATENCY_BIN_GROWTH = 1.02
+#: Latencies are clamped to this range before binning (1 µs to 1 day).
+LATENCY_RANGE_S = (1e-6, 86_400.0)
+_LOG_GROWTH = math.log(LATENCY_BIN_GROWTH)
+
+
+@dataclass(frozen=True, slots=True)
+class RollbackRules:
+    """The rules of one model's rollout (config/rollout.py's RollbackConfig, as plain values)."""
+
+    #: Sliding window the rates and p99 are computed over, in seconds.
+    window_s: float = 30.0
+    #: Requests a canary (and the stable version, for the p99 rule) needs in the window to be judged;
+    #: also the shadow comparisons the agreement rule needs.
+    min_requests: int = 20
+    #: Roll back when canary error rate - stable error rate exceeds this (None: rule off).
+    max_error_rate_increase: float | None = 0.05
+    #: Roll back when canary p99 / stable p99 exceeds this (None: rule off).
+    max_p99_ratio: float | None = 2.0
+    #: Roll back the shadow version when its top-1 agreement (matches / rows) falls below this (None: off).
+    min_shadow_agreement: float | None = None
+    #: Promote a canary after this many requests in total with no rule broken (None: never).
+    promote_after_requests: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WindowStats:
+    """One version's requests over a window."""
+
+    requests: int
+    errors: int
+    #: errors / requests; 0.0 when there were no requests.
+    error_rate: float
+    #: Nearest-rank 99th percentile latency within ±1 %; None when there were no requests.
+    p99_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowStats:
+    """One shadow version's comparisons over a window."""
+
+    comparisons: int
+    rows: int
+    top1_matches: int
+    #: top1_matches / rows; None when no rows were compared.
+    agreement: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What the judge wants done, and why."""
+
+    action: Literal["rollback", "promote"]
+    version: str
+    #: "error_rate", "p99", "shadow_agreement" or "promote".
+    rule: str
+    #: One sentence with the numbers, for the log line and the alert.
+    reason: str
+    #: The numbers, for the alert and the console.
+    evidence: dict[str, float | int | str]
+
+
+class _Bucket:
+    __slots__ = ("errors", "latency_bins", "matches", "requests", "rows")
+
+    def __init__(self) -> None:
+        self.requests = self.errors = self.rows = self.matches = 0
+        self.latency_bins: dict[int, int] = {}
+
+
+class _BucketRing:
+    """WINDOW_BUCKETS + 1 consecutive time buckets, newest last; older ones are dropped."""
+
+    def __init__(self, span_s: float) -> None:
+        self._bucket_s = span_s / WINDOW_BUCKETS
+        self._buckets: deque[tuple[int, _Bucket]] = deque()
+
+    def at(self, now: float) -> _Bucket | None:
+        """The bucket to count `now` in (None when `now` is not finite)."""
+        if not math.isfinite(now):
+            return None
+        index, ring = math.floor(now / self._bucket_s), self._buckets
+        if ring and index <= ring[-1][0]:
+            return ring[-1][1]  # a report that raced the clock: at most one bucket off
+        ring.append((index, _Bucket()))
+        while ring[0][0] <= index - WINDOW_BUCKETS - 1:
+            ring.popleft()
+        return ring[-1][1]
+
+    def recent(self, now: float, window_s: float) -> list[_Bucket]:
+        """Buckets that end after now - window_s and start by now."""
+        start, size = now - window_s, self._bucket_s
+        return [b for i, b in self._buckets if (i + 1) * size > start and i * size <= now]
+
+
+class VersionWindow:
+    """One version's recent requests: counts and a latency histogram per time bucket."""
+
+    def __init__(self, span_s: float = 30.0) -> None:
+        self._ring = _BucketRing(span_s)
+
+    def add(self, now: float, latency_s: float, error: bool) -> None:
+        """Count a request that finished at `now` after `latency_s`."""
+        if (bucket := self._ring.at(now)) is None:
+            return
+        bucket.requests += 1
+        bucket.errors += bool(error)
+        low, high = LATENCY_RANGE_S
+        clamped = min(max(latency_s, low), high) if latency_s == latency_s else high  # nan: worst
+        key = math.floor(math.log(clamped) / _LOG_GROWTH)
+        bucket.latency_bins[key] = bucket.latency_bins.get(key, 0) + 1
+
+    def stats(self, now: float, window_s: float) -> WindowStats:
+        """Requests, errors and p99 over the last `window_s` (at most the span it was made with)."""
+        buckets, bins = self._ring.recent(now, window_s), Counter[int]()
+        for bucket in buckets:
+            bins.update(bucket.latency_bins)
+        requests, errors = sum(b.requests for b in buckets), sum(b.errors for b in buckets)
+        if not requests:
+            return WindowStats(0, 0, 0.0, None)
+        rank, seen = math.ceil(0.99 * requests), 0
+        for key in sorted(bins):
+            seen += bins[key]
+            if seen >= rank:
+                break
+        return WindowStats(requests, errors, errors / requests, LATENCY_BIN_GROWTH ** (key + 0.5))
+
+
+class RolloutJudge:
+    """Applies RollbackRules to the versions of one model's rollout."""
+
+    def __init__(self, stable: str, rules: RollbackRules) -> None:
+        self.stable = stable
+        self.rules = rules
+        self._windows: dict[str, VersionWindow] = {}
+        self._shadows: dict[str, _BucketRing] = {}  # a bucket's requests are comparisons here
+        self._totals: dict[str, int] = {}
+
+    def request_done(self, version: str, now: float, latency_s: float, error: bool) -> None:
+        """A request of `version` finished; `error` only for failures that count against a version."""
+        if (window := self._windows.get(version)) is None:
+            window = self._windows[version] = VersionWindow(self.rules.window_s)
+        window.add(now, latency_s, error)
+        self._totals[version] = self._totals.get(version, 0) + 1
+
+    def shadow_compared(self, version: str, now: float, rows: int, top1_matches: int) -> None:
+        """The shadow `version` answered a copied request; `top1_matches` of `rows` agreed."""
+        if (ring := self._shadows.get(version)) is None:
+            ring = self._shadows[version] = _BucketRing(self.rules.window_s)
+        if (bucket := ring.at(now)) is not None:
+            bucket.requests += 1
+            bucket.rows += rows
+            bucket.matches += top1_matches
+
+    def window_stats(self, version: str, now: float) -> WindowStats:
+        """A version's requests over the rules' window (for the console)."""
+        window = self._windows.get(version)
+        return window.stats(now, self.rules.window_s) if window else WindowStats(0, 0, 0.0, None)
+
+    def shadow_stats(self, version: str, now: float) -> ShadowStats:
+        """A shadow version's comparisons over the rules' window (for the console)."""
+        ring = self._shadows.get(version)
+        buckets = ring.recent(now, self.rules.window_s) if ring else []
+        rows, matches = sum(b.rows for b in buckets), sum(b.matches for b in buckets)
+        return ShadowStats(sum(b.requests for b in buckets), rows, matches, matches / rows if rows else None)
+
+    def reset(self, version: str) -> None:
+        """Forget a version's history (after a rollback or a promotion, or when weights change)."""
+        self._windows.pop(version, None)
+        self._shadows.pop(version, None)
+        self._totals.pop(version, None)
+
+    def judge(self, now: float, canaries: Iterable[str], shadow: str | None) -> Verdict | None:
+        """The first broken rule (canaries in the given order, then the shadow), else a promotion;
+        None when all is well or there is too little data to say."""
+        rules, judged = self.rules, [c for c in dict.fromkeys(canaries) if c != self.stable]
+        stable, window = self.window_stats(self.stable, now), f"in the last {rules.window_s:g} s"
+        for canary in judged:
+            if (verdict := self._canary_rollback(canary, self.window_stats(canary, now), stable, window)) is not None:
+                return verdict
+        least = rules.min_shadow_agreement
+        if shadow is not None and least is not None:
+            s = self.shadow_stats(shadow, now)
+            if s.comparisons >= rules.min_requests and s.agreement is not None and s.agreement < least:
+                return Verdict("rollback", shadow, "shadow_agreement", (
+                    f"shadow version '{shadow}' agreed on the top-1 of {s.agreement:.1%} of {s.rows} rows "
+                    f"({s.comparisons} requests) {window} (required {least:.1%})"), {
+                    "agreement": s.agreement, "rows": s.rows, "top1_matches": s.top1_matches,
+                    "comparisons": s.comparisons, "min_shadow_agreement": least, "window_s": rules.window_s})
+        after = rules.promote_after_requests
+        for canary in judged:
+            total = self._totals.get(canary, 0)
+            # Only a canary the rules just looked at and passed (enough requests in the window).
+            if after is not None and total >= after and self.window_stats(canary, now).requests >= rules.min_requests:
+                return Verdict("promote", canary, "promote", f"canary version '{canary}' served {total} requests "
+                               f"within the rules (promotion after {after})",
+                               {"requests": total, "promote_after_requests": after})
+        return None
+
+    def _canary_rollback(self, canary: str, c: WindowStats, s: WindowStats, window: str) -> Verdict | None:
+        rules, stable = self.rules, self.stable
+        if c.requests < rules.min_requests:
+            return None
+        evidence: dict[str, float | int | str] = {
+            "canary_requests": c.requests, "canary_errors": c.errors, "stable_requests": s.requests,
+            "stable_errors": s.errors, "window_s": rules.window_s, "stable": stable}
+        # A stable version with too few requests is taken to fail nothing: a canary failing more
+        # than the margin on its own is still taken back (unlike p99, errors need no baseline).
+        known = s.requests >= rules.min_requests
+        margin = rules.max_error_rate_increase
+        if margin is not None and c.error_rate - (s.error_rate if known else 0.0) > margin:
+            against = (f"{s.error_rate:.1%} of {s.requests} for stable version '{stable}'" if known
+                       else f"0% assumed (stable version '{stable}' had only {s.requests} requests)")
+            return Verdict("rollback", canary, "error_rate", (
+                f"canary version '{canary}' failed {c.error_rate:.1%} of {c.requests} requests {window} against "
+                f"{against} (allowed +{margin * 100:.1f} points)"), evidence | {"canary_error_rate": c.error_rate,
+                "stable_error_rate": s.error_rate, "max_error_rate_increase": margin})
+        most = rules.max_p99_ratio
+        if most is None or not known or not s.p99_s or c.p99_s is None or c.p99_s / s.p99_s <= most:
+            return None
+        return Verdict("rollback", canary, "p99", (
+            f"canary version '{canary}' answered with a p99 of {c.p99_s * 1000:.1f} ms over {c.requests} requests "
+            f"{window}, {c.p99_s / s.p99_s:.1f}x the {s.p99_s * 1000:.1f} ms of stable version '{stable}' over "
+            f"{s.requests} (allowed {most:g}x)"), evidence | {
+            "canary_p99_s": c.p99_s, "stable_p99_s": s.p99_s, "p99_ratio": c.p99_s / s.p99_s, "max_p99_ratio": most})

@@ -1,0 +1,172 @@
+"""RolloutJudge: the error-rate, p99 and shadow-agreement rules, promotion, and the window that
+forgets; time is a number passed in, so nothing sleeps."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+from servewell.engine.rollout_rules import RollbackRules, RolloutJudge, VersionWindow
+
+
+def feed(judge, version, count, *, start=0.0, span_s=10.0, latency_s=0.010, errors=0):
+    """`count` requests of `version` spread over [start, start + span_s), the first `errors` failing."""
+    for i in range(count):
+        judge.request_done(version, start + span_s * i / count, latency_s, i < errors)
+
+
+def judge_of(**rules):
+    return RolloutJudge("1", RollbackRules(**rules))
+
+
+def test_a_canary_failing_a_fifth_of_its_requests_is_rolled_back_with_the_numbers():
+    judge = judge_of()
+    feed(judge, "1", 200)
+    feed(judge, "2", 50, errors=10)
+    verdict = judge.judge(10.0, ["2"], None)
+    assert verdict is not None and (verdict.action, verdict.version, verdict.rule) == ("rollback", "2", "error_rate")
+    assert verdict.evidence["canary_error_rate"] == 0.2 and verdict.evidence["canary_requests"] == 50
+    assert verdict.evidence["stable_error_rate"] == 0.0 and verdict.evidence["stable_requests"] == 200
+    assert verdict.reason == ("canary version '2' failed 20.0% of 50 requests in the last 30 s against 0.0% of 200 "
+                              "for stable version '1' (allowed +5.0 points)")
+
+
+def test_a_canary_within_the_margin_of_the_stable_error_rate_stays():
+    judge = judge_of()
+    feed(judge, "1", 200, errors=10)  # 5 %
+    feed(judge, "2", 50, errors=4)  # 8 %: three points worse, five allowed
+    assert judge.judge(10.0, ["2"], None) is None
+    feed(judge, "2", 10, start=5.0, span_s=1.0, errors=4)  # 8 of 60: 13.3 %
+    verdict = judge.judge(10.0, ["2"], None)
+    assert verdict is not None and verdict.rule == "error_rate"
+
+
+def test_a_stable_version_with_too_few_requests_counts_as_failing_nothing():
+    judge = judge_of()
+    feed(judge, "1", 3)
+    feed(judge, "2", 40, errors=8)
+    verdict = judge.judge(10.0, ["2"], None)
+    assert verdict is not None and verdict.rule == "error_rate" and "0% assumed" in verdict.reason
+
+
+def test_a_canary_below_min_requests_is_never_judged():
+    judge = judge_of(min_requests=20)
+    feed(judge, "1", 200)
+    feed(judge, "2", 19, errors=19)
+    assert judge.judge(10.0, ["2"], None) is None
+    judge.request_done("2", 9.99, 0.010, True)  # the twentieth: now it is judged
+    assert judge.judge(10.0, ["2"], None) is not None
+
+
+def test_requests_older_than_the_window_are_forgotten():
+    judge = judge_of(window_s=30.0)
+    feed(judge, "1", 100, span_s=1.0)
+    feed(judge, "2", 30, span_s=1.0, errors=30)
+    assert judge.judge(30.0, ["2"], None) is not None  # 29 s old at most: still in the window
+    assert judge.window_stats("2", 30.0).requests == 30
+    assert judge.judge(31.0, ["2"], None) is None
+    assert judge.window_stats("2", 31.0).requests == 0 and judge.window_stats("2", 31.0).p99_s is None
+    feed(judge, "2", 30, start=40.0, span_s=1.0, errors=30)  # new failures count again
+    assert judge.window_stats("2", 41.0).errors == 30
+
+
+def test_p99_three_times_the_stable_fires_and_a_fifth_worse_does_not():
+    judge = judge_of()
+    feed(judge, "1", 100, latency_s=0.010)
+    feed(judge, "2", 100, latency_s=0.012)
+    assert judge.judge(10.0, ["2"], None) is None
+    feed(judge, "3", 100, latency_s=0.030)
+    verdict = judge.judge(10.0, ["2", "3"], None)
+    assert verdict is not None and (verdict.version, verdict.rule) == ("3", "p99")
+    assert math.isclose(float(verdict.evidence["p99_ratio"]), 3.0, rel_tol=0.03)
+    assert math.isclose(float(verdict.evidence["stable_p99_s"]), 0.010, rel_tol=0.01)
+    said = re.search(r"p99 of ([\d.]+) ms over 100 requests in the last 30 s, 3\.0x the ([\d.]+) ms", verdict.reason)
+    assert said is not None and "(allowed 2x)" in verdict.reason
+    assert abs(float(said[1]) - 30.0) <= 0.35 and abs(float(said[2]) - 10.0) <= 0.15  # ±1 %, printed to 0.1 ms
+
+
+def test_p99_is_not_compared_with_a_stable_version_that_has_too_few_requests():
+    judge = judge_of()
+    feed(judge, "1", 5, latency_s=0.010)
+    feed(judge, "2", 100, latency_s=0.100)
+    assert judge.judge(10.0, ["2"], None) is None
+    feed(judge, "1", 20, latency_s=0.010)
+    assert judge.judge(10.0, ["2"], None) is not None
+
+
+def test_rules_set_to_none_are_off():
+    judge = judge_of(max_error_rate_increase=None, max_p99_ratio=None)
+    feed(judge, "1", 100)
+    feed(judge, "2", 100, latency_s=1.0, errors=100)
+    assert judge.judge(10.0, ["2"], None) is None
+
+
+def test_p99_is_within_one_percent_of_the_exact_nearest_rank_value():
+    latencies = np.random.default_rng(7).lognormal(mean=-4.0, sigma=1.0, size=5000)
+    window = VersionWindow(span_s=30.0)
+    for i, latency in enumerate(latencies):
+        window.add(i / 500, float(latency), False)
+    exact = np.sort(latencies)[math.ceil(0.99 * len(latencies)) - 1]
+    stats = window.stats(10.0, 30.0)
+    assert stats.requests == 5000 and stats.p99_s is not None
+    assert abs(stats.p99_s / exact - 1) <= 0.01
+
+
+def test_a_shadow_that_agrees_too_rarely_is_rolled_back():
+    judge = judge_of(min_shadow_agreement=0.9, min_requests=20)
+    for i in range(19):
+        judge.shadow_compared("3", i * 0.1, 10, 8)
+    assert judge.judge(5.0, [], "3") is None  # 19 comparisons: too few
+    judge.shadow_compared("3", 2.0, 10, 8)
+    verdict = judge.judge(5.0, [], "3")
+    assert verdict is not None and (verdict.action, verdict.version, verdict.rule) == ("rollback", "3",
+                                                                                       "shadow_agreement")
+    assert verdict.evidence["agreement"] == 0.8 and verdict.evidence["rows"] == 200
+    assert "80.0% of 200 rows (20 requests)" in verdict.reason
+    assert judge_of(min_shadow_agreement=0.75).judge(5.0, [], "3") is None
+
+
+def test_a_shadow_that_agrees_enough_or_with_the_rule_off_stays():
+    for rules, matches in ((dict(min_shadow_agreement=0.9), 10), (dict(min_shadow_agreement=None), 0)):
+        judge = judge_of(**rules)
+        for i in range(50):
+            judge.shadow_compared("3", i * 0.1, 10, matches)
+        assert judge.judge(5.0, [], "3") is None
+        assert judge.shadow_stats("3", 5.0).comparisons == 50
+
+
+def test_a_canary_is_promoted_after_n_requests_within_the_rules_and_not_before():
+    judge = judge_of(promote_after_requests=100)
+    feed(judge, "1", 200)
+    feed(judge, "2", 99)
+    assert judge.judge(10.0, ["2"], None) is None
+    judge.request_done("2", 9.99, 0.010, False)
+    verdict = judge.judge(10.0, ["2"], None)
+    assert verdict is not None and (verdict.action, verdict.version, verdict.rule) == ("promote", "2", "promote")
+    assert verdict.evidence["requests"] == 100
+    judge.reset("2")
+    assert judge.judge(10.0, ["2"], None) is None  # reset forgets the count
+
+
+def test_promotion_never_happens_when_off():
+    judge = judge_of()
+    feed(judge, "1", 200)
+    feed(judge, "2", 10_000)
+    assert judge.judge(10.0, ["2"], None) is None
+
+
+def test_rollback_wins_over_promotion():
+    judge = judge_of(promote_after_requests=10)
+    feed(judge, "1", 200)
+    feed(judge, "2", 50)  # good, and past its promotion
+    feed(judge, "3", 50, errors=25)
+    verdict = judge.judge(10.0, ["2", "3"], None)
+    assert verdict is not None and (verdict.action, verdict.version) == ("rollback", "3")
+
+
+def test_the_stable_version_is_never_judged_as_a_canary():
+    judge = judge_of(promote_after_requests=10)
+    feed(judge, "1", 100, errors=100)
+    assert judge.judge(10.0, ["1"], None) is None
