@@ -61,7 +61,8 @@ def _metadata(view: ModelView) -> dict[str, Any]:
     model.yaml is invalid gets its state and reason only."""
     config = view.config
     if config is None:
-        return {"name": view.name, "versions": list(view.versions) or [view.version], "state": view.state, "reason": view.reason}
+        return {"name": view.name, "versions": list(view.versions) or [view.version], "state": view.state,
+                "reason": view.reason}
     doc = metadata_json(model_document(view))
     doc["state"] = view.state
     doc["parameters"] = {"max_batch_size": config.max_batch_size, **config.metadata}

@@ -287,6 +287,9 @@ class ModelConfig(StrictModel):
                          "remove cache or declare the model deterministic")
         if self.kind == "pipeline" and (self.traffic is not None or self.rollout is not None):
             problems.add(("traffic",), "a pipeline has one version; split the traffic of its step models instead")
+        if self.rollout is not None and self.rollout.shadow is not None and self.rollout.shadow.version == self.version:
+            problems.add(("rollout", "shadow", "version"), f"is this model.yaml's own version {self.version!r}; a "
+                         "shadow is another version (under versions/<v>/)")
         if self.batching.reserve_instance_for_high and self.instances < 2:
             problems.add(("batching", "reserve_instance_for_high"),
                          f"needs instances >= 2; instances is {self.instances}")

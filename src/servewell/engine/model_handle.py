@@ -81,9 +81,7 @@ class ServedModelHandle:
         entry = rollout.choose(entry, self._version)
         rows = check_inputs(entry.config, inputs)
         future = entry.submit(inputs, rows, lane, deadline, request_id, arrived_at)
-        if rollout.watching():
-            future.add_done_callback(partial(rollout.report, entry.version, time.monotonic()))
-            rollout.shadow(entry, inputs, rows, request_id, future)
+        rollout.submitted(entry, future, inputs, rows, request_id)
         return future
 
 

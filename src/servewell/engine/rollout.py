@@ -29,6 +29,7 @@ import random
 import time
 import zlib
 from collections.abc import Mapping
+from functools import partial
 from types import EllipsisType
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,13 @@ log = logging.getLogger("servewell.rollout")
 JUDGED_ERRORS = frozenset(("model_error", "worker_lost", "worker_hung", "deadline_exceeded"))
 #: The shadow's deadline: a copy that cannot finish in this long is dropped, not waited for.
 SHADOW_TIMEOUT_S = 10.0
+#: Spare capacity: shadow copies stop while more than this share of the primary's recent requests
+#: (a moving average, weight SHADOW_PRESSURE_ALPHA per request) queued behind a running batch.
+SHADOW_PRESSURE_LIMIT = 0.5
+SHADOW_PRESSURE_ALPHA = 0.05
+#: Niceness of a version that only shadows (no weight in model.yaml): its workers get the CPU the
+#: serving versions leave.
+SHADOW_NICE = 19
 
 
 def rules_of(config: RollbackConfig) -> RollbackRules:
@@ -94,7 +102,7 @@ class Rollout:
         self._versions: list[str] = []  # the draw table: versions and cumulative weights
         self._bounds: list[float] = []
         self._shares: dict[str, float] = {}
-        self._comparing: set[asyncio.Future[None]] = set()
+        self._pressure = 0.0  # moving share of requests that queued behind a running batch of the primary
         self.config_seen: ModelConfig | None = None  # the stable model.yaml last applied (engine/versions.py)
         self.configure(config, None)
 
@@ -149,6 +157,12 @@ class Rollout:
         wanted.discard(config.version)
         return wanted
 
+    @staticmethod
+    def shadow_only(version: str, config: ModelConfig) -> bool:
+        """Whether `config` names `version` as its shadow and gives it no traffic (it runs at SHADOW_NICE)."""
+        shadow = config.rollout.shadow if config.rollout is not None else None
+        return shadow is not None and shadow.version == version and not (config.traffic or {}).get(version)
+
     def versions(self) -> list[str]:
         """The stable version, then the loaded candidates."""
         return [self.stable, *sorted(self.candidates)]
@@ -202,6 +216,15 @@ class Rollout:
         """Whether answers are reported to the judge (a canary takes traffic, or a shadow runs)."""
         return self.state == "canary" or (self.shadow_version is not None and self.shadow_percent > 0)
 
+    def submitted(self, entry: ModelEntry, future: asyncio.Future[RequestResult], inputs: dict[str, np.ndarray],
+                  rows: int, request_id: str) -> None:
+        """A request that names no version or one of ours was queued on `entry`: report its answer
+        to the judge while a canary is judged, and shadow it while a shadow runs."""
+        if self.state == "canary":
+            future.add_done_callback(partial(self.report, entry.version, time.monotonic()))
+        if self.shadow_percent > 0:
+            self.shadow(entry, inputs, rows, request_id, future)
+
     def report(self, version: str, started: float, future: asyncio.Future[RequestResult]) -> None:
         """A request of `version` finished (a done callback): feed the judge and the counters."""
         if future.cancelled():
@@ -215,49 +238,56 @@ class Rollout:
 
     def shadow(self, primary: ModelEntry, inputs: dict[str, np.ndarray], rows: int, request_id: str,
                primary_future: asyncio.Future[RequestResult]) -> None:
-        """Copy the request to the shadow version when the dice and the spare capacity allow."""
+        """Copy the request to the shadow version, if the dice say so, once the primary answered (its
+        engine work then never delays the primary's answer) and only on spare capacity."""
         version = self.shadow_version
         if version is None or version == primary.version or random.random() * 100.0 >= self.shadow_percent:
             return
-        entry = self.candidates.get(version)
-        if entry is None or entry.state != "ready" or entry.stopping is not None:
-            return
-        batch = max(1, primary.scheduler.max_batch_size)
-        outstanding = entry.scheduler.queue_depth + entry.scheduler.running_rows
-        if primary.scheduler.queue_depth > batch or outstanding >= max(1, entry.scheduler.max_batch_size) * \
-                entry.config.instances:
+        scheduler = primary.scheduler
+        # Pressure: the share of recent requests that found the primary computing with others waiting.
+        waited = 1.0 if scheduler.running_rows and scheduler.queue_depth > 1 else 0.0
+        self._pressure += SHADOW_PRESSURE_ALPHA * (waited - self._pressure)
+        if self._pressure > SHADOW_PRESSURE_LIMIT or scheduler.queue_depth > max(1, scheduler.max_batch_size):
             self._count_shadow(version, "shed")
+            return
+        primary_future.add_done_callback(partial(self._primary_done, version, inputs, rows, request_id))
+
+    def _primary_done(self, version: str, inputs: dict[str, np.ndarray], rows: int, request_id: str,
+                      future: asyncio.Future[RequestResult]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return  # nothing to compare with (the primary's own count says why)
+        # After this loop step: the primary's answer is written back before the copy costs anything.
+        asyncio.get_running_loop().call_later(0.0, self._launch, version, inputs, rows, request_id, future.result())
+
+    def _launch(self, version: str, inputs: dict[str, np.ndarray], rows: int, request_id: str,
+                primary: RequestResult) -> None:
+        entry = self.candidates.get(version)
+        if entry is None or entry.state != "ready" or entry.stopping is not None or self.shadow_version != version:
+            return
+        scheduler = entry.scheduler
+        if scheduler.queue_depth + scheduler.running_rows >= max(1, scheduler.max_batch_size) * entry.config.instances:
+            self._count_shadow(version, "shed")  # the shadow is behind: drop the copy rather than queue it
             return
         started = time.monotonic()
         try:
-            copy = entry.submit_admitted(inputs, rows, len(entry.scheduler.lanes) - 1, started + SHADOW_TIMEOUT_S,
+            copy = entry.submit_admitted(inputs, rows, len(scheduler.lanes) - 1, started + SHADOW_TIMEOUT_S,
                                          request_id, started, "")
         except ServeError:
             self._count_shadow(version, "shed")
             return
-        task = asyncio.ensure_future(self._compare(version, started, primary_future, copy))
-        self._comparing.add(task)  # kept until done: the loop holds tasks only weakly
-        task.add_done_callback(self._comparing.discard)
+        copy.add_done_callback(partial(self._compare, version, primary, entry.config.max_batch_size > 0))
 
-    async def _compare(self, version: str, started: float, primary: asyncio.Future[RequestResult],
-                       copy: asyncio.Future[RequestResult]) -> None:
-        try:
-            shadow_result = await copy
-        except (ServeError, asyncio.CancelledError):
+    def _compare(self, version: str, primary: RequestResult, batched: bool,
+                 copy: asyncio.Future[RequestResult]) -> None:
+        if copy.cancelled() or copy.exception() is not None:
             self._count_shadow(version, "failed")
             return
-        shadow_s = time.monotonic() - started
-        try:
-            primary_result = await asyncio.shield(primary)
-        except BaseException:
-            return  # the primary failed: nothing to compare with (its own count says so)
+        shadow = copy.result()
         self._count_shadow(version, "compared")
         rows = top1 = 0
         worst = 0.0
-        for agreement in compare_outputs(primary_result.outputs, shadow_result.outputs):
+        for agreement in compare_outputs(primary.outputs, shadow.outputs, batched=batched):
             matches = agreement.top1_matches
-            if agreement.shape_mismatch:
-                matches = 0
             if matches is not None:
                 rows += agreement.rows
                 top1 += matches
@@ -275,8 +305,10 @@ class Rollout:
         self.agreement["max_abs_diff"] = max(float(self.agreement["max_abs_diff"]), worst)
         if rows:
             self.judge.shadow_compared(version, time.monotonic(), rows, top1)
-        if self._metrics is not None:
-            self._metrics.shadow_latency.labels(self.name, version, "shadow").observe(shadow_s)
+        if self._metrics is not None:  # both as the engine saw them: queue + compute
+            latency = self._metrics.shadow_latency
+            latency.labels(self.name, version, "primary").observe(primary.queue_s + primary.compute_s)
+            latency.labels(self.name, version, "shadow").observe(shadow.queue_s + shadow.compute_s)
 
     def _count_shadow(self, version: str, outcome: str) -> None:
         self.shadow_counts[outcome] += 1
@@ -294,7 +326,8 @@ class Rollout:
         if verdict is None:
             return None
         if verdict.action == "rollback":
-            self.weights[verdict.version] = 0.0
+            if verdict.version != self.stable:  # a stable version is never taken out of traffic
+                self.weights[verdict.version] = 0.0
             if verdict.version == self.shadow_version:
                 self.shadow_percent = 0.0
             self._set_state("rolled_back", verdict.reason, {"version": verdict.version, "rule": verdict.rule,

@@ -20,7 +20,7 @@ from servewell.config.rollout import VERSIONS_DIRECTORY
 from servewell.engine.model_entry import EntryServices, ModelEntry
 from servewell.engine.model_pool import ModelSlot
 from servewell.engine.repository import read_model_config
-from servewell.engine.rollout import Rollout
+from servewell.engine.rollout import SHADOW_NICE, Rollout
 from servewell.observability.metrics import RolloutGauges, ServeMetrics
 
 log = logging.getLogger("servewell.rollout")
@@ -75,6 +75,8 @@ async def _load_version(rollout: Rollout, stable: ModelEntry, version: str, serv
         rollout.failed[version] = str(exc)
         log.error("model %s: version %s cannot be read: %s", stable.name, version, exc, extra={"model": stable.name})
         return
+    if rollout.shadow_only(version, stable.config):
+        config = config.model_copy(update={"nice": max(config.nice, SHADOW_NICE)})
     problem = signature_problem(stable.config, config)
     if problem is not None:
         rollout.failed[version] = problem

@@ -1,0 +1,116 @@
+"""How a `Rollout` (engine/rollout.py) draws versions, keeps a client on one, takes an admin's
+weights and applies the judge's verdicts; the entries are stand-ins with a version and a state."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any, cast
+
+import pytest
+
+from servewell.config.model import ModelConfig
+from servewell.engine.rollout import Rollout, judged_error
+from servewell.errors import InvalidInput, ModelError, NotFound, Overloaded, WorkerLost
+from servewell.observability.context import client_var, route_key_var
+
+BASE = {"name": "m", "runtime": "onnx", "artifact": "m.onnx",
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [3]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [3]}]}
+
+
+class Version:
+    """What `Rollout.choose` reads of a version's entry."""
+
+    def __init__(self, version: str, state: str = "ready") -> None:
+        self.version, self.state, self.stopping = version, state, None
+
+    def ready_entry(self) -> Version:
+        return self
+
+
+def rollout(**fields: Any) -> tuple[Rollout, Any]:
+    config = ModelConfig.model_validate({**BASE, **fields})
+    split = Rollout("m", config, None)
+    split.candidates = {"2": cast(Any, Version("2"))}
+    split.configure(config, None)
+    return split, Version("1")
+
+
+def draws(split: Rollout, stable: Any, n: int) -> Counter[str]:
+    return Counter(split.choose(stable, None).version for _ in range(n))
+
+
+def test_weights_split_requests_that_name_no_version() -> None:
+    split, stable = rollout(traffic={"1": 80, "2": 20}, rollout={"sticky": "none"})
+    counts = draws(split, stable, 5000)
+    assert 0.17 < counts["2"] / 5000 < 0.23, counts
+    assert split.state == "canary" and split.canaries() == ["2"]
+
+
+def test_a_route_key_or_tenant_keeps_a_client_on_one_version_and_spreads_clients() -> None:
+    split, stable = rollout(traffic={"1": 50, "2": 50})
+    chosen = {}
+    for user in range(200):
+        token = route_key_var.set(f"user-{user}")
+        try:
+            versions = {split.choose(stable, None).version for _ in range(5)}
+        finally:
+            route_key_var.reset(token)
+        assert len(versions) == 1
+        chosen[user] = versions.pop()
+    assert 60 < sum(v == "2" for v in chosen.values()) < 140
+    token = client_var.set("tenant-a")  # no route key: the tenant decides
+    try:
+        assert len({split.choose(stable, None).version for _ in range(20)}) == 1
+    finally:
+        client_var.reset(token)
+
+
+def test_a_version_asked_for_wins_and_an_unknown_one_is_404() -> None:
+    split, stable = rollout(traffic={"1": 100, "2": 0})
+    assert split.choose(stable, "2").version == "2"
+    assert split.choose(stable, "1") is stable
+    with pytest.raises(NotFound):
+        split.choose(stable, "9")
+
+
+def test_a_version_that_is_not_serving_is_never_drawn() -> None:
+    split, stable = rollout(traffic={"1": 0, "2": 100})
+    split.candidates["2"].state = "restarting"
+    assert set(draws(split, stable, 50)) == {"1"}
+
+
+def test_an_admin_sets_weights_and_null_returns_to_the_file() -> None:
+    split, stable = rollout(traffic={"1": 90, "2": 10})
+    split.set_by_admin({"1": 0, "2": 1}, ...)
+    assert set(draws(split, stable, 50)) == {"2"} and split.admin_set
+    with pytest.raises(NotFound):
+        split.set_by_admin({"3": 1}, ...)
+    with pytest.raises(NotFound):
+        split.set_by_admin(..., 50)  # no shadow configured
+    split.set_by_admin(None, ...)
+    assert split.weights == {"1": 90.0, "2": 10.0} and not split.admin_set
+
+
+def test_a_bad_canary_is_rolled_back_and_the_stable_version_never_is() -> None:
+    split, stable = rollout(traffic={"1": 50, "2": 50},
+                            rollout={"rollback": {"min_requests": 10, "max_error_rate_increase": 0.1}})
+    for i in range(40):
+        split.judge.request_done("1", time.monotonic(), 0.001, False)
+        split.judge.request_done("2", time.monotonic(), 0.001, i % 3 == 0)
+    verdict = split.judge_now()
+    assert verdict is not None and verdict.action == "rollback" and verdict.version == "2"
+    assert split.state == "rolled_back" and split.weights["2"] == 0.0 and split.alert_reason() == verdict.reason
+    assert set(draws(split, stable, 50)) == {"1"}
+    assert split.gauges().rolled_back == {"1": 0.0, "2": 1.0}
+    # A changed traffic in model.yaml ends the verdict: the file wins.
+    changed = ModelConfig.model_validate({**BASE, "traffic": {"1": 70, "2": 30}})
+    split.configure(changed, None)
+    assert split.state == "canary" and split.weights == {"1": 70.0, "2": 30.0}
+
+
+def test_only_a_versions_own_failures_count_against_it() -> None:
+    assert judged_error(ModelError("boom")) and judged_error(WorkerLost("gone"))
+    assert not judged_error(InvalidInput("bad")) and not judged_error(Overloaded("full"))
+    assert not judged_error(None) and not judged_error(RuntimeError("not a ServeError"))
