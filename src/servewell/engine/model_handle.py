@@ -57,32 +57,32 @@ class ServedModelHandle:
               arrived_at: float | None) -> asyncio.Future[RequestResult]:
         """Validate and queue the request on the version serving now (`deadline`: absolute
         `time.monotonic()` seconds, None for the model's default timeout from `arrived_at`)."""
-        future = self._submit(inputs, lane, deadline, request_id, arrived_at)
+        future, version = self._submit(inputs, lane, deadline, request_id, arrived_at)
         payload = self._engine.payload_log
         if payload is not None and payload.wants(self.name):
-            future.add_done_callback(partial(log_payload, payload, self.name, self._version or self.config.version,
-                                             inputs, request_id, time.monotonic()))
+            future.add_done_callback(partial(log_payload, payload, self.name, version, inputs, request_id,
+                                             time.monotonic()))
         return future
 
     def _submit(self, inputs: dict[str, np.ndarray], lane: int, deadline: float | None, request_id: str,
-                arrived_at: float | None) -> asyncio.Future[RequestResult]:
+                arrived_at: float | None) -> tuple[asyncio.Future[RequestResult], str]:
+        """Queue the request; its future and the version it was queued on."""
         slot = self._slot
         slot.used()
         if not slot.resident and self._engine.pool.loadable(slot):
             # Evicted (or being evicted) since this request resolved it: load it again and queue there.
             check_inputs(self.config, inputs)
             return asyncio.ensure_future(self._engine.load_then_submit(slot, inputs, lane, deadline, request_id,
-                                                                       arrived_at))
+                                                                       arrived_at)), self.config.version
         entry = self._serving()
         rollout = slot.rollout
-        if rollout is None:
-            rows = check_inputs(entry.config, inputs)
-            return entry.submit(inputs, rows, lane, deadline, request_id, arrived_at)
-        entry = rollout.choose(entry, self._version)
+        if rollout is not None:
+            entry = rollout.choose(entry, self._version)
         rows = check_inputs(entry.config, inputs)
         future = entry.submit(inputs, rows, lane, deadline, request_id, arrived_at)
-        rollout.submitted(entry, future, inputs, rows, request_id)
-        return future
+        if rollout is not None:
+            rollout.submitted(entry, future, inputs, rows, request_id)
+        return future, entry.version
 
 
 def ready_entry_or_refusal(entry: Entry) -> ModelEntry:
