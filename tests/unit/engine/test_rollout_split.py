@@ -114,3 +114,16 @@ def test_only_a_versions_own_failures_count_against_it() -> None:
     assert judged_error(ModelError("boom")) and judged_error(WorkerLost("gone"))
     assert not judged_error(InvalidInput("bad")) and not judged_error(Overloaded("full"))
     assert not judged_error(None) and not judged_error(RuntimeError("not a ServeError"))
+
+
+def test_a_good_canary_is_promoted_when_asked_and_only_then() -> None:
+    for promote, expected in ((30, "promoted"), (None, "canary")):
+        split, stable = rollout(traffic={"1": 90, "2": 10},
+                                rollout={"rollback": {"min_requests": 10, "promote_after_requests": promote}})
+        for _ in range(40):
+            split.judge.request_done("1", time.monotonic(), 0.001, False)
+            split.judge.request_done("2", time.monotonic(), 0.001, False)
+        split.judge_now()
+        assert split.state == expected
+        if promote is not None:
+            assert split.weights == {"2": 100.0} and set(draws(split, stable, 30)) == {"2"}
