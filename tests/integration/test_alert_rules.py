@@ -23,6 +23,7 @@ from monitoring import (
     POOL_FAMILIES,
     PROMETHEUS_DIR,
     RECORDED_NAME,
+    ROLLOUT_FAMILIES,
     ROOT,
     SERIES,
     TENANT_CACHE_FAMILIES,
@@ -121,6 +122,7 @@ def test_dashboard_covers_every_signal():
     assert {family(name) for name in POOL_FAMILIES} <= families
     assert {family(name) for name in TENANT_CACHE_FAMILIES} <= families
     assert {family(name) for name in PIPELINE_FAMILIES} <= families
+    assert {family(name) for name in ROLLOUT_FAMILIES} <= families
 
 
 def test_panels_named_in_alert_actions_exist():

@@ -50,6 +50,14 @@ PIPELINE_FAMILIES = (
     "servewell_pipeline_steps_total",
     *(f"servewell_pipeline_step_duration_seconds{suffix}" for suffix in ("_bucket", "_sum", "_count")),
 )
+#: Safe rollouts (issue 24), on the dashboard's "Rollouts" row and in the rollout alerts.
+ROLLOUT_FAMILIES = (
+    "servewell_rollout_requests_total", "servewell_rollout_events_total", "servewell_shadow_requests_total",
+    "servewell_shadow_rows_total", "servewell_shadow_top1_matches_total", "servewell_rollout_weight",
+    "servewell_rollout_rolled_back", "servewell_rollout_state",
+    *(f"{histogram}{suffix}" for histogram in ("servewell_shadow_max_abs_diff", "servewell_shadow_latency_seconds")
+      for suffix in ("_bucket", "_sum", "_count")),
+)
 GPU_GAUGES = (
     "servewell_gpu_utilization_ratio", "servewell_gpu_memory_used_bytes", "servewell_gpu_memory_total_bytes",
     "servewell_gpu_power_watts", "servewell_gpu_temperature_celsius",
@@ -58,7 +66,7 @@ GPU_GAUGES = (
 SERIES = frozenset(
     [f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")]
     + [f"{c}_total" for c in COUNTERS + DIAGNOSTIC_COUNTERS] + list(GAUGES) + list(GPU_GAUGES) + list(POOL_FAMILIES)
-    + list(TENANT_CACHE_FAMILIES) + list(PIPELINE_FAMILIES)
+    + list(TENANT_CACHE_FAMILIES) + list(PIPELINE_FAMILIES) + list(ROLLOUT_FAMILIES)
 )
 METRIC_NAME = re.compile(r"\bservewell_[a-z0-9_]+")
 RECORDED_NAME = re.compile(r"\bservewell:[a-z0-9_:]+")

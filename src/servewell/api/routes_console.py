@@ -103,7 +103,8 @@ async def console_state(
                                "the keys file, or - for requests without a key)."),
 ) -> Response:
     """Server facts (with `/healthz`'s status and reason), every model (state, reason, instances
-    and their memory, queue per lane, effective max batch size, `signals` over the last 30 s and
+    and their memory, queue per lane, effective max batch size, its `rollout` (state, weights and the
+    reason of a rollback) when it splits traffic between versions, `signals` over the last 30 s and
     `latency_split` of its p99 with a reading, its place in the model pool: residency, pinned, last
     use, estimated memory), the pool's summary, the server's active alerts, the chart series of
     `model` over the last minutes, and (admin only) the recent slow and failed requests and each
@@ -181,6 +182,7 @@ def _model(view: ModelView, admin_state: AppState | None) -> dict[str, Any]:
         "takes_images": bool(config and config.preprocess is not None and config.image_input is not None),
         "runtime": config.runtime if config else None,
         **pool_fields(view),  # residency, loadable, pinned, last_used_at, estimated_bytes, cold_starts, evictions
+        "rollout": _rollout(view.rollout),
     }
     if admin_state is not None and config is not None:
         try:
@@ -188,6 +190,17 @@ def _model(view: ModelView, admin_state: AppState | None) -> dict[str, Any]:
         except ServeError:
             doc["batching"] = None  # unloaded or being replaced right now
     return doc
+
+
+def _rollout(rollout: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A traffic split as the models table shows it: its state, the weights in force and, after a
+    verdict, why (full detail: GET /admin/models/{name}/rollout)."""
+    if rollout is None:
+        return None
+    shadow = rollout.get("shadow")
+    return {"state": rollout["state"], "stable": rollout["stable"], "weights": rollout["weights"],
+            "reason": rollout["reason"], "changed_at": rollout["changed_at"],
+            "shadow": {k: shadow[k] for k in ("version", "percent")} if isinstance(shadow, dict) else None}
 
 
 def _add_golden_signals(entry: dict[str, Any], feed: ConsoleFeed) -> None:

@@ -469,8 +469,16 @@ class InferenceEngine(EngineAdmin):
                 for slot in list(self._slots.values())]
 
     def model_facts(self) -> list[ModelFacts]:
-        """Per-model facts the alert webhook evaluates (queue fill, restarts, memory headroom)."""
-        return [f for f in (slot.entry.facts() for slot in list(self._slots.values())) if f is not None]
+        """Per-model facts the alert webhook evaluates (queue fill, restarts, memory headroom, and the
+        rollback its rollout stands in)."""
+        facts = []
+        for slot in list(self._slots.values()):
+            fact = slot.entry.facts()
+            if fact is not None and slot.rollout is not None:
+                fact = dataclasses.replace(fact, rollback=slot.rollout.alert_reason())
+            if fact is not None:
+                facts.append(fact)
+        return facts
 
     # --- lookups ---------------------------------------------------------------------------
 

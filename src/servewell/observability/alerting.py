@@ -53,6 +53,7 @@ class SignalSnapshot:
     queue_fill_ratio: float | None = None
     worker_restarts: int = 0
     memory_headroom_ratio: float | None = None
+    rollback: str | None = None  # why the model's rollout stands rolled back, with the numbers; None: it does not
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,6 +82,11 @@ class AlertRule:
     show: Callable[[float], str]
     summary: str  # format fields: model, value, threshold
     action: str  # format field: model
+    detail: Callable[[SignalSnapshot], str | None] | None = None  # evidence appended to the summary
+
+
+def _rolled_back(snapshot: SignalSnapshot) -> float | None:
+    return 1.0 if snapshot.rollback is not None else None
 
 
 def _ms(seconds: float) -> str:
@@ -140,6 +146,18 @@ RULES: tuple[AlertRule, ...] = (
         "GET /healthz (rss_bytes, memory_budget); set or raise `host_memory_limit_bytes` in model.yaml, lower "
         "`instances` or `max_batch_size`, or unload unused models (POST /v2/repository/models/NAME/unload).",
     ),
+    # Holds from the rollback until model.yaml's traffic changes or an admin sets weights (engine/rollout.py);
+    # no threshold: the rollout's own rules (model.yaml's rollout.rollback) decided.
+    AlertRule(
+        "rollout_rolled_back", "ServewellRolloutRolledBack",
+        "critical", _rolled_back, lambda t: 0.0, operator.gt, lambda v: f"{v:.0f}",
+        "{model}: rollout rolled back",
+        "GET /admin/models/{model}/rollout for the evidence (each version's window, the rule, the shadow's "
+        "agreement); fix or remove the bad version under versions/<v>/ of the model's directory, then set "
+        "`traffic` in its model.yaml, or PATCH /admin/models/{model}/rollout with {{\"traffic\": null}} to return "
+        "to the file's weights.",
+        detail=lambda s: s.rollback,
+    ),
 )
 
 
@@ -152,10 +170,11 @@ def firing_alerts(snapshot: SignalSnapshot, thresholds: AlertThresholds) -> list
             continue
         limit = rule.limit(thresholds)
         if rule.breached(value, limit):
+            summary = rule.summary.format(model=snapshot.model, value=rule.show(value), threshold=rule.show(limit))
+            detail = rule.detail(snapshot) if rule.detail is not None else None
             alerts.append(Alert(
                 name=rule.name, model=snapshot.model, severity=rule.severity, value=value, threshold=limit,
-                summary=rule.summary.format(model=snapshot.model, value=rule.show(value), threshold=rule.show(limit)),
-                action=rule.action.format(model=snapshot.model),
+                summary=f"{summary}: {detail}" if detail else summary, action=rule.action.format(model=snapshot.model),
             ))
     return alerts
 

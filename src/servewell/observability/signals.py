@@ -1,4 +1,5 @@
-"""Golden signals per model over the last evaluation window, for the alert webhook.
+"""Golden signals per model over the last evaluation window (and its rollout's standing verdict), for the
+alert webhook.
 
 Reads the metrics registry's cumulative counters and keeps the previous reading, so each
 snapshot covers exactly the time since the last one; no I/O, cheap enough for the event loop.
@@ -25,6 +26,7 @@ class ModelFacts:
     queue_fill_ratio: float | None
     restarts: int
     memory_headroom_ratio: float | None
+    rollback: str | None = None  # why its rollout stands rolled back (`Rollout.alert_reason()`); None: it does not
 
 
 class SignalTracker:
@@ -54,6 +56,7 @@ class SignalTracker:
                 queue_fill_ratio=model.queue_fill_ratio,
                 worker_restarts=max(0, restarts),
                 memory_headroom_ratio=model.memory_headroom_ratio,
+                rollback=model.rollback,
             ))
         return out
 

@@ -78,14 +78,40 @@ def test_thresholds_come_from_the_config():
 
 def test_every_alert_carries_a_concrete_action():
     snapshot = SignalSnapshot("digits", p99_latency_s=9, error_ratio=1, rejected_ratio=1, queue_fill_ratio=1,
-                              worker_restarts=5, memory_headroom_ratio=0)
+                              worker_restarts=5, memory_headroom_ratio=0, rollback="canary version '2' failed")
     fired = firing_alerts(snapshot, AlertThresholds())
-    assert len(fired) == 6
+    assert len(fired) == len(RULES) == 7
     for alert in fired:
         assert "digits" in alert.summary
         assert "GET /" in alert.action or "POST /" in alert.action  # an endpoint to look at
     assert {a.name: a.severity for a in fired}["error_ratio"] == "critical"
     assert fired[0].summary == "digits: p99 latency 9000 ms over 500 ms"
+
+
+ROLLBACK = ("canary version '2' failed 40.0% of 52 requests over the last 5 s against 0.0% of stable version '1' "
+            "(allowed +10.0 points)")
+
+
+def test_a_rollback_fires_critical_with_its_evidence_and_what_to_do():
+    (alert,) = firing_alerts(SignalSnapshot("digits", error_ratio=0.0, rollback=ROLLBACK), AlertThresholds())
+    assert (alert.name, alert.severity, alert.value, alert.threshold) == ("rollout_rolled_back", "critical", 1.0, 0.0)
+    assert alert.summary == f"digits: rollout rolled back: {ROLLBACK}"  # the numbers reach the on-call
+    assert "GET /admin/models/digits/rollout" in alert.action and "versions/<v>/" in alert.action
+    assert 'PATCH /admin/models/digits/rollout with {"traffic": null}' in alert.action
+    # It holds as long as the verdict stands, reminded at the webhook's interval like any other alert.
+    evaluator = AlertEvaluator(AlertThresholds(), min_interval_s=600)
+    standing = [SignalSnapshot("digits", rollback=ROLLBACK)]
+    assert names(evaluator.evaluate(standing, 0.0)) == ["rollout_rolled_back"]
+    assert evaluator.evaluate(standing, 599.0) == [] and len(evaluator.evaluate(standing, 600.0)) == 1
+
+
+def test_a_rollout_that_is_not_rolled_back_fires_nothing():
+    assert firing_alerts(SignalSnapshot("digits", rollback=None), AlertThresholds()) == []
+    active = ActiveAlerts()
+    active.update(firing_alerts(SignalSnapshot("digits", rollback=ROLLBACK), AlertThresholds()), 1.0)
+    assert [a.prometheus for a in active.current()] == ["ServewellRolloutRolledBack"]
+    active.update(firing_alerts(SignalSnapshot("digits"), AlertThresholds()), 2.0)  # weights set again
+    assert active.current() == []
 
 
 def test_rate_limit_per_alert_and_model():

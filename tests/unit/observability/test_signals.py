@@ -26,3 +26,10 @@ def test_snapshots_cover_only_the_window_since_the_previous_one():
     assert second.worker_restarts == 2 and second.memory_headroom_ratio == 0.3
     (third,) = tracker.snapshots()
     assert third.p99_latency_s is None and third.worker_restarts == 0
+
+
+def test_a_standing_rollback_reaches_the_snapshot():
+    facts = [ModelFacts("m", None, 0, None, rollback="canary version '2' failed 40.0% of 52 requests"),
+             ModelFacts("n", None, 0, None)]
+    first, second = SignalTracker(ServeMetrics(), lambda: facts).snapshots()
+    assert first.rollback == "canary version '2' failed 40.0% of 52 requests" and second.rollback is None

@@ -288,6 +288,7 @@
       }
       if (m.load_s !== null) state.appendChild(el("div", "muted small", `loaded in ${m.load_s} s`));
       state.appendChild(poolLine(m));
+      if (m.rollout) state.appendChild(rolloutLine(m.rollout));
       const instances = row.insertCell();
       // An evicted or never loaded model has no worker: its last processes are history, not down.
       const shown = m.residency === "evicted" || m.residency === "not_loaded" ? [] : m.instances;
@@ -318,6 +319,28 @@
       renderSignals(row, m);
     }
     markSlowest(body, models);
+  }
+
+  /* ---------- safe rollouts: a traffic split's state, the weights in force, why it rolled back ---------- */
+
+  const ROLLOUT_LABELS = { rolled_back: "rolled back" };
+
+  function rolloutLine(r) {
+    const line = el("div", "rollout-line small");
+    line.dataset.rolloutState = r.state;
+    line.appendChild(el("span", "badge rollout-" + r.state, ROLLOUT_LABELS[r.state] || r.state));
+    const total = Object.values(r.weights).reduce((a, b) => a + b, 0);
+    const percent = (x) => +x.toFixed(1); // 95, 5, 33.3
+    const shares = Object.keys(r.weights).sort().map((v) => `v${v} ${percent(total > 0 ? r.weights[v] / total * 100 : 0)}%`);
+    if (r.shadow && r.shadow.percent > 0) shares.push(`shadow v${r.shadow.version} ${percent(r.shadow.percent)}%`);
+    line.appendChild(el("span", "muted", shares.join(" · ")));
+    if (r.state === "rolled_back" && r.reason) {
+      const reason = el("div", "reason", r.reason); // the rule's numbers; the evidence: GET /admin/models/NAME/rollout
+      reason.title = r.reason;
+      line.appendChild(reason);
+    }
+    line.title = "since " + new Date(r.changed_at * 1000).toLocaleString();
+    return line;
   }
 
   /* ---------- the model pool: each model's residency, and the summary ---------- */
