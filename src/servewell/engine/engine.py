@@ -471,14 +471,9 @@ class InferenceEngine(EngineAdmin):
     def model_facts(self) -> list[ModelFacts]:
         """Per-model facts the alert webhook evaluates (queue fill, restarts, memory headroom, and the
         rollback its rollout stands in)."""
-        facts = []
-        for slot in list(self._slots.values()):
-            fact = slot.entry.facts()
-            if fact is not None and slot.rollout is not None:
-                fact = dataclasses.replace(fact, rollback=slot.rollout.alert_reason())
-            if fact is not None:
-                facts.append(fact)
-        return facts
+        facts = [(slot, slot.entry.facts()) for slot in list(self._slots.values())]
+        return [f if s.rollout is None else dataclasses.replace(f, rollback=s.rollout.alert_reason())
+                for s, f in facts if f is not None]
 
     # --- lookups ---------------------------------------------------------------------------
 
