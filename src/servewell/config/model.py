@@ -128,6 +128,11 @@ class ModelConfig(StrictModel):
         5, ge=0, le=19, description="CPU niceness added to the worker process, so the frontend (admission, "
         "refusals, decoding, urgent routing) keeps the CPU it needs while models saturate the cores.",
     )
+    cpu_policy: Literal["normal", "idle"] = Field(
+        "normal", description="idle: the instances run under Linux's SCHED_IDLE, on CPU time nothing else wants "
+        "(a woken serving process preempts them at once); for background work. A version that only shadows "
+        "traffic gets it.",
+    )
     cpu_affinity: list[int] | list[list[int]] | None = Field(
         None, description="CPU cores the instances may run on: one list for every instance ([0, 1]), or one list "
         "per instance ([[0], [1]] pins instance 0 to core 0 and instance 1 to core 1).",

@@ -59,8 +59,8 @@ SHADOW_TIMEOUT_S = 10.0
 #: (a moving average, weight SHADOW_PRESSURE_ALPHA per request) queued behind a running batch.
 SHADOW_PRESSURE_LIMIT = 0.5
 SHADOW_PRESSURE_ALPHA = 0.05
-#: Niceness of a version that only shadows (no weight in model.yaml): its workers get the CPU the
-#: serving versions leave.
+#: Niceness of a version that only shadows (no weight in model.yaml); its workers also run under
+#: SCHED_IDLE (`cpu_policy: idle`): they get the CPU the serving versions leave.
 SHADOW_NICE = 19
 
 

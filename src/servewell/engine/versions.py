@@ -76,7 +76,7 @@ async def _load_version(rollout: Rollout, stable: ModelEntry, version: str, serv
         log.error("model %s: version %s cannot be read: %s", stable.name, version, exc, extra={"model": stable.name})
         return
     if rollout.shadow_only(version, stable.config):
-        config = config.model_copy(update={"nice": max(config.nice, SHADOW_NICE)})
+        config = config.model_copy(update={"nice": max(config.nice, SHADOW_NICE), "cpu_policy": "idle"})
     problem = signature_problem(stable.config, config)
     if problem is not None:
         rollout.failed[version] = problem

@@ -61,6 +61,11 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, beg
     stages: list[tuple[str, float]] = []
     if config.nice:
         os.nice(config.nice)
+    if config.cpu_policy == "idle" and hasattr(os, "SCHED_IDLE"):
+        try:  # a woken serving process preempts this one at once, whatever the niceness says
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError as exc:
+            logging.getLogger("servewell.workers").warning("cpu_policy idle cannot be applied: %s", exc)
     if config.cpu_affinity:
         try:
             os.sched_setaffinity(0, config.affinity_of(instance) or [])
