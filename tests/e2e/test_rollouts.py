@@ -13,6 +13,7 @@ top-1 disagrees with the stable version's).
 from __future__ import annotations
 
 import asyncio
+import os
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,12 @@ def test_a_shadow_is_compared_never_returned_and_rolled_back_on_disagreement(ser
         doc = rollout(server, "shadowed")
         return doc if doc["state"] == "rolled_back" else None
 
+    shadow = rollout(server, "shadowed")["versions"]["2"]
+    assert shadow["cpu_policy"] == "idle"  # a version that only shadows runs on CPU time nobody else wants
+    (worker,) = shadow["instances"]
+    assert os.sched_getscheduler(worker["pid"]) == os.SCHED_IDLE
+    (primary,) = server.health()["models"]["shadowed"]["instances"]
+    assert os.sched_getscheduler(primary["pid"]) == os.SCHED_OTHER
     doc = eventually(judged, 30, lambda: f"no verdict: {rollout(server, 'shadowed')}")
     assert doc["evidence"]["rule"] == "shadow_agreement" and doc["shadow"]["percent"] == 0.0
     assert doc["shadow"]["compared"] >= 5 and doc["shadow"]["top1_agreement"] == 0.0

@@ -373,7 +373,10 @@ class Rollout:
             "file_weights": dict(self.file_weights), "set_by_admin": self.admin_set,
             "sticky": self.settings.sticky, "reason": self.reason, "evidence": dict(self.evidence),
             "changed_at": self.changed_at,
-            "versions": {v: {"state": e.state, "reason": e.reason} for v, e in sorted(self.candidates.items())}
+            "versions": {v: {"state": e.state, "reason": e.reason, "cpu_policy": e.config.cpu_policy,
+                             "instances": [{"instance": i.instance, "pid": i.pid, "alive": i.alive,
+                                            "rss_bytes": i.rss_bytes} for i in e.instances()]}
+                         for v, e in sorted(self.candidates.items())}
             | {v: {"state": "failed", "reason": why} for v, why in sorted(self.failed.items())},
             "shadow": None if self.shadow_version is None else {
                 "version": self.shadow_version, "percent": self.shadow_percent, **self.shadow_counts,
