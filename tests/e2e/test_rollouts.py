@@ -84,7 +84,19 @@ def server(tmp_path_factory: pytest.TempPathFactory, start_module_server: Server
         "rollback": {"window_s": 5, "min_requests": 5, "min_shadow_agreement": 0.5}})
     srv = start_module_server(["--model-repository", str(root), "--config-poll-s", "0.5"])
     srv.wait_ready()
+    for name in ("split", "canary", "shadowed"):
+        versions_ready(srv, name)
     return srv
+
+
+def versions_ready(server: ServerProcess, name: str) -> None:
+    """Wait for a model's other versions: they load after the stable one, which serves everything
+    until they are ready."""
+    def ready() -> bool:
+        versions = rollout(server, name)["versions"]
+        return bool(versions) and all(v["state"] == "ready" for v in versions.values())
+
+    eventually(ready, 60, lambda: f"versions of {name} not ready: {rollout(server, name)}")
 
 
 def rollout(server: ServerProcess, name: str) -> dict[str, Any]:
@@ -219,6 +231,7 @@ def test_traffic_in_model_yaml_changes_live(tmp_path: Path, start_server: Server
            outputs=TENSORS["outputs"])
     srv = start_server(["--model-repository", str(tmp_path), "--config-poll-s", "0.3"])
     srv.wait_ready()
+    eventually(lambda: "2" in rollout(srv, "live")["versions"], 60, "version 2 of live did not load")
     assert {httpx.post(f"{srv.url}/v2/models/live/infer", json=body(), timeout=10).json()["model_version"]
             for _ in range(10)} == {"1"}
     pids = [i["pid"] for i in srv.health()["models"]["live"]["instances"]]
@@ -234,3 +247,21 @@ def test_traffic_in_model_yaml_changes_live(tmp_path: Path, start_server: Server
     assert [i["pid"] for i in srv.health()["models"]["live"]["instances"]] == pids  # applied live, same workers
     state = rollout(srv, "live")
     assert "inputs" in state["versions"]["3"]["reason"] and state["versions"]["3"]["state"] == "failed"
+
+
+def test_grpc_gets_the_split_the_route_key_and_the_version_that_answered(server: ServerProcess) -> None:
+    import numpy as np
+    import tritonclient.grpc as triton_grpc
+
+    batch = np.array([[0.1, 0.9, 0.3]], dtype=np.float32)
+    with triton_grpc.InferenceServerClient(server.grpc_url) as client:
+        def infer(headers: dict[str, str] | None = None, version: str = "") -> str:
+            tensor = triton_grpc.InferInput("x", list(batch.shape), "FP32")
+            tensor.set_data_from_numpy(batch)
+            result = client.infer("split", [tensor], model_version=version, headers=headers)
+            return str(result.get_response().model_version)
+
+        assert {infer() for _ in range(30)} == {"1", "2"}
+        for user in ("alice", "bob", "carol"):
+            assert len({infer({"x-route-key": user}) for _ in range(6)}) == 1
+        assert {infer(version="2") for _ in range(5)} == {"2"}
