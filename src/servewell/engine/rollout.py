@@ -102,6 +102,7 @@ class Rollout:
         self._versions: list[str] = []  # the draw table: versions and cumulative weights
         self._bounds: list[float] = []
         self._shares: dict[str, float] = {}
+        self._judging = False  # a canary takes traffic: every answer is reported to the judge
         self._pressure = 0.0  # moving share of requests that queued behind a running batch of the primary
         self.config_seen: ModelConfig | None = None  # the stable model.yaml last applied (engine/versions.py)
         self.configure(config, None)
@@ -124,7 +125,9 @@ class Rollout:
         if changed:
             self.weights, self.admin_set = dict(weights), False
             self._set_state("canary" if self.canaries() else "steady", None, {})
-        self.judge = RolloutJudge(self.stable, rules_of(self.settings.rollback))
+        rules = rules_of(self.settings.rollback)
+        if rules != self.judge.rules or self.judge.stable != self.stable:  # else its windows are kept
+            self.judge = RolloutJudge(self.stable, rules)
         self._rebuild()
 
     def set_by_admin(self, traffic: Mapping[str, float] | None | EllipsisType,
@@ -180,6 +183,7 @@ class Rollout:
             bounds.append(total)
         self._versions, self._bounds = versions, [b / total for b in bounds] if total else []
         self._shares = {v: (serving.get(v, 0.0) / total if total else 0.0) for v in self.versions()}
+        self._judging = bool(self.canaries())
 
     # --- the request path ------------------------------------------------------------------
 
@@ -213,14 +217,14 @@ class Rollout:
         return entry
 
     def watching(self) -> bool:
-        """Whether answers are reported to the judge (a canary takes traffic, or a shadow runs)."""
-        return self.state == "canary" or (self.shadow_version is not None and self.shadow_percent > 0)
+        """Whether the rules have anything to judge (a canary takes traffic, or a shadow runs)."""
+        return self._judging or (self.shadow_version is not None and self.shadow_percent > 0)
 
     def submitted(self, entry: ModelEntry, future: asyncio.Future[RequestResult], inputs: dict[str, np.ndarray],
                   rows: int, request_id: str) -> None:
         """A request that names no version or one of ours was queued on `entry`: report its answer
         to the judge while a canary is judged, and shadow it while a shadow runs."""
-        if self.state == "canary":
+        if self._judging:
             future.add_done_callback(partial(self.report, entry.version, time.monotonic()))
         if self.shadow_percent > 0:
             self.shadow(entry, inputs, rows, request_id, future)
@@ -323,8 +327,9 @@ class Rollout:
             return None
         shadow = self.shadow_version if self.shadow_percent > 0 else None
         verdict = self.judge.judge(time.monotonic(), self.canaries(), shadow)
-        if verdict is None:
-            return None
+        if verdict is None or (verdict.action == "promote" and self.state == "promoted"
+                               and self.evidence.get("version") == verdict.version):
+            return None  # promoted already: the rules keep watching it, the promotion is not repeated
         if verdict.action == "rollback":
             if verdict.version != self.stable:  # a stable version is never taken out of traffic
                 self.weights[verdict.version] = 0.0
