@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from servewell.config.model import ModelConfig, TensorSpec
-from servewell.config.model_file import CONFIG_FILE, ModelConfigError, read_model_yaml
+from servewell.config.model_file import CONFIG_FILE, ModelConfigError, read_model_yaml, version_problems
 from servewell.engine.memory_budget import MiB, estimate_model_memory
 from servewell.engine.pipeline_check import check_pipeline
 from servewell.engine.repository import scan_repository
@@ -83,6 +83,7 @@ def report_repository(
         config = source.config
         report.problems.extend(affinity_problems(config, available_cpus))
         report.problems.extend(found)
+        report.problems.extend(version_problems(source.directory, config))  # versions/<v>/ of a traffic split
         if config.kind == "pipeline":  # against its step models, as the server checks it when it loads
             report.problems.extend(f"pipeline: {p}" for p in check_pipeline(config, partial(_step_config, configs)))
         report.notes.extend(notes)

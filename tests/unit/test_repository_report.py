@@ -101,3 +101,15 @@ def test_a_pipeline_is_checked_against_its_step_models(tmp_path: Path) -> None:
     assert wrong.status == "INVALID"
     assert wrong.problems == [
         "pipeline: step 'one' (model 'mlp') input 'x' is FP32 [4], but its source 'z' is INT64 [4]"]
+
+
+def test_the_versions_a_traffic_split_names_are_checked_as_the_server_reads_them(tmp_path: Path) -> None:
+    onnx_model(tmp_path, "split", traffic={"1": 90, "2": 5, "3": 5}, rollout={"shadow": {"version": "4"}})
+    onnx_model(tmp_path / "split" / "versions", "2")  # fine: same tensors (name and version from the path)
+    onnx_model(tmp_path / "split" / "versions", "3",
+               inputs=[{"name": "x", "datatype": "FP32", "shape": [5]}])  # other tensors
+    (report,) = report_repository(tmp_path, 1 << 40, {0}, check_graphs=False)
+    assert len(report.problems) == 2, report.problems
+    assert report.problems[0].startswith("version '3': its inputs") and "differ from stable version '1'" in \
+        report.problems[0]
+    assert report.problems[1].startswith("version '4': ") and "missing" in report.problems[1]

@@ -400,6 +400,15 @@ class ModelConfig(StrictModel):
         return next((t for t in self.inputs if t.name == name), None)
 
     @property
+    def other_versions(self) -> set[str]:
+        """The versions under versions/<v>/ that `traffic` or `rollout.shadow` name (not this one)."""
+        wanted = set(self.traffic or ())
+        if self.rollout is not None and self.rollout.shadow is not None:
+            wanted.add(self.rollout.shadow.version)
+        wanted.discard(self.version)
+        return wanted
+
+    @property
     def image_input(self) -> str | None:
         """Name of the input fed by image preprocessing, if the model has one."""
         if self.preprocess is None:

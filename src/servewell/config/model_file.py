@@ -16,6 +16,7 @@ from servewell.config.bounded_yaml import cut, load_bounded, short_yaml_error
 from servewell.config.file_read import DEFAULT_MAX_CONFIG_BYTES, ConfigReadError, read_config_bytes
 from servewell.config.model import ModelConfig, is_pattern
 from servewell.config.problems import TOP_LEVEL, FieldProblem, field_problems
+from servewell.config.rollout import VERSIONS_DIRECTORY
 
 CONFIG_FILE = "model.yaml"
 #: Problems kept per file, and characters per field name and reason: pydantic messages can echo
@@ -95,3 +96,33 @@ def read_model_yaml(directory: Path, max_bytes: int = DEFAULT_MAX_CONFIG_BYTES, 
     if problems:
         raise ModelConfigError(path, problems)
     return config
+
+
+def signature_problem(stable: ModelConfig, other: ModelConfig) -> str | None:
+    """Why version `other` cannot share `stable`'s requests (None: it can): every version of a
+    model takes the same inputs and gives the same outputs (names, datatypes, shapes)."""
+    for group in ("inputs", "outputs"):
+        mine = [(t.name, t.datatype, tuple(t.shape)) for t in getattr(stable, group)]
+        theirs = [(t.name, t.datatype, tuple(t.shape)) for t in getattr(other, group)]
+        if sorted(mine) != sorted(theirs):
+            return (f"its {group} {theirs} differ from stable version '{stable.version}''s {mine}: every version of "
+                    "a model takes the same requests and gives the same outputs")
+    if (stable.max_batch_size == 0) != (other.max_batch_size == 0):
+        return "max_batch_size 0 (no batch dimension) must be the same for every version"
+    return None
+
+
+def version_problems(directory: Path, config: ModelConfig) -> list[str]:
+    """Problems of the other versions `config` (a model's stable model.yaml in `directory`) names
+    in `traffic` or as its shadow, each read from `versions/<v>/` as the server reads it."""
+    problems = []
+    for version in sorted(config.other_versions):
+        try:
+            other = read_model_yaml(directory / VERSIONS_DIRECTORY / version, version_of=config.name)
+        except ModelConfigError as exc:
+            problems.append(f"version {version!r}: {exc}")
+            continue
+        mismatch = signature_problem(config, other)
+        if mismatch is not None:
+            problems.append(f"version {version!r}: {mismatch}")
+    return problems

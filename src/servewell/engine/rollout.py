@@ -152,14 +152,6 @@ class Rollout:
                                         else shadow_percent or 0.0)
         self._rebuild()
 
-    def wanted_versions(self, config: ModelConfig) -> set[str]:
-        """Versions other than the stable one that `config` needs loaded."""
-        wanted = set(config.traffic or ())
-        if config.rollout is not None and config.rollout.shadow is not None:
-            wanted.add(config.rollout.shadow.version)
-        wanted.discard(config.version)
-        return wanted
-
     @staticmethod
     def shadow_only(version: str, config: ModelConfig) -> bool:
         """Whether `config` names `version` as its shadow and gives it no traffic (it runs at SHADOW_NICE)."""

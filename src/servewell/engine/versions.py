@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Iterable
 
-from servewell.config.model import ModelConfig
+from servewell.config.model_file import signature_problem
 from servewell.config.rollout import VERSIONS_DIRECTORY
 from servewell.engine.model_entry import EntryServices, ModelEntry
 from servewell.engine.model_pool import ModelSlot
@@ -27,19 +27,6 @@ log = logging.getLogger("servewell.rollout")
 
 #: How often the rollout rules are applied.
 JUDGE_INTERVAL_S = 1.0
-
-
-def signature_problem(stable: ModelConfig, other: ModelConfig) -> str | None:
-    """Why `other` cannot share `stable`'s requests (None: it can)."""
-    for group in ("inputs", "outputs"):
-        mine = [(t.name, t.datatype, tuple(t.shape)) for t in getattr(stable, group)]
-        theirs = [(t.name, t.datatype, tuple(t.shape)) for t in getattr(other, group)]
-        if sorted(mine) != sorted(theirs):
-            return (f"its {group} {theirs} differ from stable version '{stable.version}''s {mine}: every version of "
-                    "a model takes the same requests and gives the same outputs")
-    if (stable.max_batch_size == 0) != (other.max_batch_size == 0):
-        return "max_batch_size 0 (no batch dimension) must be the same for every version"
-    return None
 
 
 async def sync_versions(slot: ModelSlot, services: EntryServices, metrics: ServeMetrics | None) -> None:
@@ -55,7 +42,7 @@ async def sync_versions(slot: ModelSlot, services: EntryServices, metrics: Serve
     previous = rollout.config_seen if rollout is not None else None
     if rollout is None:
         rollout = slot.rollout = Rollout(stable.name, config, metrics)
-    wanted = rollout.wanted_versions(config)
+    wanted = config.other_versions
     for version in [v for v in rollout.candidates if v not in wanted]:
         await rollout.candidates.pop(version).stop("unloading", "unloaded", "no longer named by traffic or shadow")
     rollout.failed = {}
