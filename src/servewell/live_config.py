@@ -222,6 +222,8 @@ class ConfigReloader:
         live = [name for name in changed if name in LIVE_FIELDS]
         self.pending_restart = [name for name in changed if name not in LIVE_FIELDS]
         self._applied(path)
+        if "payload_log" in live and not self._apply_payload_log(fresh, path):
+            live.remove("payload_log")
         if any(name.startswith("api_key") for name in live):
             if not self._reload_keys(fresh, f"config file {path} changed the API keys", path):
                 live = [name for name in live if not name.startswith("api_key")]
@@ -239,6 +241,18 @@ class ConfigReloader:
         if self.pending_restart:
             log.warning("config file %s changes %s, which need a restart; the running values are kept",
                         path, self.pending_restart, extra={"fields": self.pending_restart})
+
+    def _apply_payload_log(self, settings: ServerConfig, path: Path) -> bool:
+        # A sink that cannot be opened rejects the change: the running payload log stays as it was.
+        payload_log = self._engine.payload_log
+        if payload_log is None:
+            return False
+        try:
+            payload_log.apply(settings.payload_log)
+        except OSError as exc:
+            self._reject(path, [("payload_log", f"{type(exc).__name__}: {exc}")], "the running payload log is kept")
+            return False
+        return True
 
     def _reload_keys(self, settings: ServerConfig, why: str, path: Path) -> bool:
         try:

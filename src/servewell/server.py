@@ -40,6 +40,7 @@ from servewell.observability.alerting import run_alerting
 from servewell.observability.console_feed import ConsoleFeed
 from servewell.observability.gpu import GpuProbe
 from servewell.observability.metrics import ProcessRestartsCollector, RolloutCollector, ServeMetrics, StateCollector
+from servewell.observability.payload_log import PayloadLog, PayloadLogCollector
 from servewell.observability.process import process_facts
 from servewell.observability.signals import SignalTracker
 from servewell.observability.steps import set_step_sink
@@ -157,7 +158,13 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
                                                settings.max_concurrent_loads or max(1, usable_cpus() // 4),
                                                settings.load_queue_per_model, settings.idle_unload_s),
                              device_memory_budget_bytes=settings.device_memory_budget_bytes, tenants=tenants)
+    try:  # in the engine process: every request of every ingress passes it (observability/payload_log.py)
+        payload_log = PayloadLog(settings.payload_log)
+    except OSError as exc:
+        raise ConfigFileError(f"payload_log: {exc}") from None
+    engine.payload_log = payload_log
     if metrics is not None:
+        metrics.registry.register(PayloadLogCollector(payload_log))
         set_step_sink(lambda name, seconds: metrics.trace_steps.labels(name).observe(seconds), tracing.tracer)
         gpus = GpuProbe()
         metrics.registry.register(RolloutCollector(lambda: rollout_gauges(engine.slots.values())))
@@ -238,6 +245,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
             await door.stop()
         for pool in pools:
             pool.shutdown(wait=False)
+        await asyncio.to_thread(payload_log.close)  # every request is answered: bounded (CLOSE_TIMEOUT_S)
         await asyncio.to_thread(tracing.shutdown)  # bounded (SHUTDOWN_FLUSH_S)
 
     state = AppState(engine, plane, settings, metrics, access, knobs, reloader.report, console, reloader.status)

@@ -18,6 +18,7 @@ from servewell.config.alerting import AlertingConfig
 from servewell.config.bounded_yaml import cut, load_bounded, short_yaml_error
 from servewell.config.fields import values_from_env
 from servewell.config.file_read import DEFAULT_MAX_CONFIG_BYTES, decode_utf8, read_config_bytes
+from servewell.config.payload_log import PayloadLogConfig
 
 ENV_PREFIX = "SERVEWELL_"
 
@@ -174,6 +175,9 @@ class ServerConfig(BaseModel):
     alerting: AlertingConfig = Field(
         default_factory=AlertingConfig, description="Optional alert webhook (config file only: nested settings)."
     )
+    payload_log: PayloadLogConfig = Field(
+        default_factory=PayloadLogConfig, description="Sampled log of requests and answers to JSONL files and/or "
+        "CloudEvents over HTTP (config file only: nested settings; off by default; applied live).")
     decode_threads: int = Field(2, ge=1, le=64, description="Threads that decode and resize images off the event loop.")
     decode_heavy_nice: int = Field(
         10, ge=0, le=19,
@@ -307,7 +311,7 @@ class ConfigFileError(ValueError):
 #: Settings a running server takes from a changed --config file (or keys file) without a restart.
 LIVE_FIELDS = frozenset((
     "log_level", "trace_sample_ratio", "slow_request_ms", "api_keys", "api_keys_file", "api_key_rate_per_s",
-    "metrics_require_key", "config_poll_s",
+    "metrics_require_key", "config_poll_s", "payload_log",
 ))
 
 

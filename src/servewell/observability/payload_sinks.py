@@ -1,0 +1,303 @@
+"""Where the payload log's records go (observability/payload_log.py hands them over on its own
+threads): their JSON forms, rotating JSONL files, and CloudEvents POSTed over keep-alive HTTP.
+
+Nothing here runs on the event loop: encoding and I/O are the background threads' work.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import http.client
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import orjson
+
+from servewell.config.payload_log import PayloadFileSink, PayloadHttpSink
+from servewell.config.tensors import NUMPY_TO_OIP
+
+log = logging.getLogger("servewell.payload_log")
+
+REDACTED = "[redacted]"
+CE_REQUEST = "org.kubeflow.serving.inference.request"  # KServe's logger (pkg/logger/worker.go)
+CE_RESPONSE = "org.kubeflow.serving.inference.response"
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+#: Shortest time between two warnings about one sink's failures (the rest are counted in /metrics).
+WARN_INTERVAL_S = 60.0
+
+
+@dataclass(slots=True)
+class TensorCapture:
+    """One tensor as taken at `record()`: its own copy (None when redacted), logged as values or digest."""
+
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    values: np.ndarray | None
+    as_digest: bool
+
+
+@dataclass(slots=True)
+class PayloadRecord:
+    """One finished request, as the event loop handed it over (nothing encoded yet)."""
+
+    time_s: float
+    model: str
+    version: str
+    tenant: str | None
+    request_id: str
+    latency_s: float
+    status: int
+    code: str | None
+    message: str | None
+    inputs: dict[str, TensorCapture]
+    outputs: dict[str, TensorCapture] | None
+    nbytes: int
+
+
+@dataclass(slots=True)
+class EncodedRecord:
+    """A record's JSONL line and, for the HTTP sink, its request and response event bodies."""
+
+    line: bytes
+    request_body: bytes
+    response_body: bytes
+    record: PayloadRecord
+
+
+def sha256_of(values: np.ndarray) -> str:
+    """The digest of a tensor: sha256 of its C-order bytes; BYTES tensors as the OIP binary
+    extension lays them out (each element's 4-byte little-endian length, then its bytes)."""
+    if values.dtype.kind == "O":
+        digest = hashlib.sha256()
+        for item in values.reshape(-1):
+            raw = item if isinstance(item, bytes) else str(item).encode()
+            digest.update(len(raw).to_bytes(4, "little"))
+            digest.update(raw)
+        return digest.hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(values).data).hexdigest()
+
+
+def _data(values: np.ndarray) -> Any:
+    flat = values.reshape(-1)
+    if flat.dtype.kind in "OSU":
+        return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in flat]
+    if flat.dtype == np.float16:  # orjson serialises no float16
+        return flat.astype(np.float32)
+    return flat
+
+
+@functools.cache
+def oip_datatype(dtype: np.dtype[Any]) -> str:
+    """The Open Inference Protocol name of a numpy dtype (BYTES for objects and strings)."""
+    return "BYTES" if dtype.kind in "OSU" else NUMPY_TO_OIP.get(dtype.name, dtype.name.upper())
+
+
+def tensor_doc(tensor: TensorCapture) -> dict[str, Any]:
+    """`{datatype, shape, data | sha256}`; data "[redacted]" for a redacted tensor."""
+    doc: dict[str, Any] = {"datatype": oip_datatype(tensor.dtype), "shape": tensor.shape}
+    if tensor.values is None:
+        doc["data"] = REDACTED
+    elif tensor.as_digest:
+        doc["sha256"] = sha256_of(tensor.values)
+    else:
+        doc["data"] = _data(tensor.values)
+    return doc
+
+
+def rfc3339(time_s: float) -> str:
+    """`2025-01-31T12:00:00.123Z`."""
+    return datetime.fromtimestamp(time_s, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def encode(record: PayloadRecord, for_http: bool) -> EncodedRecord:
+    """The JSONL line and (`for_http`) the OIP-shaped bodies of its two CloudEvents."""
+    inputs = {name: tensor_doc(t) for name, t in record.inputs.items()}
+    outputs = None if record.outputs is None else {name: tensor_doc(t) for name, t in record.outputs.items()}
+    error = None if record.code is None else {"code": record.code, "message": record.message}
+    latency_ms = round(record.latency_s * 1000.0, 3)
+    line = orjson.dumps({
+        "time": rfc3339(record.time_s), "model": record.model, "version": record.version, "tenant": record.tenant,
+        "request_id": record.request_id, "latency_ms": latency_ms, "status": record.status, "error": error,
+        "inputs": inputs, "outputs": outputs}, option=_NUMPY | orjson.OPT_APPEND_NEWLINE)
+    if not for_http:
+        return EncodedRecord(line, b"", b"", record)
+    request = orjson.dumps({"id": record.request_id, "inputs": [{"name": n, **d} for n, d in inputs.items()]},
+                           option=_NUMPY)
+    response: dict[str, Any] = {"model_name": record.model, "model_version": record.version, "id": record.request_id}
+    if outputs is not None:
+        response["outputs"] = [{"name": n, **d} for n, d in outputs.items()]
+    if error is not None:
+        response["error"] = record.message
+    response["parameters"] = {"status": record.status, "latency_ms": latency_ms,
+                              **({"code": record.code} if record.code is not None else {}),
+                              **({"tenant": record.tenant} if record.tenant else {})}
+    return EncodedRecord(line, request, orjson.dumps(response, option=_NUMPY), record)
+
+
+class RotatingFile:
+    """A JSONL file rotated by size: PATH -> PATH.1 -> ... -> PATH.KEEP (the oldest removed).
+    Opened at construction, so an unwritable path is refused when the settings are applied."""
+
+    def __init__(self, settings: PayloadFileSink) -> None:
+        self.settings = settings
+        self._path = settings.path
+        self._file = open(self._path, "ab", buffering=0)
+        self._size = self._file.tell()
+
+    def write(self, lines: list[bytes]) -> None:
+        """Append `lines` (whole lines, rotating between two of them when the file is full)."""
+        chunk: list[bytes] = []
+        size = self._size
+        for line in lines:
+            if size and size + len(line) > self.settings.max_bytes:
+                self._write(chunk)
+                chunk = []
+                self._rotate()
+                size = 0
+            chunk.append(line)
+            size += len(line)
+        self._write(chunk)
+
+    def _write(self, chunk: list[bytes]) -> None:
+        if chunk:
+            data = b"".join(chunk)
+            view = memoryview(data)
+            while view:  # an unbuffered write may be short
+                view = view[self._file.write(view) or 0:]
+            self._size += len(data)
+
+    def _rotate(self) -> None:
+        self._file.close()
+        keep = self.settings.keep
+        path = self._path
+        if keep == 0:
+            path.unlink(missing_ok=True)
+        else:
+            Path(f"{path}.{keep}").unlink(missing_ok=True)
+            for i in range(keep - 1, 0, -1):
+                older = Path(f"{path}.{i}")
+                if older.exists():
+                    os.replace(older, f"{path}.{i + 1}")
+            os.replace(path, f"{path}.1")
+        self._file = open(path, "ab", buffering=0)
+        self._size = 0
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        self._file.close()
+
+
+class HttpEventSender:
+    """POSTs CloudEvents to one URL over one keep-alive connection (one thread uses it)."""
+
+    def __init__(self, settings: PayloadHttpSink) -> None:
+        self.settings = settings
+        url = urlsplit(settings.url.get_secret_value())
+        self._https = url.scheme == "https"
+        self._host = url.hostname or ""
+        self._port = url.port
+        self._path = (url.path or "/") + (f"?{url.query}" if url.query else "")
+        self._extra = {name: value.get_secret_value() for name, value in settings.headers.items()}
+        self._conn: http.client.HTTPConnection | None = None
+        self._warned_at = 0.0
+
+    def deliver(self, records: list[EncodedRecord], until: float) -> tuple[int, int]:
+        """Send the records' events, none after `until` (monotonic; no retry either): how many
+        records had every event taken (2xx) and how many failed; the rest were not tried."""
+        written = failed = 0
+        if self.settings.mode == "batch":
+            step = max(1, self.settings.batch_events // 2)
+            for start in range(0, len(records), step):
+                if time.monotonic() >= until:
+                    break
+                part = records[start:start + step]
+                ok = self._post(self._batch_body(part),
+                                {**self._extra, "Content-Type": "application/cloudevents-batch+json"}, until)
+                written, failed = (written + len(part), failed) if ok else (written, failed + len(part))
+            return written, failed
+        for r in records:
+            if time.monotonic() >= until:
+                break
+            if (self._post(r.request_body, self._binary_headers(r, CE_REQUEST), until)
+                    and self._post(r.response_body, self._binary_headers(r, CE_RESPONSE), until)):
+                written += 1
+            else:
+                failed += 1
+        return written, failed
+
+    def _attributes(self, record: PayloadRecord, kind: str) -> dict[str, str]:
+        # KServe's extensions: inferenceservicename (the model), component, endpoint (here: the
+        # version that answered, as KServe's default/canary), namespace when configured.
+        attributes = {"specversion": "1.0", "id": record.request_id, "type": kind, "source": self.settings.source,
+                      "time": rfc3339(record.time_s), "inferenceservicename": record.model,
+                      "component": "predictor", "endpoint": record.version}
+        if self.settings.namespace:
+            attributes["namespace"] = self.settings.namespace
+        if record.tenant:
+            attributes["tenant"] = record.tenant
+        return attributes
+
+    def _binary_headers(self, encoded: EncodedRecord, kind: str) -> dict[str, str]:
+        headers = {f"ce-{k}": v for k, v in self._attributes(encoded.record, kind).items()}
+        return {**self._extra, **headers, "Content-Type": "application/json"}
+
+    def _batch_body(self, records: list[EncodedRecord]) -> bytes:
+        events = []
+        for r in records:
+            for kind, body in ((CE_REQUEST, r.request_body), (CE_RESPONSE, r.response_body)):
+                events.append({**self._attributes(r.record, kind), "datacontenttype": "application/json",
+                               "data": orjson.Fragment(body)})
+        return orjson.dumps(events)
+
+    def _post(self, body: bytes, headers: dict[str, str], until: float) -> bool:
+        problem = ""
+        for attempt in range(self.settings.retries + 1):
+            if attempt and time.monotonic() >= until:
+                break
+            if attempt:
+                time.sleep(min(1.0, 0.05 * 2 ** attempt))
+            try:
+                conn = self._conn or self._connect()
+                conn.request("POST", self._path, body, headers)
+                response = conn.getresponse()
+                response.read()
+                if 200 <= response.status < 300:
+                    return True
+                problem = f"HTTP {response.status}"
+                if response.status != 429 and response.status < 500:
+                    break  # the sink refuses this event: trying again would not help
+            except (OSError, http.client.HTTPException) as exc:
+                problem = type(exc).__name__
+                self._disconnect()
+        self._warn(problem)
+        return False
+
+    def _connect(self) -> http.client.HTTPConnection:
+        timeout = self.settings.timeout_s
+        self._conn = (http.client.HTTPSConnection(self._host, self._port, timeout=timeout) if self._https
+                      else http.client.HTTPConnection(self._host, self._port, timeout=timeout))
+        return self._conn
+
+    def _disconnect(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _warn(self, problem: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_INTERVAL_S:  # the URL may hold a secret: never logged
+            self._warned_at = now
+            log.warning("payload log: the HTTP sink failed (%s); failures are counted in "
+                        "servewell_payload_log_records_total{sink=\"http\",outcome=\"failed\"}", problem)
+
+    def close(self) -> None:
+        """Close the connection."""
+        self._disconnect()
