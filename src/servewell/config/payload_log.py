@@ -3,6 +3,7 @@ answers to rotating JSONL files and/or an HTTP sink of CloudEvents (part of the 
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -98,4 +99,12 @@ class PayloadLogConfig(BaseModel):
         # Enabled with nowhere to write would sample, copy and count for nothing.
         if self.enabled and self.file is None and self.http is None:
             raise ValueError("payload_log is enabled but has no sink: set file, http or both")
+        if self.enabled and self.file is not None:
+            # Checked at load, so a server does not start (and a reload is rejected) with a log
+            # it could not write; the file itself is opened when the settings are applied.
+            path = self.file.path
+            if not path.parent.is_dir() or not os.access(path.parent, os.W_OK | os.X_OK):
+                raise ValueError(f"file.path {str(path)!r}: its directory does not exist or is not writable")
+            if path.is_dir() or (path.exists() and not os.access(path, os.W_OK)):
+                raise ValueError(f"file.path {str(path)!r}: is a directory or not writable")
         return self

@@ -207,8 +207,14 @@ def test_a_stuck_sink_drops_and_counts_without_blocking_record(tmp_path):
 def test_a_change_that_cannot_be_applied_keeps_the_running_log(tmp_path):
     log = PayloadLog(settings(tmp_path))
     try:
+        with pytest.raises(ValidationError, match="does not exist or is not writable"):
+            settings(tmp_path, file={"path": str(tmp_path / "missing" / "log.jsonl")})
+        gone = tmp_path / "gone"
+        gone.mkdir()
+        valid_then = settings(tmp_path, file={"path": str(gone / "log.jsonl")})
+        gone.rmdir()  # removed between the check at load and the apply
         with pytest.raises(OSError):
-            log.apply(settings(tmp_path, file={"path": str(tmp_path / "missing" / "log.jsonl")}))
+            log.apply(valid_then)
         record(log, "r1")
     finally:
         log.close()
