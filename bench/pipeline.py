@@ -47,13 +47,11 @@ import numpy as np
 import orjson
 import yaml
 
-from bench.processes import ServerProcess, TreeCpu, free_port
+from bench.processes import ServerProcess, TreeCpu, free_port, oip_load
 from bench.report import finish_rounds, median_over
 from bench.workspace import RESULTS, WORK
-from servewell.perf import loop as load_loop
 from servewell.perf.httpclient import HttpConnection, encode_request
 from servewell.perf.loop import LoadShape
-from servewell.perf.oip_http import HttpOipConnection
 from servewell.perf.stats import summarize_ms
 
 WIDTH, CLASSES = 64, 10
@@ -175,16 +173,6 @@ def low_load(server: ServerProcess, kind: str, requests: int, seed: int) -> dict
     return {"latency_ms": summarize_ms(latencies), "cpu_us_per_chain": 1e6 * sum(spent.values()) / requests}
 
 
-class _Same:
-    """The load loop's trace: one pre-encoded request over and over."""
-
-    def __init__(self, payload: bytes) -> None:
-        self._payload = payload
-
-    def next(self) -> tuple[str, bytes]:
-        return "same", self._payload
-
-
 def _worker_models(port: int) -> dict[int, str]:
     """pid -> model name of every worker, from /healthz."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as reply:
@@ -200,8 +188,7 @@ def saturation(server: ServerProcess, model: str, clients: int, seconds: float) 
     shape = LoadShape("closed", concurrency=clients, duration_s=seconds, warmup_s=min(2.0, seconds / 2), grace_s=15,
                       max_requests=1_000_000)
     meter = TreeCpu(server.pid).start()
-    recorder = asyncio.run(load_loop.run_load(shape, lambda: HttpOipConnection("127.0.0.1", server.port),
-                                              _Same(payload)))
+    recorder, figures = oip_load(server.port, payload, shape)
     meter.stop()
     cpu: dict[str, float] = {}
     workers = _worker_models(server.port)
@@ -209,12 +196,7 @@ def saturation(server: ServerProcess, model: str, clients: int, seconds: float) 
         role, _, pid = key.rpartition(":")
         label = workers.get(int(pid), role) if pid.isdigit() else role
         cpu[label] = cpu.get(label, 0.0) + seconds
-    window = [o for o in recorder.outcomes if recorder.in_window(o.arrival)]
-    ok = [o for o in window if o.ok]
-    span = recorder.window_end - recorder.window_start
-    return {"ok_per_s": len(ok) / span if span > 0 else 0.0, "errors": len(window) - len(ok),
-            "latency_ms": summarize_ms([o.latency_ms for o in ok]),
-            "cpu_us_per_request": {role: round(1e6 * seconds / max(1, len(recorder.outcomes)))
+    return {**figures, "cpu_us_per_request": {role: round(1e6 * seconds / max(1, len(recorder.outcomes)))
                                    for role, seconds in sorted(cpu.items())}}
 
 

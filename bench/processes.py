@@ -370,3 +370,31 @@ def tree_roles(root: int) -> dict[str, list[int]]:
     for pid in tree_pids(root):
         roles.setdefault(role_of(pid, root), []).append(pid)
     return roles
+
+
+class SameRequest:
+    """A load loop's request source: one pre-encoded request over and over."""
+
+    def __init__(self, payload: bytes) -> None:
+        self._payload = payload
+
+    def next(self) -> tuple[str, bytes]:
+        """The same request again."""
+        return "same", self._payload
+
+
+def oip_load(port: int, payload: bytes, shape: Any) -> tuple[Any, dict[str, Any]]:
+    """One load step (`servewell.perf.loop.LoadShape`) of `payload` against loopback `port`: the
+    recorder, and answered per second, errors and latency over the measured window."""
+    import asyncio
+
+    from servewell.perf import loop as load_loop
+    from servewell.perf.oip_http import HttpOipConnection
+    from servewell.perf.stats import summarize_ms
+
+    recorder = asyncio.run(load_loop.run_load(shape, lambda: HttpOipConnection(HOST, port), SameRequest(payload)))
+    window = [o for o in recorder.outcomes if recorder.in_window(o.arrival)]
+    ok = [o for o in window if o.ok]
+    span = recorder.window_end - recorder.window_start
+    return recorder, {"ok_per_s": len(ok) / span if span > 0 else 0.0, "errors": len(window) - len(ok),
+                      "latency_ms": summarize_ms([o.latency_ms for o in ok])}

@@ -41,14 +41,11 @@ import numpy as np
 import orjson
 import yaml
 
-from bench.processes import ServerProcess, free_port, http_json
+from bench.processes import ServerProcess, free_port, http_json, oip_load
 from bench.report import finish_rounds, median_over
 from bench.workspace import RESULTS, WORK
-from servewell.perf import loop as load_loop
 from servewell.perf.httpclient import HttpConnection, encode_request
 from servewell.perf.loop import LoadShape
-from servewell.perf.oip_http import HttpOipConnection
-from servewell.perf.stats import summarize_ms
 
 WIDTH = 64
 GOAL_ROLLBACK_S = 30.0
@@ -189,14 +186,6 @@ def _reset(port: int, model: str) -> None:
         raise RuntimeError(f"PATCH rollout of {model}: HTTP {status} {doc}")
 
 
-class _Same:
-    def __init__(self, payload: bytes) -> None:
-        self._payload = payload
-
-    def next(self) -> tuple[str, Any]:
-        return "normal", self._payload
-
-
 def _shadow_counts(port: int) -> dict[str, float]:
     import urllib.request
 
@@ -216,14 +205,9 @@ def load(port: int, model: str, shape: LoadShape) -> dict[str, Any]:
     """One load step against `model`: answered per second, p50/p99, shadow copies meanwhile."""
     payload = _request(port, model, np.linspace(0, 1, WIDTH, dtype=np.float32).tolist())
     before = _shadow_counts(port)
-    recorder = asyncio.run(load_loop.run_load(shape, lambda: HttpOipConnection("127.0.0.1", port), _Same(payload)))
+    _, figures = oip_load(port, payload, shape)
     after = _shadow_counts(port)
-    window = [o for o in recorder.outcomes if recorder.in_window(o.arrival)]
-    ok = [o for o in window if o.ok]
-    span = recorder.window_end - recorder.window_start
-    return {"ok_per_s": len(ok) / span if span > 0 else 0.0, "errors": len(window) - len(ok),
-            "latency_ms": summarize_ms([o.latency_ms for o in ok]),
-            "shadow": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(after) | set(before)}}
+    return {**figures, "shadow": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(after) | set(before)}}
 
 
 def main(argv: list[str] | None = None) -> int:
