@@ -117,29 +117,42 @@ def rfc3339(time_s: float) -> str:
     return datetime.fromtimestamp(time_s, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def _encoded_docs(tensors: dict[str, TensorCapture]) -> dict[str, bytes]:
+    # Each tensor is serialised once (its values are most of the work) and the bytes reused by the
+    # JSONL line and the HTTP bodies.
+    return {name: orjson.dumps(tensor_doc(t), option=_NUMPY) for name, t in tensors.items()}
+
+
+def _oip_list(docs: dict[str, bytes]) -> orjson.Fragment:
+    """`[{"name": ..., "datatype": ...}, ...]` from serialised docs (each one a non-empty object)."""
+    return orjson.Fragment(b"[" + b",".join(b'{"name":' + orjson.dumps(name) + b"," + doc[1:]
+                                            for name, doc in docs.items()) + b"]")
+
+
 def encode(record: PayloadRecord, for_http: bool) -> EncodedRecord:
     """The JSONL line and (`for_http`) the OIP-shaped bodies of its two CloudEvents."""
-    inputs = {name: tensor_doc(t) for name, t in record.inputs.items()}
-    outputs = None if record.outputs is None else {name: tensor_doc(t) for name, t in record.outputs.items()}
+    inputs = _encoded_docs(record.inputs)
+    outputs = None if record.outputs is None else _encoded_docs(record.outputs)
     error = None if record.code is None else {"code": record.code, "message": record.message}
     latency_ms = round(record.latency_s * 1000.0, 3)
     line = orjson.dumps({
         "time": rfc3339(record.time_s), "model": record.model, "version": record.version, "tenant": record.tenant,
         "request_id": record.request_id, "latency_ms": latency_ms, "status": record.status, "error": error,
-        "inputs": inputs, "outputs": outputs}, option=_NUMPY | orjson.OPT_APPEND_NEWLINE)
+        "inputs": {name: orjson.Fragment(doc) for name, doc in inputs.items()},
+        "outputs": None if outputs is None else {name: orjson.Fragment(doc) for name, doc in outputs.items()}},
+        option=orjson.OPT_APPEND_NEWLINE)
     if not for_http:
         return EncodedRecord(line, b"", b"", record)
-    request = orjson.dumps({"id": record.request_id, "inputs": [{"name": n, **d} for n, d in inputs.items()]},
-                           option=_NUMPY)
+    request = orjson.dumps({"id": record.request_id, "inputs": _oip_list(inputs)})
     response: dict[str, Any] = {"model_name": record.model, "model_version": record.version, "id": record.request_id}
     if outputs is not None:
-        response["outputs"] = [{"name": n, **d} for n, d in outputs.items()]
+        response["outputs"] = _oip_list(outputs)
     if error is not None:
         response["error"] = record.message
     response["parameters"] = {"status": record.status, "latency_ms": latency_ms,
                               **({"code": record.code} if record.code is not None else {}),
                               **({"tenant": record.tenant} if record.tenant else {})}
-    return EncodedRecord(line, request, orjson.dumps(response, option=_NUMPY), record)
+    return EncodedRecord(line, request, orjson.dumps(response), record)
 
 
 class RotatingFile:
