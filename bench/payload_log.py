@@ -81,7 +81,9 @@ class CountingReceiver:
 
 
 def phase_settings(phase: str, log_path: Path, receiver: CountingReceiver, content: str) -> dict[str, Any]:
-    section: dict[str, Any] = {"enabled": phase != "off", "content": content, "file": {"path": str(log_path)}}
+    # A file of its own per phase (1 GiB before rotating): its lines are that phase's records.
+    section: dict[str, Any] = {"enabled": phase != "off", "content": content,
+                               "file": {"path": str(log_path), "max_bytes": 1 << 30}}
     if phase.startswith("file_http"):
         section["http"] = {"url": receiver.url, "mode": "batch" if phase.endswith("batch") else "binary"}
     return {"config_poll_s": 0.5, "payload_log": section}
@@ -107,7 +109,8 @@ def apply_phase(server: ServerProcess, config: Path, settings: dict[str, Any]) -
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         live = httpx.get(server.url + "/admin/config", timeout=10).json()["server"]["settings"]["payload_log"]
-        if live["enabled"] == want["enabled"] and (live["http"] or {}).get("mode") == want.get("http", {}).get("mode"):
+        if (live["enabled"] == want["enabled"] and live["file"]["path"] == want["file"]["path"]
+                and (live["http"] or {}).get("mode") == want.get("http", {}).get("mode")):
             return
         time.sleep(0.2)
     raise RuntimeError(f"the payload_log section was not applied within 30 s; see {server.log_path}")
@@ -133,7 +136,7 @@ def lines_in(path: Path) -> int:
 
 def run_phase(server: ServerProcess, phase: str, args: argparse.Namespace, bodies: list[Path], log_path: Path,
               receiver: CountingReceiver, r: int) -> dict[str, Any]:
-    before, lines_before, events_before = drained(server), lines_in(log_path), receiver.requests
+    before, events_before = drained(server), receiver.requests
     meter, own = TreeCpu(server.pid).start(), resource.getrusage(resource.RUSAGE_SELF)
     summary = closed_loop(server.url, "/v2/models/mlp/infer", bodies, args.clients, args.seconds, 1.0,
                           RESULTS / f"payload_log_{phase}_{r}.json", RESULTS / "logs" / "loadgen.log")
@@ -156,7 +159,7 @@ def run_phase(server: ServerProcess, phase: str, args: argparse.Namespace, bodie
         for sink in sinks:
             outcomes = {o: delta("servewell_payload_log_records_total", sink=sink, outcome=o)
                         for o in ("written", "dropped", "failed")}
-            received = lines_in(log_path) - lines_before if sink == "file" else receiver.requests - events_before
+            received = lines_in(log_path) if sink == "file" else receiver.requests - events_before
             row[sink] = {**outcomes, "received": received,
                          "accounted": sum(outcomes.values()) == answered and received == outcomes["written"]}
     return row
@@ -197,8 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             row: dict[str, Any] = {}
             for phase in phases[r % len(phases):] + phases[:r % len(phases)]:
-                apply_phase(server, config, phase_settings(phase, log_path, receiver, args.content))
-                row[phase] = run_phase(server, phase, args, workspace.bodies["mlp"], log_path, receiver, r)
+                phase_log = logs / f"{phase}_{r}.jsonl"
+                apply_phase(server, config, phase_settings(phase, phase_log, receiver, args.content))
+                row[phase] = run_phase(server, phase, args, workspace.bodies["mlp"], phase_log, receiver, r)
+                for written in logs.glob("*.jsonl*"):  # counted: the disk is not for keeping them
+                    if written.name.split(".")[0] != f"{phase}_{r}":
+                        written.unlink()
             for phase in phases[1:]:
                 row[phase]["throughput_ratio"] = row[phase]["ok_per_s"] / row["off"]["ok_per_s"]
             rounds.append(row)
@@ -206,13 +213,23 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
         receiver.close()
-    median = median_over(rounds)
+    median_of = median_over(rounds)
+
+    def median(*path: str) -> float:
+        """The median over rounds of row[path[0]][path[1]]... (0 where a round lacks it)."""
+        def value(row: dict[str, Any]) -> float:
+            node: Any = row
+            for key in path:
+                node = node.get(key, 0.0) if isinstance(node, dict) else 0.0
+            return float(node)
+        return median_of(value)
+
     report: dict[str, Any] = {"goal_throughput_ratio": GOAL_THROUGHPUT_RATIO, "content": args.content,
                               "clients": args.clients, "seconds": args.seconds, "phases": phases}
     for phase in phases:
-        report[f"{phase}_ok_per_s"] = median(lambda row, p=phase: row[p]["ok_per_s"])
+        report[f"{phase}_ok_per_s"] = median(phase, "ok_per_s")
         if phase != "off":
-            report[f"{phase}_throughput_ratio"] = median(lambda row, p=phase: row[p]["throughput_ratio"])
+            report[f"{phase}_throughput_ratio"] = median(phase, "throughput_ratio")
             report[f"{phase}_accounted"] = all(row[phase][s]["accounted"] for row in rounds
                                                for s in ("file", "http") if s in row[phase])
 
@@ -231,9 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\nCPU us per request (median): engine, ingress (all), worker, server total; the receiver (this "
               "process)")
         for phase in phases:
-            cpu = {k: median(lambda row, p=phase, k=k: row[p]["cpu_us_per_request"].get(k, 0.0))
+            cpu = {k: median(phase, "cpu_us_per_request", k)
                    for k in ("engine", "ingress", "worker", "total")}
-            receiver_us = median(lambda row, p=phase: row[p]["receiver_cpu_us_per_request"])
+            receiver_us = median(phase, "receiver_cpu_us_per_request")
             print(f"{phase:<17} " + "  ".join(f"{k} {v:.0f}" for k, v in cpu.items()) + f"  receiver {receiver_us:.0f}")
 
     finish_rounds(report, rounds, print_table, args.out)

@@ -54,6 +54,12 @@ def lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def at_least(path: Path, count: int) -> list[dict[str, Any]] | None:
+    """The file's records once it holds `count` (None before)."""
+    records = lines(path)
+    return records if len(records) >= count else None
+
+
 def infer(server: ServerProcess, model: str, value: float, request_id: str) -> httpx.Response:
     body = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [value]}]}
     response = httpx.post(f"{server.url}/v2/models/{model}/infer", json=body, headers={"X-Request-ID": request_id},
@@ -67,7 +73,7 @@ def test_every_request_reaches_the_file_and_the_cloudevents_sink(server: ServerP
     for i in range(REQUESTS):
         infer(server, "tiny", float(i), f"req-{i}")
     infer(server, "other", 1.0, "not-logged")  # payload_log.models names tiny only
-    records = eventually(lambda: len(lines(log_path)) >= REQUESTS and lines(log_path), 15, "the records written")
+    records = eventually(lambda: at_least(log_path, REQUESTS), 15, "the records written")
     assert [r["request_id"] for r in records] == [f"req-{i}" for i in range(REQUESTS)]
     for i, r in enumerate(records):
         assert r["model"] == "tiny" and r["version"] == "1" and r["status"] == 200
@@ -98,7 +104,7 @@ def test_a_change_applies_live_and_a_sink_that_cannot_open_is_refused(server: Se
     assert "**" in json.dumps(report()["server"]["settings"]["payload_log"]["http"]["url"])  # never the URL
     before = len(lines(log_path))
     infer(server, "other", 4.0, "other-now-logged")
-    record = eventually(lambda: len(lines(log_path)) > before and lines(log_path)[-1], 15, "the record")
+    record = eventually(lambda: at_least(log_path, before + 1), 15, "the record")[-1]
     assert record["request_id"] == "other-now-logged" and record["inputs"]["x"]["data"] == "[redacted]"
 
     missing = conf / "no-such-dir" / "payload.jsonl"

@@ -58,6 +58,10 @@ ROLLOUT_FAMILIES = (
     *(f"{histogram}{suffix}" for histogram in ("servewell_shadow_max_abs_diff", "servewell_shadow_latency_seconds")
       for suffix in ("_bucket", "_sum", "_count")),
 )
+#: The payload log (issue 24), on the dashboard's "Payload log" row.
+PAYLOAD_LOG_FAMILIES = (
+    "servewell_payload_log_records_total", "servewell_payload_log_drops_total", "servewell_payload_log_queue_depth",
+)
 GPU_GAUGES = (
     "servewell_gpu_utilization_ratio", "servewell_gpu_memory_used_bytes", "servewell_gpu_memory_total_bytes",
     "servewell_gpu_power_watts", "servewell_gpu_temperature_celsius",
@@ -66,7 +70,7 @@ GPU_GAUGES = (
 SERIES = frozenset(
     [f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")]
     + [f"{c}_total" for c in COUNTERS + DIAGNOSTIC_COUNTERS] + list(GAUGES) + list(GPU_GAUGES) + list(POOL_FAMILIES)
-    + list(TENANT_CACHE_FAMILIES) + list(PIPELINE_FAMILIES) + list(ROLLOUT_FAMILIES)
+    + list(TENANT_CACHE_FAMILIES) + list(PIPELINE_FAMILIES) + list(ROLLOUT_FAMILIES) + list(PAYLOAD_LOG_FAMILIES)
 )
 METRIC_NAME = re.compile(r"\bservewell_[a-z0-9_]+")
 RECORDED_NAME = re.compile(r"\bservewell:[a-z0-9_:]+")

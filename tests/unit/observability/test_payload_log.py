@@ -264,3 +264,10 @@ def test_record_never_raises(tmp_path):
     finally:
         log.close()
     assert [line["request_id"] for line in lines(tmp_path / "log.jsonl")] == ["r2"]  # the next one is logged
+
+
+def test_the_dashboard_shows_every_payload_log_family():
+    from monitoring import METRIC_NAME, PAYLOAD_LOG_FAMILIES, panels
+
+    shown = {name for panel in panels() for target in panel["targets"] for name in METRIC_NAME.findall(target["expr"])}
+    assert set(PAYLOAD_LOG_FAMILIES) <= shown
