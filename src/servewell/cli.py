@@ -17,7 +17,7 @@ from servewell.workers.backends import ORT_TELEMETRY_SWITCH
 
 #: Settings that only a --config file (or the environment) sets: nested ones, and secrets that
 #: would show in `ps` as flags.
-_FILE_ONLY = ("alerting", "api_keys")
+_FILE_ONLY = ("alerting", "api_keys", "payload_log")
 _FLAG_TYPES: dict[object, Callable[[str], object]] = {int: int, float: float, str: str, Path: Path}
 
 

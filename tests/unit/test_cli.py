@@ -15,7 +15,7 @@ from servewell.cli import main
 from servewell.config.server import ServerConfig
 
 #: Nested settings that only a --config file sets: they have no flag.
-FILE_ONLY = {"alerting", "api_keys"}  # nested, or a secret that must not be a flag (ps shows flags)
+FILE_ONLY = {"alerting", "api_keys", "payload_log"}  # nested, or a secret that must not be a flag (ps shows flags)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
