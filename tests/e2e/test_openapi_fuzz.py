@@ -30,6 +30,8 @@ CONTENT_RULES = {
     "/v2/models/{name}/versions/{version}/infer": ["400", "413", "422"],
     # A max_batch_size must be one warm-up proved; reserving an instance needs two.
     "/admin/models/{name}/batching": ["422"],
+    # Weights must not all be 0.
+    "/admin/models/{name}/rollout": ["422"],
 }
 ACCEPTED = ["2xx", "404", "409"]
 

@@ -23,7 +23,7 @@ from servewell.config.cache import ResponseCacheConfig
 from servewell.config.pipeline import PipelineSpec
 from servewell.config.problems import Problems, config_error
 from servewell.config.processing import ClassifyPostprocess, ImagePreprocess
-from servewell.config.rollout import RolloutConfig, check_traffic, is_version_name
+from servewell.config.rollout import RolloutConfig, check_traffic
 from servewell.config.runtime_sections import (
     MOVED_TO_SECTIONS,
     RUNTIMES,
@@ -211,13 +211,6 @@ class ModelConfig(StrictModel):
         if not name or not all(c.isalnum() or c in "-_." for c in name):
             raise config_error("use letters, digits, '-', '_' or '.'")
         return name
-
-    @field_validator("version")
-    @classmethod
-    def _version_is_name(cls, version: str) -> str:
-        if not is_version_name(version):
-            raise config_error("use letters, digits, '-', '_' or '.' (at most 64, not starting with '.')")
-        return version
 
     @field_validator("traffic")
     @classmethod

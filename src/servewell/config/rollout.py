@@ -11,9 +11,10 @@ engine/rollout.py serves it; these settings change live, through model.yaml or t
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictFloat, StrictInt, StringConstraints, field_validator, model_validator
+from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from servewell.config.problems import config_error
 from servewell.config.strict import StrictModel
@@ -26,10 +27,14 @@ MAX_VERSION_CHARS = 64
 VERSIONS_DIRECTORY = "versions"
 
 
+#: A version a split names: a directory name, a URL segment and a label value (ASCII letters,
+#: digits, '-', '_', '.'; not starting with '.').
+VERSION_PATTERN = rf"^[A-Za-z0-9_-][A-Za-z0-9._-]{{0,{MAX_VERSION_CHARS - 1}}}$"
+
+
 def is_version_name(text: str) -> bool:
-    """A version that can be a directory name and a label value: letters, digits, '-', '_', '.'."""
-    return 0 < len(text) <= MAX_VERSION_CHARS and not text.startswith(".") and all(
-        c.isalnum() or c in "-_." for c in text)
+    """Whether `text` matches VERSION_PATTERN."""
+    return re.fullmatch(VERSION_PATTERN, text) is not None
 
 
 class ShadowConfig(StrictModel):
@@ -86,18 +91,21 @@ def check_traffic(traffic: dict[str, float]) -> dict[str, float]:
 
 def _patch_schema(schema: dict[str, Any]) -> None:
     schema["minProperties"] = 1
+    for branch in schema["properties"]["traffic"].get("anyOf", ()):
+        if branch.get("type") == "object":
+            branch["additionalProperties"] = False  # a key is a version name (patternProperties) or refused
 
 
 class TrafficPatch(StrictModel, json_schema_extra=_patch_schema):
     """An admin's change to a model's split (PATCH /admin/models/{name}/rollout), at least one
     field; null returns a field to model.yaml's value. It clears a rollback or a promotion."""
 
-    traffic: dict[Annotated[str, StringConstraints(max_length=MAX_VERSION_CHARS)], StrictFloat | StrictInt] | None = \
-        Field(None, max_length=MAX_VERSIONS, description="New weights per version (each version loaded already); "
-              "null: model.yaml's.")
-    shadow_percent: StrictFloat | StrictInt | None = Field(
-        None, ge=0, le=100, description="New share of requests copied to the shadow (0: shadow off); null: "
-        "model.yaml's.")
+    traffic: dict[Annotated[str, StringConstraints(pattern=VERSION_PATTERN)],
+                  Annotated[float, Field(ge=0, le=1e6, strict=True)]] | None = Field(
+        None, max_length=MAX_VERSIONS, description="New weights per version (each version loaded already; not all "
+        "0); null: model.yaml's.")
+    shadow_percent: Annotated[float, Field(ge=0, le=100, strict=True)] | None = Field(
+        None, description="New share of requests copied to the shadow (0: shadow off); null: model.yaml's.")
 
     @field_validator("traffic")
     @classmethod
