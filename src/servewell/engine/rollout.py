@@ -103,6 +103,7 @@ class Rollout:
         self._bounds: list[float] = []
         self._shares: dict[str, float] = {}
         self._judging = False  # a canary takes traffic: every answer is reported to the judge
+        self._shed = 0  # copies shed under pressure, not yet counted in the metrics
         self._pressure = 0.0  # moving share of requests that queued behind a running batch of the primary
         self.config_seen: ModelConfig | None = None  # the stable model.yaml last applied (engine/versions.py)
         self.configure(config, None)
@@ -244,7 +245,7 @@ class Rollout:
         waited = 1.0 if scheduler.running_rows and scheduler.queue_depth > 1 else 0.0
         self._pressure += SHADOW_PRESSURE_ALPHA * (waited - self._pressure)
         if self._pressure > SHADOW_PRESSURE_LIMIT or scheduler.queue_depth > max(1, scheduler.max_batch_size):
-            self._count_shadow(version, "shed")
+            self._shed += 1  # counted in the metrics each second (`flush_shed`): at saturation, every request
             return
         primary_future.add_done_callback(partial(self._primary_done, version, inputs, rows, request_id))
 
@@ -306,15 +307,22 @@ class Rollout:
             latency.labels(self.name, version, "primary").observe(primary.queue_s + primary.compute_s)
             latency.labels(self.name, version, "shadow").observe(shadow.queue_s + shadow.compute_s)
 
-    def _count_shadow(self, version: str, outcome: str) -> None:
-        self.shadow_counts[outcome] += 1
+    def flush_shed(self) -> None:
+        """Count the copies shed under pressure since the last call (the judge's loop calls it)."""
+        shed, self._shed = self._shed, 0
+        if shed and self.shadow_version is not None:
+            self._count_shadow(self.shadow_version, "shed", shed)
+
+    def _count_shadow(self, version: str, outcome: str, n: int = 1) -> None:
+        self.shadow_counts[outcome] += n
         if self._metrics is not None:
-            self._metrics.shadow_requests.labels(self.name, version, outcome).inc()
+            self._metrics.shadow_requests.labels(self.name, version, outcome).inc(n)
 
     # --- verdicts --------------------------------------------------------------------------
 
     def judge_now(self) -> Verdict | None:
         """Apply the judge's verdict, if any (the engine calls this each second)."""
+        self.flush_shed()
         if not self.watching():
             return None
         shadow = self.shadow_version if self.shadow_percent > 0 else None
@@ -357,6 +365,7 @@ class Rollout:
 
     def to_json(self) -> dict[str, Any]:
         """The rollout as /healthz, the console and GET /admin/models/{name}/rollout show it."""
+        self.flush_shed()
         now = time.monotonic()
         window = self.judge.rules.window_s
         stats = {}
