@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from servewell.config.rollout import TrafficPatch
 from servewell.engine.model_entry import EntryServices
@@ -19,15 +19,10 @@ class EngineAdmin:
 
     pool: ModelPool
     _services: EntryServices
-
-    def _slot(self, name: str, version: str | None) -> ModelSlot:
-        raise NotImplementedError
-
-    def _view(self, slot: ModelSlot) -> ModelView:
-        raise NotImplementedError
-
-    def load_model(self, name: str) -> Awaitable[ModelView]:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # InferenceEngine's lookups, declared for the type checker only
+        def _slot(self, name: str, version: str | None) -> ModelSlot: ...
+        def _view(self, slot: ModelSlot) -> ModelView: ...
+        def load_model(self, name: str) -> Awaitable[ModelView]: ...
 
     # --- the model pool ----------------------------------------------------------------------
 

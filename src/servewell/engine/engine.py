@@ -22,7 +22,7 @@ from servewell.engine.admin_ops import EngineAdmin
 from servewell.engine.entry import Entry, InvalidModel
 from servewell.engine.memory_budget import MemoryBudget, estimate_model_memory, machine_memory_budget
 from servewell.engine.model_entry import EntryServices, LoadProgressFn, ModelEntry
-from servewell.engine.model_handle import ServedModelHandle, ready_entry_or_refusal
+from servewell.engine.model_handle import PayloadSink, ServedModelHandle, ready_entry_or_refusal
 from servewell.engine.model_pool import ModelPool, ModelSlot, PoolSettings
 from servewell.engine.pipeline import PipelineEntry, PipelineHandle, recheck_pipelines
 from servewell.engine.protocol import ModelView, Readiness, RequestResult
@@ -85,7 +85,7 @@ class InferenceEngine(EngineAdmin):
         self._required_models = tuple(required_models)
         self.accepting = True
         self.draining = False  # shutting down: not ready, nothing restarts, requests still served
-        self.payload_log: Any = None  # observability/payload_log.py: set by the server when configured
+        self.payload_log: PayloadSink | None = None  # observability/payload_log.py: set by the server
         self._judge: asyncio.Task[None] | None = None  # applies the rollout rules (engine/versions.py)
 
     async def start(self) -> None:

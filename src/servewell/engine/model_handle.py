@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from servewell.config.model import ModelConfig
+from servewell.config.payload_log import PayloadLogConfig
 from servewell.engine.entry import Entry
 from servewell.engine.lanes import resolve_lane
 from servewell.engine.model_pool import ModelSlot
@@ -102,7 +103,7 @@ def log_payload(payload: PayloadSink, model: str, version: str, inputs: dict[str
         return
     error = future.exception()
     result = future.result() if error is None else None
-    payload.record(model=model, version=result.version or version if result is not None else version,
+    payload.record(model=model, version=(result.version or version) if result is not None else version,
                    tenant=client_var.get() or None, request_id=request_id, inputs=inputs,
                    outputs=result.outputs if result is not None else None,
                    latency_s=time.monotonic() - started, error=error)
@@ -119,4 +120,8 @@ class PayloadSink(Protocol):
                inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray] | None, latency_s: float,
                error: BaseException | None) -> None:
         """Take one finished request (never blocks, never raises)."""
+        ...
+
+    def apply(self, settings: PayloadLogConfig) -> None:
+        """Take a changed `payload_log` section (live; `OSError` when a sink cannot be opened)."""
         ...

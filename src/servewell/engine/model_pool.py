@@ -98,7 +98,7 @@ class ModelSlot:
         if _is_pipeline(self):
             return True  # it holds no memory: nothing to gain by evicting it
         config = self.entry.config
-        if self.rollout is not None or (config is not None and (config.traffic or config.rollout) is not None):
+        if self.rollout is not None or (config is not None and config.other_versions):
             return True  # a rollout in progress: its versions and verdicts live as long as the model
         if self.pinned_by_admin is not None:
             return self.pinned_by_admin

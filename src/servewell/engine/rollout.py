@@ -72,6 +72,12 @@ def rules_of(config: RollbackConfig) -> RollbackRules:
                          promote_after_requests=config.promote_after_requests)
 
 
+def _file_shadow(config: ModelConfig) -> tuple[str | None, float]:
+    """(version, percent) of model.yaml's shadow; (None, 0) without one."""
+    shadow = config.rollout.shadow if config.rollout is not None else None
+    return (shadow.version, shadow.percent) if shadow is not None else (None, 0.0)
+
+
 def judged_error(error: BaseException | None) -> bool:
     """Whether a request's failure counts against the version that served it."""
     return isinstance(error, ServeError) and error.code in JUDGED_ERRORS
@@ -118,11 +124,8 @@ class Rollout:
         weights = dict(config.traffic) if config.traffic is not None else {config.version: 1.0}
         changed = previous is None or weights != self.file_weights or previous.version != config.version
         self.file_weights = weights
-        shadow = self.settings.shadow
-        file_shadow = (shadow.version, shadow.percent) if shadow is not None else (None, 0.0)
-        old_shadow = (previous.rollout.shadow if previous is not None and previous.rollout is not None else None)
-        if previous is None or file_shadow != ((old_shadow.version, old_shadow.percent) if old_shadow else (None, 0.0)):
-            self.shadow_version, self.shadow_percent = file_shadow
+        if previous is None or _file_shadow(config) != _file_shadow(previous):  # else an admin's share stays
+            self.shadow_version, self.shadow_percent = _file_shadow(config)
         if changed:
             self.weights, self.admin_set = dict(weights), False
             self._set_state("canary" if self.canaries() else "steady", None, {})
@@ -156,8 +159,7 @@ class Rollout:
     @staticmethod
     def shadow_only(version: str, config: ModelConfig) -> bool:
         """Whether `config` names `version` as its shadow and gives it no traffic (it runs at SHADOW_NICE)."""
-        shadow = config.rollout.shadow if config.rollout is not None else None
-        return shadow is not None and shadow.version == version and not (config.traffic or {}).get(version)
+        return _file_shadow(config)[0] == version and not (config.traffic or {}).get(version)
 
     def versions(self) -> list[str]:
         """The stable version, then the loaded candidates."""

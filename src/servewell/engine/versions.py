@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Iterable
 
 from servewell.config.model_file import signature_problem
 from servewell.config.rollout import VERSIONS_DIRECTORY
+from servewell.engine.entry import StopCause
 from servewell.engine.model_entry import EntryServices, ModelEntry
 from servewell.engine.model_pool import ModelSlot
 from servewell.engine.repository import read_model_config
@@ -83,15 +83,14 @@ async def _load_version(rollout: Rollout, stable: ModelEntry, version: str, serv
         await current.stop("reloading", reason="replaced by a reload")
 
 
-async def stop_versions(slot: ModelSlot, cause: str, worker_timeout_s: float = 5.0) -> None:
+async def stop_versions(slot: ModelSlot, cause: StopCause, worker_timeout_s: float = 5.0) -> None:
     """Stop every version beside the stable one (the model is unloaded, or the server stops)."""
     rollout = slot.rollout
     if rollout is None:
         return
     entries = list(rollout.candidates.values())
     rollout.candidates.clear()
-    await asyncio.gather(*(e.stop(cause, worker_timeout_s=worker_timeout_s)  # type: ignore[arg-type]
-                           for e in entries))
+    await asyncio.gather(*(e.stop(cause, worker_timeout_s=worker_timeout_s) for e in entries))
     slot.rollout = None
 
 
@@ -109,12 +108,9 @@ async def judge_forever(slots: dict[str, ModelSlot], interval_s: float = JUDGE_I
     """Apply the rollout rules of every model each `interval_s` (a background task of the engine)."""
     while True:
         await asyncio.sleep(interval_s)
-        started = time.monotonic()
         for slot in list(slots.values()):
             if slot.rollout is not None:
                 try:
                     slot.rollout.judge_now()
                 except Exception:  # a bug in one rollout must not end the others' judging
                     log.exception("model %s: the rollout rules failed", slot.name)
-        if time.monotonic() - started > interval_s:
-            log.warning("judging the rollouts took %.1f s", time.monotonic() - started)
