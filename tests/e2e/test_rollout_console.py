@@ -68,6 +68,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, start_module_server: Server
     config.write_text(yaml.safe_dump({"alerting": {"evaluation_interval_s": 1.0}}))
     srv = start_module_server(["--model-repository", str(root / "repo"), "--config", str(config)])
     srv.wait_ready()
+
+    def versions_ready() -> bool:  # the other versions load after the stable ones, which serve meanwhile
+        models = console_models(srv.url)
+        return all(models[name]["rollout"]["versions"].get("2") == "ready" for name in ("canary", "split"))
+
+    eventually(versions_ready, 60, lambda: f"versions not ready: {console_models(srv.url)}")
     return srv
 
 

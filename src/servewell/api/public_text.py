@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 # An absolute path: a slash not preceded by a word character, then at least two components.
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/-])/(?:[^\s'\"/:;,()<>\[\]{}]+/)+[^\s'\"/:;,()<>\[\]{}]*")
@@ -27,3 +28,16 @@ def without_paths(text: str | None, roots: Iterable[Path | None]) -> str | None:
         for form in {str(root), str(root.resolve())}:
             text = text.replace(form.rstrip("/") + "/", "")
     return _ABSOLUTE_PATH.sub(lambda match: ".../" + "/".join(match.group(0).rstrip("/").rsplit("/", 2)[-2:]), text)
+
+
+def public_rollout(rollout: dict[str, Any] | None, roots: Iterable[Path | None]) -> dict[str, Any] | None:
+    """A model's traffic split as /healthz and the console show it to anyone: its state, the
+    weights in force, the shadow, each other version's state, and the verdict's reason (full
+    detail: GET /admin/models/{name}/rollout)."""
+    if rollout is None:
+        return None
+    shadow, versions = rollout.get("shadow"), rollout.get("versions")
+    return {"state": rollout["state"], "stable": rollout["stable"], "weights": rollout["weights"],
+            "reason": without_paths(rollout.get("reason"), roots), "changed_at": rollout["changed_at"],
+            "shadow": {k: shadow[k] for k in ("version", "percent")} if isinstance(shadow, dict) else None,
+            "versions": {v: doc["state"] for v, doc in versions.items()} if isinstance(versions, dict) else {}}

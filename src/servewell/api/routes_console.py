@@ -26,6 +26,7 @@ from fastapi.responses import Response
 import servewell
 from servewell.api.access import came_through_proxy, check_admin
 from servewell.api.openapi import error_responses
+from servewell.api.public_text import public_rollout
 from servewell.api.routes_pool import pool_fields, pool_report
 from servewell.api.state import AppState, app_state
 from servewell.engine.protocol import ModelView
@@ -182,7 +183,7 @@ def _model(view: ModelView, admin_state: AppState | None) -> dict[str, Any]:
         "takes_images": bool(config and config.preprocess is not None and config.image_input is not None),
         "runtime": config.runtime if config else None,
         **pool_fields(view),  # residency, loadable, pinned, last_used_at, estimated_bytes, cold_starts, evictions
-        "rollout": _rollout(view.rollout),
+        "rollout": public_rollout(view.rollout, ()),  # the console shows reasons as they are
     }
     if admin_state is not None and config is not None:
         try:
@@ -190,17 +191,6 @@ def _model(view: ModelView, admin_state: AppState | None) -> dict[str, Any]:
         except ServeError:
             doc["batching"] = None  # unloaded or being replaced right now
     return doc
-
-
-def _rollout(rollout: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A traffic split as the models table shows it: its state, the weights in force and, after a
-    verdict, why (full detail: GET /admin/models/{name}/rollout)."""
-    if rollout is None:
-        return None
-    shadow = rollout.get("shadow")
-    return {"state": rollout["state"], "stable": rollout["stable"], "weights": rollout["weights"],
-            "reason": rollout["reason"], "changed_at": rollout["changed_at"],
-            "shadow": {k: shadow[k] for k in ("version", "percent")} if isinstance(shadow, dict) else None}
 
 
 def _add_golden_signals(entry: dict[str, Any], feed: ConsoleFeed) -> None:

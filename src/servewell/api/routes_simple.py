@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -18,7 +17,7 @@ from servewell.api.codecs.image import BASE64_PATTERN, decode_base64
 from servewell.api.hot_routes import HotRoute
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
 from servewell.api.openapi import INFERENCE_HEADERS, error_responses, not_ready_response
-from servewell.api.public_text import without_paths
+from servewell.api.public_text import public_rollout, without_paths
 from servewell.api.routes_pool import pool_fields, pool_report
 from servewell.api.state import AppState, app_state, state_dependency
 from servewell.config.model import ModelConfig
@@ -129,16 +128,6 @@ def interpret(config: ModelConfig, outputs: dict[str, np.ndarray]) -> dict[str, 
     return {**top[0], "top_k": top}
 
 
-def _rollout_summary(rollout: dict[str, Any] | None, roots: tuple[Path | None, ...]) -> dict[str, Any] | None:
-    """A traffic split as /healthz shows it to anyone: weights, state and the verdict's reason."""
-    if rollout is None:
-        return None
-    versions = rollout.get("versions")
-    return {"state": rollout["state"], "weights": rollout["weights"],
-            "reason": without_paths(rollout.get("reason"), roots),
-            "versions": {v: doc["state"] for v, doc in versions.items()} if isinstance(versions, dict) else {}}
-
-
 @router.get("/healthz", summary="Server and per-model health",
             responses=not_ready_response("The server is not ready (same document, ready: false)."))
 async def healthz(state: AppState = Depends(state_dependency)) -> Response:
@@ -166,7 +155,7 @@ async def healthz(state: AppState = Depends(state_dependency)) -> Response:
             **pool_fields(view),  # the model pool (engine/model_pool.py): where the model is
             "last_start": view.last_start,  # spawn, import, load, warm-up of its last worker start
             "versions": list(view.versions) or [view.version],
-            "rollout": _rollout_summary(view.rollout, roots),  # full detail: GET /admin/models/{name}/rollout
+            "rollout": public_rollout(view.rollout, roots),  # full detail: GET /admin/models/{name}/rollout
         }
     readiness = state.engine.readiness()
     total, reserved = state.engine.memory_budget

@@ -182,10 +182,6 @@ class Rollout:
 
     # --- the request path ------------------------------------------------------------------
 
-    def split(self) -> bool:
-        """Whether requests that name no version may go elsewhere than the stable version."""
-        return self._versions != [self.stable]
-
     def choose(self, stable: ModelEntry, asked: str | None) -> ModelEntry:
         """The entry that serves a request: the version it asked for, else drawn by the weights."""
         if asked not in (None, ""):
