@@ -1,4 +1,4 @@
-"""`servewell serve | models | bench | tune`: the command line, generated from the config tree's field docs."""
+"""`servewell serve | models | keys | bench | tune | plan`: the command line, generated from the config tree's field docs."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from servewell import __version__
 from servewell.config.fields import list_item_type, split_items, strip_optional
 from servewell.config.server import ConfigFileError, ConfigSource, ServerConfig
 from servewell.perf.commands import add_perf_parsers
+from servewell.plan.commands import add_plan_parser
 from servewell.workers.backends import ORT_TELEMETRY_SWITCH
 
 #: Settings that only a --config file (or the environment) sets: nested ones, and secrets that
@@ -166,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--id", default="client", help="the key's id (appears in logs and metrics; default: client)")
     keys.set_defaults(run=_cmd_keys)
     add_perf_parsers(sub)
+    add_plan_parser(sub)
     return parser
 
 

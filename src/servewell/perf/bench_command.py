@@ -115,6 +115,7 @@ def run_bench(args: argparse.Namespace) -> int:
     with ExitStack() as stack, progress:
         try:
             local = Path(args.target).is_dir()
+            ready_s: float | None = None
             model = args.model
             if local:
                 progress.note(f"starting servewell for {args.target} ...")
@@ -123,6 +124,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 endpoint = Endpoint(args.protocol or "http", "127.0.0.1",
                                     server.grpc_port if args.protocol == "grpc" else server.port)
                 progress.note(f"servewell ready in {server.started_s:.1f} s (pid {server.pid})")
+                ready_s = round(server.started_s, 2)
             else:
                 endpoint = parse_endpoint(args.target, args.protocol)
             results, doc = asyncio.run(_bench(endpoint, args, model, shapes, progress))
@@ -133,6 +135,7 @@ def run_bench(args: argparse.Namespace) -> int:
     print(steps_table(results))
     doc = {"tool": "servewell bench", "started_at": started.isoformat(timespec="seconds"),
            "machine": {"cpus": os.cpu_count()}, **doc, "local_server": local,
+           "local_server_ready_s": ready_s,  # start -> ready: the cold start `servewell plan` uses
            "settings": {"mode": shapes[0].mode, "levels": [s.level for s in shapes],
                         "duration_s": shapes[0].duration_s, "warmup_s": shapes[0].warmup_s,
                         "max_requests": args.requests, "timeout_ms": args.timeout_ms},

@@ -1,0 +1,161 @@
+"""Fit a `ReplicaModel` to a measured curve: the stage times that make the request-level simulator
+reproduce the measured closed-loop ladder (throughput, p50 and p99 at each concurrency).
+
+A curve says how fast a replica is, not why. Three things are not visible in it directly: which
+stage saturates first (the frontend's event loop or the model's instances), how much a bigger batch
+costs (a batch of b takes alpha + beta * b: beta * B / s(B) is the batch's "efficiency", 1 when
+batching saves nothing), and how much service times vary. The fit searches a small grid of those,
+scales every stage time so that the simulated peak matches the measured one, takes the latency the
+replica does not explain as fixed overhead (network, client), and keeps the candidate with the
+smallest error in log space over every point. The error is reported: a large one says the model
+does not describe this curve, and `plan` says so rather than quoting figures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from servewell.plan.curve import CurvePoint, MeasuredCurve
+from servewell.plan.des import ClosedLoad, simulate
+from servewell.plan.model import FleetSpec, ReplicaModel
+
+#: Simulated answers per ladder point: enough for a stable p99 (10 above it), cheap enough for a grid.
+REQUESTS_PER_POINT = 1200
+#: Utilization of the stage that is not the bottleneck, and batch efficiencies, tried.
+OTHER_STAGE_SHARES = (0.15, 0.4, 0.7, 0.95)
+EFFICIENCIES = (0.2, 0.45, 0.7, 1.0)
+JITTERS = (0.05, 0.15, 0.3, 0.5, 0.8)
+#: Weight of p99 in the error (throughput and p50 weigh 1): tails are noisier than medians.
+P99_WEIGHT = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class NodeContext:
+    """The machine the curve was measured on, when the replica shared it (the load generator on the
+    same cores): its cores and the client's CPU per request."""
+
+    cores: float
+    client_cpu_s: float = 0.0
+    balancer_cpu_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PointFit:
+    """One point: measured and simulated."""
+
+    measured: CurvePoint
+    throughput_rps: float
+    p50_s: float
+    p99_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class FitResult:
+    """The fitted replica, its error (root mean square of the log ratios) and every point."""
+
+    replica: ReplicaModel
+    error: float
+    points: tuple[PointFit, ...]
+    bottleneck: str  # "frontend" or "model"
+
+    @property
+    def worst_ratio(self) -> float:
+        """The largest simulated/measured ratio (or its inverse) over throughput and p99."""
+        ratios = [r for p in self.points for r in (p.throughput_rps / p.measured.throughput_rps,
+                                                  p.p99_s / p.measured.p99_s)]
+        return max(max(r, 1 / r) for r in ratios)
+
+
+def simulate_point(replica: ReplicaModel, clients: int, node: NodeContext | None, *, seed: int = 0,
+                   requests: int = REQUESTS_PER_POINT, rate_hint_rps: float | None = None,
+                   replicas: int = 1, balancer_s: float = 0.0) -> tuple[float, float, float]:
+    """(throughput, p50, p99) of `replicas` replicas under a closed loop of `clients`."""
+    rate = rate_hint_rps or replica.saturation_rps * replicas
+    duration = max(requests / max(rate, 1e-9), 20 * (replica.overhead_s + replica.front_s + replica.batch_s(1)))
+    fleet = FleetSpec(replica, replicas, node_cores=node.cores if node else 0.0,
+                      client_cpu_s=node.client_cpu_s if node else 0.0,
+                      balancer_cpu_s=node.balancer_cpu_s if node and replicas > 1 else 0.0, balancer_s=balancer_s)
+    result = simulate(fleet, ClosedLoad(clients, duration), seed=seed)
+    stats = result.window(0.15 * duration, duration)
+    return stats.throughput_rps, stats.p50_s or math.inf, stats.p99_s or math.inf
+
+
+def _candidate(curve: MeasuredCurve, bottleneck: str, other: float, efficiency: float, jitter: float,
+               max_queue: int) -> ReplicaModel:
+    s = curve.settings
+    peak = curve.peak.throughput_rps
+    batch = s.max_batch_size
+    full_batch_s = s.instances * batch / peak * (other if bottleneck == "frontend" else 1.0)
+    front_s = (1.0 if bottleneck == "frontend" else other) / peak
+    beta = efficiency * full_batch_s / batch if batch > 1 else full_batch_s
+    alpha = full_batch_s - beta * batch if batch > 1 else 0.0
+    return ReplicaModel(front_s=front_s, alpha_s=alpha, beta_s=beta, max_batch_size=batch,
+                        max_wait_s=s.max_wait_s, instances=s.instances, threads=s.threads, max_queue=max_queue,
+                        jitter_cv=jitter)
+
+
+def _scaled(replica: ReplicaModel, factor: float, overhead_s: float) -> ReplicaModel:
+    return replace(replica, front_s=replica.front_s * factor, alpha_s=replica.alpha_s * factor,
+                   beta_s=replica.beta_s * factor, overhead_s=overhead_s)
+
+
+def _error(points: list[PointFit]) -> float:
+    total = 0.0
+    for p in points:
+        m = p.measured
+        total += math.log(p.throughput_rps / m.throughput_rps) ** 2 if p.throughput_rps > 0 else 25.0
+        total += math.log(p.p50_s / m.p50_s) ** 2 if math.isfinite(p.p50_s) else 25.0
+        total += P99_WEIGHT * (math.log(p.p99_s / m.p99_s) ** 2 if math.isfinite(p.p99_s) else 25.0)
+    return math.sqrt(total / (len(points) * (2 + P99_WEIGHT)))
+
+
+def _evaluate(replica: ReplicaModel, curve: MeasuredCurve, node: NodeContext | None, seed: int) -> list[PointFit]:
+    out = []
+    for point in curve.points:
+        x, p50, p99 = simulate_point(replica, point.concurrency, node, seed=seed,
+                                     rate_hint_rps=point.throughput_rps)
+        out.append(PointFit(point, x, p50, p99))
+    return out
+
+
+def _calibrate(replica: ReplicaModel, curve: MeasuredCurve, node: NodeContext | None,
+               seed: int) -> tuple[ReplicaModel, list[PointFit]]:
+    """Scale the stage times so the simulated peak throughput is the measured one, and put the
+    latency the replica does not explain at the lowest load into fixed overhead; twice, since each
+    moves the other."""
+    peak = curve.peak
+    first = curve.points[0]
+    for _ in range(2):
+        fits = _evaluate(replica, curve, node, seed)
+        sim_peak = next(f for f in fits if f.measured is peak)
+        sim_first = fits[0]
+        factor = sim_peak.throughput_rps / peak.throughput_rps if sim_peak.throughput_rps > 0 else 1.0
+        inside = max(0.0, sim_first.p50_s - replica.overhead_s)  # what the replica itself takes
+        overhead = max(0.0, first.p50_s - inside * factor)
+        replica = _scaled(replica, factor, overhead)
+    return replica, _evaluate(replica, curve, node, seed)
+
+
+def fit_replica(curve: MeasuredCurve, *, node: NodeContext | None = None, max_queue: int = 256,
+                cold_start_s: float = 0.0, seed: int = 0) -> FitResult:
+    """The replica model that best reproduces `curve` (see the module docstring)."""
+    batch_options = EFFICIENCIES if curve.settings.max_batch_size > 1 else (1.0,)
+    best: tuple[float, ReplicaModel, list[PointFit], str] | None = None
+    for bottleneck in ("frontend", "model"):
+        for other in OTHER_STAGE_SHARES:
+            for efficiency in batch_options:
+                candidate = _candidate(curve, bottleneck, other, efficiency, 0.3, max_queue)
+                replica, fits = _calibrate(candidate, curve, node, seed)
+                error = _error(fits)
+                if best is None or error < best[0]:
+                    best = (error, replica, fits, bottleneck)
+    assert best is not None
+    error, replica, fits, bottleneck = best
+    for jitter in JITTERS:  # the variance, once the means are right
+        candidate = replace(replica, jitter_cv=jitter)
+        trial = _evaluate(candidate, curve, node, seed)
+        trial_error = _error(trial)
+        if trial_error < error:
+            error, replica, fits = trial_error, candidate, trial
+    return FitResult(replace(replica, cold_start_s=cold_start_s), error, tuple(fits), bottleneck)
