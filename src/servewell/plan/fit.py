@@ -7,8 +7,12 @@ costs (a batch of b takes alpha + beta * b: beta * B / s(B) is the batch's "effi
 batching saves nothing), and how much service times vary. The fit searches a small grid of those,
 scales every stage time so that the simulated peak matches the measured one, takes the latency the
 replica does not explain as fixed overhead (network, client), and keeps the candidate with the
-smallest error in log space over every point. The error is reported: a large one says the model
-does not describe this curve, and `plan` says so rather than quoting figures.
+smallest error in log space over every point. A closed loop often cannot tell the stages apart (a
+frontend that serves one request at a time, or a model that gains nothing by batching, give the same
+ladder) while an open load tells them apart (a batch answers all its requests at its end): when
+several candidates fit within TIE_ERROR, the fit keeps the one with the highest p99 under a Poisson
+load at half its capacity, so the plan errs towards more replicas. The error is reported: a large one
+says the model does not describe this curve, and `plan` says so rather than quoting figures.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import math
 from dataclasses import dataclass, replace
 
 from servewell.plan.curve import CurvePoint, MeasuredCurve
-from servewell.plan.des import ClosedLoad, simulate
-from servewell.plan.model import FleetSpec, ReplicaModel
+from servewell.plan.des import ClosedLoad, OpenLoad, simulate
+from servewell.plan.model import FleetSpec, ReplicaModel, Trace
 
 #: Simulated answers per ladder point: enough for a stable p99 (10 above it), cheap enough for a grid.
 REQUESTS_PER_POINT = 1200
@@ -28,6 +32,11 @@ EFFICIENCIES = (0.2, 0.45, 0.7, 1.0)
 JITTERS = (0.05, 0.15, 0.3, 0.5, 0.8)
 #: Weight of p99 in the error (throughput and p50 weigh 1): tails are noisier than medians.
 P99_WEIGHT = 0.5
+#: Candidates whose error is within this of the best one fit the curve equally well (a measured point
+#: moves by about that much from run to run): among them the fit keeps the most pessimistic one.
+TIE_ERROR = 0.05
+#: ... judged by its p99 under a Poisson load at this share of its capacity.
+TIE_LOAD_SHARE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +88,17 @@ def simulate_point(replica: ReplicaModel, clients: int, node: NodeContext | None
     result = simulate(fleet, ClosedLoad(clients, duration), seed=seed)
     stats = result.window(0.15 * duration, duration)
     return stats.throughput_rps, stats.p50_s or math.inf, stats.p99_s or math.inf
+
+
+def open_p99_s(replica: ReplicaModel, node: NodeContext | None, seed: int,
+               share: float = TIE_LOAD_SHARE) -> float:
+    """The replica's p99 under a Poisson load at `share` of its capacity (alone on its node)."""
+    rate = share * replica.saturation_rps
+    duration = REQUESTS_PER_POINT * 2 / max(rate, 1e-9)
+    fleet = FleetSpec(replica, 1, node_cores=node.cores if node else 0.0,
+                      client_cpu_s=node.client_cpu_s if node else 0.0)
+    stats = simulate(fleet, OpenLoad(Trace(duration, (rate,))), seed=seed).window(0.1 * duration, duration)
+    return stats.p99_s or math.inf
 
 
 def _candidate(curve: MeasuredCurve, bottleneck: str, other: float, efficiency: float, jitter: float,
@@ -137,25 +157,30 @@ def _calibrate(replica: ReplicaModel, curve: MeasuredCurve, node: NodeContext | 
     return replica, _evaluate(replica, curve, node, seed)
 
 
+def _with_best_jitter(replica: ReplicaModel, fits: list[PointFit], curve: MeasuredCurve, node: NodeContext | None,
+                      seed: int) -> tuple[float, ReplicaModel, list[PointFit]]:
+    """The variance, once the means are right: the jitter of JITTERS with the smallest error."""
+    best = (_error(fits), replica, fits)
+    for jitter in JITTERS:
+        candidate = replace(replica, jitter_cv=jitter)
+        trial = _evaluate(candidate, curve, node, seed)
+        if _error(trial) < best[0]:
+            best = (_error(trial), candidate, trial)
+    return best
+
+
 def fit_replica(curve: MeasuredCurve, *, node: NodeContext | None = None, max_queue: int = 256,
                 cold_start_s: float = 0.0, seed: int = 0) -> FitResult:
     """The replica model that best reproduces `curve` (see the module docstring)."""
     batch_options = EFFICIENCIES if curve.settings.max_batch_size > 1 else (1.0,)
-    best: tuple[float, ReplicaModel, list[PointFit], str] | None = None
+    tried: list[tuple[float, ReplicaModel, list[PointFit], str]] = []
     for bottleneck in ("frontend", "model"):
         for other in OTHER_STAGE_SHARES:
             for efficiency in batch_options:
                 candidate = _candidate(curve, bottleneck, other, efficiency, 0.3, max_queue)
                 replica, fits = _calibrate(candidate, curve, node, seed)
-                error = _error(fits)
-                if best is None or error < best[0]:
-                    best = (error, replica, fits, bottleneck)
-    assert best is not None
-    error, replica, fits, bottleneck = best
-    for jitter in JITTERS:  # the variance, once the means are right
-        candidate = replace(replica, jitter_cv=jitter)
-        trial = _evaluate(candidate, curve, node, seed)
-        trial_error = _error(trial)
-        if trial_error < error:
-            error, replica, fits = trial_error, candidate, trial
+                tried.append((*_with_best_jitter(replica, fits, curve, node, seed), bottleneck))
+    lowest = min(t[0] for t in tried)
+    ties = [t for t in tried if t[0] <= lowest + TIE_ERROR]
+    error, replica, fits, bottleneck = max(ties, key=lambda t: (open_p99_s(t[1], node, seed), -t[0]))
     return FitResult(replace(replica, cold_start_s=cold_start_s), error, tuple(fits), bottleneck)
