@@ -24,8 +24,9 @@ Approximations (the docs state them; `fluid_table` and `fluid_bins` add their ow
   (table mean latency + backlog wait)). Replacements are created at once (a killed pod; a node
   failure's detection delay is not modelled) and are ready after pod_start_s + cold_start_s.
 - The autoscaler's signals, read from the step before each sync:
-  CPU per ready pod = served / capacity (capped at 1): a saturated replica, batching or not, reads
-  100 % of its cores; below saturation the share of capacity in use stands for the busy share.
+  CPU per ready pod = served rate x `ReplicaModel.cpu_share` per request (capped at 1): its front's
+  and its batches' threads' work over its cores, a batch of one per request (an upper bound; the
+  request-level pod counts its real batches).
   QUEUE_DEPTH per ready pod = backlog + answered rate x (table mean latency at its utilization -
   mean latency at the table's lightest row) (Little's law, as `latency_table` defines queue depth).
   QUEUE_WAIT = the request-weighted mean over the last `metric_window_s` (one step if 0) of (that
@@ -134,6 +135,7 @@ class _FluidRun:
         self.slo_s = slo_s
         self.dt_s = dt_s
         self.capacity_step = table.capacity_rps * dt_s
+        self.cpu_per_rps = fleet.replica.cpu_share(1.0)  # the pod's CPU at 1 req/s, as the DES pod reads it
         self.rng = np.random.default_rng(seed)
         self.pods = PodPool(fleet.zones, fleet.pod_start_s + fleet.replica.cold_start_s)
         self.pods.create(fleet.replicas, 0.0, ready=True)
@@ -247,7 +249,7 @@ class _FluidRun:
             answered=answered,
             slo_share=slo_share,
             inflight=rate_rps * (dense.mean[rows] + wait),
-            cpu=np.minimum(served_rps / dense.capacity_rps, 1.0),
+            cpu=np.minimum(served_rps * self.cpu_per_rps, 1.0),
             depth=left + rate_rps * dense.excess_mean[rows],
             wait_excess=dense.excess_mean[rows] + wait,
         )

@@ -52,6 +52,12 @@ class ReplicaModel:
         """Cores the replica can keep busy: its front plus every instance's threads."""
         return 1.0 + self.instances * self.threads
 
+    def cpu_share(self, rate_rps: float) -> float:
+        """The CPU utilization (of `cores`) a pod reports at `rate_rps`, its front and its batches'
+        threads: an upper bound that takes a batch of one per request (bigger batches cost less)."""
+        per_request = self.front_s + self.batch_s(1) * self.threads
+        return min(1.0, rate_rps * per_request / self.cores)
+
 
 class BalancerPolicy(Enum):
     """How the load balancer picks a ready replica for each request."""

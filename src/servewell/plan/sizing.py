@@ -159,12 +159,12 @@ def make_plan(fit: FitResult, table: LatencyTable, rows: list[LoadRow], inputs: 
     # milli-precision: a Kubernetes quantity ("85m") and KEDA's threshold both take fractions
     plan.queue_depth_target = max(0.01, round(interpolate(rows, target, "queue_depth"), 3))
     plan.queue_wait_target_s = max(0.001, interpolate(rows, target, "mean_s") - rows[0].mean_s)
-    plan.cpu_target = min(0.95, target)
+    plan.cpu_target = min(0.95, r.cpu_share(plan.target_rps))
     say(f"6. Targets at {target:.0%} of capacity. Queue depth per pod {plan.queue_depth_target:.3g} "
         f"(Little's law: {plan.target_rps:.1f} req/s x the {plan.queue_wait_target_s * 1000:.0f} ms a request "
         f"waits beyond an idle replica's latency); mean queue wait {plan.queue_wait_target_s * 1000:.0f} ms; "
-        f"CPU {plan.cpu_target:.0%} (a batching server's CPU grows about linearly with load until it "
-        "saturates, but says nothing of latency: the queue signals are the ones we ship).")
+        f"CPU {plan.cpu_target:.0%} of the pod's {r.cores:g} cores (a batching server's CPU grows about linearly "
+        "with load until it saturates, but says nothing of latency: the queue signals are the ones we ship).")
     cores = r.cores
     memory = plan.memory_mib
     say(f"7. Pod. {r.instances} instance(s) x {r.threads} thread(s) plus the frontend's event loop: "
