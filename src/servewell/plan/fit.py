@@ -12,7 +12,7 @@ frontend that serves one request at a time, or a model that gains nothing by bat
 ladder) while an open load tells them apart (a batch answers all its requests at its end): when
 several candidates fit within TIE_ERROR, the fit keeps the one with the highest p99 under a Poisson
 load at half its capacity, so the plan errs towards more replicas. The error is reported: a large one
-says the model does not describe this curve, and `plan` says so rather than quoting figures.
+says the model does not describe this curve, and `plan` says so beside its figures.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ EFFICIENCIES = (0.2, 0.45, 0.7, 1.0)
 JITTERS = (0.05, 0.15, 0.3, 0.5, 0.8)
 #: Weight of p99 in the error (throughput and p50 weigh 1): tails are noisier than medians.
 P99_WEIGHT = 0.5
+#: Scale and overhead move each other: rounds of calibrating both.
+CALIBRATION_ROUNDS = 4
 #: Candidates whose error is within this of the best one fit the curve equally well (a measured point
 #: moves by about that much from run to run): among them the fit keeps the most pessimistic one.
 TIE_ERROR = 0.05
@@ -146,7 +148,7 @@ def _calibrate(replica: ReplicaModel, curve: MeasuredCurve, node: NodeContext | 
     moves the other."""
     peak = curve.peak
     first = curve.points[0]
-    for _ in range(2):
+    for _ in range(CALIBRATION_ROUNDS):
         fits = _evaluate(replica, curve, node, seed)
         sim_peak = next(f for f in fits if f.measured is peak)
         sim_first = fits[0]

@@ -20,6 +20,8 @@ from servewell.plan.model import LatencyTable, Trace
 SLO_MARGIN = 0.1
 #: The autoscaler target never sits under this share of the SLO-bound load: lower only buys idle pods.
 MIN_TARGET_SHARE = 0.35
+#: A fit error (root mean square of log ratios) above this is said to be rough.
+ROUGH_FIT_ERROR = 0.25
 #: What the HPA and KEDA components ship for a scale-up: a sync, then a pod start.
 SYNC_S = 15.0
 DEFAULT_POD_START_S = 10.0
@@ -111,7 +113,10 @@ def make_plan(fit: FitResult, table: LatencyTable, rows: list[LoadRow], inputs: 
         f"{r.instances * r.max_batch_size / s_full:.1f} req/s, the frontend (one event loop, "
         f"{r.front_s * 1000:.2f} ms a request) {1 / r.front_s if r.front_s else math.inf:.1f}: the {fit.bottleneck} "
         f"saturates first. Simulated saturation: {plan.capacity_rps:.1f} req/s per replica "
-        f"(fit error {fit.error:.2f} in log space; worst point {fit.worst_ratio:.2f}x).")
+        f"(fit error {fit.error:.2f} in log space; worst point {fit.worst_ratio:.2f}x)."
+        + (f" The model describes this curve poorly (error above {ROUGH_FIT_ERROR}): read every figure below as "
+           "rough, and measure again with more steps, longer windows or the load generator on other cores."
+           if fit.error > ROUGH_FIT_ERROR else ""))
     if plan.operating is None:
         say(f"2. No load meets p99 <= {inputs.slo_s * 1000 * (1 - SLO_MARGIN):.0f} ms "
             f"({100 * (1 - SLO_MARGIN):.0f}% of the SLO): even an idle replica's p99 is "

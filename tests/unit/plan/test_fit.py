@@ -1,0 +1,58 @@
+"""plan.fit against curves made by the simulator from a known replica: the fit must reproduce the
+curve, and where the closed loop cannot tell the stages apart it must keep the pessimistic one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from servewell.plan.curve import CurvePoint, CurveSettings, MeasuredCurve
+from servewell.plan.fit import fit_replica, open_p99_s, simulate_point
+from servewell.plan.model import ReplicaModel
+from servewell.plan.sizing import ROUGH_FIT_ERROR
+
+LADDER = (1, 4, 8, 32)
+
+
+def curve_of(replica: ReplicaModel, ladder: tuple[int, ...] = LADDER) -> MeasuredCurve:
+    points = []
+    for clients in ladder:
+        x, p50, p99 = simulate_point(replica, clients, None, seed=7, requests=4000)
+        points.append(CurvePoint(clients, x, p50, p99))
+    settings = CurveSettings(max_batch_size=replica.max_batch_size, instances=replica.instances,
+                             threads=replica.threads)
+    return MeasuredCurve("synthetic", "test", settings, tuple(points))
+
+
+@pytest.mark.parametrize("replica", [
+    # a model-bound CPU ResNet-50: batching saves nothing, a cheap frontend
+    ReplicaModel(front_s=0.012, alpha_s=0.0, beta_s=0.078, max_batch_size=8, jitter_cv=0.05),
+    # a small model that batches well behind a busier frontend
+    ReplicaModel(front_s=0.0004, alpha_s=0.004, beta_s=0.0001, max_batch_size=32, jitter_cv=0.15),
+])
+def test_the_fit_reproduces_a_curve_the_simulator_made(replica: ReplicaModel):
+    curve = curve_of(replica)
+    fit = fit_replica(curve, seed=1)
+    assert fit.error < ROUGH_FIT_ERROR / 2, fit
+    for point in fit.points:
+        assert point.throughput_rps == pytest.approx(point.measured.throughput_rps, rel=0.15)
+        assert math.log(point.p99_s / point.measured.p99_s) == pytest.approx(0, abs=0.35)
+
+
+def test_when_the_closed_loop_cannot_tell_the_stages_apart_the_fit_keeps_the_slower_open_loop():
+    """A model that gains nothing by batching answers a whole batch at its end: under an open load its
+    p99 is higher than a serial frontend's with the same closed-loop ladder. The fit must not promise
+    the lower one."""
+    truth = ReplicaModel(front_s=0.012, alpha_s=0.0, beta_s=0.078, max_batch_size=8, jitter_cv=0.05)
+    fit = fit_replica(curve_of(truth), seed=1)
+    assert fit.bottleneck == "model"
+    assert open_p99_s(fit.replica, None, 3) >= 0.85 * open_p99_s(truth, None, 3)
+
+
+def test_a_curve_the_model_cannot_describe_has_a_large_error():
+    """Throughput that falls as clients rise (a server that thrashes) is not a queueing replica."""
+    points = (CurvePoint(1, 500.0, 0.002, 0.004), CurvePoint(4, 1500.0, 0.0027, 0.006),
+              CurvePoint(8, 300.0, 0.027, 0.2))
+    curve = MeasuredCurve("thrash", "test", CurveSettings(max_batch_size=8), points)
+    assert fit_replica(curve, seed=1).error > ROUGH_FIT_ERROR
