@@ -108,6 +108,8 @@ def run_round(name: str, work: Workload, fleets: dict[int, Fleet], bodies: list[
     curve = {"tool": "servewell curve", "model": name, "cores": os.cpu_count(),
              "settings": {"max_batch_size": work.max_batch_size, "policy": "idle", "instances": 1, "threads": 1},
              "points": points}
+    calibration_cpu = cal_cpu / max(1, cal_requests)
+    curve["client_cpu_s_per_request"] = calibration_cpu  # the load generator shared the replica's cores
     peak = max(p["throughput_rps"] for p in points)
     runs = []
     shapes = [(n, shape) for n in sorted(fleets) for shape in ("closed", "open")]
@@ -126,7 +128,7 @@ def run_round(name: str, work: Workload, fleets: dict[int, Fleet], bodies: list[
         runs.append({"replicas": replicas, "shape": shape, "rate_rps": OPEN_SHARE * peak if shape == "open" else None,
                      **measured(summary, children_cpu_seconds() - cpu_before,
                                 cpu_seconds(fleet.haproxy_pid()) - lb_before)})
-    return {"round": round_no, "curve": curve, "calibration_client_cpu_s_per_request": cal_cpu / max(1, cal_requests),
+    return {"round": round_no, "curve": curve, "calibration_client_cpu_s_per_request": calibration_cpu,
             "runs": runs}
 
 

@@ -1,4 +1,5 @@
-"""`servewell serve | models | keys | bench | tune | plan`: the command line, generated from the config tree's field docs."""
+"""`servewell serve | models | keys | bench | tune | plan`: the command line, generated from the config
+tree's field docs."""
 
 from __future__ import annotations
 

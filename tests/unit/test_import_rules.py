@@ -101,6 +101,9 @@ RULES = [
          lambda m: ours(m) and m != PACKAGE and not within(m, "servewell.config")),
     Rule("observability imports nothing of ours but config", ("servewell.observability",),
          lambda m: ours(m) and m != PACKAGE and not within(m, "servewell.observability", "servewell.config")),
+    Rule("plan imports nothing of ours but perf.report, nor any framework", ("servewell.plan",),
+         lambda m: (ours(m) and m != PACKAGE and not within(m, "servewell.plan", "servewell.perf.report"))
+         or within(m, "torch", "onnxruntime")),
 ]
 
 

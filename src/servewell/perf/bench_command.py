@@ -12,6 +12,7 @@ import asyncio
 import datetime
 import os
 import sys
+import time
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
@@ -87,7 +88,9 @@ async def _bench(endpoint: Endpoint, args: argparse.Namespace, model: str | None
     try:
         progress.note(f"benchmarking model '{target.model.name}' at {target.url} ({target.protocol}/{target.fmt}), "
                       f"{len(shapes)} step(s) of {shapes[0].duration_s:g} s")
+        cpu_before = time.process_time()
         results = await run_sweep(target, shapes, progress)
+        client_cpu_s = time.process_time() - cpu_before
     finally:
         await target.client.close()
     doc = {
@@ -96,6 +99,9 @@ async def _bench(endpoint: Endpoint, args: argparse.Namespace, model: str | None
                   "inputs": [asdict(t) for t in target.model.inputs]},
         "target": {"url": target.url, "protocol": target.protocol, "format": target.fmt},
         "inputs": {**described, "batch_size": args.batch_size},
+        # this process's CPU per request sent (warm-ups included): with a local server it shared the
+        # cores, and `servewell plan` takes it out of the curve
+        "client_cpu_s_per_request": client_cpu_s / max(1, sum(r.sent for r in results)),
     }
     return results, doc
 
@@ -124,7 +130,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 endpoint = Endpoint(args.protocol or "http", "127.0.0.1",
                                     server.grpc_port if args.protocol == "grpc" else server.port)
                 progress.note(f"servewell ready in {server.started_s:.1f} s (pid {server.pid})")
-                ready_s = round(server.started_s, 2)
+                ready_s = None if server.started_s is None else round(server.started_s, 2)
             else:
                 endpoint = parse_endpoint(args.target, args.protocol)
             results, doc = asyncio.run(_bench(endpoint, args, model, shapes, progress))

@@ -13,7 +13,7 @@ from typing import Any
 from servewell.perf.report import table, write_json
 from servewell.plan import traces
 from servewell.plan.curve import CurveSettings, MeasuredCurve, read_curves
-from servewell.plan.fit import fit_replica
+from servewell.plan.fit import NodeContext, fit_replica
 from servewell.plan.fleet_run import POLICIES, FleetOutcome, run_policy
 from servewell.plan.latency_table import build_table
 from servewell.plan.model import BalancerPolicy, Fault, FaultKind, Trace
@@ -77,7 +77,9 @@ def plan_from_curve(curve: MeasuredCurve, inputs: PlanInputs, *, instances: int 
                     cold_start_s: float | None = None, seed: int = 0) -> Plan:
     """Fit `curve`, optionally give each pod `instances` instances, tabulate its latency, size the fleet."""
     cold = cold_start_s if cold_start_s is not None else (curve.ready_s or DEFAULT_COLD_START_S)
-    fit = fit_replica(curve, cold_start_s=cold, seed=seed)
+    # a load generator that shared the server's cores slowed it: the fit takes that out
+    node = NodeContext(curve.machine_cores, curve.client_cpu_s) if curve.machine_cores and curve.client_cpu_s else None
+    fit = fit_replica(curve, node=node, cold_start_s=cold, seed=seed)
     if instances is not None and instances != fit.replica.instances:
         fit = replace(fit, replica=replace(fit.replica, instances=instances))
     table_, rows = build_table(fit.replica, seed=seed)

@@ -56,6 +56,8 @@ class MeasuredCurve:
     points: tuple[CurvePoint, ...]
     machine_cores: int | None = None
     ready_s: float | None = None  # cold start measured by the tool (server start -> ready), if known
+    #: the load generator's CPU per request when it shared `machine_cores` with the server, if known
+    client_cpu_s: float | None = None
 
     @property
     def peak(self) -> CurvePoint:
@@ -71,9 +73,9 @@ class MeasuredCurve:
 
 def _number(value: object, what: str, *, low: float = 0.0, high: float = 1e9) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{what}: {value!r} is not a finite number")
+        raise ValueError(f"{what}: {str(value)[:40]!r} is not a finite number")
     if not low <= value <= high:
-        raise ValueError(f"{what}: {value!r} is outside [{low:g}, {high:g}]")
+        raise ValueError(f"{what}: {value:g} is outside [{low:g}, {high:g}]")
     return float(value)
 
 
@@ -166,16 +168,19 @@ def bench_curve(doc: dict[str, Any], settings: CurveSettings | None = None) -> M
         settings = _settings({"max_batch_size": batch}, "model")
     ready = doc.get("local_server_ready_s")
     cpus = (doc.get("machine") or {}).get("cpus")
+    client = doc.get("client_cpu_s_per_request") if doc.get("local_server") is True else None
     return MeasuredCurve(str(model.get("name", "model"))[:128], "servewell bench", settings,
                          _ladder(doc.get("steps"), "steps"),
                          int(cpus) if isinstance(cpus, int) and 0 < cpus < 100_000 else None,
-                         _number(ready, "local_server_ready_s", high=86_400) if ready is not None else None)
+                         _number(ready, "local_server_ready_s", high=86_400) if ready is not None else None,
+                         _client_cpu(client, "client_cpu_s_per_request"))
 
 
 def plain_curve(doc: dict[str, Any]) -> MeasuredCurve:
     """A curve written by hand or by another load tool (format `servewell curve`): `model`,
     `settings` (max_batch_size, policy, max_wait_ms, instances, threads) and `points`, each with
-    concurrency, throughput_rps, p50_ms, p99_ms (and errors); optionally `ready_s` and `cores`."""
+    concurrency, throughput_rps, p50_ms, p99_ms (and errors); optionally `ready_s`, `cores` and, when
+    the load generator ran on those cores beside the server, `client_cpu_s_per_request`."""
     settings = doc.get("settings", {})
     if not isinstance(settings, dict):
         raise ValueError("settings: not an object")
@@ -184,7 +189,13 @@ def plain_curve(doc: dict[str, Any]) -> MeasuredCurve:
     return MeasuredCurve(str(doc.get("model", "model"))[:128], "servewell curve", _settings(settings, "settings"),
                          _ladder(doc.get("points"), "points"),
                          int(cores) if isinstance(cores, int) and 0 < cores < 100_000 else None,
-                         _number(ready, "ready_s", high=86_400) if ready is not None else None)
+                         _number(ready, "ready_s", high=86_400) if ready is not None else None,
+                         _client_cpu(doc.get("client_cpu_s_per_request"), "client_cpu_s_per_request"))
+
+
+def _client_cpu(value: Any, where: str) -> float | None:
+    """A load generator's CPU seconds per request: absent, or a number in [0, 1)."""
+    return None if value is None else _number(value, where, high=1.0)
 
 
 def read_curves(path: Path, settings: CurveSettings | None = None) -> list[MeasuredCurve]:
@@ -212,4 +223,5 @@ def read_curves(path: Path, settings: CurveSettings | None = None) -> list[Measu
 
 
 def _with(curve: MeasuredCurve, settings: CurveSettings) -> MeasuredCurve:
-    return MeasuredCurve(curve.model, curve.source, settings, curve.points, curve.machine_cores, curve.ready_s)
+    return MeasuredCurve(curve.model, curve.source, settings, curve.points, curve.machine_cores, curve.ready_s,
+                         curve.client_cpu_s)
