@@ -40,6 +40,7 @@ def curve(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_plan_sizes_a_fleet_that_meets_the_slo_in_simulation(curve, tmp_path):
     bench = json.loads(curve.read_text())
     assert bench["local_server_ready_s"] > 0  # the cold start plan uses
+    assert 0 < bench["client_cpu_s_per_request"] < 0.05  # the load generator beside it, taken out of the fit
     out = tmp_path / "plan"
     done = servewell("plan", str(curve), "--slo-p99-ms", "150", "--rps", "1000", "--duration-s", "240",
                      "--simulate", "--fault", "replica_lost@120", "--out", str(out))

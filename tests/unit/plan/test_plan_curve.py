@@ -53,6 +53,11 @@ def test_bench_result_needs_a_closed_loop_and_keeps_the_measured_cold_start(tmp_
     assert curve.model == "digits" and curve.ready_s == 4.5 and curve.machine_cores == 2
     assert curve.settings.max_batch_size == 64 and curve.settings.policy == "idle" and curve.settings.max_wait_s == 0
     assert [p.concurrency for p in curve.points] == [1]  # a step that answered nothing is no point
+    assert curve.client_cpu_s is None  # not recorded
+    doc.update(client_cpu_s_per_request=0.0003, local_server=True)
+    assert read_curves(write(tmp_path, doc))[0].client_cpu_s == pytest.approx(0.0003)
+    doc["local_server"] = False  # a remote server did not share the load generator's cores
+    assert read_curves(write(tmp_path, doc))[0].client_cpu_s is None
     doc["settings"]["mode"] = "open"
     with pytest.raises(ValueError, match="closed-loop"):
         read_curves(write(tmp_path, doc))
@@ -80,12 +85,17 @@ def test_plain_curve_file(tmp_path):
     ({"tool": "servewell curve", "settings": {"policy": "fastest"}, "points": ladder((1, 5, 1, 2))}, "policy"),
     ({"tool": "servewell curve", "settings": {"max_batch_size": 10**9}, "points": ladder((1, 5, 1, 2))},
      "max_batch_size"),
+    ({"tool": "servewell curve", "client_cpu_s_per_request": 2.0, "points": ladder((1, 5, 1, 2))},
+     "client_cpu_s_per_request"),
+    ({"tool": "servewell curve", "client_cpu_s_per_request": "x" * 10_000, "points": ladder((1, 5, 1, 2))},
+     "client_cpu_s_per_request: 'xxxx"),
     ({"tool": "servewell tune", "candidates": "all"}, "not a list"),
     ({"tool": "servewell tune", "candidates": []}, "no candidate"),
 ])
 def test_hostile_curve_files_are_refused_by_name(tmp_path, doc, problem):
-    with pytest.raises(ValueError, match=problem):
+    with pytest.raises(ValueError, match=problem) as refused:
         read_curves(write(tmp_path, doc))
+    assert len(str(refused.value)) < 300  # what the file says is not echoed whole
 
 
 def test_oversized_and_non_json_files_are_refused(tmp_path):
