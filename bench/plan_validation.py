@@ -105,11 +105,13 @@ def run_round(name: str, work: Workload, fleets: dict[int, Fleet], bodies: list[
         errors = sum(n for status, n in m["status_counts"].items() if status != "200")
         points.append({"concurrency": clients, "throughput_rps": m["throughput_rps"], "p50_ms": m["p50_ms"],
                        "p99_ms": m["p99_ms"], "errors": errors})
-    curve = {"tool": "servewell curve", "model": name, "cores": os.cpu_count(),
-             "settings": {"max_batch_size": work.max_batch_size, "policy": "idle", "instances": 1, "threads": 1},
-             "points": points}
     calibration_cpu = cal_cpu / max(1, cal_requests)
-    curve["client_cpu_s_per_request"] = calibration_cpu  # the load generator shared the replica's cores
+    curve: dict[str, Any] = {
+        "tool": "servewell curve", "model": name, "cores": os.cpu_count(),
+        "settings": {"max_batch_size": work.max_batch_size, "policy": "idle", "instances": 1, "threads": 1},
+        "points": points,
+        "client_cpu_s_per_request": calibration_cpu,  # the load generator shared the replica's cores
+    }
     peak = max(p["throughput_rps"] for p in points)
     runs = []
     shapes = [(n, shape) for n in sorted(fleets) for shape in ("closed", "open")]
