@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ import numpy as np
 
 from servewell.plan.des_control import handle_fleet_event, start_fleet_events
 from servewell.plan.des_fleet import PodFleet
-from servewell.plan.des_node import BATCH, EXTRA, FRONT, NodeJob, SharedNode
+from servewell.plan.des_node import BATCH, CLIENT, EXTRA, FRONT, NodeJob, SharedNode
 from servewell.plan.des_pod import DRAINING, Pod
 from servewell.plan.des_result import ANSWERED, FAILED, REFUSED
 from servewell.plan.des_scaling import ScalingProbe
@@ -116,7 +117,11 @@ class FleetRun:
         self.balancer_draws = RandomDraws(balancer_gen.random)
         self.fault_gen = fault_gen
         self.node = SharedNode(fleet.node_cores) if fleet.node_cores > 0 else None
-        self.extra_cpu_s = fleet.client_cpu_s + fleet.balancer_cpu_s if self.node is not None else 0.0
+        self.extra_cpu_s = fleet.balancer_cpu_s if self.node is not None else 0.0
+        # the load generator on the same node is one process: each request waits for it to send
+        self.client_cpu_s = fleet.client_cpu_s if self.node is not None else 0.0
+        self.client_busy = False
+        self.client_queue: deque[int] = deque()
         self.probe = ScalingProbe(fleet.autoscaler, r, fleet.replicas) if fleet.autoscaler is not None else None
         self.track_waits = self.probe is not None and self.probe.track_waits
         self.desired = fleet.replicas
@@ -197,6 +202,27 @@ class FleetRun:
         self._arrive(t, rid)
 
     def _arrive(self, t: float, rid: int) -> None:
+        if self.client_cpu_s > 0:
+            if self.client_busy:
+                self.client_queue.append(rid)
+            else:
+                self._start_client(t, rid)
+            return
+        self._send(t, rid)
+
+    def _start_client(self, t: float, rid: int) -> None:
+        assert self.node is not None
+        self.client_busy = True
+        self.node.add(t, NodeJob(CLIENT, None, [rid], 1), self.client_cpu_s)
+
+    def _client_done(self, t: float, rid: int) -> None:
+        self.client_busy = False
+        if self.client_queue:
+            self._start_client(t, self.client_queue.popleft())
+        self._send(t, rid)
+
+    def _send(self, t: float, rid: int) -> None:
+        """The request leaves the client: the balancer picks its pod."""
         pod = self._pick()
         if pod is None:
             self._refuse(rid, t, None)
@@ -356,7 +382,9 @@ class FleetRun:
         node.scheduled_s = math.inf
         for job in node.pop_done(t):
             pod = job.pod
-            if pod is None:  # EXTRA: only contended
+            if pod is None:  # EXTRA: only contended; CLIENT: the request goes out
+                if job.kind == CLIENT and job.batch is not None:
+                    self._client_done(t, job.batch[0])
                 continue
             if job.kind == FRONT:
                 self._front_done(pod, t)

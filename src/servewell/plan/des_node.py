@@ -25,10 +25,11 @@ class JobKind(IntEnum):
 
     FRONT = 0  # a replica's front serving one request
     BATCH = 1  # one instance running one batch
-    EXTRA = 2  # the load generator's and balancer's CPU per request: only contends
+    EXTRA = 2  # the balancer's CPU per request: only contends
+    CLIENT = 3  # the load generator sending one request (`batch` holds its id): one process, in its path
 
 
-FRONT, BATCH, EXTRA = (int(k) for k in JobKind)
+FRONT, BATCH, EXTRA, CLIENT = (int(k) for k in JobKind)
 
 
 class NodeJob:

@@ -47,10 +47,24 @@ def test_the_front_and_the_batches_compete_for_one_core():
 
 def test_the_load_generators_cpu_contends():
     fleet = FleetSpec(CPU_BOUND, 1, node_cores=1, client_cpu_s=0.006, balancer_cpu_s=0.004)
-    # 10 ms of the replica's work and 10 ms of the client's and balancer's per request, on one core.
-    assert throughput(fleet) == pytest.approx(1 / (2 * SERVICE_S), rel=0.02)
+    # 10 ms of the replica's work and 10 ms of the client's and balancer's per request, on one core
+    # (the client, one process, sends one request at a time: a longer run for the queue it builds at
+    # the start to drain).
+    assert throughput(fleet, duration_s=20.0) == pytest.approx(1 / (2 * SERVICE_S), rel=0.02)
     # Without node_cores the client's CPU is free (its own machine).
     assert throughput(FleetSpec(CPU_BOUND, 1, client_cpu_s=0.01)) == pytest.approx(1 / SERVICE_S, rel=0.01)
+
+
+def test_the_load_generator_is_in_each_requests_path():
+    """One load-generator process on the node: a request waits for it to be sent, so a burst of
+    arrivals queues at the client before the replica sees it."""
+    alone = simulate(FleetSpec(CPU_BOUND, 1, node_cores=2), OpenLoad(Trace(20.0, (50.0,))), seed=2)
+    with_client = simulate(FleetSpec(CPU_BOUND, 1, node_cores=2, client_cpu_s=0.015),
+                           OpenLoad(Trace(20.0, (50.0,))), seed=2)
+    a, b = alone.window(1.0, 20.0), with_client.window(1.0, 20.0)
+    assert b.p50_s is not None and a.p50_s is not None and b.p99_s is not None and a.p99_s is not None
+    assert b.p50_s >= a.p50_s + 0.015 - 1e-9  # its own CPU is in the path
+    assert b.p99_s > a.p99_s + 0.015  # and so is its queue (75 % busy)
 
 
 def test_open_load_on_a_shared_node_answers_everything_below_capacity():
