@@ -210,10 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="short windows, for developing the benchmark")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append", help="only these (repeatable)")
     parser.add_argument("--analyse-only", action="store_true", help="refit and predict the last measured rounds")
+    parser.add_argument("--ingress-processes", type=int, default=None,
+                        help="each replica's --ingress-processes (default: the server's, one per CPU)")
     args = parser.parse_args(argv)
-    logs = RESULTS / "logs" / "plan_validation"
+    suffix = "" if args.ingress_processes is None else f"-ingress{args.ingress_processes}"
+    server_args = () if args.ingress_processes is None else ("--ingress-processes", str(args.ingress_processes))
+    logs = RESULTS / "logs" / f"plan_validation{suffix}"
     logs.mkdir(parents=True, exist_ok=True)
-    raw_path = RESULTS / "plan_validation_raw.json"
+    raw_path = RESULTS / f"plan_validation{suffix}_raw.json"
     started = time.time()
     if args.analyse_only:
         measured_rounds = json.loads(raw_path.read_text())
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.workload and name not in args.workload:
                 continue
             repository, bodies = repository_for(name, 1)
-            fleets = {n: Fleet(repository, n, logs, f"plan-{name}-{n}") for n in (1, 2, 3)}
+            fleets = {n: Fleet(repository, n, logs, f"plan-{name}-{n}", server_args) for n in (1, 2, 3)}
             try:
                 ready_started = time.monotonic()
                 for fleet in fleets.values():
@@ -242,9 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: fitting and predicting ...", file=sys.stderr, flush=True)
         rows += analyse(name, WORKLOADS[name], rounds, logs)
     doc = {"started_at": started, "elapsed_s": round(time.time() - started, 1), "cpu_count": os.cpu_count(),
-           "load_average_at_end": os.getloadavg(), "goals": {"throughput": THROUGHPUT_GOAL, "p99": P99_GOAL},
+           "load_average_at_end": os.getloadavg(), "ingress_processes": args.ingress_processes,
+           "goals": {"throughput": THROUGHPUT_GOAL, "p99": P99_GOAL},
            "rows": rows}
-    (RESULTS / "plan_validation.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    (RESULTS / f"plan_validation{suffix}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     print_table(rows)
     return 0
 

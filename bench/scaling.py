@@ -92,7 +92,8 @@ def load_supervisor_module():
 class Fleet:
     """N replicas behind HAProxy, started by deploy/local/replicas.py, stopped by pid."""
 
-    def __init__(self, repository: Path, replicas: int, logs: Path, tag: str) -> None:
+    def __init__(self, repository: Path, replicas: int, logs: Path, tag: str,
+                 server_args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.replica_ports = [free_port() for _ in range(replicas)]
         self.state_dir = logs / f"replicas-{tag}"
@@ -114,6 +115,7 @@ class Fleet:
                 "--",
                 "--model-repository",
                 str(repository),
+                *server_args,
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
