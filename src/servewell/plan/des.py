@@ -25,7 +25,8 @@ Conventions a caller must know:
 Not modelled (where predictions and measurements part, `bench.plan_validation`): the operating
 system's time slices (a shared node is ideal processor sharing, so sub-millisecond work on an
 oversubscribed node waits less here than on a real one: the tiny MLP's open-loop p99 is
-underestimated 2x to 4x on 2 cores); pauses of a whole process (garbage collection, housekeeping
+underestimated 2x to 3.3x on 2 cores); a replica's own processes (ingress, engine, worker: a request
+crosses four, each a wake-up), which are two stages here; pauses of a whole process (garbage collection, housekeeping
 threads); the frontend's per-batch work (messages to and from the worker) apart from its
 per-request time; connection set-up; network time beyond `balancer_s` and `overhead_s`; a client's
 own timeouts and retries (every request waits for its outcome).
