@@ -129,8 +129,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 model = model or found
                 endpoint = Endpoint(args.protocol or "http", "127.0.0.1",
                                     server.grpc_port if args.protocol == "grpc" else server.port)
-                progress.note(f"servewell ready in {server.started_s:.1f} s (pid {server.pid})")
                 ready_s = None if server.started_s is None else round(server.started_s, 2)
+                progress.note(f"servewell ready in {ready_s} s (pid {server.pid})")
             else:
                 endpoint = parse_endpoint(args.target, args.protocol)
             results, doc = asyncio.run(_bench(endpoint, args, model, shapes, progress))
