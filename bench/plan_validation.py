@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.processes import HOST, children_cpu_seconds, closed_loop, cpu_seconds, run_module
+from bench.processes import HOST, TreeCpu, children_cpu_seconds, closed_loop, cpu_seconds, run_module
 from bench.scaling import Fleet, repository_for
 from bench.workspace import RESULTS, WORK
 
@@ -71,7 +71,14 @@ def open_loop(url: str, path: str, bodies: list[Path], rate: float, seconds: flo
     return json.loads(out.read_text())
 
 
-def measured(summary: dict[str, Any], client_cpu: float, lb_cpu: float | None) -> dict[str, Any]:
+def server_cpu_s(spent: dict[str, float]) -> float:
+    """CPU seconds of the replicas' processes from a `TreeCpu` of the fleet (HAProxy, role "other",
+    is measured apart)."""
+    return sum(seconds for role, seconds in spent.items() if role != "other")
+
+
+def measured(summary: dict[str, Any], client_cpu: float, lb_cpu: float | None,
+             server_cpu: float | None = None) -> dict[str, Any]:
     """The figures of one loadgen run, with CPU per answered request."""
     normal = summary["classes"].get("normal", {}).get("latency_ms", {})
     answered = max(1, sum(summary["status_counts"].values()))
@@ -84,6 +91,7 @@ def measured(summary: dict[str, Any], client_cpu: float, lb_cpu: float | None) -
         "status_counts": summary["status_counts"],
         "client_cpu_s_per_request": client_cpu / sent,
         "balancer_cpu_s_per_request": None if lb_cpu is None else lb_cpu / sent,
+        "server_cpu_s_per_request": None if server_cpu is None else server_cpu / sent,
     }
 
 
@@ -96,15 +104,17 @@ def run_round(name: str, work: Workload, fleets: dict[int, Fleet], bodies: list[
     cal_cpu, cal_requests = 0.0, 0
     for clients in work.ladder:
         tag = f"{name}-cal-c{clients}-r{round_no}"
-        before = children_cpu_seconds()
+        before, tree = children_cpu_seconds(), TreeCpu(one.proc.pid).start()
         summary = closed_loop(f"http://{HOST}:{one.replica_ports[0]}", work.path, bodies, clients, window, warm,
                               logs / f"run-{tag}.json", logs / f"loadgen-{tag}.log")
+        server = server_cpu_s(tree.stop())
         cal_cpu += children_cpu_seconds() - before
         cal_requests += summary.get("sent") or sum(summary["status_counts"].values())
-        m = measured(summary, 0.0, None)
+        m = measured(summary, 0.0, None, server)
         errors = sum(n for status, n in m["status_counts"].items() if status != "200")
         points.append({"concurrency": clients, "throughput_rps": m["throughput_rps"], "p50_ms": m["p50_ms"],
-                       "p99_ms": m["p99_ms"], "errors": errors})
+                       "p99_ms": m["p99_ms"], "errors": errors,
+                       "server_cpu_ms_per_request": round(m["server_cpu_s_per_request"] * 1000, 4)})
     calibration_cpu = cal_cpu / max(1, cal_requests)
     curve: dict[str, Any] = {
         "tool": "servewell curve", "model": name, "cores": os.cpu_count(),
@@ -120,6 +130,7 @@ def run_round(name: str, work: Workload, fleets: dict[int, Fleet], bodies: list[
         fleet = fleets[replicas]
         tag = f"{name}-{replicas}-{shape}-r{round_no}"
         lb_before, cpu_before = cpu_seconds(fleet.haproxy_pid()), children_cpu_seconds()
+        tree = TreeCpu(fleet.proc.pid).start()
         url = f"http://{HOST}:{fleet.port}"
         if shape == "closed":
             summary = closed_loop(url, work.path, bodies, CLIENTS, window, warm, logs / f"run-{tag}.json",
@@ -127,9 +138,10 @@ def run_round(name: str, work: Workload, fleets: dict[int, Fleet], bodies: list[
         else:
             summary = open_loop(url, work.path, bodies, OPEN_SHARE * peak, window, warm, logs / f"run-{tag}.json",
                                 logs / f"loadgen-{tag}.log")
+        server = server_cpu_s(tree.stop())
         runs.append({"replicas": replicas, "shape": shape, "rate_rps": OPEN_SHARE * peak if shape == "open" else None,
                      **measured(summary, children_cpu_seconds() - cpu_before,
-                                cpu_seconds(fleet.haproxy_pid()) - lb_before)})
+                                cpu_seconds(fleet.haproxy_pid()) - lb_before, server)})
     return {"round": round_no, "curve": curve, "calibration_client_cpu_s_per_request": calibration_cpu,
             "runs": runs}
 
@@ -151,7 +163,7 @@ def predict(fit: FitResult, run: dict[str, Any], window_s: float, seed: int) -> 
         result = simulate(fleet, OpenLoad(Trace(duration, (rate,))), seed=seed)
     stats = result.window(0.15 * duration, duration)
     return {"throughput_rps": stats.throughput_rps, "p50_ms": (stats.p50_s or 0) * 1000,
-            "p99_ms": (stats.p99_s or 0) * 1000}
+            "p99_ms": (stats.p99_s or 0) * 1000, "server_cpu_ms": result.cpu_per_answer_s * 1000}
 
 
 def analyse(name: str, work: Workload, rounds: list[dict[str, Any]], logs: Path) -> list[dict[str, Any]]:
@@ -180,6 +192,11 @@ def analyse(name: str, work: Workload, rounds: list[dict[str, Any]], logs: Path)
             ratios = [p[key] / m[key] for m, p in pairs if m[key]]
             row[f"ratio_{key}"] = statistics.median(ratios) if ratios else None
             row[f"measured_{key}_range"] = [min(m[key] or 0 for m, _ in pairs), max(m[key] or 0 for m, _ in pairs)]
+        cpu = [(m["server_cpu_s_per_request"] * 1000, p["server_cpu_ms"]) for m, p in pairs
+               if m.get("server_cpu_s_per_request")]
+        if cpu:  # the replicas' CPU per request, measured (all their processes) and simulated
+            row["measured_server_cpu_ms"] = statistics.median(m for m, _ in cpu)
+            row["predicted_server_cpu_ms"] = statistics.median(p for _, p in cpu)
         row["throughput_ok"] = row["ratio_throughput_rps"] is not None and abs(row["ratio_throughput_rps"] - 1) <= \
             THROUGHPUT_GOAL
         row["p99_ok"] = row["ratio_p99_ms"] is not None and abs(row["ratio_p99_ms"] - 1) <= P99_GOAL
@@ -223,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         measured_rounds = json.loads(raw_path.read_text())
     else:
         run_module("bench.models", ["--work", str(WORK)], timeout_s=900, log_path=logs / "build.log")
-        measured_rounds = {}
+        # a run of some workloads keeps the others' last measured rounds
+        measured_rounds = json.loads(raw_path.read_text()) if args.workload and raw_path.exists() else {}
         for name, work in WORKLOADS.items():
             if args.workload and name not in args.workload:
                 continue

@@ -73,6 +73,7 @@ def test_bench_closed_loop_over_http_json(digits_server, tmp_path):
     check_steps(doc, [1.0, 4.0])
     check_files(tmp_path, doc)
     assert all(s["status_counts"] == {"200": s["ok"]} for s in doc["steps"])
+    assert all(s["server_cpu_ms_per_request"] is None for s in doc["steps"])  # a server bench did not start
     assert doc["model"]["name"] == "digits" and doc["inputs"]["source"] == "generated"
     assert doc["inputs"]["tensors"] == [{"name": "input", "datatype": "FP32", "shape": [1, 1, 8, 8]}]
     # The server answered at least what the window counted, and no more than was sent.
@@ -114,6 +115,8 @@ def test_bench_of_a_model_directory_serves_it_for_the_run(servewell_cache, digit
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["local_server"] is True
     check_steps(doc, [2.0])
+    # the server it started ran in this machine's /proc: its CPU per request, for `servewell plan`
+    assert 0 < doc["steps"][0]["server_cpu_ms_per_request"] < 1000
     url = doc["target"]["url"]
     with pytest.raises(httpx.ConnectError):  # the server it started is gone
         httpx.get(url + "/v2/health/live", timeout=2)

@@ -19,6 +19,40 @@ def rss_bytes(pid: int | str = "self") -> int:
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", "rb") as f:
+                found.extend(int(p) for p in f.read().split())
+        except (OSError, ValueError):
+            continue  # the thread or the process ended while we read
+    return found
+
+
+def tree_cpu_seconds(root: int, max_processes: int = 4096) -> float:
+    """CPU seconds (user + system) of `root` and its descendants alive now, each with its reaped
+    children's (so a worker that was replaced keeps counting); 0 when `root` is gone."""
+    total, queue, seen = 0.0, [root], {root}
+    while queue and len(seen) <= max_processes:
+        pid = queue.pop()
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read().rsplit(b")", 1)[1].split()
+            total += sum(int(stat[i]) for i in (11, 12, 13, 14)) / _TICKS
+        except (OSError, IndexError, ValueError):
+            continue
+        for child in _children(pid):
+            if child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return total
+
+
 def process_facts(pid: int) -> dict[str, float]:
     """RSS, private (anonymous) memory, file-backed resident memory, CPU seconds and threads of a
     process; {} if it is gone."""

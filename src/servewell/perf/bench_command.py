@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from servewell.observability.process import tree_cpu_seconds
 from servewell.perf.commands import DEFAULT_CONCURRENCY, REQUESTS_ONLY_DURATION_S
 from servewell.perf.inputs import InputError, parse_shape_overrides
 from servewell.perf.local_server import LocalServerError
@@ -81,7 +82,7 @@ def input_choice(args: argparse.Namespace) -> InputChoice:
 
 
 async def _bench(endpoint: Endpoint, args: argparse.Namespace, model: str | None, shapes: list[LoadShape],
-                 progress: Progress) -> tuple[list[StepResult], dict[str, Any]]:
+                 progress: Progress, server_pid: int | None) -> tuple[list[StepResult], dict[str, Any]]:
     headers = parse_headers(args.headers)
     target, described = await prepare_target(endpoint, model, args.model_version, args.fmt, input_choice(args),
                                               headers, args.timeout_ms / 1000.0)
@@ -89,7 +90,10 @@ async def _bench(endpoint: Endpoint, args: argparse.Namespace, model: str | None
         progress.note(f"benchmarking model '{target.model.name}' at {target.url} ({target.protocol}/{target.fmt}), "
                       f"{len(shapes)} step(s) of {shapes[0].duration_s:g} s")
         cpu_before = time.process_time()
-        results = await run_sweep(target, shapes, progress)
+        # a local server's CPU per request at each step tells `servewell plan` how its work per
+        # request falls as requests arrive together
+        results = await run_sweep(target, shapes, progress,
+                                  None if server_pid is None else lambda: tree_cpu_seconds(server_pid))
         client_cpu_s = time.process_time() - cpu_before
     finally:
         await target.client.close()
@@ -122,6 +126,7 @@ def run_bench(args: argparse.Namespace) -> int:
         try:
             local = Path(args.target).is_dir()
             ready_s: float | None = None
+            server_pid: int | None = None
             model = args.model
             if local:
                 progress.note(f"starting servewell for {args.target} ...")
@@ -130,10 +135,11 @@ def run_bench(args: argparse.Namespace) -> int:
                 endpoint = Endpoint(args.protocol or "http", "127.0.0.1",
                                     server.grpc_port if args.protocol == "grpc" else server.port)
                 ready_s = None if server.started_s is None else round(server.started_s, 2)
+                server_pid = server.pid
                 progress.note(f"servewell ready in {ready_s} s (pid {server.pid})")
             else:
                 endpoint = parse_endpoint(args.target, args.protocol)
-            results, doc = asyncio.run(_bench(endpoint, args, model, shapes, progress))
+            results, doc = asyncio.run(_bench(endpoint, args, model, shapes, progress, server_pid))
         except (ValueError, ServerError, InputError, LocalServerError, OSError) as exc:
             progress.clear()
             print(f"servewell bench: {exc}", file=sys.stderr)

@@ -69,6 +69,8 @@ class StepResult:
     error_codes: dict[str, int] = field(default_factory=dict)
     server_ms: dict[str, float | None] = field(default_factory=dict)  # median per Server-Timing stage
     warmup_dropped: bool = False
+    #: CPU of every process of a local server per request sent in the step (warm-up included), if known
+    server_cpu_ms_per_request: float | None = None
 
     @property
     def error_rate(self) -> float:
@@ -142,12 +144,17 @@ def _ticker(progress: Progress, prefix: str, shape: LoadShape) -> Callable[[Reco
     return tick
 
 
-async def run_sweep(target: PreparedTarget, shapes: Sequence[LoadShape], progress: Progress) -> list[StepResult]:
-    """Every step in turn, with a progress line while each runs and a note when it ends."""
+async def run_sweep(target: PreparedTarget, shapes: Sequence[LoadShape], progress: Progress,
+                    server_cpu_s: Callable[[], float] | None = None) -> list[StepResult]:
+    """Every step in turn, with a progress line while each runs and a note when it ends;
+    `server_cpu_s` reads the server's CPU seconds so far (a local server), for its CPU per request."""
     results = []
     for index, shape in enumerate(shapes, start=1):
         prefix = f"step {index}/{len(shapes)}"
+        cpu_before = server_cpu_s() if server_cpu_s is not None else 0.0
         result = await measure(target, shape, _ticker(progress, prefix, shape))
+        if server_cpu_s is not None and result.sent:
+            result.server_cpu_ms_per_request = round((server_cpu_s() - cpu_before) / result.sent * 1000, 4)
         progress.clear()  # the finished step's status line is replaced by its result
         progress.note(f"{prefix} {result_line(result)}")
         results.append(result)

@@ -33,6 +33,8 @@ class CurvePoint:
     p50_s: float
     p99_s: float
     errors: int = 0
+    #: CPU seconds per request of the server's processes at this step (all of them), if measured
+    server_cpu_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +94,10 @@ def _point(raw: object, where: str, *, latency_unit_s: float = 0.001) -> CurvePo
     if p99 < p50:
         raise ValueError(f"{where}: p99 is below p50")
     errors = raw.get("errors", 0)
+    cpu = raw.get("server_cpu_ms_per_request")
     return CurvePoint(int(_number(level, f"{where}.concurrency", low=1, high=1e6)), throughput, p50, p99,
-                      int(_number(errors, f"{where}.errors")))
+                      int(_number(errors, f"{where}.errors")),
+                      None if cpu is None else _number(cpu, f"{where}.server_cpu_ms_per_request", high=1e6) / 1000)
 
 
 def _settings(raw: dict[str, Any], where: str) -> CurveSettings:
@@ -179,7 +183,8 @@ def bench_curve(doc: dict[str, Any], settings: CurveSettings | None = None) -> M
 def plain_curve(doc: dict[str, Any]) -> MeasuredCurve:
     """A curve written by hand or by another load tool (format `servewell curve`): `model`,
     `settings` (max_batch_size, policy, max_wait_ms, instances, threads) and `points`, each with
-    concurrency, throughput_rps, p50_ms, p99_ms (and errors); optionally `ready_s`, `cores` and, when
+    concurrency, throughput_rps, p50_ms, p99_ms (and errors, and `server_cpu_ms_per_request`: the CPU
+    of all the server's processes per request at that step); optionally `ready_s`, `cores` and, when
     the load generator ran on those cores beside the server, `client_cpu_s_per_request`."""
     settings = doc.get("settings", {})
     if not isinstance(settings, dict):

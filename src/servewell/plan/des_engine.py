@@ -33,8 +33,9 @@ from servewell.plan.model import BalancerPolicy, Fault, FleetSpec
 
 # Event kinds of the request flow, most frequent first (the fleet's are des_control's, from 5 up).
 _FRONT_DONE, _BATCH_DONE, _ARRIVE, _TIMER, _NODE = range(5)
-#: A request still in flight (its status becomes one of des_result's outcomes).
-_IN_FLIGHT = -1
+#: A request still in flight (its status becomes one of des_result's outcomes), and one whose batch
+#: is done and whose answer is crossing the front on its way out.
+_IN_FLIGHT, _ANSWERING = -1, -2
 #: A closed-loop client refused without any time passing (no ready replica, zero latency) waits
 #: this long before it sends again, so a fleet with nothing ready does not spin at one instant.
 RETRY_FLOOR_S = 1e-3
@@ -94,6 +95,7 @@ class RunOutput:
     paid_area: list[float]  # pod-seconds starting, ready or draining, per bin
     depth_sum: list[float]  # per bin: sum over its scrapes of waiting requests per ready pod
     depth_n: list[int]  # per bin: scrapes with a ready pod
+    replica_cpu_s: float  # CPU seconds of work the replicas started (fronts and batches)
 
 
 class FleetRun:
@@ -109,6 +111,12 @@ class FleetRun:
         self.policy = fleet.balancer
         self.start_delay_s = fleet.pod_start_s + r.cold_start_s
         self.front_s, self.alpha_s, self.beta_s, self.threads = r.front_s, r.alpha_s, r.beta_s, r.threads
+        # the front's work per request and per wake-up, on the request's way in and its answer's way out
+        out = r.front_out_share
+        self.front_in_s, self.front_out_s = r.front_s * (1 - out), r.front_s * out
+        self.wake_in_s, self.wake_out_s = r.front_fixed_s * (1 - out), r.front_fixed_s * out
+        self.has_front = r.front_s > 0 or r.front_fixed_s > 0
+        self.answers_cross_front = self.has_front and out > 0
         self.max_batch, self.max_wait_s, self.max_queue = r.max_batch_size, r.max_wait_s, r.max_queue
         self.extra_latency_s = r.overhead_s + fleet.balancer_s
         jitter_gen, balancer_gen, fault_gen = (np.random.default_rng(s) for s in seeds)
@@ -132,6 +140,7 @@ class FleetRun:
         self.status: list[int] = [_IN_FLIGHT] * n
         self.enq: list[float] = [0.0] * n
         self.urgent: list[bool] = list(load.urgent)
+        self.replica_cpu_s = 0.0
         self.rr = -1
         self.heap: list[tuple[float, int, int, Any, Any]] = []
         self.seq = itertools.count()
@@ -184,10 +193,11 @@ class FleetRun:
             if node is not None:
                 self._reschedule(node)
         self.fleet.account(horizon)
-        if _IN_FLIGHT in self.status:
+        if _IN_FLIGHT in self.status or _ANSWERING in self.status:
             raise RuntimeError("the simulator ended with requests in flight")
         return RunOutput(
-            self.arr_t, self.lat, self.status, self.fleet.ready_area, self.fleet.paid_area, self.depth_sum, self.depth_n
+            self.arr_t, self.lat, self.status, self.fleet.ready_area, self.fleet.paid_area, self.depth_sum,
+            self.depth_n, self.replica_cpu_s,
         )
 
     # -- requests ------------------------------------------------------------------------------
@@ -231,9 +241,9 @@ class FleetRun:
         self.fleet.ready_load[pod.pos] = pod.inflight
         if self.extra_cpu_s > 0 and self.node is not None:
             self.node.add(t, NodeJob(EXTRA, None, None, 1), self.extra_cpu_s)
-        if self.front_s > 0:
+        if self.has_front:
             if pod.front_rid < 0:
-                self._start_front(pod, t, rid)
+                self._start_front(pod, t, rid, self.wake_in_s + self.front_in_s)
             else:
                 pod.front_queue.append(rid)
         else:
@@ -267,9 +277,11 @@ class FleetRun:
         first, second = ready[i], ready[j]
         return second if second.inflight < first.inflight else first
 
-    def _start_front(self, pod: Pod, t: float, rid: int) -> None:
+    def _start_front(self, pod: Pod, t: float, rid: int, work: float) -> None:
         pod.front_rid = rid
-        work = self.front_s if self.front_jit is None else self.front_s * self.front_jit.next()
+        if self.front_jit is not None:
+            work *= self.front_jit.next()
+        self.replica_cpu_s += work
         node = self.node
         if node is None:
             pod.busy_base -= t
@@ -283,11 +295,25 @@ class FleetRun:
         rid = pod.front_rid
         pod.busy_base += t if self.node is None else self.node.vtime
         pod.busy_threads -= 1
-        if pod.front_queue:
-            self._start_front(pod, t, pod.front_queue.popleft())
+        queue = pod.front_queue
+        if queue:
+            # The loop's wake-up found these waiting: the next one is served in it; or a new
+            # wake-up finds everything that arrived meanwhile and pays its fixed cost again.
+            nxt = queue[0]
+            out = self.status[nxt] == _ANSWERING
+            work = self.front_out_s if out else self.front_in_s
+            if pod.front_gate > 0:
+                pod.front_gate -= 1
+            else:
+                pod.front_gate = len(queue) - 1
+                work += self.wake_out_s if out else self.wake_in_s
+            self._start_front(pod, t, queue.popleft(), work)
         else:
             pod.front_rid = -1
-        self._to_batcher(pod, t, rid)
+        if self.status[rid] == _ANSWERING:
+            self._answer(pod, rid, t)
+        else:
+            self._to_batcher(pod, t, rid)
 
     def _to_batcher(self, pod: Pod, t: float, rid: int) -> None:
         if len(pod.normal) + len(pod.urgent) >= self.max_queue:
@@ -331,6 +357,7 @@ class FleetRun:
             enq = self.enq
             self.probe.record_batch(t, sum(t - enq[r] for r in batch), len(batch))
         threads, node = self.threads, self.node
+        self.replica_cpu_s += work * threads
         if node is None:
             pod.busy_base -= t * threads
             pod.busy_threads += threads
@@ -345,17 +372,40 @@ class FleetRun:
         threads = self.threads
         pod.busy_base += (t if self.node is None else self.node.vtime) * threads
         pod.busy_threads -= threads
-        arr, lat, status, extra = self.arr_t, self.lat, self.status, self.extra_latency_s
-        for rid in batch:
-            lat[rid] = t - arr[rid] + extra
-            status[rid] = ANSWERED
-        if self.closed:
-            think = self.load.think_s
+        if self.answers_cross_front:
+            self._answers_to_front(pod, batch, t)
+        else:
+            arr, lat, status, extra = self.arr_t, self.lat, self.status, self.extra_latency_s
             for rid in batch:
-                self.push(arr[rid] + lat[rid] + think, _ARRIVE)
-        self._release(pod, len(batch), t)
+                lat[rid] = t - arr[rid] + extra
+                status[rid] = ANSWERED
+            if self.closed:
+                think = self.load.think_s
+                for rid in batch:
+                    self.push(arr[rid] + lat[rid] + think, _ARRIVE)
+            self._release(pod, len(batch), t)
         if pod.state and (pod.normal or pod.urgent):
             self._dispatch(pod, t)
+
+    def _answers_to_front(self, pod: Pod, batch: list[int], t: float) -> None:
+        """A batch's answers reach the front together: one wake-up finds them all."""
+        status, queue = self.status, pod.front_queue
+        for rid in batch:
+            status[rid] = _ANSWERING
+        if pod.front_rid < 0:
+            self._start_front(pod, t, batch[0], self.wake_out_s + self.front_out_s)
+            pod.front_gate = len(batch) - 1
+            queue.extend(batch[1:])
+        else:
+            queue.extend(batch)
+
+    def _answer(self, pod: Pod, rid: int, t: float) -> None:
+        """The answer to `rid` leaves the front."""
+        self.lat[rid] = t - self.arr_t[rid] + self.extra_latency_s
+        self.status[rid] = ANSWERED
+        if self.closed:
+            self.push(t + self.extra_latency_s + self.load.think_s, _ARRIVE)
+        self._release(pod, 1, t)
 
     def _release(self, pod: Pod, requests: int, t: float) -> None:
         pod.inflight -= requests

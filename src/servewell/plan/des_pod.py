@@ -2,7 +2,8 @@
 it holds. The request flow through it lives in `des_engine`; this is the state only.
 
 Requests are ints (their index in the run's per-request lists). A pod holds them in four places:
-the one its front is serving (`front_rid`), the front's FIFO (`front_queue`), the batcher's two
+the one its front is serving (`front_rid`), the front's FIFO (`front_queue`, of which the first
+`front_gate` were already waiting when the front's current wake-up began), the batcher's two
 lanes (`urgent`, `normal`) and the batches its instances are running (`running`).
 """
 
@@ -34,6 +35,7 @@ class Pod:
         "cpu_marks",
         "depth_samples",
         "free",
+        "front_gate",
         "front_queue",
         "front_rid",
         "inflight",
@@ -55,6 +57,7 @@ class Pod:
         self.inflight = 0  # requests the balancer sent here and that are not answered, refused or lost
         self.front_rid = -1  # the request the front is serving, -1 when idle
         self.front_queue: deque[int] = deque()
+        self.front_gate = 0  # requests at the head of front_queue served in the current wake-up
         self.urgent: deque[int] = deque()
         self.normal: deque[int] = deque()
         self.free = instances  # instances not running a batch
@@ -83,6 +86,7 @@ class Pod:
         for batch in self.running:
             rids.extend(batch)
         self.front_rid = -1
+        self.front_gate = 0
         self.front_queue.clear()
         self.urgent.clear()
         self.normal.clear()

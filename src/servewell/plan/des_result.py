@@ -40,6 +40,13 @@ class SimResult:
     status: np.ndarray  # int8 per request: 0 answered, 1 refused (503), 2 failed (lost with a replica)
     bins: list[BinStats]
     replica_seconds: float  # pods that cost money (starting, ready, draining), integrated over the load's duration
+    replica_cpu_s: float = 0.0  # CPU seconds the replicas worked (fronts and batches), the whole run
+
+    @property
+    def cpu_per_answer_s(self) -> float:
+        """The replicas' CPU seconds per answered request over the whole run (inf: none answered)."""
+        answered = int((self.status == ANSWERED).sum())
+        return self.replica_cpu_s / answered if answered else float("inf")
 
     def window(self, start_s: float, end_s: float) -> WindowStats:
         """Statistics of the requests that arrived in [start_s, end_s)."""

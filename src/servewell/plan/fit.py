@@ -1,10 +1,15 @@
 """Fit a `ReplicaModel` to a measured curve: the stage times that make the request-level simulator
 reproduce the measured closed-loop ladder (throughput, p50 and p99 at each concurrency).
 
-A curve says how fast a replica is, not why. Three things are not visible in it directly: which
+A curve says how fast a replica is, not why. Five things are not visible in it directly: which
 stage saturates first (the frontend's event loop or the model's instances), how much a bigger batch
 costs (a batch of b takes alpha + beta * b: beta * B / s(B) is the batch's "efficiency", 1 when
-batching saves nothing), and how much service times vary. The fit searches a small grid of those,
+batching saves nothing), how much of the front's work is per wake-up of its loop rather than per
+request (shared by requests that arrive together, so an open load at a lower rate costs more CPU per
+request than a busy closed loop), how much of it is on the answer's way back, and how much service
+times vary. Where the curve has the server's CPU per request at each step (`servewell bench` of a
+model directory records it), that error counts too, and it is what tells the per-wake-up share
+apart. The fit searches a small grid of those (the jitter only for the best candidates),
 scales every stage time so that the simulated peak matches the measured one, takes the latency the
 replica does not explain as fixed overhead (network, client), and keeps the candidate with the
 smallest error in log space over every point. A closed loop often cannot tell the stages apart (a
@@ -17,6 +22,7 @@ says the model does not describe this curve, and `plan` says so beside its figur
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 
@@ -29,6 +35,15 @@ REQUESTS_PER_POINT = 1200
 #: Utilization of the stage that is not the bottleneck, and batch efficiencies, tried.
 OTHER_STAGE_SHARES = (0.15, 0.4, 0.7, 0.95)
 EFFICIENCIES = (0.2, 0.45, 0.7, 1.0)
+#: Shares of a lone request's front time that are the loop's per-wake-up cost, tried: 0 (every
+#: request costs the same) to most (requests that arrive together cost much less each).
+FRONT_FIXED_SHARES = (0.0, 0.75)
+#: Shares of the front's work done on the answer's way out (`ReplicaModel.front_out_share`), tried:
+#: none (decoding an image is most of it), or half (the ingress encodes what it decoded, the engine
+#: hands back what it admitted).
+FRONT_OUT_SHARES = (0.0, 0.5)
+#: Candidates (best first after calibration) whose jitter is searched: the rest are far off already.
+JITTER_SEARCHED = 16
 JITTERS = (0.05, 0.15, 0.3, 0.5, 0.8)
 #: Weight of p99 in the error (throughput and p50 weigh 1): tails are noisier than medians.
 P99_WEIGHT = 0.5
@@ -59,6 +74,7 @@ class PointFit:
     throughput_rps: float
     p50_s: float
     p99_s: float
+    cpu_s: float = math.inf  # the replica's CPU seconds per request
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,16 +96,18 @@ class FitResult:
 
 def simulate_point(replica: ReplicaModel, clients: int, node: NodeContext | None, *, seed: int = 0,
                    requests: int = REQUESTS_PER_POINT, rate_hint_rps: float | None = None,
-                   replicas: int = 1, balancer_s: float = 0.0) -> tuple[float, float, float]:
-    """(throughput, p50, p99) of `replicas` replicas under a closed loop of `clients`."""
+                   replicas: int = 1, balancer_s: float = 0.0) -> tuple[float, float, float, float]:
+    """(throughput, p50, p99, the replicas' CPU per answer) of `replicas` replicas under a closed loop
+    of `clients`."""
     rate = rate_hint_rps or replica.saturation_rps * replicas
-    duration = max(requests / max(rate, 1e-9), 20 * (replica.overhead_s + replica.front_s + replica.batch_s(1)))
+    lone_s = replica.overhead_s + replica.front_fixed_s + replica.front_s + replica.batch_s(1)
+    duration = max(requests / max(rate, 1e-9), 20 * lone_s)
     fleet = FleetSpec(replica, replicas, node_cores=node.cores if node else 0.0,
                       client_cpu_s=node.client_cpu_s if node else 0.0,
                       balancer_cpu_s=node.balancer_cpu_s if node and replicas > 1 else 0.0, balancer_s=balancer_s)
     result = simulate(fleet, ClosedLoad(clients, duration), seed=seed)
     stats = result.window(0.15 * duration, duration)
-    return stats.throughput_rps, stats.p50_s or math.inf, stats.p99_s or math.inf
+    return stats.throughput_rps, stats.p50_s or math.inf, stats.p99_s or math.inf, result.cpu_per_answer_s
 
 
 def open_p99_s(replica: ReplicaModel, node: NodeContext | None, seed: int,
@@ -103,41 +121,52 @@ def open_p99_s(replica: ReplicaModel, node: NodeContext | None, seed: int,
     return stats.p99_s or math.inf
 
 
-def _candidate(curve: MeasuredCurve, bottleneck: str, other: float, efficiency: float, jitter: float,
-               max_queue: int) -> ReplicaModel:
+def _candidate(curve: MeasuredCurve, bottleneck: str, other: float, efficiency: float, fixed_share: float,
+               out_share: float, jitter: float, max_queue: int) -> ReplicaModel:
     s = curve.settings
     peak = curve.peak.throughput_rps
     batch = s.max_batch_size
     full_batch_s = s.instances * batch / peak * (other if bottleneck == "frontend" else 1.0)
-    front_s = (1.0 if bottleneck == "frontend" else other) / peak
+    # the front's time per request at saturation (wake-ups that find a full batch's worth waiting)
+    front_full_s = (1.0 if bottleneck == "frontend" else other) / peak
+    fixed_per_request = fixed_share / (1.0 - fixed_share)  # of front_s, for a lone request
+    front_s = front_full_s / (1.0 + fixed_per_request / batch)
     beta = efficiency * full_batch_s / batch if batch > 1 else full_batch_s
     alpha = full_batch_s - beta * batch if batch > 1 else 0.0
     return ReplicaModel(front_s=front_s, alpha_s=alpha, beta_s=beta, max_batch_size=batch,
                         max_wait_s=s.max_wait_s, instances=s.instances, threads=s.threads, max_queue=max_queue,
-                        jitter_cv=jitter)
+                        jitter_cv=jitter, front_fixed_s=front_s * fixed_per_request,
+                        front_out_share=out_share)
 
 
 def _scaled(replica: ReplicaModel, factor: float, overhead_s: float) -> ReplicaModel:
-    return replace(replica, front_s=replica.front_s * factor, alpha_s=replica.alpha_s * factor,
-                   beta_s=replica.beta_s * factor, overhead_s=overhead_s)
+    return replace(replica, front_s=replica.front_s * factor, front_fixed_s=replica.front_fixed_s * factor,
+                   alpha_s=replica.alpha_s * factor, beta_s=replica.beta_s * factor, overhead_s=overhead_s)
 
 
 def _error(points: list[PointFit]) -> float:
-    total = 0.0
+    """Root mean square of the log ratios: throughput, p50, p99 (weighed P99_WEIGHT) and, where the
+    curve measured it, the server's CPU per request (which says how much the work per request falls
+    as requests arrive together: what an open load at a lower rate will cost)."""
+    total = weights = 0.0
     for p in points:
         m = p.measured
         total += math.log(p.throughput_rps / m.throughput_rps) ** 2 if p.throughput_rps > 0 else 25.0
         total += math.log(p.p50_s / m.p50_s) ** 2 if math.isfinite(p.p50_s) else 25.0
         total += P99_WEIGHT * (math.log(p.p99_s / m.p99_s) ** 2 if math.isfinite(p.p99_s) else 25.0)
-    return math.sqrt(total / (len(points) * (2 + P99_WEIGHT)))
+        weights += 2 + P99_WEIGHT
+        if m.server_cpu_s:
+            total += math.log(p.cpu_s / m.server_cpu_s) ** 2 if 0 < p.cpu_s < math.inf else 25.0
+            weights += 1
+    return math.sqrt(total / weights)
 
 
 def _evaluate(replica: ReplicaModel, curve: MeasuredCurve, node: NodeContext | None, seed: int) -> list[PointFit]:
     out = []
     for point in curve.points:
-        x, p50, p99 = simulate_point(replica, point.concurrency, node, seed=seed,
-                                     rate_hint_rps=point.throughput_rps)
-        out.append(PointFit(point, x, p50, p99))
+        x, p50, p99, cpu = simulate_point(replica, point.concurrency, node, seed=seed,
+                                          rate_hint_rps=point.throughput_rps)
+        out.append(PointFit(point, x, p50, p99, cpu))
     return out
 
 
@@ -175,13 +204,18 @@ def fit_replica(curve: MeasuredCurve, *, node: NodeContext | None = None, max_qu
                 cold_start_s: float = 0.0, seed: int = 0) -> FitResult:
     """The replica model that best reproduces `curve` (see the module docstring)."""
     batch_options = EFFICIENCIES if curve.settings.max_batch_size > 1 else (1.0,)
-    tried: list[tuple[float, ReplicaModel, list[PointFit], str]] = []
+    calibrated: list[tuple[float, ReplicaModel, list[PointFit], str]] = []
     for bottleneck in ("frontend", "model"):
         for other in OTHER_STAGE_SHARES:
             for efficiency in batch_options:
-                candidate = _candidate(curve, bottleneck, other, efficiency, 0.3, max_queue)
-                replica, fits = _calibrate(candidate, curve, node, seed)
-                tried.append((*_with_best_jitter(replica, fits, curve, node, seed), bottleneck))
+                for fixed_share, out_share in itertools.product(FRONT_FIXED_SHARES, FRONT_OUT_SHARES):
+                    candidate = _candidate(curve, bottleneck, other, efficiency, fixed_share, out_share, 0.3,
+                                           max_queue)
+                    replica, fits = _calibrate(candidate, curve, node, seed)
+                    calibrated.append((_error(fits), replica, fits, bottleneck))
+    calibrated.sort(key=lambda t: t[0])
+    tried = [(*_with_best_jitter(replica, fits, curve, node, seed), bottleneck)
+             for _, replica, fits, bottleneck in calibrated[:JITTER_SEARCHED]]
     lowest = min(t[0] for t in tried)
     ties = [t for t in tried if t[0] <= lowest + TIE_ERROR]
     error, replica, fits, bottleneck = max(ties, key=lambda t: (open_p99_s(t[1], node, seed), -t[0]))

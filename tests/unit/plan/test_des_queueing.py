@@ -74,3 +74,44 @@ def test_the_front_is_a_fifo_stage_of_its_own():
     assert alone.p50_s == pytest.approx(0.014)
     front_bound = simulate(FleetSpec(single_server(front_s=0.02), 1), ClosedLoad(8, 10.0)).window(1.0, 10.0)
     assert front_bound.throughput_rps == pytest.approx(1 / 0.02, rel=0.01)
+
+
+def wake_bound(**overrides) -> ReplicaModel:
+    """A front whose loop costs 4 ms a wake-up and 1 ms a request, ahead of a model that takes
+    0.1 ms a request in batches of up to 64."""
+    settings = {"front_s": 0.001, "front_fixed_s": 0.004, "alpha_s": 0.0, "beta_s": 0.0001,
+                "max_batch_size": 64, "max_queue": 100_000} | overrides
+    return ReplicaModel(**settings)
+
+
+def test_requests_that_arrive_together_share_the_fronts_wake_up():
+    replica = wake_bound()
+    alone = simulate(FleetSpec(replica, 1), ClosedLoad(1, 2.0))
+    assert alone.window(0.0, 2.0).p50_s == pytest.approx(0.0051)  # a lone request pays the whole wake-up
+    assert alone.cpu_per_answer_s == pytest.approx(0.0051)
+    busy = simulate(FleetSpec(replica, 1), ClosedLoad(32, 10.0))
+    stats = busy.window(1.0, 10.0)
+    # 32 clients: each wake-up finds many waiting, so the front completes far more than 1 / 5 ms,
+    # and never more than 1 / 1 ms (its per-request part)
+    assert 2.5 / 0.005 < stats.throughput_rps < 1 / 0.001
+    assert busy.cpu_per_answer_s < 0.5 * alone.cpu_per_answer_s
+    # with no per-wake-up cost the same total per request is a plain FIFO stage
+    fifo = simulate(FleetSpec(wake_bound(front_s=0.005, front_fixed_s=0.0), 1), ClosedLoad(32, 10.0))
+    assert fifo.window(1.0, 10.0).throughput_rps == pytest.approx(1 / 0.005, rel=0.02)
+
+
+def test_answers_cross_the_front_again_without_adding_work():
+    """With `front_out_share` the answer's half of the front's work is done after the batch: a lone
+    request takes as long as before, a front-bound replica completes as many, and its CPU is the same."""
+    split = wake_bound(front_out_share=0.5)
+    for replica in (wake_bound(), split):
+        alone = simulate(FleetSpec(replica, 1), ClosedLoad(1, 2.0))
+        assert alone.window(0.0, 2.0).p50_s == pytest.approx(0.0051)
+    front_bound = [simulate(FleetSpec(wake_bound(front_s=0.005, front_fixed_s=0.0, front_out_share=share), 1),
+                            ClosedLoad(16, 10.0)) for share in (0.0, 0.5)]
+    x = [r.window(1.0, 10.0).throughput_rps for r in front_bound]
+    assert x[1] == pytest.approx(x[0], rel=0.02)
+    assert front_bound[1].cpu_per_answer_s == pytest.approx(front_bound[0].cpu_per_answer_s, rel=0.02)
+    # an answer waits in the front's FIFO behind requests that arrived before it
+    loaded = simulate(FleetSpec(split, 1), poisson(150, 4000), seed=3)
+    assert loaded.window(0, 1e9).p50_s > 0.0051

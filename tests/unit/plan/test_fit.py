@@ -8,18 +8,19 @@ import math
 import pytest
 
 from servewell.plan.curve import CurvePoint, CurveSettings, MeasuredCurve
+from servewell.plan.des import OpenLoad, simulate
 from servewell.plan.fit import fit_replica, open_p99_s, simulate_point
-from servewell.plan.model import ReplicaModel
+from servewell.plan.model import FleetSpec, ReplicaModel, Trace
 from servewell.plan.sizing import ROUGH_FIT_ERROR
 
 LADDER = (1, 4, 8, 32)
 
 
-def curve_of(replica: ReplicaModel, ladder: tuple[int, ...] = LADDER) -> MeasuredCurve:
+def curve_of(replica: ReplicaModel, ladder: tuple[int, ...] = LADDER, *, with_cpu: bool = False) -> MeasuredCurve:
     points = []
     for clients in ladder:
-        x, p50, p99 = simulate_point(replica, clients, None, seed=7, requests=4000)
-        points.append(CurvePoint(clients, x, p50, p99))
+        x, p50, p99, cpu = simulate_point(replica, clients, None, seed=7, requests=4000)
+        points.append(CurvePoint(clients, x, p50, p99, server_cpu_s=cpu if with_cpu else None))
     settings = CurveSettings(max_batch_size=replica.max_batch_size, instances=replica.instances,
                              threads=replica.threads)
     return MeasuredCurve("synthetic", "test", settings, tuple(points))
@@ -56,3 +57,26 @@ def test_a_curve_the_model_cannot_describe_has_a_large_error():
               CurvePoint(8, 300.0, 0.027, 0.2))
     curve = MeasuredCurve("thrash", "test", CurveSettings(max_batch_size=8), points)
     assert fit_replica(curve, seed=1).error > ROUGH_FIT_ERROR
+
+
+def open_load(replica: ReplicaModel, rate_rps: float) -> tuple[float, float]:
+    """(p50, CPU per answer) of one replica under a Poisson load at `rate_rps`."""
+    duration = 4000 / rate_rps
+    result = simulate(FleetSpec(replica, 1), OpenLoad(Trace(duration, (rate_rps,))), seed=5)
+    stats = result.window(0.1 * duration, duration)
+    assert stats.p50_s is not None
+    return stats.p50_s, result.cpu_per_answer_s
+
+
+def test_a_ladder_with_the_servers_cpu_predicts_an_open_load_of_a_front_that_amortizes_its_wake_ups():
+    """A tiny model behind a front whose loop costs more per wake-up than per request (the MLP on
+    this VM): a closed ladder packs requests together, an open load at a lower rate does not, so its
+    CPU per request is higher. With the CPU per step in the curve, the fit must carry that over."""
+    truth = ReplicaModel(front_s=0.0003, front_fixed_s=0.0009, alpha_s=0.0004, beta_s=0.00003, max_batch_size=32,
+                         jitter_cv=0.3, front_out_share=0.5)
+    fit = fit_replica(curve_of(truth, with_cpu=True), seed=1)
+    assert fit.error < ROUGH_FIT_ERROR / 2, fit
+    rate = 0.4 * truth.saturation_rps
+    (p50_truth, cpu_truth), (p50_fit, cpu_fit) = open_load(truth, rate), open_load(fit.replica, rate)
+    assert cpu_fit == pytest.approx(cpu_truth, rel=0.2)
+    assert p50_fit == pytest.approx(p50_truth, rel=0.3)

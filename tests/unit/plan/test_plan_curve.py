@@ -68,6 +68,15 @@ def test_plain_curve_file(tmp_path):
            "max_wait_ms": 10}, "points": ladder((2, 10, 100, 150))}
     (curve,) = read_curves(write(tmp_path, doc))
     assert curve.settings.max_wait_s == pytest.approx(0.01) and curve.points[0].p99_s == pytest.approx(0.15)
+    assert curve.points[0].server_cpu_s is None  # not measured
+
+
+def test_a_plain_curve_point_may_say_the_servers_cpu_per_request(tmp_path):
+    points = ladder((1, 500, 1.6, 3.3), (32, 2700, 11.2, 24))
+    points[0]["server_cpu_ms_per_request"] = 1.665
+    doc = {"tool": "servewell curve", "settings": {"max_batch_size": 32}, "points": points}
+    (curve,) = read_curves(write(tmp_path, doc))
+    assert curve.points[0].server_cpu_s == pytest.approx(0.001665) and curve.points[1].server_cpu_s is None
 
 
 @pytest.mark.parametrize(("doc", "problem"), [
@@ -89,6 +98,8 @@ def test_plain_curve_file(tmp_path):
      "client_cpu_s_per_request"),
     ({"tool": "servewell curve", "client_cpu_s_per_request": "x" * 10_000, "points": ladder((1, 5, 1, 2))},
      "client_cpu_s_per_request: 'xxxx"),
+    ({"tool": "servewell curve", "points": [{"concurrency": 1, "throughput_rps": 5, "p50_ms": 1, "p99_ms": 2,
+                                             "server_cpu_ms_per_request": -1}]}, "server_cpu_ms_per_request"),
     ({"tool": "servewell tune", "candidates": "all"}, "not a list"),
     ({"tool": "servewell tune", "candidates": []}, "no candidate"),
 ])
