@@ -7,17 +7,18 @@ costs (a batch of b takes alpha + beta * b: beta * B / s(B) is the batch's "effi
 batching saves nothing), how much of the front's work is per wake-up of its loop rather than per
 request (shared by requests that arrive together, so an open load at a lower rate costs more CPU per
 request than a busy closed loop), how much of it is on the answer's way back, and how much service
-times vary. Where the curve has the server's CPU per request at each step (`servewell bench` of a
-model directory records it), that error counts too, and it is what tells the per-wake-up share
-apart. The fit searches a small grid of those (the jitter only for the best candidates),
+times vary. The fit searches a small grid of those (the jitter only for the best candidates),
 scales every stage time so that the simulated peak matches the measured one, takes the latency the
 replica does not explain as fixed overhead (network, client), and keeps the candidate with the
 smallest error in log space over every point. A closed loop often cannot tell the stages apart (a
 frontend that serves one request at a time, or a model that gains nothing by batching, give the same
 ladder) while an open load tells them apart (a batch answers all its requests at its end): when
-several candidates fit within TIE_ERROR, the fit keeps the one with the highest p99 under a Poisson
-load at half its capacity, so the plan errs towards more replicas. The error is reported: a large one
-says the model does not describe this curve, and `plan` says so beside its figures.
+several candidates fit within TIE_ERROR, the fit first keeps those whose CPU per request is closest
+to the server's measured one where the curve has it at every step (`servewell bench` of a model
+directory records it; it is what tells the per-wake-up share apart), then the one with the highest
+p99 under a Poisson load at half its capacity, so the plan errs towards more replicas. The error is
+reported: a large one says the model does not describe this curve, and `plan` says so beside its
+figures.
 """
 
 from __future__ import annotations
@@ -145,20 +146,24 @@ def _scaled(replica: ReplicaModel, factor: float, overhead_s: float) -> ReplicaM
 
 
 def _error(points: list[PointFit]) -> float:
-    """Root mean square of the log ratios: throughput, p50, p99 (weighed P99_WEIGHT) and, where the
-    curve measured it, the server's CPU per request (which says how much the work per request falls
-    as requests arrive together: what an open load at a lower rate will cost)."""
-    total = weights = 0.0
+    """Root mean square of the log ratios: throughput, p50 and p99 (weighed P99_WEIGHT)."""
+    total = 0.0
     for p in points:
         m = p.measured
         total += math.log(p.throughput_rps / m.throughput_rps) ** 2 if p.throughput_rps > 0 else 25.0
         total += math.log(p.p50_s / m.p50_s) ** 2 if math.isfinite(p.p50_s) else 25.0
         total += P99_WEIGHT * (math.log(p.p99_s / m.p99_s) ** 2 if math.isfinite(p.p99_s) else 25.0)
-        weights += 2 + P99_WEIGHT
-        if m.server_cpu_s:
-            total += math.log(p.cpu_s / m.server_cpu_s) ** 2 if 0 < p.cpu_s < math.inf else 25.0
-            weights += 1
-    return math.sqrt(total / weights)
+    return math.sqrt(total / (len(points) * (2 + P99_WEIGHT)))
+
+
+def cpu_error(points: tuple[PointFit, ...] | list[PointFit]) -> float | None:
+    """Root mean square of the log ratios of the replica's CPU per request, simulated / measured, over
+    the points that measured it (None: none did). It is not part of `_error`: a model that waits (a
+    GPU, a remote call, a sleep) spends batch time that is no host CPU, so the CPU only chooses among
+    candidates that fit the latency equally well (see `fit_replica`)."""
+    logs = [math.log(p.cpu_s / p.measured.server_cpu_s) if 0 < p.cpu_s < math.inf else 5.0
+            for p in points if p.measured.server_cpu_s]
+    return math.sqrt(sum(x * x for x in logs) / len(logs)) if logs else None
 
 
 def _evaluate(replica: ReplicaModel, curve: MeasuredCurve, node: NodeContext | None, seed: int) -> list[PointFit]:
@@ -218,5 +223,9 @@ def fit_replica(curve: MeasuredCurve, *, node: NodeContext | None = None, max_qu
              for _, replica, fits, bottleneck in calibrated[:JITTER_SEARCHED]]
     lowest = min(t[0] for t in tried)
     ties = [t for t in tried if t[0] <= lowest + TIE_ERROR]
+    cpu = [(cpu_error(t[2]), t) for t in ties]
+    if all(e is not None for e, _ in cpu):  # the CPU per request tells the tied ones apart
+        closest = min(e for e, _ in cpu if e is not None)
+        ties = [t for e, t in cpu if e is not None and e <= closest + TIE_ERROR]
     error, replica, fits, bottleneck = max(ties, key=lambda t: (open_p99_s(t[1], node, seed), -t[0]))
     return FitResult(replace(replica, cold_start_s=cold_start_s), error, tuple(fits), bottleneck)
