@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from servewell.observability.process import child_pids
+
 HOST = "127.0.0.1"
 
 
@@ -195,22 +197,6 @@ def server_log_counts(path: Path) -> dict[str, int]:
 
 #: Roles of a server's processes, by what their command line runs (`role_of`).
 SUPERVISOR, ENGINE, INGRESS, WORKER, OTHER = "supervisor", "engine", "ingress", "worker", "other"
-
-
-def child_pids(pid: int) -> list[int]:
-    """Direct children of `pid` (every thread's `children` file); [] when it is gone."""
-    found: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children", "rb") as f:
-                found.extend(int(p) for p in f.read().split())
-        except (OSError, ValueError):
-            continue  # the thread (or the process) ended while we read
-    return found
 
 
 def tree_pids(root: int) -> list[int]:

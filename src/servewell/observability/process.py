@@ -19,7 +19,8 @@ def rss_bytes(pid: int | str = "self") -> int:
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (every thread's `children` file); [] when it is gone."""
     found: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -46,7 +47,7 @@ def tree_cpu_seconds(root: int, max_processes: int = 4096) -> float:
             total += sum(int(stat[i]) for i in (11, 12, 13, 14)) / _TICKS
         except (OSError, IndexError, ValueError):
             continue
-        for child in _children(pid):
+        for child in child_pids(pid):
             if child not in seen:
                 seen.add(child)
                 queue.append(child)
