@@ -149,6 +149,8 @@ def test_tune_recommends_a_valid_model_yaml_block_and_resumes(servewell_cache, d
     summary = json.loads((out / "tune-results.json").read_text())
     measured = [c for c in summary["candidates"] if c["runs"]]
     assert len(measured) >= 3  # the baseline and at least two batch sizes, even on a slow machine
+    # every step has the tuned server's CPU per request, which `servewell plan` fits
+    assert all(0 < point["server_cpu_ms_per_request"] < 1000 for c in measured for run in c["runs"] for point in run)
     assert summary["candidates"][-1]["setting"]  # every row names its setting
     rec = summary["recommendation"]
     best = next(c for c in summary["candidates"] if c["key"] == rec["key"])

@@ -24,6 +24,7 @@ import orjson
 import yaml
 
 from servewell.config.model import ModelConfig
+from servewell.observability.process import tree_cpu_seconds
 from servewell.perf.bench_command import input_choice, parse_headers
 from servewell.perf.httpclient import fetch
 from servewell.perf.inputs import InputError, parse_shape_overrides
@@ -184,9 +185,14 @@ class TuneRunner:
                                   warmup_s=min(args.warmup_s, args.step_s / 2), timeout_s=args.timeout_ms / 1000.0,
                                   grace_s=args.timeout_ms / 1000.0 + 1.0, seed=args.seed)
                 label = f"[{phase}] {candidate.describe()}, {level} clients"
+                cpu_before = tree_cpu_seconds(server.pid) if server.pid is not None else 0.0
                 result = await measure(target, shape, self._tick(label))
+                # the server's CPU per request at this step: `servewell plan` reads it from the curve
+                cpu = (tree_cpu_seconds(server.pid) - cpu_before) / result.sent * 1000 \
+                    if server.pid is not None and result.sent else None
                 climb.record(LadderPoint(level, result.throughput_rps, result.p50_ms, result.p90_ms, result.p99_ms,
-                                         result.errors + result.unfinished + result.client_saturated))
+                                         result.errors + result.unfinished + result.client_saturated,
+                                         None if cpu is None else round(cpu, 4)))
                 if self.remaining() < 0:
                     break  # over budget: what this run has is kept
         finally:

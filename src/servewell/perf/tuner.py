@@ -90,6 +90,7 @@ class LadderPoint:
     p90_ms: float | None
     p99_ms: float | None
     errors: int  # failed, unanswered or timed-out requests
+    server_cpu_ms_per_request: float | None = None  # the tuned server's processes, per request sent
 
     def within(self, slo_ms: float) -> bool:
         """Whether this step met the SLO: no failures and a p99 at or under it."""

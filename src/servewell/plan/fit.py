@@ -15,7 +15,7 @@ frontend that serves one request at a time, or a model that gains nothing by bat
 ladder) while an open load tells them apart (a batch answers all its requests at its end): when
 several candidates fit within TIE_ERROR, the fit first keeps those whose CPU per request is closest
 to the server's measured one where the curve has it at every step (`servewell bench` of a model
-directory records it; it is what tells the per-wake-up share apart), then the one with the highest
+directory and `servewell tune` record it; it is what tells the per-wake-up share apart), then the one with the highest
 p99 under a Poisson load at half its capacity, so the plan errs towards more replicas. The error is
 reported: a large one says the model does not describe this curve, and `plan` says so beside its
 figures.
