@@ -14,9 +14,9 @@ smallest error in log space over every point. A closed loop often cannot tell th
 frontend that serves one request at a time, or a model that gains nothing by batching, give the same
 ladder) while an open load tells them apart (a batch answers all its requests at its end): when
 several candidates fit within TIE_ERROR, the fit first keeps those whose CPU per request is closest
-to the server's measured one where the curve has it at every step (`servewell bench` of a model
-directory and `servewell tune` record it; it is what tells the per-wake-up share apart), then the one with the highest
-p99 under a Poisson load at half its capacity, so the plan errs towards more replicas. The error is
+to the server's measured one, over the steps that measured it (`servewell bench` of a model directory
+and `servewell tune` record it; it is what tells the per-wake-up share apart), then the one with the
+highest p99 under a Poisson load at half its capacity, so the plan errs towards more replicas. The error is
 reported: a large one says the model does not describe this curve, and `plan` says so beside its
 figures.
 """
