@@ -125,11 +125,16 @@ def result_line(result: StepResult) -> str:
     return f"{level}: {result.throughput_rps:.1f} req/s, p50 {p50} ms, p99 {p99} ms{errors}"
 
 
-async def measure(target: PreparedTarget, shape: LoadShape,
-                  tick: Callable[[Recorder, float], None] | None = None) -> StepResult:
-    """Run one step of load against the target and summarise it."""
+async def measure(target: PreparedTarget, shape: LoadShape, tick: Callable[[Recorder, float], None] | None = None,
+                  server_cpu_s: Callable[[], float] | None = None) -> StepResult:
+    """Run one step of load against the target and summarise it; `server_cpu_s` reads the server's
+    CPU seconds so far (a server started here), for its CPU per request in the step."""
+    cpu_before = server_cpu_s() if server_cpu_s is not None else 0.0
     recorder = await run_load(shape, target.client.connection, RoundRobin(list(target.payloads)), tick)
-    return summarize_step(shape, recorder)
+    result = summarize_step(shape, recorder)
+    if server_cpu_s is not None and result.sent:
+        result.server_cpu_ms_per_request = round((server_cpu_s() - cpu_before) / result.sent * 1000, 4)
+    return result
 
 
 def _ticker(progress: Progress, prefix: str, shape: LoadShape) -> Callable[[Recorder, float], None]:
@@ -146,15 +151,12 @@ def _ticker(progress: Progress, prefix: str, shape: LoadShape) -> Callable[[Reco
 
 async def run_sweep(target: PreparedTarget, shapes: Sequence[LoadShape], progress: Progress,
                     server_cpu_s: Callable[[], float] | None = None) -> list[StepResult]:
-    """Every step in turn, with a progress line while each runs and a note when it ends;
-    `server_cpu_s` reads the server's CPU seconds so far (a local server), for its CPU per request."""
+    """Every step in turn, with a progress line while each runs and a note when it ends (`server_cpu_s`:
+    as `measure` takes it)."""
     results = []
     for index, shape in enumerate(shapes, start=1):
         prefix = f"step {index}/{len(shapes)}"
-        cpu_before = server_cpu_s() if server_cpu_s is not None else 0.0
-        result = await measure(target, shape, _ticker(progress, prefix, shape))
-        if server_cpu_s is not None and result.sent:
-            result.server_cpu_ms_per_request = round((server_cpu_s() - cpu_before) / result.sent * 1000, 4)
+        result = await measure(target, shape, _ticker(progress, prefix, shape), server_cpu_s)
         progress.clear()  # the finished step's status line is replaced by its result
         progress.note(f"{prefix} {result_line(result)}")
         results.append(result)

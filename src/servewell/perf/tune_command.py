@@ -179,20 +179,19 @@ class TuneRunner:
         target, _ = await prepare_target(endpoint, model, None, args.fmt, input_choice(args), self.headers,
                                          args.timeout_ms / 1000.0)
         climb = Climb(self.space.slo_ms, ladder_start(candidate, previous, self.space.slo_ms), args.max_concurrency)
+        pid = server.pid
+        server_cpu = None if pid is None else lambda: tree_cpu_seconds(pid)
         try:
             while (level := climb.next_level()) is not None:
                 shape = LoadShape("closed", concurrency=level, duration_s=args.step_s,
                                   warmup_s=min(args.warmup_s, args.step_s / 2), timeout_s=args.timeout_ms / 1000.0,
                                   grace_s=args.timeout_ms / 1000.0 + 1.0, seed=args.seed)
                 label = f"[{phase}] {candidate.describe()}, {level} clients"
-                cpu_before = tree_cpu_seconds(server.pid) if server.pid is not None else 0.0
-                result = await measure(target, shape, self._tick(label))
                 # the server's CPU per request at this step: `servewell plan` reads it from the curve
-                cpu = (tree_cpu_seconds(server.pid) - cpu_before) / result.sent * 1000 \
-                    if server.pid is not None and result.sent else None
+                result = await measure(target, shape, self._tick(label), server_cpu)
                 climb.record(LadderPoint(level, result.throughput_rps, result.p50_ms, result.p90_ms, result.p99_ms,
                                          result.errors + result.unfinished + result.client_saturated,
-                                         None if cpu is None else round(cpu, 4)))
+                                         result.server_cpu_ms_per_request))
                 if self.remaining() < 0:
                     break  # over budget: what this run has is kept
         finally:

@@ -115,3 +115,10 @@ def test_answers_cross_the_front_again_without_adding_work():
     # an answer waits in the front's FIFO behind requests that arrived before it
     loaded = simulate(FleetSpec(split, 1), poisson(150, 4000), seed=3)
     assert loaded.window(0, 1e9).p50_s > 0.0051
+    # two requests at once through a 4 ms front (half each way) and a 0.1 ms model: the first one's
+    # answer reaches the front while the second one's way in holds it, so it leaves at 2 + 2 + 2 ms,
+    # where a front without a way back answers it at 4.1 ms
+    pair = [simulate(FleetSpec(wake_bound(front_s=0.004, front_fixed_s=0.0, front_out_share=share), 1),
+                     ClosedLoad(2, 0.001)) for share in (0.0, 0.5)]
+    assert sorted(pair[0].latency_s) == pytest.approx([0.0041, 0.0081])
+    assert sorted(pair[1].latency_s) == pytest.approx([0.006, 0.008])
