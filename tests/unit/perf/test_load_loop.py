@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
-from servewell.perf.loop import LoadShape, Outcome, Recorder, Reply, RoundRobin, run_load
+from servewell.perf.loop import (
+    ArrivalClock,
+    LoadShape,
+    Outcome,
+    Recorder,
+    Reply,
+    RoundRobin,
+    poisson_offsets,
+    run_load,
+)
 from servewell.perf.sweep import summarize_step
 
 
@@ -124,3 +134,43 @@ def test_latency_comes_from_arrivals_in_the_window_and_throughput_from_completio
 def test_a_load_shape_refuses_impossible_bounds(kwargs):
     with pytest.raises(ValueError):
         LoadShape(**kwargs)
+
+
+def test_the_arrival_clock_hands_out_every_arrival_in_order_never_early_then_ends():
+    async def take():
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        arrivals = [now + 0.002 * i for i in range(1, 40)]
+        clock = ArrivalClock(loop, arrivals)
+        clock.start()
+        seen = []
+        try:
+            while (arrival := await clock.next()) is not None:
+                seen.append((arrival, loop.time()))
+        finally:
+            clock.stop()
+        return arrivals, seen
+
+    arrivals, seen = asyncio.run(take())
+    assert [a for a, _ in seen] == arrivals
+    assert all(handed >= arrival for arrival, handed in seen)
+
+
+def test_stopping_the_arrival_clock_does_not_wait_for_a_far_arrival():
+    async def stop_early():
+        loop = asyncio.get_running_loop()
+        clock = ArrivalClock(loop, [loop.time() + 3600.0])
+        clock.start()
+        await asyncio.sleep(0.01)
+        return clock.stop()
+
+    assert asyncio.run(stop_early())
+
+
+def test_an_open_loop_sends_its_seeded_arrivals_and_a_cap_stops_it():
+    shape = LoadShape("open", rate=500.0, duration_s=0.2, warmup_s=0.0, grace_s=0.5, max_requests=30)
+    recorder, _ = _run(shape, ["ok"])
+    assert recorder.sent == 30 and recorder.capped
+    free = LoadShape("open", rate=500.0, duration_s=0.2, warmup_s=0.0, grace_s=0.5)
+    again, _ = _run(free, ["ok"])
+    assert again.sent == len(poisson_offsets(random.Random(free.seed + 1), free)) and not again.capped
