@@ -55,6 +55,7 @@ class LoadSpec:
     grace_s: float
     seed: int
     headers: dict[str, str] = field(default_factory=dict)  # sent with every request
+    think_s: float = 0.0  # closed loop: each client's wait after an answer
 
 
 class RequestMaker:
@@ -103,7 +104,8 @@ async def run_load(spec: LoadSpec) -> dict:
     shape = LoadShape("closed" if spec.mode == "closed" else "open", concurrency=max(1, spec.concurrency),
                       rate=spec.rate if spec.rate > 0 else 1.0,
                       duration_s=spec.duration_s, warmup_s=spec.warmup_s, max_requests=spec.max_requests,
-                      grace_s=spec.grace_s, max_connections=spec.max_connections, seed=spec.seed)
+                      grace_s=spec.grace_s, max_connections=spec.max_connections, seed=spec.seed,
+                      think_s=spec.think_s)
     wall_started = time.time()
     recorder = await load_loop.run_load(shape, lambda: HttpOipConnection(spec.host, spec.port), maker)
     elapsed_s = loop.time() - recorder.started
@@ -164,6 +166,7 @@ def summarize(spec: LoadSpec, recorder: Recorder) -> dict:
         "path": spec.path,
         "model": spec.model,
         "concurrency": spec.concurrency if spec.mode == "closed" else None,
+        "think_ms": spec.think_s * 1000 if spec.mode == "closed" else None,
         "rate": spec.rate if spec.mode == "open" else None,
         "duration_s": spec.duration_s,
         "warmup_s": spec.warmup_s,
@@ -196,6 +199,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[LoadSpec, Path | None]:
                    help="request body (repeatable; used in turn)")
     p.add_argument("--mode", choices=("closed", "open"), required=True)
     p.add_argument("--concurrency", type=int, default=8, help="closed loop: clients")
+    p.add_argument("--think-ms", type=float, default=0.0, help="closed loop: each client's wait after an answer")
     p.add_argument("--rate", type=float, default=10.0, help="open loop: mean arrivals per second")
     p.add_argument("--duration-s", type=float, default=10.0, help="arrivals stop after this many seconds")
     p.add_argument("--warmup-s", type=float, default=1.0, help="arrivals in the first seconds are not recorded")
@@ -217,11 +221,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[LoadSpec, Path | None]:
         p.error("closed loop needs --concurrency >= 1, open loop --rate > 0")
     if not 0 <= args.warmup_s < args.duration_s:
         p.error("--warmup-s must be shorter than --duration-s")
+    if not 0 <= args.think_ms <= 60_000:
+        p.error("--think-ms must be between 0 and 60000")
     spec = LoadSpec(
         url.hostname, url.port or 80, args.path, [f.read_bytes() for f in args.body_file], args.mode,
         args.concurrency, args.rate, args.duration_s, args.warmup_s, args.urgent_fraction, args.timeout_ms,
         args.model, args.max_connections, args.max_requests, args.grace_s, args.seed,
-        dict(_header(p, h) for h in args.header),
+        dict(_header(p, h) for h in args.header), args.think_ms / 1000,
     )
     return spec, args.out
 

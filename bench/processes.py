@@ -150,11 +150,12 @@ def run_module(module: str, args: list[str], timeout_s: float, log_path: Path | 
 
 
 def closed_loop(url: str, path: str, bodies: list[Path], clients: int, seconds: float, warmup_s: float,
-                out: Path, log_path: Path, headers: dict[str, str] | None = None) -> dict:
+                out: Path, log_path: Path, headers: dict[str, str] | None = None, think_s: float = 0.0) -> dict:
     """Run `bench.loadgen` as a closed loop of `clients` for `seconds` after `warmup_s` (each
-    request with `headers`); its summary."""
+    request with `headers`, each client waiting `think_s` after an answer); its summary."""
     args = ["--url", url, "--path", path, "--mode", "closed", "--concurrency", str(clients),
-            "--duration-s", f"{seconds:g}", "--warmup-s", f"{warmup_s:g}", "--out", str(out), "--grace-s", "15"]
+            "--duration-s", f"{seconds:g}", "--warmup-s", f"{warmup_s:g}", "--out", str(out), "--grace-s", "15",
+            "--think-ms", f"{think_s * 1000:g}"]
     for name, value in (headers or {}).items():
         args += ["--header", f"{name}:{value}"]
     for body in bodies:

@@ -10,7 +10,8 @@ timeout is whole milliseconds rounded up, so every send would start 0.6 ms late 
 1.3 ms, measured on an idle 2-core VM) and that lateness would count as latency.
 
 Closed loop: `concurrency` clients each send their next request when the previous one has
-been answered; this measures saturation throughput.
+been answered (`think_s` later, if set); this measures saturation throughput, and with one client
+and a think time, what a request costs when it finds the server idle.
 
 Every loop is bounded by `duration_s` and `max_requests`; requests still unanswered
 `grace_s` after the end are cancelled and counted as unfinished. Requests that arrive during
@@ -94,6 +95,7 @@ class LoadShape:
     grace_s: float = 10.0
     max_connections: int = 256
     seed: int = 1
+    think_s: float = 0.0  # closed loop: each client waits this long after an answer before sending again
 
     def __post_init__(self) -> None:
         if self.mode == "closed" and self.concurrency < 1:
@@ -106,6 +108,8 @@ class LoadShape:
             raise ValueError("max_requests and max_connections must be at least 1")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
+        if not 0 <= self.think_s <= 60:
+            raise ValueError("think_s must be between 0 and 60 s")
 
     @property
     def level(self) -> float:
@@ -199,6 +203,8 @@ async def _closed_loop(shape: LoadShape, connect: Callable[[], Connection], sour
                 if recorder.in_window(arrival):
                     recorder.arrivals_in_window += 1
                 await _send(connection, kind, payload, arrival, recorder, shape.timeout_s)
+                if shape.think_s:
+                    await asyncio.sleep(shape.think_s)
         finally:
             connection.close()
 

@@ -174,3 +174,11 @@ def test_an_open_loop_sends_its_seeded_arrivals_and_a_cap_stops_it():
     free = LoadShape("open", rate=500.0, duration_s=0.2, warmup_s=0.0, grace_s=0.5)
     again, _ = _run(free, ["ok"])
     assert again.sent == len(poisson_offsets(random.Random(free.seed + 1), free)) and not again.capped
+
+
+def test_a_closed_loop_client_waits_its_think_time_after_each_answer():
+    busy, _ = _run(LoadShape("closed", concurrency=1, duration_s=0.2, warmup_s=0.0), ["ok"])
+    thinking, _ = _run(LoadShape("closed", concurrency=1, duration_s=0.2, warmup_s=0.0, think_s=0.02), ["ok"])
+    assert thinking.sent <= 11 < busy.sent  # 0.2 s holds at most 10 waits of 20 ms
+    with pytest.raises(ValueError, match="think_s"):
+        LoadShape("closed", think_s=-1.0)
