@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,8 @@ from typing import Any
 MAX_CURVE_BYTES = 8 * 1024 * 1024
 #: Points kept per curve (concurrency ladders are a few to a few dozen steps).
 MAX_POINTS = 256
+#: Idle points kept per curve (a handful of idle times).
+MAX_IDLE_POINTS = 32
 #: The batching defaults when the file does not say (`batching.policy` and `max_wait_ms`).
 DEFAULT_POLICY = "idle"
 DEFAULT_WAIT_MS = 25.0
@@ -34,6 +36,16 @@ class CurvePoint:
     p99_s: float
     errors: int = 0
     #: CPU seconds per request of the server's processes at this step (all of them), if measured
+    server_cpu_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IdlePoint:
+    """One client alone, waiting `idle_s` after each answer before sending again: the latency (and
+    the server's CPU per request) of a request that finds the server idle for that long."""
+
+    idle_s: float
+    p50_s: float
     server_cpu_s: float | None = None
 
 
@@ -60,6 +72,8 @@ class MeasuredCurve:
     ready_s: float | None = None  # cold start measured by the tool (server start -> ready), if known
     #: the load generator's CPU per request when it shared `machine_cores` with the server, if known
     client_cpu_s: float | None = None
+    #: lone requests after the server sat idle, rising idle time (none: not measured)
+    idle_points: tuple[IdlePoint, ...] = ()
 
     @property
     def peak(self) -> CurvePoint:
@@ -98,6 +112,27 @@ def _point(raw: object, where: str, *, latency_unit_s: float = 0.001) -> CurvePo
     return CurvePoint(int(_number(level, f"{where}.concurrency", low=1, high=1e6)), throughput, p50, p99,
                       int(_number(errors, f"{where}.errors")),
                       None if cpu is None else _number(cpu, f"{where}.server_cpu_ms_per_request", high=1e6) / 1000)
+
+
+def _idle_points(raw_points: object, where: str) -> tuple[IdlePoint, ...]:
+    """`[{"idle_ms", "p50_ms", "server_cpu_ms_per_request"?}, ...]`: absent or empty is none."""
+    if raw_points is None:
+        return ()
+    if not isinstance(raw_points, list):
+        raise ValueError(f"{where}: not a list")
+    if len(raw_points) > MAX_IDLE_POINTS:
+        raise ValueError(f"{where}: {len(raw_points)} points (at most {MAX_IDLE_POINTS})")
+    points: dict[float, IdlePoint] = {}
+    for i, raw in enumerate(raw_points):
+        at = f"{where}[{i}]"
+        if not isinstance(raw, dict):
+            raise ValueError(f"{at}: not an object")
+        idle = _number(raw.get("idle_ms"), f"{at}.idle_ms", low=0.001, high=60_000) / 1000
+        p50 = _number(raw.get("p50_ms"), f"{at}.p50_ms", low=1e-6, high=1e8) / 1000
+        cpu = raw.get("server_cpu_ms_per_request")
+        points[idle] = IdlePoint(idle, p50, None if cpu is None else _number(
+            cpu, f"{at}.server_cpu_ms_per_request", high=1e6) / 1000)
+    return tuple(points[k] for k in sorted(points))
 
 
 def _settings(raw: dict[str, Any], where: str) -> CurveSettings:
@@ -177,15 +212,17 @@ def bench_curve(doc: dict[str, Any], settings: CurveSettings | None = None) -> M
                          _ladder(doc.get("steps"), "steps"),
                          int(cpus) if isinstance(cpus, int) and 0 < cpus < 100_000 else None,
                          _number(ready, "local_server_ready_s", high=86_400) if ready is not None else None,
-                         _client_cpu(client, "client_cpu_s_per_request"))
+                         _client_cpu(client, "client_cpu_s_per_request"), _idle_points(doc.get("idle"), "idle"))
 
 
 def plain_curve(doc: dict[str, Any]) -> MeasuredCurve:
     """A curve written by hand or by another load tool (format `servewell curve`): `model`,
     `settings` (max_batch_size, policy, max_wait_ms, instances, threads) and `points`, each with
     concurrency, throughput_rps, p50_ms, p99_ms (and errors, and `server_cpu_ms_per_request`: the CPU
-    of all the server's processes per request at that step); optionally `ready_s`, `cores` and, when
-    the load generator ran on those cores beside the server, `client_cpu_s_per_request`."""
+    of all the server's processes per request at that step); optionally `ready_s`, `cores`, when
+    the load generator ran on those cores beside the server, `client_cpu_s_per_request`, and `idle`:
+    one client waiting `idle_ms` after each answer, `[{"idle_ms", "p50_ms",
+    "server_cpu_ms_per_request"?}]` (what a request that finds the server idle costs)."""
     settings = doc.get("settings", {})
     if not isinstance(settings, dict):
         raise ValueError("settings: not an object")
@@ -195,7 +232,8 @@ def plain_curve(doc: dict[str, Any]) -> MeasuredCurve:
                          _ladder(doc.get("points"), "points"),
                          int(cores) if isinstance(cores, int) and 0 < cores < 100_000 else None,
                          _number(ready, "ready_s", high=86_400) if ready is not None else None,
-                         _client_cpu(doc.get("client_cpu_s_per_request"), "client_cpu_s_per_request"))
+                         _client_cpu(doc.get("client_cpu_s_per_request"), "client_cpu_s_per_request"),
+                         _idle_points(doc.get("idle"), "idle"))
 
 
 def _client_cpu(value: Any, where: str) -> float | None:
@@ -228,5 +266,4 @@ def read_curves(path: Path, settings: CurveSettings | None = None) -> list[Measu
 
 
 def _with(curve: MeasuredCurve, settings: CurveSettings) -> MeasuredCurve:
-    return MeasuredCurve(curve.model, curve.source, settings, curve.points, curve.machine_cores, curve.ready_s,
-                         curve.client_cpu_s)
+    return replace(curve, settings=settings)

@@ -22,16 +22,23 @@ Conventions a caller must know:
   ready replicas and keeps the first on a tie.
 - On a shared node a request's client and balancer CPU is a 1-thread job started at its arrival.
 
+What a request costs when it finds its replica idle is modelled from a table measured with one
+client that waits after each answer (`ReplicaModel.idle_cost`): at light loads the tiny MLP's p50
+and CPU per request come within 10-15 % of the measured instead of 20-30 % low.
+
 Not modelled (where predictions and measurements part, `bench.plan_validation`): the operating
-system's scheduling (a shared node is ideal processor sharing; on 2 cores running a replica's
-sub-millisecond hops, HAProxy and the load generator, the tiny MLP's open-loop p99 is underestimated
-about 2x to 3x even where its simulated CPU per request is within 10 % of the measured one); a
+system's scheduling (a shared node is ideal processor sharing, every job at the same weight: model
+workers run at nice 5, and on 2 cores running a replica's sub-millisecond hops, HAProxy and the load
+generator, the tiny MLP's open-loop p99 near the node's capacity is underestimated 2x to 4x); a
 replica's own processes apart (ingress, engine and worker are one front loop and the batcher here:
 the front's per-wake-up cost and the answer's way back through it stand for the hand-offs); CPU per
 request that grows with the number of replicas sharing a node beyond what the wake-ups explain
-(measured: 0.94 ms with 3 MLP replicas in a closed loop, simulated 0.73); pauses of a whole process
-(garbage collection, housekeeping threads); connection set-up; network time beyond `balancer_s` and
-`overhead_s`; a client's own timeouts and retries (every request waits for its outcome).
+(measured with 32 clients: 0.55 ms with 1 MLP replica, 0.80 with 2 and 1.02 with 3, simulated 0.58,
+0.64 and 0.72: every replica is 4 Python processes, and 12 of them take turns on 2 cores); a replica
+kept busy whose processes are still evicted from the caches by the others' (the idle cost applies
+only to a replica with nothing in flight); pauses of a whole process (garbage collection,
+housekeeping threads); connection set-up; network time beyond `balancer_s` and `overhead_s`; a
+client's own timeouts and retries (every request waits for its outcome).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from servewell.plan.des_engine import FleetRun
 
 # Event kinds of the fleet (des_engine's request events use 0-4).
-POD_READY, SCRAPE, SYNC, FAULT = range(5, 9)
+POD_READY, SCRAPE, SYNC, FAULT = range(6, 10)
 #: Queue-depth scrapes per bin (the bins' queue_depth is the mean of these instants).
 SCRAPES_PER_BIN = 10
 

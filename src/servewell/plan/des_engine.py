@@ -31,8 +31,8 @@ from servewell.plan.des_result import ANSWERED, FAILED, REFUSED
 from servewell.plan.des_scaling import ScalingProbe
 from servewell.plan.model import BalancerPolicy, Fault, FleetSpec
 
-# Event kinds of the request flow, most frequent first (the fleet's are des_control's, from 5 up).
-_FRONT_DONE, _BATCH_DONE, _ARRIVE, _TIMER, _NODE = range(5)
+# Event kinds of the request flow, most frequent first (the fleet's are des_control's, from 6 up).
+_FRONT_DONE, _BATCH_DONE, _ARRIVE, _TIMER, _NODE, _WOKEN = range(6)
 #: A request still in flight (its status becomes one of des_result's outcomes), and one whose batch
 #: is done and whose answer is crossing the front on its way out.
 _IN_FLIGHT, _ANSWERING = -1, -2
@@ -119,6 +119,8 @@ class FleetRun:
         self.answers_cross_front = self.has_front and out > 0
         self.max_batch, self.max_wait_s, self.max_queue = r.max_batch_size, r.max_wait_s, r.max_queue
         self.extra_latency_s = r.overhead_s + fleet.balancer_s
+        # a request that finds its replica idle pays extra CPU and delay (ReplicaModel.idle_cost)
+        self.idle_cost, self.idle_extra = bool(r.idle_cost), r.idle_extra
         jitter_gen, balancer_gen, fault_gen = (np.random.default_rng(s) for s in seeds)
         self.front_jit = jitter_draws(jitter_gen, r.jitter_cv)
         self.batch_jit = self.front_jit
@@ -182,6 +184,8 @@ class FleetRun:
                 elif kind == _NODE:
                     if node is not None and b == node.gen:
                         self._node_wake(node, t)
+                elif kind == _WOKEN:
+                    self._woken(a, t, *b)
                 else:
                     handle_fleet_event(self, kind, t, a)
             elif next_arrival < math.inf:
@@ -237,14 +241,32 @@ class FleetRun:
         if pod is None:
             self._refuse(rid, t, None)
             return
+        cold_cpu = delay = 0.0
+        if self.idle_cost and pod.inflight == 0:
+            cold_cpu, delay = self.idle_extra(t - pod.idle_since)
+            if not self.has_front:
+                cold_cpu, delay = 0.0, delay + cold_cpu  # no front to do the work: it is latency
         pod.inflight += 1
         self.fleet.ready_load[pod.pos] = pod.inflight
         if self.extra_cpu_s > 0 and self.node is not None:
             self.node.add(t, NodeJob(EXTRA, None, None, 1), self.extra_cpu_s)
+        if delay > 0:  # the replica's processes wake up first (no CPU): the request enters after
+            self.push(t + delay, _WOKEN, pod, (rid, cold_cpu))
+        else:
+            self._enter(pod, t, rid, cold_cpu)
+
+    def _woken(self, pod: Pod, t: float, rid: int, cold_cpu: float) -> None:
+        if pod.state:
+            self._enter(pod, t, rid, cold_cpu)
+        else:  # the pod died while waking: its requests were lost with it
+            self.fail(rid, t)
+
+    def _enter(self, pod: Pod, t: float, rid: int, cold_cpu: float) -> None:
+        """The request reaches the replica's front (or its batcher, with no front)."""
         if self.has_front:
             if pod.front_rid < 0:
-                self._start_front(pod, t, rid, self.wake_in_s + self.front_in_s)
-            else:
+                self._start_front(pod, t, rid, self.wake_in_s + self.front_in_s + cold_cpu)
+            else:  # another request got in while this one's replica woke: it shares that wake-up
                 pod.front_queue.append(rid)
         else:
             self._to_batcher(pod, t, rid)
@@ -409,6 +431,8 @@ class FleetRun:
 
     def _release(self, pod: Pod, requests: int, t: float) -> None:
         pod.inflight -= requests
+        if pod.inflight == 0:
+            pod.idle_since = t
         if pod.pos >= 0:
             self.fleet.ready_load[pod.pos] = pod.inflight
         elif pod.state == DRAINING and pod.inflight == 0:

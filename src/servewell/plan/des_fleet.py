@@ -140,6 +140,7 @@ class PodFleet:
 
     def _enter_ready(self, pod: Pod, t: float) -> None:
         pod.state = READY
+        pod.idle_since = t
         pod.pos = len(self.ready)
         self.ready.append(pod)
         self.ready_load.append(pod.inflight)

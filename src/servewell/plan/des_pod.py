@@ -38,6 +38,7 @@ class Pod:
         "front_gate",
         "front_queue",
         "front_rid",
+        "idle_since",
         "inflight",
         "normal",
         "pos",
@@ -55,6 +56,7 @@ class Pod:
         self.state = STARTING
         self.pos = -1
         self.inflight = 0  # requests the balancer sent here and that are not answered, refused or lost
+        self.idle_since = 0.0  # when inflight last fell to 0 (or the pod became ready)
         self.front_rid = -1  # the request the front is serving, -1 when idle
         self.front_queue: deque[int] = deque()
         self.front_gate = 0  # requests at the head of front_queue served in the current wake-up

@@ -19,6 +19,10 @@ and `servewell tune` record it; it is what tells the per-wake-up share apart), t
 highest p99 under a Poisson load at half its capacity, so the plan errs towards more replicas. The error is
 reported: a large one says the model does not describe this curve, and `plan` says so beside its
 figures.
+
+What a request costs when it finds the replica idle is not in a closed loop (its replica is never
+idle): where the curve has idle points (one client waiting after each answer), `idle_cost` turns
+them into `ReplicaModel.idle_cost`, after the fit and outside its error.
 """
 
 from __future__ import annotations
@@ -228,4 +232,26 @@ def fit_replica(curve: MeasuredCurve, *, node: NodeContext | None = None, max_qu
         closest = min(e for e, _ in cpu if e is not None)
         ties = [t for e, t in cpu if e is not None and e <= closest + TIE_ERROR]
     error, replica, fits, bottleneck = max(ties, key=lambda t: (open_p99_s(t[1], node, seed), -t[0]))
-    return FitResult(replace(replica, cold_start_s=cold_start_s), error, tuple(fits), bottleneck)
+    return FitResult(replace(replica, cold_start_s=cold_start_s, idle_cost=idle_cost(curve)), error, tuple(fits),
+                     bottleneck)
+
+
+def idle_cost(curve: MeasuredCurve) -> tuple[tuple[float, float, float], ...]:
+    """`ReplicaModel.idle_cost` from the curve's idle points, against its one-client point (a client
+    that sends again as soon as it is answered finds the server busy, never idle): at each idle time,
+    the extra p50 split into the extra CPU per request (as far as both steps measured it; none where
+    they did not) and the rest, a delay. The extra latency and the extra CPU are made non-decreasing
+    with the idle time (a longer idle never costs less: what is left is run-to-run noise), and the
+    CPU is at most the latency."""
+    lone = next((p for p in curve.points if p.concurrency == 1), None)
+    if lone is None or not curve.idle_points:
+        return ()
+    table = []
+    most_extra, most_cpu = 0.0, 0.0
+    for point in curve.idle_points:
+        most_extra = max(most_extra, point.p50_s - lone.p50_s)
+        if point.server_cpu_s is not None and lone.server_cpu_s is not None:
+            most_cpu = max(most_cpu, point.server_cpu_s - lone.server_cpu_s)
+        cpu = min(most_cpu, most_extra)
+        table.append((point.idle_s, cpu, most_extra - cpu))
+    return tuple(table) if most_extra > 0 else ()

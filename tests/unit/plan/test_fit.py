@@ -4,12 +4,13 @@ curve, and where the closed loop cannot tell the stages apart it must keep the p
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
-from servewell.plan.curve import CurvePoint, CurveSettings, MeasuredCurve
+from servewell.plan.curve import CurvePoint, CurveSettings, IdlePoint, MeasuredCurve
 from servewell.plan.des import OpenLoad, simulate
-from servewell.plan.fit import fit_replica, open_p99_s, simulate_point
+from servewell.plan.fit import fit_replica, idle_cost, open_p99_s, simulate_point
 from servewell.plan.model import FleetSpec, ReplicaModel, Trace
 from servewell.plan.sizing import ROUGH_FIT_ERROR
 
@@ -80,3 +81,18 @@ def test_a_ladder_with_the_servers_cpu_predicts_an_open_load_of_a_front_that_amo
     (p50_truth, cpu_truth), (p50_fit, cpu_fit) = open_load(truth, rate), open_load(fit.replica, rate)
     assert cpu_fit == pytest.approx(cpu_truth, rel=0.2)
     assert p50_fit == pytest.approx(p50_truth, rel=0.3)
+
+
+def test_the_idle_cost_is_the_idle_steps_extra_over_the_one_client_step_split_into_cpu_and_delay():
+    lone = CurvePoint(1, 600.0, 0.0015, 0.003, server_cpu_s=0.0014)
+    idle = (IdlePoint(0.002, 0.0017, 0.0015), IdlePoint(0.005, 0.0024, 0.0022), IdlePoint(0.02, 0.0023, 0.0029))
+    curve = MeasuredCurve("m", "test", CurveSettings(), (lone, CurvePoint(4, 1500.0, 0.0027, 0.006)),
+                          idle_points=idle)
+    table = idle_cost(curve)
+    assert [t[0] for t in table] == [0.002, 0.005, 0.02]
+    assert [t[1] for t in table] == pytest.approx([0.0001, 0.0008, 0.0009])  # never above the extra latency
+    assert [t[1] + t[2] for t in table] == pytest.approx([0.0002, 0.0009, 0.0009])  # a longer idle never costs less
+    no_cpu = replace(curve, idle_points=tuple(replace(p, server_cpu_s=None) for p in idle))
+    assert all(t[1] == 0 for t in idle_cost(no_cpu))  # unknown CPU is not invented: a delay
+    assert idle_cost(replace(curve, points=curve.points[1:])) == ()  # nothing to compare with
+    assert idle_cost(replace(curve, idle_points=())) == ()

@@ -79,7 +79,24 @@ def test_a_plain_curve_point_may_say_the_servers_cpu_per_request(tmp_path):
     assert curve.points[0].server_cpu_s == pytest.approx(0.001665) and curve.points[1].server_cpu_s is None
 
 
+def test_a_curve_may_say_what_requests_cost_after_the_server_sat_idle(tmp_path):
+    doc = {"tool": "servewell curve", "points": ladder((1, 500, 1.6, 3.3)),
+           "idle": [{"idle_ms": 20, "p50_ms": 3.0, "server_cpu_ms_per_request": 2.9}, {"idle_ms": 2, "p50_ms": 1.7}]}
+    (curve,) = read_curves(write(tmp_path, doc))
+    assert [(p.idle_s, p.p50_s, p.server_cpu_s) for p in curve.idle_points] == [
+        (0.002, pytest.approx(0.0017), None), (0.02, pytest.approx(0.003), pytest.approx(0.0029))]
+    plain = {"tool": "servewell curve", "points": ladder((1, 5, 1, 2))}
+    assert read_curves(write(tmp_path, plain))[0].idle_points == ()
+
+
 @pytest.mark.parametrize(("doc", "problem"), [
+    ({"tool": "servewell curve", "points": ladder((1, 5, 1, 2)), "idle": {"idle_ms": 2}}, "idle: not a list"),
+    ({"tool": "servewell curve", "points": ladder((1, 5, 1, 2)), "idle": [{"idle_ms": 0, "p50_ms": 1}]},
+     r"idle\[0\].idle_ms"),
+    ({"tool": "servewell curve", "points": ladder((1, 5, 1, 2)), "idle": [{"idle_ms": 2, "p50_ms": "slow"}]},
+     r"idle\[0\].p50_ms"),
+    ({"tool": "servewell curve", "points": ladder((1, 5, 1, 2)), "idle": [{"idle_ms": 2, "p50_ms": 1}] * 33},
+     "at most 32"),
     ([], "not a JSON object"),
     ({"tool": "other"}, "not a servewell"),
     ({"tool": "servewell curve", "points": []}, "no measured points"),
