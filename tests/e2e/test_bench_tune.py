@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from model_dirs import slow_model
 from servewell.config.model import ModelConfig
+from servewell.plan.curve import read_curves
 
 EXAMPLE_IMAGE = Path(__file__).parents[2] / "src/servewell/examples/images/digit-3-200px.jpg"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -110,13 +111,18 @@ def test_bench_of_a_model_directory_serves_it_for_the_run(servewell_cache, digit
     model_dir = servewell_cache / "models" / "digits"
     assert (model_dir / "model.yaml").is_file()
     done = servewell("bench", str(model_dir), "--concurrency", "2", "--duration-s", "1.5", "--warmup-s", "0.3",
-                     "--out", str(tmp_path), "--no-plot")
+                     "--idle-ms", "20", "--out", str(tmp_path), "--no-plot")
     assert done.returncode == 0, done.stderr + (tmp_path / "servewell.log").read_text()[-2000:]
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["local_server"] is True
-    check_steps(doc, [2.0])
+    check_steps(doc, [2.0])  # the idle step is not a step of the ladder
     # the server it started ran in this machine's /proc: its CPU per request, for `servewell plan`
     assert 0 < doc["steps"][0]["server_cpu_ms_per_request"] < 1000
+    # one client waiting 20 ms after each answer: what a request that finds the server idle costs
+    (idle,) = doc["idle"]
+    assert idle["idle_ms"] == 20 and 0 < idle["p50_ms"] <= idle["p99_ms"] and 0 < idle["server_cpu_ms_per_request"]
+    assert "idle 20 ms between requests" in done.stdout
+    assert read_curves(tmp_path / "results.json")[0].idle_points[0].idle_s == pytest.approx(0.02)
     url = doc["target"]["url"]
     with pytest.raises(httpx.ConnectError):  # the server it started is gone
         httpx.get(url + "/v2/health/live", timeout=2)

@@ -37,6 +37,9 @@ from servewell.perf.report import (
 from servewell.perf.sweep import StepResult, run_sweep
 from servewell.perf.target import Endpoint, InputChoice, parse_endpoint, prepare_target, start_local
 
+#: The longest --idle-ms: a minute between requests says all there is to say about idleness.
+MAX_IDLE_MS = 60_000
+
 
 def _levels(text: str, kind: type[int] | type[float], flag: str) -> list[float]:
     try:
@@ -69,10 +72,24 @@ def load_shapes(args: argparse.Namespace) -> list[LoadShape]:
         "max_requests": args.requests or 10_000_000, "timeout_s": args.timeout_ms / 1000.0,
         "grace_s": args.timeout_ms / 1000.0 + 1.0, "max_connections": args.max_connections, "seed": args.seed,
     }
+    idle = getattr(args, "idle_ms", None)
     if args.rate is not None:
+        if idle is not None:
+            raise ValueError("--idle-ms goes with a closed loop (--concurrency), not --rate")
         return [LoadShape("open", rate=r, **common) for r in _levels(args.rate, float, "--rate")]
     levels = _levels(DEFAULT_CONCURRENCY if args.concurrency is None else args.concurrency, int, "--concurrency")
-    return [LoadShape("closed", concurrency=int(c), **common) for c in levels]
+    thinks = [] if idle is None else _levels(idle, float, "--idle-ms")
+    if any(ms > MAX_IDLE_MS for ms in thinks):
+        raise ValueError(f"--idle-ms takes at most {MAX_IDLE_MS} ms")
+    return [LoadShape("closed", concurrency=int(c), **common) for c in levels] + [
+        LoadShape("closed", concurrency=1, think_s=ms / 1000, **common) for ms in thinks]
+
+
+def idle_points(results: list[StepResult], shapes: list[LoadShape]) -> list[dict[str, Any]]:
+    """The `--idle-ms` steps as the curve's idle points (`servewell plan` reads them)."""
+    return [{"idle_ms": shape.think_s * 1000, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms,
+             "server_cpu_ms_per_request": r.server_cpu_ms_per_request}
+            for r, shape in zip(results, shapes, strict=True) if shape.think_s > 0 and r.p50_ms is not None]
 
 
 def input_choice(args: argparse.Namespace) -> InputChoice:
@@ -144,22 +161,27 @@ def run_bench(args: argparse.Namespace) -> int:
             progress.clear()
             print(f"servewell bench: {exc}", file=sys.stderr)
             return 1
-    print(steps_table(results))
+    ladder = [r for r, shape in zip(results, shapes, strict=True) if shape.think_s == 0]
+    print(steps_table(ladder))
+    idle = idle_points(results, shapes)
+    for point in idle:
+        print(f"idle {point['idle_ms']:g} ms between requests: p50 {point['p50_ms']:.2f} ms, "
+              f"p99 {point['p99_ms']:.2f} ms")
     doc = {"tool": "servewell bench", "started_at": started.isoformat(timespec="seconds"),
            "machine": {"cpus": os.cpu_count()}, **doc, "local_server": local,
            "local_server_ready_s": ready_s,  # start -> ready: the cold start `servewell plan` uses
            "settings": {"mode": shapes[0].mode, "levels": [s.level for s in shapes],
                         "duration_s": shapes[0].duration_s, "warmup_s": shapes[0].warmup_s,
                         "max_requests": args.requests, "timeout_ms": args.timeout_ms},
-           "steps": [asdict(r) for r in results]}
+           "steps": [asdict(r) for r in ladder], "idle": idle}
     if args.out is not None:
         write_json(doc, args.out / "results.json")
-        write_csv(results, args.out / "results.csv")
+        write_csv(ladder, args.out / "results.csv")
         written = ["results.json", "results.csv"]
         if not args.no_plot:
             title = (f"{doc['model']['name']} at {doc['target']['url']} ({doc['target']['protocol']}/"
                      f"{doc['target']['format']}), {shapes[0].mode} loop, {os.cpu_count()} CPUs")
-            plot_latency_vs_throughput({"": step_points(results)}, title, args.out / "latency_vs_throughput.png")
+            plot_latency_vs_throughput({"": step_points(ladder)}, title, args.out / "latency_vs_throughput.png")
             written.append("latency_vs_throughput.png")
         print(f"\nwrote {', '.join(str(args.out / w) for w in written)}")
     if not any(r.ok for r in results):

@@ -70,6 +70,10 @@ def add_bench_parser(sub: Any) -> None:
                       f"(default: {DEFAULT_CONCURRENCY})")
     load.add_argument("--rate", default=None,
                       help="open loop: comma-separated request rates (Poisson arrivals), one step each")
+    p.add_argument("--idle-ms", default=None,
+                   help="closed loop: after the steps, one client waiting this many ms after each answer, one step "
+                   "per comma-separated value (what a request that finds the server idle costs; servewell plan "
+                   "reads it), e.g. 2,5,20")
     p.add_argument("--duration-s", type=float, default=None,
                    help=f"seconds per step (default: 10; with --requests only: up to {REQUESTS_ONLY_DURATION_S:g})")
     p.add_argument("--requests", type=int, default=None, help="at most this many requests per step")

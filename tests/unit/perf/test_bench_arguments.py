@@ -63,3 +63,18 @@ def test_headers():
         parse_headers(["no colon"])
     with pytest.raises(ValueError):
         parse_headers(["Bad Name: x"])
+
+
+def test_idle_steps_follow_the_ladder_as_one_thinking_client_each():
+    shapes = load_shapes(_args("--concurrency", "1,8", "--idle-ms", "2,20"))
+    assert [(s.concurrency, s.think_s) for s in shapes] == [(1, 0.0), (8, 0.0), (1, 0.002), (1, 0.02)]
+
+
+@pytest.mark.parametrize(("argv", "problem"), [
+    (("--rate", "5", "--idle-ms", "2"), "closed loop"),
+    (("--idle-ms", "0"), "positive"),
+    (("--idle-ms", "120000"), "at most"),
+])
+def test_bad_idle_steps_are_refused(argv, problem):
+    with pytest.raises(ValueError, match=problem):
+        load_shapes(_args(*argv))
