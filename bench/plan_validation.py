@@ -6,10 +6,13 @@ measured and predicted side by side.
 
 Each round:
 1. calibration: a closed-loop ladder against the 1-replica fleet's replica directly (no balancer),
-   written as a plain curve file (`"tool": "servewell curve"`): what `servewell plan` reads;
+   and one client waiting 2, 5 and 20 ms after each answer (what a request that finds the replica
+   idle costs), written as a plain curve file (`"tool": "servewell curve"`): what `servewell plan`
+   reads;
 2. the load shapes, through HAProxy, on 1, 2 and 3 replicas (one thread each): a closed loop of 32
-   clients (saturation: throughput and latency) and a Poisson open loop at 50 % of the calibration's
-   peak (latency at a moderate load).
+   clients (saturation: throughput and latency) and Poisson open loops at 50 % and 20 % of the
+   calibration's peak (latency at a moderate and a light load; open20 is measured since 2026-12-05,
+   earlier rounds have none).
 The load generator's and HAProxy's CPU per request are measured in every run: on this 2-core VM they
 share the cores with the replicas, and the simulator is told so (`FleetSpec.node_cores`, processor
 sharing), since 3 replicas on 2 cores are not 3 times one.
@@ -41,8 +44,12 @@ if TYPE_CHECKING:
 
 THROUGHPUT_GOAL = 0.20
 P99_GOAL = 0.30
-OPEN_SHARE = 0.5
+#: The open loops' rates, as shares of the calibration's peak: a moderate load, and a light one (most
+#: of the time a replica is idle between requests, and pays for it: `ReplicaModel.idle_cost`).
+OPEN_SHARES = {"open": 0.5, "open20": 0.2}
 CLIENTS = 32
+#: Think times (ms) of the one-client calibration steps that measure what idleness costs.
+IDLE_MS = (2, 5, 20)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,15 +123,25 @@ def run_round(name: str, work: Workload, fleets: dict[int, Fleet], bodies: list[
                        "p99_ms": m["p99_ms"], "errors": errors,
                        "server_cpu_ms_per_request": round(m["server_cpu_s_per_request"] * 1000, 4)})
     calibration_cpu = cal_cpu / max(1, cal_requests)
+    idle = []
+    for think_ms in IDLE_MS:  # one client that waits after each answer: requests that find the replica idle
+        tag = f"{name}-idle{think_ms}-r{round_no}"
+        tree = TreeCpu(one.proc.pid).start()
+        summary = closed_loop(f"http://{HOST}:{one.replica_ports[0]}", work.path, bodies, 1, window, warm,
+                              logs / f"run-{tag}.json", logs / f"loadgen-{tag}.log", think_s=think_ms / 1000)
+        m = measured(summary, 0.0, None, server_cpu_s(tree.stop()))
+        idle.append({"idle_ms": think_ms, "p50_ms": m["p50_ms"], "p99_ms": m["p99_ms"],
+                     "server_cpu_ms_per_request": round(m["server_cpu_s_per_request"] * 1000, 4)})
     curve: dict[str, Any] = {
         "tool": "servewell curve", "model": name, "cores": os.cpu_count(),
         "settings": {"max_batch_size": work.max_batch_size, "policy": "idle", "instances": 1, "threads": 1},
         "points": points,
         "client_cpu_s_per_request": calibration_cpu,  # the load generator shared the replica's cores
+        "idle": idle,
     }
     peak = max(p["throughput_rps"] for p in points)
     runs = []
-    shapes = [(n, shape) for n in sorted(fleets) for shape in ("closed", "open")]
+    shapes = [(n, shape) for n in sorted(fleets) for shape in ("closed", *OPEN_SHARES)]
     shift = round_no % len(shapes)
     for replicas, shape in shapes[shift:] + shapes[:shift]:
         fleet = fleets[replicas]
@@ -136,10 +153,11 @@ def run_round(name: str, work: Workload, fleets: dict[int, Fleet], bodies: list[
             summary = closed_loop(url, work.path, bodies, CLIENTS, window, warm, logs / f"run-{tag}.json",
                                   logs / f"loadgen-{tag}.log")
         else:
-            summary = open_loop(url, work.path, bodies, OPEN_SHARE * peak, window, warm, logs / f"run-{tag}.json",
-                                logs / f"loadgen-{tag}.log")
+            summary = open_loop(url, work.path, bodies, OPEN_SHARES[shape] * peak, window, warm,
+                                logs / f"run-{tag}.json", logs / f"loadgen-{tag}.log")
         server = server_cpu_s(tree.stop())
-        runs.append({"replicas": replicas, "shape": shape, "rate_rps": OPEN_SHARE * peak if shape == "open" else None,
+        runs.append({"replicas": replicas, "shape": shape, "rate_rps": OPEN_SHARES[shape] * peak if shape in OPEN_SHARES
+                     else None,
                      **measured(summary, children_cpu_seconds() - cpu_before,
                                 cpu_seconds(fleet.haproxy_pid()) - lb_before, server)})
     return {"round": round_no, "curve": curve, "calibration_client_cpu_s_per_request": calibration_cpu,
