@@ -27,7 +27,7 @@ test-deps:
 	scripts/install-test-deps.sh
 
 test: install test-deps
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 # ruff (lint rules in pyproject.toml) and mypy (strict on the serving path).
 lint: install

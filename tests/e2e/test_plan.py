@@ -31,8 +31,8 @@ def curve(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("plan")
     slow_model(root, "sleepy", BATCH_S * 1000, max_batch_size=MAX_BATCH)
     out = root / "bench"
-    done = servewell("bench", str(root / "sleepy"), "--concurrency", "1,2,4,8,16", "--duration-s", "2",
-                     "--warmup-s", "0.5", "--out", str(out), "--no-plot")
+    done = servewell("bench", str(root / "sleepy"), "--concurrency", "1,2,4,8,16", "--idle-ms", "20",
+                     "--duration-s", "2", "--warmup-s", "0.5", "--out", str(out), "--no-plot")
     assert done.returncode == 0, done.stderr
     return out / "results.json"
 
@@ -61,6 +61,7 @@ def test_plan_sizes_a_fleet_that_meets_the_slo_in_simulation(curve, tmp_path):
     assert plan["pod"] == {"cpu": 2.0, "memory_mib": None, "instances": 1, "threads": 1, "max_batch_size": MAX_BATCH,
                            "max_wait_ms": 0.0}
     assert len(plan["reasoning"]) == 7 and "Little's law" in plan["reasoning"][5]
+    assert "finds the replica idle costs more" in plan["reasoning"][0] and "after 20 ms" in plan["reasoning"][0]
     # The manifests' values are printed, and the simulation has every policy.
     shipped = re.search(r"servewell_queue_depth averageValue: (\S+)", done.stdout)
     assert shipped, done.stdout

@@ -23,18 +23,18 @@ Conventions a caller must know:
 - On a shared node a request's client and balancer CPU is a 1-thread job started at its arrival.
 
 What a request costs when it finds its replica idle is modelled from a table measured with one
-client that waits after each answer (`ReplicaModel.idle_cost`): at light loads the tiny MLP's p50
-and CPU per request come within 10-15 % of the measured instead of 20-30 % low.
+client that waits after each answer (`ReplicaModel.idle_cost`): at 20 % of the peak the tiny MLP's
+simulated CPU per request is 0.87x the measured with 1 to 3 replicas (0.60-0.81x without it).
 
 Not modelled (where predictions and measurements part, `bench.plan_validation`): the operating
 system's scheduling (a shared node is ideal processor sharing, every job at the same weight: model
 workers run at nice 5, and on 2 cores running a replica's sub-millisecond hops, HAProxy and the load
-generator, the tiny MLP's open-loop p99 near the node's capacity is underestimated 2x to 4x); a
+generator, the tiny MLP's open-loop p99 near the node's capacity is underestimated 1.4x to 2.6x); a
 replica's own processes apart (ingress, engine and worker are one front loop and the batcher here:
 the front's per-wake-up cost and the answer's way back through it stand for the hand-offs); CPU per
 request that grows with the number of replicas sharing a node beyond what the wake-ups explain
-(measured with 32 clients: 0.55 ms with 1 MLP replica, 0.80 with 2 and 1.02 with 3, simulated 0.58,
-0.64 and 0.72: every replica is 4 Python processes, and 12 of them take turns on 2 cores); a replica
+(measured with 32 clients: 0.51 ms with 1 MLP replica, 0.70 with 2 and 0.97 with 3, simulated 0.55,
+0.60 and 0.67: every replica is 4 Python processes, and 12 of them take turns on 2 cores); a replica
 kept busy whose processes are still evicted from the caches by the others' (the idle cost applies
 only to a replica with nothing in flight); pauses of a whole process (garbage collection,
 housekeeping threads); connection set-up; network time beyond `balancer_s` and `overhead_s`; a

@@ -254,4 +254,4 @@ def idle_cost(curve: MeasuredCurve) -> tuple[tuple[float, float, float], ...]:
             most_cpu = max(most_cpu, point.server_cpu_s - lone.server_cpu_s)
         cpu = min(most_cpu, most_extra)
         table.append((point.idle_s, cpu, most_extra - cpu))
-    return tuple(table) if most_extra > 0 else ()
+    return tuple(table)

@@ -115,6 +115,11 @@ def make_plan(fit: FitResult, table: LatencyTable, rows: list[LoadRow], inputs: 
         f"it finds) {r.front_capacity_rps:.1f}: the {fit.bottleneck} "
         f"saturates first. Simulated saturation: {plan.capacity_rps:.1f} req/s per replica "
         f"(fit error {fit.error:.2f} in log space; worst point {fit.worst_ratio:.2f}x)."
+        + (" A request that finds the replica idle costs more (the curve's idle points): "
+           + ", ".join(f"after {idle * 1000:g} ms +{cpu * 1000:.2f} ms CPU +{delay * 1000:.2f} ms delay"
+                       for idle, cpu, delay in r.idle_cost) + "."
+           if r.idle_cost else " The curve has no idle points (servewell bench --idle-ms): a replica that sits "
+           "idle between requests is planned as if it were busy, which is optimistic at light loads.")
         + (f" The model describes this curve poorly (error above {ROUGH_FIT_ERROR}): read every figure below as "
            "rough, and measure again with more steps, longer windows or the load generator on other cores."
            if fit.error > ROUGH_FIT_ERROR else ""))
