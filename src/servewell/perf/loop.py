@@ -25,7 +25,7 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -213,14 +213,15 @@ async def _closed_loop(shape: LoadShape, connect: Callable[[], Connection], sour
     recorder.capped = recorder.sent >= shape.max_requests
 
 
-def poisson_offsets(rng: random.Random, shape: LoadShape) -> list[float]:
-    """Seeded Poisson arrival offsets (s) within the step, at most `max_requests` of them."""
-    offsets: list[float] = []
+def poisson_offsets(rng: random.Random, shape: LoadShape) -> Iterator[float]:
+    """Seeded Poisson arrival offsets (s) within the step, at most `max_requests` of them, drawn as
+    they are needed (a long step at a high rate would be millions)."""
     offset = rng.expovariate(shape.rate)
-    while offset < shape.duration_s and len(offsets) < shape.max_requests:
-        offsets.append(offset)
+    count = 0
+    while offset < shape.duration_s and count < shape.max_requests:
+        yield offset
+        count += 1
         offset += rng.expovariate(shape.rate)
-    return offsets
 
 
 class ArrivalClock:
@@ -231,7 +232,7 @@ class ArrivalClock:
     start every send late. `next()` answers the next due arrival (loop time), None after the last.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, arrivals: list[float]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, arrivals: Iterable[float]) -> None:
         self._loop = loop
         self._arrivals = arrivals
         self._due: asyncio.Queue[float | None] = asyncio.Queue()
@@ -284,7 +285,7 @@ async def _open_loop(shape: LoadShape, connect: Callable[[], Connection], source
             idle.append(connection)
 
     start = max(recorder.started, loop.time())
-    clock = ArrivalClock(loop, [start + offset for offset in poisson_offsets(rng, shape)])
+    clock = ArrivalClock(loop, (start + offset for offset in poisson_offsets(rng, shape)))
     clock.start()
     try:
         while (arrival := await clock.next()) is not None:

@@ -173,7 +173,7 @@ def test_an_open_loop_sends_its_seeded_arrivals_and_a_cap_stops_it():
     assert recorder.sent == 30 and recorder.capped
     free = LoadShape("open", rate=500.0, duration_s=0.2, warmup_s=0.0, grace_s=0.5)
     again, _ = _run(free, ["ok"])
-    assert again.sent == len(poisson_offsets(random.Random(free.seed + 1), free)) and not again.capped
+    assert again.sent == len(list(poisson_offsets(random.Random(free.seed + 1), free))) and not again.capped
 
 
 def test_a_closed_loop_client_waits_its_think_time_after_each_answer():
