@@ -120,6 +120,7 @@ def test_bench_of_a_model_directory_serves_it_for_the_run(servewell_cache, digit
     assert 0 < doc["steps"][0]["server_cpu_ms_per_request"] < 1000
     # one client waiting 20 ms after each answer: what a request that finds the server idle costs
     (idle,) = doc["idle"]
+    assert doc["settings"]["levels"] == [2.0] and doc["settings"]["idle_ms"] == [20.0]
     assert idle["idle_ms"] == 20 and 0 < idle["p50_ms"] <= idle["p99_ms"] and 0 < idle["server_cpu_ms_per_request"]
     assert "idle 20 ms between requests" in done.stdout
     assert read_curves(tmp_path / "results.json")[0].idle_points[0].idle_s == pytest.approx(0.02)

@@ -170,7 +170,8 @@ def run_bench(args: argparse.Namespace) -> int:
     doc = {"tool": "servewell bench", "started_at": started.isoformat(timespec="seconds"),
            "machine": {"cpus": os.cpu_count()}, **doc, "local_server": local,
            "local_server_ready_s": ready_s,  # start -> ready: the cold start `servewell plan` uses
-           "settings": {"mode": shapes[0].mode, "levels": [s.level for s in shapes],
+           "settings": {"mode": shapes[0].mode, "levels": [s.level for s in shapes if s.think_s == 0],
+                        "idle_ms": [s.think_s * 1000 for s in shapes if s.think_s > 0],
                         "duration_s": shapes[0].duration_s, "warmup_s": shapes[0].warmup_s,
                         "max_requests": args.requests, "timeout_ms": args.timeout_ms},
            "steps": [asdict(r) for r in ladder], "idle": idle}
