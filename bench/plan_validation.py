@@ -107,31 +107,34 @@ def run_round(name: str, work: Workload, fleets: dict[int, Fleet], bodies: list[
     """Calibration ladder, then every fleet under both shapes (in rotated order)."""
     warm, window = (1.0, 3.0) if quick else (work.warmup_s, work.window_s)
     one = fleets[1]
+    url = f"http://{HOST}:{one.replica_ports[0]}"
+
+    def step(tag: str, clients: int, think_s: float = 0.0) -> tuple[dict[str, Any], dict[str, Any], float]:
+        """One calibration step against the replica directly: its loadgen summary, its figures and the
+        load generator's CPU seconds."""
+        before, tree = children_cpu_seconds(), TreeCpu(one.proc.pid).start()
+        summary = closed_loop(url, work.path, bodies, clients, window, warm, logs / f"run-{tag}.json",
+                              logs / f"loadgen-{tag}.log", think_s=think_s)
+        m = measured(summary, 0.0, None, server_cpu_s(tree.stop()))
+        m["server_cpu_ms_per_request"] = round(m["server_cpu_s_per_request"] * 1000, 4)
+        return summary, m, children_cpu_seconds() - before
+
     points = []
     cal_cpu, cal_requests = 0.0, 0
     for clients in work.ladder:
-        tag = f"{name}-cal-c{clients}-r{round_no}"
-        before, tree = children_cpu_seconds(), TreeCpu(one.proc.pid).start()
-        summary = closed_loop(f"http://{HOST}:{one.replica_ports[0]}", work.path, bodies, clients, window, warm,
-                              logs / f"run-{tag}.json", logs / f"loadgen-{tag}.log")
-        server = server_cpu_s(tree.stop())
-        cal_cpu += children_cpu_seconds() - before
+        summary, m, client_cpu = step(f"{name}-cal-c{clients}-r{round_no}", clients)
+        cal_cpu += client_cpu
         cal_requests += summary.get("sent") or sum(summary["status_counts"].values())
-        m = measured(summary, 0.0, None, server)
         errors = sum(n for status, n in m["status_counts"].items() if status != "200")
         points.append({"concurrency": clients, "throughput_rps": m["throughput_rps"], "p50_ms": m["p50_ms"],
                        "p99_ms": m["p99_ms"], "errors": errors,
-                       "server_cpu_ms_per_request": round(m["server_cpu_s_per_request"] * 1000, 4)})
+                       "server_cpu_ms_per_request": m["server_cpu_ms_per_request"]})
     calibration_cpu = cal_cpu / max(1, cal_requests)
     idle = []
     for think_ms in IDLE_MS:  # one client that waits after each answer: requests that find the replica idle
-        tag = f"{name}-idle{think_ms}-r{round_no}"
-        tree = TreeCpu(one.proc.pid).start()
-        summary = closed_loop(f"http://{HOST}:{one.replica_ports[0]}", work.path, bodies, 1, window, warm,
-                              logs / f"run-{tag}.json", logs / f"loadgen-{tag}.log", think_s=think_ms / 1000)
-        m = measured(summary, 0.0, None, server_cpu_s(tree.stop()))
+        _, m, _ = step(f"{name}-idle{think_ms}-r{round_no}", 1, think_ms / 1000)
         idle.append({"idle_ms": think_ms, "p50_ms": m["p50_ms"], "p99_ms": m["p99_ms"],
-                     "server_cpu_ms_per_request": round(m["server_cpu_s_per_request"] * 1000, 4)})
+                     "server_cpu_ms_per_request": m["server_cpu_ms_per_request"]})
     curve: dict[str, Any] = {
         "tool": "servewell curve", "model": name, "cores": os.cpu_count(),
         "settings": {"max_batch_size": work.max_batch_size, "policy": "idle", "instances": 1, "threads": 1},

@@ -72,7 +72,7 @@ def load_shapes(args: argparse.Namespace) -> list[LoadShape]:
         "max_requests": args.requests or 10_000_000, "timeout_s": args.timeout_ms / 1000.0,
         "grace_s": args.timeout_ms / 1000.0 + 1.0, "max_connections": args.max_connections, "seed": args.seed,
     }
-    idle = getattr(args, "idle_ms", None)
+    idle = args.idle_ms
     if args.rate is not None:
         if idle is not None:
             raise ValueError("--idle-ms goes with a closed loop (--concurrency), not --rate")

@@ -246,10 +246,8 @@ class ArrivalClock:
     def _run(self) -> None:
         put = self._due.put_nowait
         for arrival in self._arrivals:
-            delay = arrival - time.monotonic()  # the loop's clock (asyncio uses time.monotonic)
-            if delay > 0 and self._stop.wait(delay):
-                return
-            if self._stop.is_set():
+            # the loop's clock is time.monotonic; wait(0) only says whether the clock was stopped
+            if self._stop.wait(max(0.0, arrival - time.monotonic())):
                 return
             self._loop.call_soon_threadsafe(put, arrival)
         if not self._stop.is_set():

@@ -25,7 +25,7 @@ from servewell.plan.model import FaultKind
 if TYPE_CHECKING:
     from servewell.plan.des_engine import FleetRun
 
-# Event kinds of the fleet (des_engine's request events use 0-4).
+# Event kinds of the fleet (des_engine's request events use 0-5).
 POD_READY, SCRAPE, SYNC, FAULT = range(6, 10)
 #: Queue-depth scrapes per bin (the bins' queue_depth is the mean of these instants).
 SCRAPES_PER_BIN = 10
