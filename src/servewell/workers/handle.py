@@ -45,8 +45,10 @@ from servewell.workers.messages import (
     StopProfile,
     WorkerLaunch,
     WorkerLoadFailed,
+    WorkerMessage,
     WorkerReady,
-    WorkerReply,
+    receive_message,
+    send_message,
 )
 from servewell.workers.process_start import find_jemalloc, spawn, watch_exit
 from servewell.workers.shm import HeartbeatCell, SegmentReader, SharedArena, new_prefix, remove_segments
@@ -169,7 +171,7 @@ class WorkerHandle:
         if spare is not None:
             self._process, parent = spare.process, spare.conn
             try:
-                parent.send(AdoptSpare(self.config, launch, name))
+                send_message(parent, AdoptSpare(self.config, launch, name))
             except (OSError, ValueError):
                 pass  # it died just now: its pipe's EOF fails this start like a fresh worker's death
         else:
@@ -225,7 +227,7 @@ class WorkerHandle:
         self._pending[batch_id] = future
         try:
             first = next(iter(parts.values()), [])
-            self._conn.send(RunBatch(batch_id, self._arena.name, refs, traceparent,
+            send_message(self._conn, RunBatch(batch_id, self._arena.name, refs, traceparent,
                                      tuple(b.shape[0] if b.ndim else 1 for b in first), tuple(deadlines)))
         except (OSError, ValueError):
             self._pending.pop(batch_id, None)
@@ -268,7 +270,7 @@ class WorkerHandle:
             raise WorkerLost("the worker process is not running")
         reply: asyncio.Future[ProfileDone] = asyncio.get_running_loop().create_future()
         self._profile_reply = reply
-        self._conn.send(message)
+        send_message(self._conn, message)
         done = await asyncio.wait_for(reply, timeout=60)
         if done.error:
             raise ModelError(f"profiling failed: {done.error}")
@@ -279,7 +281,7 @@ class WorkerHandle:
         try:
             # Messages are small and written whole, so a readable pipe holds a whole message.
             while conn is not None and not conn.closed and conn.poll():
-                self._dispatch(conn.recv())
+                self._dispatch(receive_message(conn))
         except (EOFError, OSError):
             self._stop_reading()
             self._lost()
@@ -289,7 +291,7 @@ class WorkerHandle:
             self._loop.remove_reader(self._conn.fileno())
             self._conn.close()
 
-    def _dispatch(self, message: WorkerReply) -> None:
+    def _dispatch(self, message: WorkerMessage) -> None:
         if isinstance(message, SpareReady):
             return  # an adopted spare said it was ready before it read its model
         if isinstance(message, LoadProgress):
@@ -408,7 +410,7 @@ class WorkerHandle:
         self._on_lost = None
         if self._conn is not None and self.alive and timeout_s > 0:
             try:
-                self._conn.send(Shutdown())
+                send_message(self._conn, Shutdown())
             except (OSError, ValueError):
                 pass
         if self._process is not None and self._process.pid is not None:

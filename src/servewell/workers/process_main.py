@@ -37,11 +37,36 @@ from servewell.workers.messages import (
     WorkerLoadFailed,
     WorkerReady,
     WorkerReply,
+    receive_message,
+    send_message,
 )
 from servewell.workers.profiling import WorkerProfiler
 from servewell.workers.shm import HeartbeatCell, SegmentReader, SharedArena
 
 log = logging.getLogger("servewell.workers")
+
+#: A batch reports the worker's resident memory read at most this long ago: reading
+#: /proc/self/statm costs 10-25 us, a third of a small batch's whole overhead in the worker, and
+#: the figure only feeds /healthz, the console and the memory-headroom alert.
+RSS_EVERY_S = 0.05
+
+
+class RssReading:
+    """The process's resident memory, read again once the last reading is `RSS_EVERY_S` old."""
+
+    __slots__ = ("_at", "_bytes", "_clock", "_source")
+
+    def __init__(self, source: Callable[[], int] = rss_bytes, clock: Callable[[], float] = time.monotonic) -> None:
+        self._source, self._clock = source, clock
+        self._at = float("-inf")
+        self._bytes = 0
+
+    def read(self) -> int:
+        """The last reading, or a new one if it is old."""
+        now = self._clock()
+        if now - self._at >= RSS_EVERY_S:
+            self._at, self._bytes = now, self._source()
+        return self._bytes
 
 
 def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, began_at: float = 0.0) -> None:
@@ -70,14 +95,14 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, beg
         try:
             os.sched_setaffinity(0, config.affinity_of(instance) or [])
         except (OSError, ValueError) as exc:
-            conn.send(WorkerLoadFailed(f"cpu_affinity {config.cpu_affinity} cannot be applied: {exc}"))
+            send_message(conn, WorkerLoadFailed(f"cpu_affinity {config.cpu_affinity} cannot be applied: {exc}"))
             conn.close()
             return
 
     def progress(stage: str) -> None:
         elapsed = time.perf_counter() - started
         stages.append((stage, elapsed))
-        conn.send(LoadProgress(stage, elapsed))
+        send_message(conn, LoadProgress(stage, elapsed))
 
     try:
         if launch.device and launch.device != config.device:  # the engine chose it (workers/devices.py)
@@ -97,12 +122,12 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, beg
             progress("warm-up")
             report = warm_up(runtime, config, progress, first_only=launch.warmup_first_only)
     except Exception as exc:  # any load failure is reported, never raised into the void
-        conn.send(WorkerLoadFailed(describe_failure(exc)))
+        send_message(conn, WorkerLoadFailed(describe_failure(exc)))
         conn.close()
         return
 
     dtype = report.serving_dtype if report else (runtime.serving_dtype if isinstance(runtime, DtypeReporting) else "")
-    conn.send(WorkerReady(
+    send_message(conn, WorkerReady(
         os.getpid(), load_s, report.seconds if report else 0.0, rss_bytes(), tuple(stages),
         effective_max_batch_size=report.effective_max_batch_size if report else 0,
         peak_bytes_by_batch=report.peak_bytes_by_batch if report else (),
@@ -137,19 +162,20 @@ def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing
     # can remove it by name however this process ends.
     arena = SharedArena(prefix=f"{prefix}-out" if prefix else None)
     rows_computed = 0
+    rss = RssReading()
     steps: list[tuple[str, float]] = []
     set_step_sink(lambda name, seconds: steps.append((name, seconds)), tracing.tracer if tracing else None)
     send_lock = threading.Lock()
 
     def send(reply: WorkerReply) -> None:
         with send_lock:  # the profiler replies from threads of its own (workers/profiling.py)
-            conn.send(reply)
+            send_message(conn, reply)
 
     profiler = WorkerProfiler(send)
     try:
         while True:
             try:
-                message = conn.recv()
+                message = receive_message(conn)
             except (EOFError, OSError):
                 return  # the frontend is gone: nobody to serve
             if isinstance(message, Shutdown):
@@ -166,15 +192,15 @@ def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing
             steps.clear()
             if not plan.runs:
                 reply: BatchDone | BatchFailed = BatchDone(
-                    message.batch_id, arena.name, (), 0.0, rss_bytes(), rows_computed, skipped=plan.skipped)
+                    message.batch_id, arena.name, (), 0.0, rss.read(), rows_computed, skipped=plan.skipped)
             elif tracing is not None and tracing.enabled and message.traceparent:
                 with tracing.tracer.start_as_current_span(
                     "compute", context=context_from_traceparent(message.traceparent),
                     attributes={"servewell.model": model, "servewell.batch_size": plan.rows},
                 ):
-                    reply = _run(message, plan, runtime, reader, arena, rows_computed, steps)
+                    reply = _run(message, plan, runtime, reader, arena, rows_computed, steps, rss)
             else:
-                reply = _run(message, plan, runtime, reader, arena, rows_computed, steps)
+                reply = _run(message, plan, runtime, reader, arena, rows_computed, steps, rss)
             send(reply)
             if isinstance(reply, BatchFailed) and reply.fatal:
                 return  # the device is unusable in this process: exit, supervision starts a fresh one
@@ -200,7 +226,7 @@ def _profile(message: StartProfile | StopProfile, profiler: WorkerProfiler, runt
 
 
 def _run(message: RunBatch, plan: RowPlan, runtime: ModelRuntime, reader: SegmentReader, arena: SharedArena,
-         rows_computed: int, steps: list[tuple[str, float]]) -> BatchDone | BatchFailed:
+         rows_computed: int, steps: list[tuple[str, float]], rss: RssReading) -> BatchDone | BatchFailed:
     inputs = reader.arrays(message.segment, message.inputs, copy=False)
     if plan.skipped:
         inputs = keep_rows(inputs, message.request_rows, plan)
@@ -214,5 +240,5 @@ def _run(message: RunBatch, plan: RowPlan, runtime: ModelRuntime, reader: Segmen
     finally:
         del inputs
     oom_limited = runtime.oom_limited_batch_size if isinstance(runtime, OomSplitting) else None
-    return BatchDone(message.batch_id, arena.name, refs, compute_s, rss_bytes(), rows_computed, tuple(steps),
+    return BatchDone(message.batch_id, arena.name, refs, compute_s, rss.read(), rows_computed, tuple(steps),
                      oom_limited, plan.skipped)

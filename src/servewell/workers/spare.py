@@ -47,7 +47,7 @@ from servewell.config.model import ModelConfig
 from servewell.config.server import ServerConfig
 from servewell.workers.backends import BACKEND_MODULES, ORT_TELEMETRY_SWITCH, SPARE_RUNTIME
 from servewell.workers.entry import run_spare
-from servewell.workers.messages import SpareLaunch, SpareReady
+from servewell.workers.messages import SpareLaunch, SpareReady, receive_message
 from servewell.workers.process_start import spawn
 
 log = logging.getLogger("servewell.workers")
@@ -232,7 +232,7 @@ class SpareWorkers:
     def _on_readable(self, spare: SpareProcess) -> None:
         try:
             while not spare.conn.closed and spare.conn.poll():
-                message = spare.conn.recv()
+                message = receive_message(spare.conn)
                 if isinstance(message, SpareReady):
                     spare.ready = message
                     self._failed_in_a_row = 0

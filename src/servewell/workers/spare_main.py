@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 
 from servewell.observability.logging import configure_logging
 from servewell.workers.backends import SPARE_RUNTIME, import_backend
-from servewell.workers.messages import AdoptSpare, SpareLaunch, SpareReady
+from servewell.workers.messages import AdoptSpare, SpareLaunch, SpareReady, receive_message, send_message
 from servewell.workers.process_main import worker_main
 
 _PR_SET_PDEATHSIG = 1
@@ -39,8 +39,8 @@ def spare_main(conn: Connection, launch: SpareLaunch) -> None:
     began = time.monotonic()
     import_backend(SPARE_RUNTIME)
     try:
-        conn.send(SpareReady(os.getpid(), time.monotonic() - began))
-        message = conn.recv()
+        send_message(conn, SpareReady(os.getpid(), time.monotonic() - began))
+        message = receive_message(conn)
     except (EOFError, OSError):
         return  # the engine is gone
     if not isinstance(message, AdoptSpare):
