@@ -6,6 +6,7 @@ importing the scheduler, and tests drive the scheduler with small in-process fak
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -41,15 +42,18 @@ class BatchRunner(Protocol):
         """Whether it can still run batches; a dead runner is never handed another one."""
         ...
 
-    async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
-                  deadlines: Sequence[float] = ()) -> BatchOutcome:
-        """Run the batch made of the row blocks in `parts`, concatenated along axis 0 per input.
-        Block i of every input is request i; `deadlines[i]` is its absolute deadline
+    def send_batch(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
+              deadlines: Sequence[float] = ()) -> asyncio.Future[BatchOutcome]:
+        """Hand over the batch made of the row blocks in `parts`, concatenated along axis 0 per
+        input, now (before this returns, where the runner is another process); the future gives
+        its outcome. Block i of every input is request i; `deadlines[i]` is its absolute deadline
         (`time.monotonic()` seconds): a runner may skip the requests whose deadline has passed
         when it is about to compute, and says which in `BatchOutcome.skipped`.
 
-        Raises a `ServeError` (`WorkerLost`, `WorkerHung`, `ModelError`) when the batch cannot be
-        answered.
+        The scheduler starts a batch from inside its pump, so the rows are on their way before
+        the bookkeeping around the batch runs (a task, the watch, the span). Raises, or the
+        future fails with, a `ServeError` (`WorkerLost`, `WorkerHung`, `ModelError`) when the batch
+        cannot be answered.
         """
         ...
 

@@ -296,7 +296,7 @@ class ModelScheduler:
                 continue
             serial = next(self._serials)
             self._in_flight[serial] = batch  # in flight from now: drain waits for it
-            asyncio.get_running_loop().create_task(self._execute(runner, serial, batch))
+            self._start(runner, serial, batch)
         deadline = self._queue.next_deadline()
         if deadline is not None and (wake_at is None or deadline < wake_at):
             wake_at = deadline
@@ -341,11 +341,32 @@ class ModelScheduler:
         limits = PolicyLimits(self.batching.max_wait_ms / 1000.0, self.batching.latency_slo_ms / 1000.0)
         return POLICIES[self.batching.policy](op, limits, self._learned)
 
-    async def _execute(self, runner: BatchRunner, serial: int, batch: list[Request]) -> None:
+    def _start(self, runner: BatchRunner, serial: int, batch: list[Request]) -> None:
+        """Hand `batch` to `runner` now, then follow it in a task: the rows go to the worker first and
+        the bookkeeping (the task, its watch) runs while the worker computes."""
         rows = sum(item.rows for item in batch)
         span = self._telemetry.start_batch([(item.payload.trace, item.lane) for item in batch], rows, runner.instance)
+        started = self._clock.now()
+        running = self._hand_over(runner, batch, span)
+        asyncio.get_running_loop().create_task(self._execute(runner, serial, batch, span, started, running))
+
+    def _hand_over(self, runner: BatchRunner, batch: list[Request], span: Span | None) -> asyncio.Future[BatchOutcome]:
+        """`runner.send_batch` the batch; a runner that refuses it at once gives a failed future."""
         try:
-            error = await self._run_watched(runner, batch, span)
+            return runner.send_batch(
+                {spec.name: [item.payload.inputs[spec.name] for item in batch] for spec in self.config.inputs},
+                traceparent_of(span.get_span_context()) if span is not None else None,
+                [item.deadline_at for item in batch],
+            )
+        except Exception as exc:  # a bug in transport must still resolve every future (`_run_watched`)
+            failed: asyncio.Future[BatchOutcome] = asyncio.get_running_loop().create_future()
+            failed.set_exception(exc)
+            return failed
+
+    async def _execute(self, runner: BatchRunner, serial: int, batch: list[Request], span: Span | None,
+                       started: float, running: asyncio.Future[BatchOutcome]) -> None:
+        try:
+            error = await self._run_watched(runner, batch, span, started, running)
             still_open = [item for item in batch if not item.payload.future.done()]
             if isinstance(error, ModelError) and len(still_open) > 1 and runner.alive:
                 # One bad input must not fail its batch-mates: each request runs again alone,
@@ -357,7 +378,10 @@ class ModelScheduler:
                 for item in still_open:
                     if item.payload.future.done():
                         continue
-                    error = await self._run_watched(runner, [item], span) if runner.alive else error
+                    if runner.alive:
+                        alone = self._clock.now()
+                        error = await self._run_watched(runner, [item], span, alone,
+                                                        self._hand_over(runner, [item], span))
                     self._fail_open([item], error)
             else:
                 self._fail_open(batch, error)
@@ -376,10 +400,10 @@ class ModelScheduler:
                 self._telemetry.count(item.lane, "error")
                 _fail(item, error)
 
-    async def _run_watched(self, runner: BatchRunner, batch: list[Request], span: Span | None) -> ServeError | None:
-        """Run `batch` on `runner` under a `BatchWatch` (deadlines, compute budget) and deliver its
-        results; the error it failed with, else None."""
-        started = self._clock.now()
+    async def _run_watched(self, runner: BatchRunner, batch: list[Request], span: Span | None, started: float,
+                           running: asyncio.Future[BatchOutcome]) -> ServeError | None:
+        """Wait for `batch`, handed to `runner` at `started` (`running`), under a `BatchWatch`
+        (deadlines, compute budget) and deliver its results; the error it failed with, else None."""
         rows = sum(item.rows for item in batch)
         budget_s = self.compute_budget_s(rows)
 
@@ -398,11 +422,7 @@ class ModelScheduler:
         try:
             watch = BatchWatch(self._clock, [(item.deadline_at, item) for item in batch], started + budget_s,
                                lambda item: not item.payload.future.done(), expire, overrun)
-            outcome = await runner.run(
-                {spec.name: [item.payload.inputs[spec.name] for item in batch] for spec in self.config.inputs},
-                traceparent_of(span.get_span_context()) if span is not None else None,
-                [item.deadline_at for item in batch],
-            )
+            outcome = await running
             skipped = set(outcome.skipped)
             ran = [item for i, item in enumerate(batch) if i not in skipped]
             results = split_rows(outcome.outputs, [item.rows for item in ran],

@@ -204,8 +204,14 @@ class WorkerHandle:
 
     async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
                   deadlines: Sequence[float] = ()) -> BatchOutcome:
-        """Run one batch made of the row blocks in `parts`, concatenated along axis 0; the worker
-        skips the blocks (requests) whose `deadlines` passed before it computes."""
+        """Run one batch (`send_batch`) and wait for its outcome."""
+        return await self.send_batch(parts, traceparent, deadlines)
+
+    def send_batch(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
+              deadlines: Sequence[float] = ()) -> asyncio.Future[BatchOutcome]:
+        """Hand the worker one batch made of the row blocks in `parts`, concatenated along axis 0,
+        now; the future resolves with its outcome. The worker skips the blocks (requests) whose
+        `deadlines` passed before it computes."""
         if not self.alive or self._conn is None:
             raise self._gone_error("the worker process is not running")
         if self._arena is None:
@@ -232,7 +238,7 @@ class WorkerHandle:
         except (OSError, ValueError):
             self._pending.pop(batch_id, None)
             raise self._gone_error("the worker process is not running") from None
-        return await future
+        return future
 
     def heartbeat_silence_s(self) -> float:
         """Seconds since the worker's heartbeat counter last moved (0 before it is ready)."""

@@ -46,6 +46,10 @@ class FakeRunner:
         self.fail_with = fail_with
         self.now = now  # given: skip requests whose deadline passed, as a worker does (workers/expiry.py)
 
+    def send_batch(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
+              deadlines: Sequence[float] = ()) -> asyncio.Future[BatchOutcome]:
+        return asyncio.ensure_future(self.run(parts, traceparent, deadlines))
+
     def declare_hung(self, reason: str) -> None:
         self.alive = False
 
