@@ -285,8 +285,10 @@ class WorkerHandle:
     def _on_readable(self) -> None:
         conn = self._conn
         try:
-            # Messages are small and written whole, so a readable pipe holds a whole message.
-            while conn is not None and not conn.closed and conn.poll():
+            # Messages are small and written whole, so a readable pipe holds a whole message. One
+            # per call: the loop's readiness is level-triggered, so a second one calls again, and
+            # the `poll` that asked first cost more than the read (a selector built per call).
+            if conn is not None and not conn.closed:
                 self._dispatch(receive_message(conn))
         except (EOFError, OSError):
             self._stop_reading()

@@ -16,6 +16,7 @@ frontend sweeps by prefix, so nothing needs a tracker.
 from __future__ import annotations
 
 import itertools
+import math
 import mmap
 import os
 import struct
@@ -165,7 +166,7 @@ class SharedArena:
     def views(self, shapes: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, np.ndarray]:
         """Writable arrays laid out in the segment, for filling a batch in place (numbers only)."""
         _refuse_objects(name for name, (_, dtype) in shapes.items() if np.dtype(dtype).hasobject)
-        need = sum(_aligned(int(np.prod(s)) * np.dtype(d).itemsize) for s, d in shapes.values())
+        need = sum(_aligned(math.prod(s) * np.dtype(d).itemsize) for s, d in shapes.values())
         self._ensure(need)
         out: dict[str, np.ndarray] = {}
         offset = 0
