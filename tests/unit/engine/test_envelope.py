@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from servewell.engine.envelope import MAX_FRAME_BYTES, Cancel, Envelope, FrameReader, FrameWriter, Outcome, encode_frame
-from servewell.engine.protocol import RequestResult
+from servewell.engine.protocol import RequestResult, StepTiming
 from servewell.errors import Overloaded
 
 
@@ -49,6 +49,20 @@ def test_an_envelope_and_its_outcome_keep_tensors_errors_and_retry_after() -> No
     assert got_refused.error.retry_after_s == 3.0 and got_refused.error.code == "overloaded"
     assert got_served.result.batch_size == 3
     np.testing.assert_array_equal(got_served.result.outputs["y"], np.ones((3, 2), np.float32))
+
+
+def test_a_pipeline_answer_keeps_every_field_and_step_across_the_door() -> None:
+    steps = (StepTiming("pre", "pre_model", 0.001, 0.002, 0.004, 2, "success"),
+             StepTiming("post", "post_model", 0.0, 0.0, 0.0, 0, "skipped"))
+    result = RequestResult({"p": np.full((1, 3), 0.5, np.float32)}, 0.001, 0.002, 2, cache="hit", steps=steps,
+                           version="7")
+    sink = _Sink()
+    sink.reader().data_received(encode_frame([Outcome(3, result=result)]))
+    (got,) = sink.messages
+    assert got.result.steps == steps
+    assert (got.result.queue_s, got.result.compute_s, got.result.batch_size, got.result.cache, got.result.version) == \
+        (0.001, 0.002, 2, "hit", "7")
+    np.testing.assert_array_equal(got.result.outputs["p"], result.outputs["p"])
 
 
 def test_a_length_over_the_bound_drops_the_connection_not_the_process() -> None:
