@@ -43,7 +43,7 @@ class BatchRunner(Protocol):
         ...
 
     def send_batch(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
-              deadlines: Sequence[float] = ()) -> asyncio.Future[BatchOutcome]:
+                   deadlines: Sequence[float] = ()) -> asyncio.Future[BatchOutcome]:
         """Hand over the batch made of the row blocks in `parts`, concatenated along axis 0 per
         input, now (before this returns, where the runner is another process); the future gives
         its outcome. Block i of every input is request i; `deadlines[i]` is its absolute deadline

@@ -208,7 +208,7 @@ class WorkerHandle:
         return await self.send_batch(parts, traceparent, deadlines)
 
     def send_batch(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
-              deadlines: Sequence[float] = ()) -> asyncio.Future[BatchOutcome]:
+                   deadlines: Sequence[float] = ()) -> asyncio.Future[BatchOutcome]:
         """Hand the worker one batch made of the row blocks in `parts`, concatenated along axis 0,
         now; the future resolves with its outcome. The worker skips the blocks (requests) whose
         `deadlines` passed before it computes."""
@@ -234,7 +234,7 @@ class WorkerHandle:
         try:
             first = next(iter(parts.values()), [])
             send_message(self._conn, RunBatch(batch_id, self._arena.name, refs, traceparent,
-                                     tuple(b.shape[0] if b.ndim else 1 for b in first), tuple(deadlines)))
+                                              tuple(b.shape[0] if b.ndim else 1 for b in first), tuple(deadlines)))
         except (OSError, ValueError):
             self._pending.pop(batch_id, None)
             raise self._gone_error("the worker process is not running") from None

@@ -57,7 +57,7 @@ class StuckRunner:
         return BatchOutcome({"y": x * 2}, compute_s=0.001)
 
     def send_batch(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
-              deadlines: Sequence[float] = ()) -> asyncio.Future[BatchOutcome]:
+                   deadlines: Sequence[float] = ()) -> asyncio.Future[BatchOutcome]:
         return asyncio.ensure_future(self.run(parts, traceparent, deadlines))
 
     def declare_hung(self, reason: str) -> None:

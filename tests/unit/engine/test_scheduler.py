@@ -47,7 +47,7 @@ class FakeRunner:
         self.now = now  # given: skip requests whose deadline passed, as a worker does (workers/expiry.py)
 
     def send_batch(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
-              deadlines: Sequence[float] = ()) -> asyncio.Future[BatchOutcome]:
+                   deadlines: Sequence[float] = ()) -> asyncio.Future[BatchOutcome]:
         return asyncio.ensure_future(self.run(parts, traceparent, deadlines))
 
     def declare_hung(self, reason: str) -> None:
@@ -92,6 +92,48 @@ async def settle() -> None:
 
 def run(test: Callable[[FakeClock], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(test(FakeClock()))
+
+
+class HandOverRecorder(FakeRunner):
+    """Records each batch the moment it is handed over (`send_batch`), not when a task runs it;
+    refuses at once, as a handle whose worker just died does, while `gone` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handed: list[list[float]] = []
+        self.gone = False
+
+    def send_batch(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
+                   deadlines: Sequence[float] = ()) -> asyncio.Future[BatchOutcome]:
+        if self.gone:
+            raise WorkerLost("the worker process is not running")
+        self.handed.append(np.concatenate(parts["x"])[:, 0].tolist())
+        return super().send_batch(parts, traceparent, deadlines)
+
+
+def test_a_batch_is_handed_to_an_idle_runner_before_submit_returns() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(), clock=clock)
+        runner = HandOverRecorder()
+        s.add_runner(runner)
+        future = submit(s, 5)
+        assert runner.handed == [[5]]  # on its way before any task or loop iteration ran
+        assert (await future).outputs["y"][0, 0] == 10
+    run(main)
+
+
+def test_a_runner_refusing_the_hand_over_answers_the_batch_and_the_next_one_runs() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(), clock=clock)
+        runner = HandOverRecorder()
+        runner.gone = True
+        s.add_runner(runner)
+        refused = submit(s, 1)
+        with pytest.raises(WorkerLost, match="not running"):
+            await refused
+        runner.gone = False
+        assert (await submit(s, 2)).outputs["y"][0, 0] == 4  # the runner was released, nothing hangs
+    run(main)
 
 
 def test_each_request_gets_its_own_rows_back() -> None:
