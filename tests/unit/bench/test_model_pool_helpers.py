@@ -84,12 +84,17 @@ def test_proc_readers_take_the_kilobyte_lines():
 def test_tree_memory_sampler_reads_a_process_tree():
     # A child of its own as the root: this pytest process may hold a spares' fork server (a worker,
     # by its command line) that an in-process test started.
-    root = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    root = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+                            stdout=subprocess.PIPE)
     try:
+        # Sampled right after the fork, the child is not yet an interpreter (CI once read 0.7 MiB).
+        assert root.stdout is not None and root.stdout.readline() == b"up\n"
         peak = TreeMemorySampler(root.pid, interval_s=0.01).start().stop()
     finally:
         root.kill()
         root.wait()
+        if root.stdout is not None:
+            root.stdout.close()
     assert peak.samples >= 2
     assert peak.all_rss > 1 << 20  # a Python interpreter
     assert peak.workers_rss == 0  # the root of the tree is never a model worker
