@@ -23,6 +23,7 @@ from servewell.config.model import BatchingConfig, ModelConfig
 from servewell.engine.batch_policy import POLICIES, BatchOpportunity, LearnedLoad, PolicyLimits
 from servewell.engine.batch_queue import BatchQueue, QueuedItem
 from servewell.engine.batch_runner import BatchOutcome, BatchRunner, split_rows
+from servewell.engine.batch_settings import validated_update
 from servewell.engine.batch_watch import BatchWatch, compute_budget_s
 from servewell.engine.clock import Clock, LoopClock, TimerHandle
 from servewell.engine.protocol import RequestResult
@@ -130,19 +131,8 @@ class ModelScheduler:
         All or nothing: the whole candidate is validated before anything applies. `max_batch_size`
         may not exceed the proven maximum; lanes are fixed while the model is loaded.
         """
-        candidate = dict(changes)
-        if "lanes" in candidate:
-            raise InvalidInput("lanes are fixed while the model is loaded; change model.yaml and reload")
-        size = candidate.pop("max_batch_size", self.max_batch_size)
-        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= self._proven_max:
-            raise InvalidInput(f"max_batch_size must be an integer from 1 to {self._proven_max} (the largest batch "
-                               "this model's warm-up proved fits)")
-        try:
-            updated = BatchingConfig.model_validate({**self.batching.model_dump(), **candidate})
-        except ValueError as exc:
-            raise InvalidInput(f"invalid batching settings: {exc}") from None
-        if updated.reserve_instance_for_high and self.config.instances < 2:
-            raise InvalidInput("reserve_instance_for_high needs instances >= 2")
+        updated, size = validated_update(self.batching, self.max_batch_size, self._proven_max,
+                                         self.config.instances, changes)
         # Valid as a whole: apply.
         self.batching = updated
         self.max_batch_size = size
