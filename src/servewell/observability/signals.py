@@ -38,21 +38,28 @@ class SignalTracker:
         self._previous: dict[_Key, float] = {}
 
     def snapshots(self) -> list[SignalSnapshot]:
-        """One snapshot per model, covering the time since the previous call."""
+        """One snapshot per model, covering the time since the previous call. Linear in the series:
+        each delta is filed under its model once (scanning every model's series for each model took
+        20-27 ms on the event loop with 200 lazy models, every evaluation)."""
         current = self._read()
-        delta = {k: v - self._previous.get(k, 0.0) for k, v in current.items()}
+        per_model: dict[str, _ModelDelta] = {}
+        for key, value in current.items():
+            kind, model, detail = key
+            if kind != "restarts":
+                per_model.setdefault(model, _ModelDelta()).add(kind, detail, value - self._previous.get(key, 0.0))
         self._previous = current
         out = []
+        empty = _ModelDelta()
         for model in self._facts():
             restarts_key = ("restarts", model.name, "")
             restarts = model.restarts - int(self._previous.get(restarts_key, model.restarts))
             self._previous[restarts_key] = float(model.restarts)
+            delta = per_model.get(model.name, empty)
             out.append(SignalSnapshot(
                 model=model.name,
-                p99_latency_s=_quantile(delta, model.name, 0.99),
-                error_ratio=_ratio(delta.get(("count", model.name, "5xx"), 0.0), _total(delta, model.name)),
-                rejected_ratio=_ratio(delta.get(("outcome", model.name, "rejected"), 0.0),
-                                      sum(v for k, v in delta.items() if k[0] == "outcome" and k[1] == model.name)),
+                p99_latency_s=_quantile(delta.buckets, 0.99),
+                error_ratio=_ratio(delta.counts.get("5xx", 0.0), sum(delta.counts.values())),
+                rejected_ratio=_ratio(delta.outcomes.get("rejected", 0.0), sum(delta.outcomes.values())),
                 queue_fill_ratio=model.queue_fill_ratio,
                 worker_restarts=max(0, restarts),
                 memory_headroom_ratio=model.memory_headroom_ratio,
@@ -79,16 +86,32 @@ class SignalTracker:
         return values
 
 
-def _total(delta: dict[_Key, float], model: str) -> float:
-    return sum(v for k, v in delta.items() if k[0] == "count" and k[1] == model)
+class _ModelDelta:
+    """One model's increments since the previous reading: latency buckets (upper bound, count),
+    answers by status class, requests by outcome."""
+
+    __slots__ = ("buckets", "counts", "outcomes")
+
+    def __init__(self) -> None:
+        self.buckets: list[tuple[float, float]] = []
+        self.counts: dict[str, float] = {}
+        self.outcomes: dict[str, float] = {}
+
+    def add(self, kind: str, detail: str, value: float) -> None:
+        if kind == "bucket":
+            self.buckets.append((float(detail), value))
+        elif kind == "count":
+            self.counts[detail] = self.counts.get(detail, 0.0) + value
+        elif kind == "outcome":
+            self.outcomes[detail] = self.outcomes.get(detail, 0.0) + value
 
 
 def _ratio(part: float, whole: float) -> float | None:
     return part / whole if whole > 0 else None
 
 
-def _quantile(delta: dict[_Key, float], model: str, q: float) -> float | None:
-    buckets = sorted((float(k[2]), v) for k, v in delta.items() if k[0] == "bucket" and k[1] == model)
+def _quantile(per_bound: list[tuple[float, float]], q: float) -> float | None:
+    buckets = sorted(per_bound)
     if not buckets or buckets[-1][1] <= 0:
         return None
     target = q * buckets[-1][1]

@@ -33,3 +33,18 @@ def test_a_standing_rollback_reaches_the_snapshot():
              ModelFacts("n", None, 0, None)]
     first, second = SignalTracker(ServeMetrics(), lambda: facts).snapshots()
     assert first.rollback == "canary version '2' failed 40.0% of 52 requests" and second.rollback is None
+
+
+def test_each_model_reads_only_its_own_series():
+    metrics = ServeMetrics()
+    facts = [ModelFacts(name, None, 0, None) for name in ("fast", "failing", "idle")]
+    tracker = SignalTracker(metrics, lambda: facts)
+    for _ in range(10):
+        metrics.observe_request("fast", "/predict", 200, 0.002)
+        metrics.observe_request("failing", "/predict", 500, 1.5)
+        metrics.count("fast", "normal", "success")
+        metrics.count("failing", "normal", "rejected")
+    fast, failing, idle = tracker.snapshots()
+    assert fast.error_ratio == 0.0 and fast.rejected_ratio == 0.0 and fast.p99_latency_s <= 0.0025
+    assert failing.error_ratio == 1.0 and failing.rejected_ratio == 1.0 and failing.p99_latency_s > 1.0
+    assert idle.error_ratio is None and idle.rejected_ratio is None and idle.p99_latency_s is None
