@@ -20,7 +20,7 @@ from servewell.allocator import bound_freed_memory
 from servewell.api.app import create_app
 from servewell.api.codecs.image import ImageLimits
 from servewell.api.dataplane import DataPlane
-from servewell.api.decode_scheduler import DecodeScheduler, lower_priority_pool
+from servewell.api.decode_scheduler import DecodeScheduler
 from servewell.api.grpc.listener import build_grpc_listener, call_slots
 from servewell.api.grpc.scope import RpcScope
 from servewell.api.grpc.servicer import InferenceServicer
@@ -47,6 +47,7 @@ from servewell.observability.steps import set_step_sink
 from servewell.observability.tracing import Tracing, settings_from
 from servewell.process_tree import read_restart_counts, usable_cpus
 from servewell.shutdown import GracefulServer, ShutdownPlan, run_after_drain, uvicorn_graceful_timeout_s
+from servewell.threads import lower_priority_pool
 from servewell.workers.handle import WorkerSettings
 from servewell.workers.messages import SpareLaunch
 from servewell.workers.shm import NAME_PREFIX, remove_segments, remove_stale_segments

@@ -24,14 +24,11 @@ it on the event loop in front of a thread pool that it never gives more jobs tha
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -129,18 +126,6 @@ class DecodeQueue:
         """Seconds until what waits now would have been decoded, at the measured rate."""
         pixels = sum(job.pixels for queue in self._waiting for job in queue)
         return pixels / 1e6 * self._s_per_mpx / max(1, self.threads)
-
-
-def lower_priority_pool(threads: int, nice: int, name: str) -> ThreadPoolExecutor:
-    """A thread pool whose threads run `nice` steps below normal CPU priority (where the platform
-    has per-thread priorities; elsewhere they run at normal priority)."""
-
-    def lower() -> None:
-        if nice > 0 and hasattr(os, "setpriority"):
-            with contextlib.suppress(OSError):  # a sandbox may forbid it: then it runs at normal priority
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
-
-    return ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=lower)
 
 
 class DecodeScheduler:

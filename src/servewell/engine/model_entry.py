@@ -376,7 +376,7 @@ class ModelEntry:
             return store.take(self.directory, f"{self.name}-{self.version}", model_files(self.config, self.directory))
 
         try:
-            snapshot = await asyncio.to_thread(take)
+            snapshot = await asyncio.get_running_loop().run_in_executor(store.executor, take)
         except SnapshotError as exc:
             log.error("%s: %s; its workers read the repository's files directly, so overwriting them in place "
                       "can crash them", self.label, exc, extra={"model": self.name})
@@ -391,7 +391,7 @@ class ModelEntry:
         store, snapshot = self._services.snapshots, self._snapshot
         self._snapshot = None
         if store is not None and snapshot is not None:
-            await asyncio.to_thread(store.release, snapshot)
+            await asyncio.get_running_loop().run_in_executor(store.executor, store.release, snapshot)
 
     async def profile(self, instance: int, seconds: float, directory: str) -> str:
         """Profile one instance's batches for `seconds`; the trace file's path."""

@@ -33,9 +33,11 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from servewell.threads import lower_priority_pool
 from servewell.workers.shm import pid_alive
 
 log = logging.getLogger("servewell.engine")
@@ -43,6 +45,12 @@ log = logging.getLogger("servewell.engine")
 FileIdentity = tuple[int, int, int, int, int]  # device, inode, size, mtime_ns, ctime_ns
 #: How often a file that keeps changing while it is copied is tried before the load gives up.
 COPY_ATTEMPTS = 3
+#: How far below normal CPU priority the threads that copy and remove snapshots run: a 40 MiB copy
+#: holds a core for about 10 ms, which a model load's bookkeeping should not take from the models
+#: being served (the requests of resident models were slowest right after other models' loads).
+SNAPSHOT_NICE = 10
+#: Snapshots made or removed at once (loads run in parallel up to `max_concurrent_loads`).
+SNAPSHOT_THREADS = 2
 #: Default for `snapshot_max_bytes`: the most one snapshot may copy.
 DEFAULT_SNAPSHOT_MAX_BYTES = 16 << 30
 _FALLBACK_ERRNOS = frozenset((errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF))
@@ -98,7 +106,17 @@ class SnapshotStore:
         self._copy = copy  # tests pass one that races a writer
         self._copies: dict[FileIdentity, Path] = {}
         self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
         self._serials = itertools.count(1)
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """Where `take` and `release` should run: `SNAPSHOT_THREADS` threads at `SNAPSHOT_NICE`
+        (created on first use; idle threads cost nothing)."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = lower_priority_pool(SNAPSHOT_THREADS, SNAPSHOT_NICE, "snapshot")
+            return self._executor
 
     def take(self, source: Path, label: str, files: Iterable[str]) -> Snapshot:
         """Copy `files` (paths relative to the model directory `source`, as `engine.model_files`

@@ -17,9 +17,9 @@ from servewell.api.decode_scheduler import (
     DecodeJob,
     DecodeQueue,
     DecodeScheduler,
-    lower_priority_pool,
 )
 from servewell.errors import Overloaded
+from servewell.threads import lower_priority_pool
 
 
 def job(queue: DecodeQueue, pixels: int, urgent: bool = False, tag: str = "") -> DecodeJob:

@@ -5,13 +5,14 @@ and only the files the model uses copied."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
 from servewell.config.model import ModelConfig
 from servewell.engine.model_files import model_files, unlisted_files
-from servewell.engine.snapshot import SnapshotError, SnapshotStore, copy_bytes
+from servewell.engine.snapshot import SNAPSHOT_NICE, SnapshotError, SnapshotStore, copy_bytes
 
 FILES = ["model.safetensors", "factory.py", "sub/labels.txt"]
 
@@ -168,3 +169,17 @@ def test_a_failure_naming_a_file_left_out_of_the_snapshot_is_found(tmp_path: Pat
               f"{snapshot.directory}/absent.json")
     # Only the file that is in the repository but not in the snapshot: not a copied one, not a missing one.
     assert unlisted_files(reason, snapshot.directory, source) == ["sub/labels.txt"]
+
+
+def test_snapshots_are_made_below_normal_cpu_priority(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "snapshots")
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    def take_and_read_priority() -> tuple[int, Path]:
+        snapshot = store.take(model_dir(tmp_path), "m-1", FILES)
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), snapshot.directory
+
+    nice, directory = store.executor.submit(take_and_read_priority).result(timeout=30)
+    assert nice == min(19, base + SNAPSHOT_NICE) and directory.is_dir()
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the caller's thread is untouched
+    assert store.executor is store.executor
