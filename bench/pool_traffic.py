@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import json
 import math
+import multiprocessing
 import random
 import re
 import threading
@@ -19,6 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import httpx
@@ -407,3 +410,59 @@ async def drain(tasks: set[asyncio.Task[None]], grace_s: float) -> int:
     if still:
         await asyncio.wait(still, timeout=5.0)
     return len(still)
+
+
+# -- the probe in a process of its own ------------------------------------------------------------------
+
+
+class ProbeProcess:
+    """The pinned-model probe's open loop in its own process: its latencies must not include the
+    load generator's own pauses (in one event loop with the Zipf stream, two probe answers that the
+    server gave in 3 ms read 45 ms, the client busy with Zipf answers)."""
+
+    def __init__(self, url: str, model: str, body: bytes, rate_per_s: float, grace_s: float) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_probe_main, args=(child, url, model, body, rate_per_s, grace_s),
+                                         name="pool-probe", daemon=True)
+        self._process.start()
+        child.close()
+
+    def start(self, duration_s: float, seed: int) -> None:
+        """Begin one block of `duration_s`; `result` waits for it."""
+        self._conn.send((duration_s, seed))
+
+    def result(self, timeout_s: float) -> tuple[list[Answer], StreamStats]:
+        """The block's answers and bookkeeping (`RuntimeError` when the probe does not answer)."""
+        if not self._conn.poll(timeout_s):
+            raise RuntimeError(f"the probe process did not finish its block in {timeout_s:.0f} s")
+        answers, stats = self._conn.recv()
+        return answers, stats
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send(None)
+        self._process.join(10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+        self._conn.close()
+
+
+def _probe_main(conn: Connection, url: str, model: str, body: bytes, rate_per_s: float, grace_s: float) -> None:
+    while (block := conn.recv()) is not None:
+        duration_s, seed = block
+        conn.send(asyncio.run(_probe_block(url, model, body, rate_per_s, duration_s, seed, grace_s)))
+
+
+async def _probe_block(url: str, model: str, body: bytes, rate_per_s: float, duration_s: float, seed: int,
+                       grace_s: float) -> tuple[list[Answer], StreamStats]:
+    answers: list[Answer] = []
+    tasks: set[asyncio.Task[None]] = set()
+    stats = StreamStats()
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(60.0),
+                                 limits=httpx.Limits(max_connections=32)) as client:
+        await open_loop(client, "probe", lambda: model, body, rate_per_s, duration_s, 32, seed,
+                        time.perf_counter(), answers, tasks, stats)
+        stats.unfinished = await drain(tasks, grace_s)
+    return answers, stats

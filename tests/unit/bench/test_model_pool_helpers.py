@@ -1,5 +1,5 @@
 """The pure parts of bench.model_pool: the Zipf sampler, the repository layout, the readers of
-/proc, of /metrics and of the engine's log lines, and the histogram quantile."""
+/proc, of /metrics and of the engine's log lines, the histogram quantile and the pooled p99 ratio."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repository, not an installed package
+from bench.model_pool import bootstrap_interval, pairs, pooled_ratio  # noqa: E402
 from bench.pool_repository import HOT_PINNED_MODEL, PROBE_MODEL, SIZE_CLASSES, hidden_width, layout  # noqa: E402
 from bench.pool_traffic import (  # noqa: E402
     TreeMemorySampler,
@@ -186,3 +187,30 @@ def test_the_fork_server_is_not_a_worker_but_what_it_forks_is():
     finally:
         child.kill()
         child.join(10)
+
+
+def test_the_p99_ratio_pools_every_block_of_each_condition():
+    quiet = [[5.0] * 99 + [10.0], [5.0] * 100]
+    churn = [[5.0] * 100, [6.0] * 97 + [30.0] * 3]
+    # pooled, nearest rank: the p99 of 200 answers is the 198th; quiet's is 5.0 (its one 10 ms is
+    # above it), churn's is 30.0 (its three slow answers are the 198th to the 200th)
+    assert pooled_ratio(quiet, churn, 99) == 6.0
+    assert pooled_ratio(quiet, churn, 50) == 1.0
+    assert pooled_ratio([[]], churn, 99) is None
+
+
+def test_the_bootstrap_interval_resamples_pairs_and_brackets_the_ratio():
+    quiet = [[float(5 + i % 3)] * 50 for i in range(12)]
+    churn = [[float(6 + i % 3)] * 50 for i in range(12)]
+    low, high = bootstrap_interval(quiet, churn, 99, draws=300, seed=1)
+    assert low <= round(pooled_ratio(quiet, churn, 99), 3) <= high
+    assert 1.0 < low <= high < 1.5
+    same = bootstrap_interval([[5.0] * 10] * 4, [[5.0] * 10] * 4, 99, draws=50)
+    assert same == (1.0, 1.0)
+    assert bootstrap_interval([[5.0]], [[6.0]], 99) is None  # one pair says nothing about the spread
+
+
+def test_pairs_split_the_minutes_into_blocks():
+    import argparse
+    assert pairs(argparse.Namespace(minutes=10.0, block_s=20.0)) == 30
+    assert pairs(argparse.Namespace(minutes=0.1, block_s=20.0)) == 1
