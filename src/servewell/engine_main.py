@@ -37,13 +37,6 @@ from servewell.workers.spare import use_private_temp_dir
 
 log = logging.getLogger("servewell.server")
 
-#: How long the event loop waits at most for the GIL while one of the engine's threads runs Python
-#: (snapshots, spare starts, repository and config polls; `sys.setswitchinterval`). At Python's
-#: default 5 ms, each wake-up of the loop (an envelope, a worker's answer) could wait that long
-#: while a load's bookkeeping ran in a thread: requests to resident models took 10-20 ms instead
-#: of 5 during other models' cold starts (bench.model_pool).
-GIL_SWITCH_INTERVAL_S = 0.001
-
 
 class EngineServer(GracefulServer):
     """uvicorn on the private socket with the engine's signals (see the module doc)."""
@@ -83,7 +76,6 @@ def main(argv: list[str]) -> int:
     """Run the engine until the supervisor stops it."""
     run_dir = Path(argv[1])
     die_with_parent()
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     settings, source = read_settings(run_dir)
     configure_logging(settings.log_level, settings.log_format)
     remove_leftovers(settings)
