@@ -44,9 +44,9 @@ class SignalTracker:
         current = self._read()
         per_model: dict[str, _ModelDelta] = {}
         for key, value in current.items():
-            kind, model, detail = key
+            kind, name, detail = key
             if kind != "restarts":
-                per_model.setdefault(model, _ModelDelta()).add(kind, detail, value - self._previous.get(key, 0.0))
+                per_model.setdefault(name, _ModelDelta()).add(kind, detail, value - self._previous.get(key, 0.0))
         self._previous = current
         out = []
         empty = _ModelDelta()
