@@ -76,3 +76,12 @@ class ChildProcess:
                 self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
+
+
+def thread_nices(pid: int) -> dict[int, int]:
+    """Each thread of process `pid` and its nice value (/proc/PID/task/TID/stat, field 19)."""
+    nices = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        nices[int(task.name)] = int(fields[16])  # the fields after the name start at the third
+    return nices
