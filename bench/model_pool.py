@@ -105,8 +105,6 @@ def start_server(repo: PoolRepository, args: argparse.Namespace) -> ServerProces
         argv += ["--repository-mode", args.repository_mode]
     if args.ingress_processes is not None:
         argv += ["--ingress-processes", str(args.ingress_processes)]
-    if args.load_nice is not None:
-        argv += ["--load-nice", str(args.load_nice)]
     log = RESULTS / "logs" / "model_pool_server.log"
     log.unlink(missing_ok=True)
     server = ServerProcess("pool", argv, port, log)
@@ -481,8 +479,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-interval-s", type=float, default=0.5)
     parser.add_argument("--repository-mode", default="lazy")
     parser.add_argument("--ingress-processes", type=int, default=None)
-    parser.add_argument("--load-nice", type=int, default=None,
-                        help="the server's load_nice (default: the server's; 0 loads at the workers' priority)")
     parser.add_argument("--seed", type=int, default=21)
     parser.add_argument("--out", type=Path, default=RESULTS / "model_pool.json")
     args = parser.parse_args(argv)

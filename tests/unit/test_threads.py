@@ -1,48 +1,39 @@
-"""`call_at_lower_priority` (servewell/threads.py): the call runs on a thread of its own at a lower
-CPU priority, the caller gets its result or its exception and keeps its own priority."""
+"""`lower_every_thread` (servewell/threads.py): every thread of the process is lowered, those
+started before too, not only the caller (as `os.nice` does on Linux)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
-import threading
+import textwrap
 
-import pytest
+CHILD = textwrap.dedent('''
+    import os, threading
+    from servewell.threads import lower_every_thread, native_thread_ids
 
-from servewell.threads import MAX_NICE, call_at_lower_priority, native_thread_ids
+    seen, go = {}, threading.Event()
 
+    def idle():
+        go.wait()
+        seen["idle"] = os.getpriority(os.PRIO_PROCESS, 0)
 
-def where() -> tuple[int, int]:
-    return threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0)
-
-
-def test_the_call_runs_lower_on_another_thread_and_the_caller_keeps_its_priority():
-    caller, normal = where()
-    tid, nice = call_at_lower_priority(where, 3, "load")
-    assert tid != caller and nice == min(MAX_NICE, normal + 3)
-    assert where() == (caller, normal)
-
-
-def test_no_steps_runs_it_in_the_caller():
-    assert call_at_lower_priority(where, 0, "load") == where()
-
-
-def test_the_lowest_priority_is_the_floor():
-    assert call_at_lower_priority(where, MAX_NICE + 5, "load")[1] == MAX_NICE
+    early = threading.Thread(target=idle)
+    early.start()
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    lower_every_thread(3)
+    late = threading.Thread(target=lambda: seen.update(late=os.getpriority(os.PRIO_PROCESS, 0)))
+    late.start(); late.join()
+    go.set(); early.join()
+    print(before, os.getpriority(os.PRIO_PROCESS, 0), seen["idle"], seen["late"], len(native_thread_ids()))
+''')
 
 
-def test_the_call_s_exception_is_raised_in_the_caller():
-    def boom() -> None:
-        raise ValueError("bad weights")
-
-    with pytest.raises(ValueError, match="bad weights"):
-        call_at_lower_priority(boom, 2, "load")
-    with pytest.raises(SystemExit):  # what a model's own code may raise passes through unchanged
-        call_at_lower_priority(lambda: sys.exit(3), 2, "load")
-
-
-def test_the_thread_is_gone_once_the_call_returns():
-    before = native_thread_ids()
-    assert threading.get_native_id() in before
-    call_at_lower_priority(lambda: None, 2, "load")
-    assert native_thread_ids() <= before
+def test_threads_started_before_and_after_are_lowered_with_the_caller():
+    # In a child: the test process's own threads must keep their priority.
+    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr
+    before, caller, early, late, threads = map(int, done.stdout.split())
+    assert caller == early == late == min(19, before + 3)
+    assert threads >= 1

@@ -257,12 +257,6 @@ class ServerConfig(BaseModel):
         "taken by the next model load instead of a fresh spawn (a load skips the interpreter start and imports); "
         "default: 1 in the lazy repository mode, else 0.",
     )
-    load_nice: int = Field(
-        10, ge=0, le=19, description="How many nice steps below its worker's own priority a model load and warm-up "
-        "run, so that a load takes the CPU the serving models leave (0: same). Applied where the load starts no "
-        "thread that would serve later and keep the lower priority, which an unprivileged process cannot raise "
-        "again: ONNX Runtime models on CPU with threads: 1; others load at the worker's priority.",
-    )
     warmup_batch_sizes: Literal["all", "first"] | None = Field(
         None, description="Warm-up batches a model load runs before the model is ready: all (1, 2, 4, ... "
         "max_batch_size: the memory and latency of each measured) or first (1 and 2, then larger batches pay their "

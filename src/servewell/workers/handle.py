@@ -78,8 +78,6 @@ class WorkerSettings:
     spares: SpareWorkers | None = None
     #: Warm-up runs batch sizes 1 and 2 only where no memory limit needs larger ones proven.
     warmup_first_only: bool = False
-    #: Nice steps below the worker's priority its model load and warm-up run at (`load_nice`).
-    load_nice: int = 0
 
 
 class WorkerLoadError(Exception):
@@ -166,7 +164,6 @@ class WorkerHandle:
         launch = WorkerLaunch(
             str(self.model_dir), self.instance, self.segment_prefix, self._heartbeat.name, HEARTBEAT_INTERVAL_S,
             settings.log_level, settings.log_format, settings.tracing, self.device, settings.warmup_first_only,
-            settings.load_nice,
         )
         name = f"servewell-worker-{self.config.name}"
         spare = settings.spares.take(self.config) if settings.spares is not None else None

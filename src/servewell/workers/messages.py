@@ -54,9 +54,6 @@ class WorkerLaunch:
     #: Warm up batch sizes 1 and 2 only where no memory limit needs the larger ones proven
     #: (`runtimes/warmup.py` `first_only`; the server's `warmup_batch_sizes: first`).
     warmup_first_only: bool = False
-    #: Nice steps below the worker's own priority that the load and warm-up run at, where the
-    #: worker may (`process_main.load_nice`); the server's `load_nice`.
-    load_nice: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -145,9 +142,6 @@ class WorkerReady:
     began_at: float = 0.0
     import_s: float = 0.0  # from `began_at` until the runtime's modules were imported
     weights_s: float = 0.0  # from then until the model was loaded, before warm-up
-    #: The nice value the load and warm-up ran at (`WorkerLaunch.load_nice` steps below the
-    #: worker's own where it applied; None: not read).
-    loaded_at_nice: int | None = None
 
 
 @dataclass(slots=True, frozen=True)

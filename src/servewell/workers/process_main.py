@@ -22,7 +22,7 @@ from servewell.observability.process import rss_bytes
 from servewell.observability.steps import set_step_sink
 from servewell.observability.tracing import Tracing, context_from_traceparent
 from servewell.runtimes.base import DeviceUnusableError, ModelRuntime, OomSplitting, describe_failure
-from servewell.threads import call_at_lower_priority, lower_every_thread, native_thread_ids
+from servewell.threads import lower_every_thread
 from servewell.workers.backends import import_backend
 from servewell.workers.expiry import RowPlan, keep_rows, plan_rows
 from servewell.workers.messages import (
@@ -105,40 +105,23 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, beg
         stages.append((stage, elapsed))
         send_message(conn, LoadProgress(stage, elapsed))
 
-    if launch.device and launch.device != config.device:  # the engine chose it (workers/devices.py)
-        config = config.model_copy(update={"device": launch.device})
-    from servewell.runtimes.base import DtypeReporting
-    from servewell.runtimes.warmup import WarmupReport, warm_up
-
-    def load() -> tuple[ModelRuntime, WarmupReport | None, float, float, float, int | None]:
-        # The runtime is imported at the worker's own priority: importing onnxruntime starts a
-        # thread, which would keep a lowered one (a spare has imported it already: then it is instant).
+    try:
+        if launch.device and launch.device != config.device:  # the engine chose it (workers/devices.py)
+            config = config.model_copy(update={"device": launch.device})
         progress("import runtime")
-        import_backend(config.runtime)
+        import_backend(config.runtime)  # a spare already has (workers/backends.py): then this is instant
         imported_at = time.monotonic()
         from servewell.runtimes import load_runtime
+        from servewell.runtimes.base import DtypeReporting
+        from servewell.runtimes.warmup import warm_up
 
-        def weights_and_warm_up() -> tuple[ModelRuntime, WarmupReport | None, float, float, int | None]:
-            at_nice = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None  # this thread's
-            runtime = load_runtime(config, Path(launch.model_dir), progress)
-            load_s = time.perf_counter() - started
-            weights_s = time.monotonic() - imported_at
-            report = None
-            if config.warmup:
-                progress("warm-up")
-                report = warm_up(runtime, config, progress, first_only=launch.warmup_first_only)
-            return runtime, report, load_s, weights_s, at_nice
-
-        threads_before = native_thread_ids()
-        runtime, report, load_s, weights_s, at_nice = call_at_lower_priority(weights_and_warm_up, nice, "load")
-        if nice and (kept := native_thread_ids() - threads_before):
-            log.warning("the load of %s started %d threads that keep its lowered priority (load_nice %d)",
-                        config.name, len(kept), nice, extra={"event": "load_threads_niced", "model": config.name})
-        return runtime, report, load_s, weights_s, imported_at, at_nice
-
-    nice = load_nice(config, launch)
-    try:
-        runtime, report, load_s, weights_s, imported_at, at_nice = load()
+        runtime = load_runtime(config, Path(launch.model_dir), progress)
+        load_s = time.perf_counter() - started
+        weights_s = time.monotonic() - imported_at
+        report = None
+        if config.warmup:
+            progress("warm-up")
+            report = warm_up(runtime, config, progress, first_only=launch.warmup_first_only)
     except Exception as exc:  # any load failure is reported, never raised into the void
         send_message(conn, WorkerLoadFailed(describe_failure(exc)))
         conn.close()
@@ -152,20 +135,9 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, beg
         serving_dtype=dtype,
         latency_by_batch=report.latency_by_batch if report else (),
         began_at=began_at, import_s=imported_at - began_at if began_at else 0.0, weights_s=weights_s,
-        loaded_at_nice=at_nice,
     ))
     tracing = Tracing(launch.tracing, make_global=True) if launch.tracing is not None else None
     _serve(conn, runtime, config.name, tracing, launch.segment_prefix)
-
-
-def load_nice(config: ModelConfig, launch: WorkerLaunch) -> int:
-    """The nice steps below this worker's priority its load and warm-up run at: the server's
-    `load_nice` where the load starts no thread that serves later (such a thread would keep the
-    lower priority: an unprivileged process cannot raise it again): ONNX Runtime on CPU with one
-    intra-op thread creates no thread pool (inter-op is 1 and sequential); 0 elsewhere."""
-    if config.runtime == "onnx" and config.threads == 1 and config.device == "cpu":
-        return launch.load_nice
-    return 0
 
 
 def _start_heartbeat(launch: WorkerLaunch) -> None:

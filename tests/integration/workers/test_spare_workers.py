@@ -94,12 +94,11 @@ def test_a_pool_adopts_a_ready_spare_which_answers_and_the_set_refills(onnx_dir)
             (spare_pid,) = spares.ready_pids
             listener = Listener()
             config = read_model_config(onnx_dir)
-            pool = WorkerPool(config, onnx_dir, listener, READY_TIMEOUT_S, WorkerSettings(spares=spares, load_nice=10))
+            pool = WorkerPool(config, onnx_dir, listener, READY_TIMEOUT_S, WorkerSettings(spares=spares))
             await pool.start()
             (worker,) = listener.ready
             assert worker.pid == spare_pid  # the spare became the model's worker
-            # It serves at the worker's priority on every thread, those the spare started too (its
-            # load ran lower: tests/integration/workers/test_worker_handle.py).
+            # It runs at the worker's nice on every thread, those the spare started before too.
             assert set(thread_nices(spare_pid).values()) == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + config.nice)}
             outcome = await worker.run({"x": [rows]})
             np.testing.assert_allclose(outcome.outputs["y"], expected_rows(rows), rtol=1e-5, atol=1e-6)
