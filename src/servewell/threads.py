@@ -15,24 +15,16 @@ MAX_NICE = 19
 def lower_priority_pool(threads: int, nice: int, name: str) -> ThreadPoolExecutor:
     """A thread pool whose threads run `nice` steps below normal CPU priority (where the platform
     has per-thread priorities; elsewhere they run at normal priority)."""
-
-    def lower() -> None:
-        if nice > 0 and hasattr(os, "setpriority"):
-            with contextlib.suppress(OSError):  # a sandbox may forbid it: then it runs at normal priority
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
-
-    return ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=lower)
+    return ThreadPoolExecutor(threads, thread_name_prefix=name,
+                              initializer=lambda: _lower_thread(threading.get_native_id(), nice))
 
 
 def lower_every_thread(nice: int) -> None:
     """Lower every thread of this process `nice` steps (Linux priorities are per thread: `os.nice`
     lowers only its caller's, and the threads a library started at import, OpenBLAS's among them,
     would keep theirs). Threads started later inherit their starter's."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
     for tid in native_thread_ids() or {threading.get_native_id()}:
-        with contextlib.suppress(OSError):  # it ended meanwhile, or a sandbox forbids it
-            os.setpriority(os.PRIO_PROCESS, tid, min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        _lower_thread(tid, nice)
 
 
 def native_thread_ids() -> set[int]:
@@ -41,3 +33,10 @@ def native_thread_ids() -> set[int]:
         return {int(tid) for tid in os.listdir("/proc/self/task")}
     except OSError:
         return set()
+
+
+def _lower_thread(tid: int, nice: int) -> None:
+    """Thread `tid` of this process `nice` steps lower (no further than the lowest priority)."""
+    if nice > 0 and hasattr(os, "setpriority"):
+        with contextlib.suppress(OSError):  # it ended meanwhile, or a sandbox forbids it: it stays as it is
+            os.setpriority(os.PRIO_PROCESS, tid, min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, tid) + nice))
