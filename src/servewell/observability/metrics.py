@@ -16,10 +16,11 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, GCCollector, ProcessCollector
+from prometheus_client import GCCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from servewell.observability.exposition import OrderedRegistry
 from servewell.observability.loop_metrics import LoopCounter, LoopHistogram
 from servewell.observability.metrics_merge import (
     AbsorbedMetrics,
@@ -81,7 +82,7 @@ class ServeMetrics:
     """All metric families of one server, in their own registry."""
 
     def __init__(self, latency_buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = OrderedRegistry()  # written by `exposition.render_text` in slices
         r = self.registry
         # The frontend process itself: CPU (its event loop is what saturates first on small
         # models), memory, and the garbage collector's collections by generation.
