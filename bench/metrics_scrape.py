@@ -39,8 +39,11 @@ def registry_of(models: int) -> ServeMetrics:
     for i in range(models):
         name = f"model-{i:04d}"
         for family in metrics.families():
-            series = family.labels(*([name] + ["x"] * (len(family.labelnames) - 1)))
-            series.observe(0.003 * (i % 50)) if isinstance(family, LoopHistogram) else series.inc(i)
+            values = [name] + ["x"] * (len(family.labelnames) - 1)
+            if isinstance(family, LoopHistogram):
+                family.labels(*values).observe(0.003 * (i % 50))
+            else:
+                family.labels(*values).inc(i)
     samples = [ModelSample(f"model-{i:04d}", "ready", {"normal": 0}, 0, 8, residency="resident",
                            estimated_bytes=1 << 20, last_used_at=1.7e9) for i in range(models)]
     metrics.registry.register(StateCollector(lambda: samples, lambda pid: {}, budget=lambda: (1 << 31, 1 << 30)))

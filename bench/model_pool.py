@@ -22,6 +22,10 @@ pauses. The pairs alternate their order (quiet-churn, churn-quiet, ...), so both
 shared machine's slow minutes alike: the p99 of a few hundred samples from one 30 s quiet phase
 against one long churn phase (this bench's first design) swung 21 to 334 ms with the code unchanged.
 
+In every block, quiet or churn, the bench's own process scrapes `GET /metrics` every
+`--scrape-every-s` (10 s), as a Prometheus would: a served deployment is scraped, and with 200
+models that is the server's largest answer; each scrape's time is reported.
+
 Every request has a 60 s timeout; after each phase the requests still waiting get `--grace-s`,
 then are cancelled (counted). Figures, each beside the issue's goal:
 
@@ -152,7 +156,10 @@ async def run_phase(server: ServerProcess, args: argparse.Namespace, churn: bool
     meter = TreeCpu(server.pid).start()
     machine_before = read_machine_cpu_ticks()
     t0 = time.perf_counter()
+    started_at = time.time()
     probe.start(duration_s, args.seed + 1000 * pair + int(churn))
+    scrapes: list[float] = []
+    scraper = asyncio.create_task(scrape_metrics(server, args.scrape_every_s, duration_s, scrapes))
     if churn:
         async with httpx.AsyncClient(base_url=server.url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S),
                                      limits=httpx.Limits(max_connections=args.max_in_flight)) as zipf_client:
@@ -160,6 +167,7 @@ async def run_phase(server: ServerProcess, args: argparse.Namespace, churn: bool
                             args.seed + 1000 * pair + 2, t0, answers, tasks, zipf_stats)
             zipf_stats.unfinished = await drain(tasks, args.grace_s)
     probe_answers, probe_stats = await asyncio.to_thread(probe.result, duration_s + args.grace_s + 60.0)
+    await scraper
     answers += probe_answers
     wall_s = time.perf_counter() - t0
     spent = role_groups(meter.stop())
@@ -167,14 +175,34 @@ async def run_phase(server: ServerProcess, args: argparse.Namespace, churn: bool
     probe_ok = sorted(a.latency_ms for a in probe_answers if a.status == 200)
     return {
         "phase": "churn" if churn else "quiet", "pair": pair, "seconds": duration_s,
+        "started_at_unix": round(started_at, 3),  # to line the block up with the server's log
         "wall_s": round(wall_s, 2), "unfinished": zipf_stats.unfinished + probe_stats.unfinished,
         "skipped": {"probe": probe_stats.skipped, "zipf": zipf_stats.skipped},
         "probe_latency_ms": summarize_ms(probe_ok),
+        "scrape_ms": [round(v, 1) for v in scrapes],
         # why the probe's p99 moves on a small shared machine: who used the cores in the phase
         "server_cores": {k: round(v / wall_s, 2) for k, v in sorted(spent.items())},
         "machine_cores_busy": round((os.cpu_count() or 1) * busy / total, 2) if total else None,
         "answers": answers,
     }
+
+
+async def scrape_metrics(server: ServerProcess, every_s: float, duration_s: float, took_ms: list[float]) -> None:
+    """What a Prometheus does during the block: GET /metrics every `every_s` (the first at half of
+    it), each answer's time in `took_ms`. A real deployment is scraped while it serves; with 200
+    models the scrape is the server's largest answer (35,000 lines)."""
+    if every_s <= 0:
+        return
+    started = time.perf_counter()
+    async with httpx.AsyncClient(base_url=server.url, timeout=30.0) as client:
+        at = every_s / 2
+        while at < duration_s:
+            await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
+            sent = time.perf_counter()
+            response = await client.get("/metrics")
+            response.raise_for_status()
+            took_ms.append((time.perf_counter() - sent) * 1e3)
+            at += every_s
 
 
 def rss_vs_estimate(healthz: Any) -> dict[str, Any]:
@@ -370,6 +398,10 @@ def summarize(args: argparse.Namespace, repo: PoolRepository, run: dict[str, Any
                   "p95_ratio": _round(pooled_ratio(quiet_ms, churn_ms, 95)),
                   "p50_ratio": _round(pooled_ratio(quiet_ms, churn_ms, 50)),
                   "pairs": len(churn),
+                  "scrape_ms": {"quiet": summarize_ms(v for q in quiet for v in q["scrape_ms"]),
+                                "churn": summarize_ms(v for c in churn for v in c["scrape_ms"])},
+                  "parts_quiet": tail_breakdown([a for q in quiet for a in q["answers"] if a.stream == "probe"]),
+                  "parts_churn": tail_breakdown([a for c in churn for a in c["answers"] if a.stream == "probe"]),
                   "quiet_p99_ms_per_block": [q["probe_latency_ms"]["p99"] for q in quiet],
                   "churn_p99_ms_per_block": [c["probe_latency_ms"]["p99"] for c in churn],
                   "quiet_machine_cores_busy": [q["machine_cores_busy"] for q in quiet],
@@ -381,6 +413,37 @@ def summarize(args: argparse.Namespace, repo: PoolRepository, run: dict[str, Any
         "phases": [{k: v for k, v in p.items() if k != "answers"} |
                    {"statuses": dict(Counter(status_key(a) for a in p["answers"]))} for p in phases],
     }
+
+
+#: Where a probe answer's time went: the client's latency cut by the answer's Server-Timing.
+PARTS = ("latency", "outside", "total", "queue", "compute", "codec", "transit")
+
+
+def latency_parts(answer: Answer) -> dict[str, float] | None:
+    """`outside` = the client's latency - the server's `total` (the network, both event loops before
+    the arrival stamp and after the header was made); `transit` = `total` - the stages (the ingress to
+    the engine to the worker and back, beyond the queue)."""
+    t = answer.timing
+    if t is None or "total" not in t:
+        return None
+    codec = t.get("preprocess", 0.0) + t.get("postprocess", 0.0)
+    queue, compute = t.get("queue", 0.0), t.get("compute", 0.0)
+    return {"latency": answer.latency_ms, "outside": answer.latency_ms - t["total"], "total": t["total"],
+            "queue": queue, "compute": compute, "codec": codec, "transit": t["total"] - queue - compute - codec}
+
+
+def tail_breakdown(answers: list[Answer]) -> dict[str, Any] | None:
+    """The probe's 200s of one condition: each part's p50 and p99 over all answers, and each part's
+    mean over the slowest 1 % (the answers at or above the latency p99): which part makes the tail."""
+    parts = [p for p in (latency_parts(a) for a in answers if a.status == 200) if p is not None]
+    if len(parts) < 100:
+        return None
+    cut = percentile(sorted(p["latency"] for p in parts), 99)
+    slowest = [p for p in parts if cut is not None and p["latency"] >= cut]
+    return {"answers": len(parts), "slowest": len(slowest),
+            "p50_ms": {k: percentile(sorted(p[k] for p in parts), 50) for k in PARTS},
+            "p99_ms": {k: percentile(sorted(p[k] for p in parts), 99) for k in PARTS},
+            "slowest_1pct_mean_ms": {k: round(statistics.fmean(p[k] for p in slowest), 3) for k in PARTS}}
 
 
 def verdict(ok: bool | None) -> str:
@@ -427,13 +490,31 @@ def print_table(report: dict[str, Any]) -> None:
           f"{_median(probe['churn_server_cores'])}, whole machine {_median(probe['quiet_machine_cores_busy'])} / "
           f"{_median(probe['churn_machine_cores_busy'])} of {os.cpu_count()}; probe p50 {probe['quiet']['p50']} / "
           f"{probe['churn']['p50']} ms")
+    scrape = probe.get("scrape_ms") or {}
+    if scrape.get("churn", {}).get("n"):
+        print(f"GET /metrics every {report['settings']['scrape_every_s']:g} s, answered in p50 / max: quiet "
+              f"{scrape['quiet']['p50']} / {scrape['quiet']['max']} ms, churn {scrape['churn']['p50']} / "
+              f"{scrape['churn']['max']} ms")
     print(f"statuses: {report['statuses']}; skipped arrivals: {report['skipped']}; Zipf answered "
           f"{report['zipf_ok_per_s']} ok/s")
+    print_parts(probe.get("parts_quiet"), probe.get("parts_churn"))
     width = max(len(r[0]) for r in rows)
     print(f"{'figure':<{width}}  {'goal':<16} {'verdict':<7} value")
     print("-" * (width + 60))
     for figure, value, goal, result in rows:
         print(f"{figure:<{width}}  {goal:<16} {result:<7} {value}")
+
+
+def print_parts(quiet: dict[str, Any] | None, churn: dict[str, Any] | None) -> None:
+    """The probe's time by part, quiet / churn (ms): where the churn's extra tail goes."""
+    if not quiet or not churn:
+        return
+    print("probe by part, quiet / churn ms (outside = client - server total; transit = total - stages):")
+    print(f"  {'part':<8} {'p50':>15} {'p99':>15} {'slowest 1% mean':>17}")
+    for part in PARTS:
+        cells = [f"{quiet[key][part]:.2f} / {churn[key][part]:.2f}"
+                 for key in ("p50_ms", "p99_ms", "slowest_1pct_mean_ms")]
+        print(f"  {part:<8} {cells[0]:>15} {cells[1]:>15} {cells[2]:>17}")
 
 
 def _ratio_line(doc: dict[str, Any] | None) -> str:
@@ -480,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repository-mode", default="lazy")
     parser.add_argument("--ingress-processes", type=int, default=None)
     parser.add_argument("--seed", type=int, default=21)
+    parser.add_argument("--scrape-every-s", type=float, default=10.0,
+                        help="GET /metrics this often during every block, as Prometheus would (0: never)")
     parser.add_argument("--out", type=Path, default=RESULTS / "model_pool.json")
     args = parser.parse_args(argv)
     if args.models < 3 or args.block_s <= 0 or args.minutes <= 0 or args.rate <= 0 \

@@ -28,6 +28,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.processes import WORKER, role_of, tree_pids
+from servewell.perf.httpclient import parse_server_timing
 
 # -- the Zipf sampler ---------------------------------------------------------------------------------
 
@@ -335,6 +336,7 @@ class Answer:
     code: str
     latency_ms: float
     retry_after: str | None
+    timing: dict[str, float] | None = None  # the answer's Server-Timing entries (ms), when it sent them
 
 
 @dataclass(slots=True)
@@ -365,8 +367,10 @@ async def _one(client: httpx.AsyncClient, stream: str, model: str, body: bytes, 
         response = await client.post(f"/v2/models/{model}/infer", content=body,
                                      headers={"Content-Type": "application/json"})
         code = "" if response.status_code == 200 else _error_code(response)
+        timing = response.headers.get("server-timing")
         answers.append(Answer(stream, model, sent - t0, response.status_code, code,
-                              (time.perf_counter() - sent) * 1e3, response.headers.get("retry-after")))
+                              (time.perf_counter() - sent) * 1e3, response.headers.get("retry-after"),
+                              parse_server_timing(timing.encode("latin-1")) if timing else None))
     except httpx.HTTPError as exc:
         answers.append(Answer(stream, model, sent - t0, 0, type(exc).__name__, (time.perf_counter() - sent) * 1e3,
                               None))
