@@ -147,7 +147,8 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     # Pre-spawned workers for fast cold starts (issue 21): started with the app, stopped after the engine.
     spares = SpareWorkers(effective_spare_workers(settings), SpareLaunch(settings.log_level, settings.log_format))
     workers = WorkerSettings(settings.worker_heartbeat_timeout_s, settings.log_level, settings.log_format,
-                             tracing.settings, spares=spares, warmup_first_only=effective_warmup_first_only(settings))
+                             tracing.settings, spares=spares, warmup_first_only=effective_warmup_first_only(settings),
+                             load_cpu_policy=settings.load_cpu_policy)
     access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
     tenants = Tenants(lambda: access.ring if access.enabled else None, metrics)
     engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes,

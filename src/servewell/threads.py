@@ -1,5 +1,6 @@
-"""Thread pools for background work that must not take CPU from serving (heavy image decodes,
-model snapshots)."""
+"""CPU priorities of threads: pools for background work that must not take CPU from serving
+(heavy image decodes, model snapshots), a worker's `nice`, and a stopping worker's teardown at
+idle priority."""
 
 from __future__ import annotations
 
@@ -40,3 +41,18 @@ def _lower_thread(tid: int, nice: int) -> None:
     if nice > 0 and hasattr(os, "setpriority"):
         with contextlib.suppress(OSError):  # it ended meanwhile, or a sandbox forbids it: it stays as it is
             os.setpriority(os.PRIO_PROCESS, tid, min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+
+
+def idle_every_thread() -> bool:
+    """Every thread of this process to SCHED_IDLE (Linux): a woken thread of any normal process
+    preempts them at once, whatever the niceness says. For a process that will do nothing but
+    stop: an unprivileged process cannot leave SCHED_IDLE again. False where none could be moved
+    (no SCHED_IDLE on this platform, or a sandbox forbids it)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    moved = False
+    for tid in native_thread_ids() or {threading.get_native_id()}:
+        with contextlib.suppress(OSError):  # it ended meanwhile, or a sandbox forbids it
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            moved = True
+    return moved

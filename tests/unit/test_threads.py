@@ -1,5 +1,5 @@
-"""`lower_every_thread` (servewell/threads.py): every thread of the process is lowered, those
-started before too, not only the caller (as `os.nice` does on Linux)."""
+"""`lower_every_thread` and `idle_every_thread` (servewell/threads.py): every thread of the
+process is lowered, those started before too, not only the caller (as `os.nice` does on Linux)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,31 @@ def test_threads_started_before_and_after_are_lowered_with_the_caller():
     before, caller, early, late, threads = map(int, done.stdout.split())
     assert caller == early == late == min(19, before + 3)
     assert threads >= 2
+
+
+IDLE_CHILD = textwrap.dedent('''
+    import os, threading
+    from servewell.threads import idle_every_thread
+
+    seen, go = {}, threading.Event()
+
+    def waiting():
+        go.wait()
+        seen["early"] = os.sched_getscheduler(0)
+
+    early = threading.Thread(target=waiting)
+    early.start()
+    before = os.sched_getscheduler(0)
+    moved = idle_every_thread()
+    go.set(); early.join()
+    print(before, os.sched_getscheduler(0), seen["early"], int(moved), os.SCHED_IDLE, os.SCHED_OTHER)
+''')
+
+
+def test_a_stopping_process_moves_every_thread_to_idle_priority():
+    done = subprocess.run([sys.executable, "-c", IDLE_CHILD], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr
+    before, caller, early, moved, idle, other = map(int, done.stdout.split())
+    assert before == other and moved == 1
+    assert caller == early == idle  # the thread started before the call too, not only the caller

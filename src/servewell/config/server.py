@@ -257,6 +257,13 @@ class ServerConfig(BaseModel):
         "taken by the next model load instead of a fresh spawn (a load skips the interpreter start and imports); "
         "default: 1 in the lazy repository mode, else 0.",
     )
+    load_cpu_policy: Literal["idle", "normal"] = Field(
+        "idle", description="The CPU priority a model load and its warm-up run at. idle: SCHED_IDLE (Linux), so any "
+        "serving thread that wakes preempts the load at once and a load takes only the CPU the served models leave; "
+        "a load that spends more than half of any half second waiting for a core starts over at normal priority, so "
+        "a saturated machine still loads. Only where no serving thread could inherit the priority (ONNX on CPU "
+        "with threads: 1; every other model loads at normal). normal: the worker's own priority.",
+    )
     warmup_batch_sizes: Literal["all", "first"] | None = Field(
         None, description="Warm-up batches a model load runs before the model is ready: all (1, 2, 4, ... "
         "max_batch_size: the memory and latency of each measured) or first (1 and 2, then larger batches pay their "

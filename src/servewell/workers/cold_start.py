@@ -37,6 +37,9 @@ class ColdStartBreakdown:
     fresh_reason: str = ""
     """Why the worker was spawned fresh ("" for a spare): no spare idle, spares off, or the model
     needs a setting that only a fresh spawn gives."""
+    loaded_at: str = "normal"
+    """The CPU policy the load and warm-up ran at: "idle" (the server's `load_cpu_policy`, where
+    it applies) or "normal"."""
 
     @property
     def other_s(self) -> float:
@@ -50,7 +53,7 @@ class ColdStartBreakdown:
             "total_s": round(self.total_s, 3), "spawn_s": round(self.spawn_s, 3),
             "import_s": round(self.import_s, 3), "load_s": round(self.load_s, 3),
             "warmup_s": round(self.warmup_s, 3), "other_s": round(self.other_s, 3),
-            "fresh_reason": self.fresh_reason,
+            "fresh_reason": self.fresh_reason, "loaded_at": self.loaded_at,
         }
 
 
@@ -66,7 +69,7 @@ def breakdown_of(model: str, instance: int, info: WorkerReady, requested_at: flo
     else:
         spawn_s, import_s, load_s = max(0.0, total_s - info.load_s - info.warmup_s), 0.0, info.load_s
     return ColdStartBreakdown(model, instance, info.pid, spare, total_s, spawn_s, import_s, load_s, info.warmup_s,
-                              fresh_reason)
+                              fresh_reason, info.loaded_at)
 
 
 def log_breakdown(breakdown: ColdStartBreakdown) -> None:
@@ -74,5 +77,5 @@ def log_breakdown(breakdown: ColdStartBreakdown) -> None:
     b = breakdown
     how = "spare worker" if b.spare else f"fresh worker ({b.fresh_reason})" if b.fresh_reason else "fresh worker"
     log.info("model %s instance %d: %s %s ready in %.2f s (spawn %.2f s, import %.2f s, load %.2f s, "
-             "warm-up %.2f s)", b.model, b.instance, how, b.pid, b.total_s, b.spawn_s, b.import_s, b.load_s,
-             b.warmup_s, extra={"event": "worker_cold_start", **b.as_dict()})
+             "warm-up %.2f s; loaded at %s priority)", b.model, b.instance, how, b.pid, b.total_s, b.spawn_s,
+             b.import_s, b.load_s, b.warmup_s, b.loaded_at, extra={"event": "worker_cold_start", **b.as_dict()})

@@ -57,7 +57,8 @@ from servewell.workers.spare import SpareWorkers, why_fresh
 log = logging.getLogger("servewell.workers")
 
 ProgressCallback = Callable[[str, float], None]
-__all__ = ["WorkerHandle", "WorkerLoadError", "WorkerSettings", "WorkerState", "describe_exit", "find_jemalloc"]
+__all__ = ["WorkerHandle", "WorkerLoadError", "WorkerLoadStarved", "WorkerSettings", "WorkerState", "describe_exit",
+           "find_jemalloc"]
 
 #: How often a worker's heartbeat thread increments its counter.
 HEARTBEAT_INTERVAL_S = 0.1
@@ -78,10 +79,17 @@ class WorkerSettings:
     spares: SpareWorkers | None = None
     #: Warm-up runs batch sizes 1 and 2 only where no memory limit needs larger ones proven.
     warmup_first_only: bool = False
+    #: "idle": loads run at SCHED_IDLE where they may (`process_main.load_policy`); "normal".
+    load_cpu_policy: str = "normal"
 
 
 class WorkerLoadError(Exception):
     """The worker could not load its model (the message says why)."""
+
+
+class WorkerLoadStarved(WorkerLoadError):
+    """The load at idle priority waited for a core too long; the worker has exited. Not the
+    model's fault: load it again at normal priority."""
 
 
 class WorkerHandle:
@@ -164,6 +172,7 @@ class WorkerHandle:
         launch = WorkerLaunch(
             str(self.model_dir), self.instance, self.segment_prefix, self._heartbeat.name, HEARTBEAT_INTERVAL_S,
             settings.log_level, settings.log_format, settings.tracing, self.device, settings.warmup_first_only,
+            settings.load_cpu_policy,
         )
         name = f"servewell-worker-{self.config.name}"
         spare = settings.spares.take(self.config) if settings.spares is not None else None
@@ -312,7 +321,8 @@ class WorkerHandle:
             if self._life.phase is WorkerPhase.LOADING:
                 self._life.load_failed()
             if self._ready is not None and not self._ready.done():
-                self._ready.set_exception(WorkerLoadError(message.reason))
+                error = WorkerLoadStarved if message.starved else WorkerLoadError
+                self._ready.set_exception(error(message.reason))
         elif isinstance(message, BatchDone):
             future = self._pending.pop(message.batch_id, None)
             self.rss_bytes = message.rss_bytes

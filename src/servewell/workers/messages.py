@@ -54,6 +54,9 @@ class WorkerLaunch:
     #: Warm up batch sizes 1 and 2 only where no memory limit needs the larger ones proven
     #: (`runtimes/warmup.py` `first_only`; the server's `warmup_batch_sizes: first`).
     warmup_first_only: bool = False
+    #: "idle": load and warm up on a SCHED_IDLE thread where that applies (`process_main.load_policy`);
+    #: the server's `load_cpu_policy`.
+    load_cpu_policy: str = "normal"
 
 
 @dataclass(slots=True, frozen=True)
@@ -142,6 +145,7 @@ class WorkerReady:
     began_at: float = 0.0
     import_s: float = 0.0  # from `began_at` until the runtime's modules were imported
     weights_s: float = 0.0  # from then until the model was loaded, before warm-up
+    loaded_at: str = "normal"  # the CPU policy the load and warm-up ran at: "idle" or "normal"
 
 
 @dataclass(slots=True, frozen=True)
@@ -149,6 +153,9 @@ class WorkerLoadFailed:
     """The model could not be loaded; the worker exits after sending this."""
 
     reason: str
+    #: The load at idle priority waited for a core too long (`process_main.run_at_idle`): not the
+    #: model's fault, the engine loads it again at normal priority.
+    starved: bool = False
 
 
 @dataclass(slots=True, frozen=True)

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -27,7 +27,7 @@ from servewell.errors import InvalidInput
 from servewell.observability.process import rss_bytes as process_rss_bytes
 from servewell.workers.cold_start import ColdStartBreakdown, log_breakdown
 from servewell.workers.devices import choose_device, visible_gpu_count
-from servewell.workers.handle import WorkerHandle, WorkerLoadError, WorkerSettings
+from servewell.workers.handle import WorkerHandle, WorkerLoadError, WorkerLoadStarved, WorkerSettings
 from servewell.workers.messages import BatchDone, WorkerReady
 
 log = logging.getLogger("servewell.workers")
@@ -147,13 +147,25 @@ class WorkerPool:
         if self._on_progress is not None:
             report = self._on_progress
             progress = lambda stage, elapsed: report(index, stage, elapsed)  # noqa: E731
-        worker = WorkerHandle(self.config, self.model_dir, progress, self._settings, index,
-                              on_lost=self._on_lost, on_batch_done=self._after_batch, device=self.devices[index])
-        self._workers[index] = worker
-        try:
-            info = await worker.start(self._load_timeout_s)
-        except WorkerLoadError as exc:
-            raise WorkerLoadError(f"instance {index}: {exc}") from None
+        settings, began = self._settings, time.monotonic()
+        while True:
+            worker = WorkerHandle(self.config, self.model_dir, progress, settings, index,
+                                  on_lost=self._on_lost, on_batch_done=self._after_batch, device=self.devices[index])
+            self._workers[index] = worker
+            try:
+                info = await worker.start(max(1.0, self._load_timeout_s - (time.monotonic() - began)))
+            except WorkerLoadStarved as exc:
+                if settings.load_cpu_policy == "normal":  # cannot happen: only an idle load starves
+                    raise WorkerLoadError(f"instance {index}: {exc}") from None
+                # That worker has exited; its memory is free. The same load at normal priority takes
+                # its share of a busy machine instead of what the served models leave (none).
+                log.warning("model %s instance %d: %s; loading it again at normal priority", self.config.name,
+                            index, exc, extra={"event": "load_starved", "model": self.config.name, "instance": index})
+                settings = replace(settings, load_cpu_policy="normal")
+                continue
+            except WorkerLoadError as exc:
+                raise WorkerLoadError(f"instance {index}: {exc}") from None
+            break
         if self._closing:  # the server began stopping while this worker loaded
             await worker.stop()
             raise WorkerLoadError(f"instance {index}: the model is stopping")

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from servewell.observability.process import rss_bytes
 from servewell.observability.steps import set_step_sink
 from servewell.observability.tracing import Tracing, context_from_traceparent
 from servewell.runtimes.base import DeviceUnusableError, ModelRuntime, OomSplitting, describe_failure
-from servewell.threads import lower_every_thread
+from servewell.threads import idle_every_thread, lower_every_thread
 from servewell.workers.backends import import_backend
 from servewell.workers.expiry import RowPlan, keep_rows, plan_rows
 from servewell.workers.messages import (
@@ -50,6 +51,10 @@ log = logging.getLogger("servewell.workers")
 #: /proc/self/statm costs 10-25 us, a third of a small batch's whole overhead in the worker, and
 #: the figure only feeds /healthz, the console and the memory-headroom alert.
 RSS_EVERY_S = 0.05
+#: How often a load at idle priority is checked for starvation (`run_at_idle`).
+STARVED_WINDOW_S = 0.5
+
+T = TypeVar("T")
 
 
 class RssReading:
@@ -113,15 +118,30 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, beg
         imported_at = time.monotonic()
         from servewell.runtimes import load_runtime
         from servewell.runtimes.base import DtypeReporting
-        from servewell.runtimes.warmup import warm_up
+        from servewell.runtimes.warmup import WarmupReport, warm_up
 
-        runtime = load_runtime(config, Path(launch.model_dir), progress)
-        load_s = time.perf_counter() - started
-        weights_s = time.monotonic() - imported_at
-        report = None
-        if config.warmup:
-            progress("warm-up")
-            report = warm_up(runtime, config, progress, first_only=launch.warmup_first_only)
+        def load_and_warm_up() -> tuple[ModelRuntime, float, float, WarmupReport | None]:
+            runtime = load_runtime(config, Path(launch.model_dir), progress)
+            load_s = time.perf_counter() - started
+            weights_s = time.monotonic() - imported_at
+            report = None
+            if config.warmup:
+                progress("warm-up")
+                report = warm_up(runtime, config, progress, first_only=launch.warmup_first_only)
+            return runtime, load_s, weights_s, report
+
+        loaded_at = load_policy(config, launch)
+        if loaded_at == "idle":
+            (runtime, load_s, weights_s, report), loaded_at = run_at_idle(load_and_warm_up)
+        else:
+            runtime, load_s, weights_s, report = load_and_warm_up()
+    except LoadStarved as exc:
+        # The load thread cannot be stopped (it is inside the runtime) nor raised to normal
+        # priority again (unprivileged): the process ends, and the engine loads again at normal.
+        # No lock is taken on the way out (the starved thread may hold one: logging's, say); the
+        # message is one write of a few hundred bytes, atomic on a pipe.
+        send_message(conn, WorkerLoadFailed(str(exc), starved=True))
+        os._exit(0)
     except Exception as exc:  # any load failure is reported, never raised into the void
         send_message(conn, WorkerLoadFailed(describe_failure(exc)))
         conn.close()
@@ -135,9 +155,72 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, beg
         serving_dtype=dtype,
         latency_by_batch=report.latency_by_batch if report else (),
         began_at=began_at, import_s=imported_at - began_at if began_at else 0.0, weights_s=weights_s,
+        loaded_at=loaded_at,
     ))
     tracing = Tracing(launch.tracing, make_global=True) if launch.tracing is not None else None
     _serve(conn, runtime, config.name, tracing, launch.segment_prefix)
+
+
+def load_policy(config: ModelConfig, launch: WorkerLaunch) -> str:
+    """"idle" where the load may run on a SCHED_IDLE thread of its own: the server asks for it and
+    no thread the load starts would serve later at that priority (an unprivileged process cannot
+    raise a thread's priority again, and threads inherit their starter's). ONNX Runtime on CPU
+    with one intra-op thread starts none, in session creation or in a run (counted in
+    /proc/self/task); torch's pools and onnxruntime's with more threads would. "normal" elsewhere,
+    and where the whole worker is idle already (`cpu_policy: idle`)."""
+    if (launch.load_cpu_policy == "idle" and config.runtime == "onnx" and config.threads == 1
+            and config.device == "cpu" and config.cpu_policy != "idle" and hasattr(os, "SCHED_IDLE")):
+        return "idle"
+    return "normal"
+
+
+class LoadStarved(Exception):
+    """The load at idle priority waited for a core most of the time: the machine is busy."""
+
+
+def run_at_idle(work: Callable[[], T], window_s: float = STARVED_WINDOW_S) -> tuple[T, str]:
+    """`work()` on a thread of its own under SCHED_IDLE, and the policy it ran at ("normal" where
+    the platform refused). Every `window_s` the thread's run-queue wait is read
+    (/proc/self/task/TID/schedstat): `LoadStarved` when it waited for a core more than half of a
+    window (a busy machine gives an idle thread almost nothing; loading at normal priority then
+    beats waiting for the load timeout)."""
+    outcome: list[T] = []
+    failure: list[BaseException] = []
+    policy = ["idle"]
+
+    def body() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            policy[0] = "normal"  # a sandbox forbids it: the load runs as it would have
+        try:
+            outcome.append(work())
+        except BaseException as exc:  # handed to the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=body, name="servewell-load", daemon=True)
+    thread.start()
+    waited = run_queue_wait_s(thread.native_id)
+    while True:
+        thread.join(window_s)
+        if not thread.is_alive():
+            break
+        now = run_queue_wait_s(thread.native_id)
+        if waited is not None and now is not None and now - waited > window_s / 2:
+            raise LoadStarved(f"the load waited for a core {now - waited:.2f} s of the last {window_s:g} s "
+                              "at idle priority")
+        waited = now
+    if failure:
+        raise failure[0]
+    return outcome[0], policy[0]
+
+
+def run_queue_wait_s(tid: int | None) -> float | None:
+    """Seconds thread `tid` of this process has waited runnable for a core (None: not readable)."""
+    try:
+        return int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _start_heartbeat(launch: WorkerLaunch) -> None:
@@ -180,6 +263,10 @@ def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing
             except (EOFError, OSError):
                 return  # the frontend is gone: nobody to serve
             if isinstance(message, Shutdown):
+                # Freeing the model and the process's memory (an evicted worker's exit) takes CPU
+                # the resident models' workers should have first: under bench.model_pool's churn,
+                # exits at normal priority stretched their p99 (issue 21).
+                idle_every_thread()
                 return
             if isinstance(message, (StartProfile, StopProfile)):
                 _profile(message, profiler, runtime, send)
