@@ -164,6 +164,9 @@ class LoopHistogram(_LoopFamily[_HistogramSeries, HistogramMetricFamily]):
         self.bounds = bounds  #: finite bucket upper bounds, ascending (a last bucket counts the rest: +Inf)
         self._le = [floatToGoString(b) for b in bounds] + ["+Inf"]
         self._prefixes: dict[tuple[str, ...], tuple[str, ...]] = {}
+        #: Each series' counts, sum and text at the last scrape: a series that did not move since
+        #: (most of them, with many models and few busy) is written again from here.
+        self._written: dict[tuple[str, ...], tuple[list[int], float, str]] = {}
         super().__init__(name, documentation, labelnames, registry, lambda: _HistogramSeries(bounds),
                          HistogramMetricFamily)
 
@@ -194,7 +197,10 @@ class LoopHistogram(_LoopFamily[_HistogramSeries, HistogramMetricFamily]):
         yield family
 
     def _lines(self, row: tuple[tuple[str, ...], list[int], float]) -> str:
-        values, counts, total = row
+        values, counts, total = row  # `counts` is the snapshot's own copy: kept as it is
+        written = self._written.get(values)
+        if written is not None and written[1] == total and written[0] == counts:
+            return written[2]
         prefixes = self._prefixes.get(values)
         if prefixes is None:
             prefixes = self._prefixes[values] = self._make_prefixes(values)
@@ -204,7 +210,9 @@ class LoopHistogram(_LoopFamily[_HistogramSeries, HistogramMetricFamily]):
             running += count
             out.append(f"{prefix}{floatToGoString(running)}\n")
         out.append(f"{prefixes[-2]}{floatToGoString(running)}\n{prefixes[-1]}{floatToGoString(total)}\n")
-        return "".join(out)
+        text = "".join(out)
+        self._written[values] = (counts, total, text)
+        return text
 
     def _make_prefixes(self, values: tuple[str, ...]) -> tuple[str, ...]:
         """`name_bucket{...le="b"} ` per bucket, then `name_count{...} ` and `name_sum{...} `."""

@@ -119,3 +119,19 @@ def test_unregistered_collectors_leave_the_text_in_order():
     text = asyncio.run(render_text(registry))
     assert text == generate_latest(registry)
     assert text.index(b"t_first_total") < text.index(b"t_last_total") and b"t_depth" not in text
+
+
+def test_a_series_that_moved_since_the_last_scrape_is_written_anew():
+    """Unchanged series are written from the text kept at the last scrape; one that moved is not,
+    even when only a bucket moved (an observation of 0 leaves the sum as it was)."""
+    registry = OrderedRegistry()
+    latency = LoopHistogram("t_seconds", "Latency.", ["model"], (0.001, 0.01), registry)
+    for name in ("a", "b", "c"):
+        latency.labels(name).observe(0.005)
+    first = asyncio.run(render_text(registry))
+    assert first == generate_latest(registry)
+    latency.labels("b").observe(0.0)  # count and first bucket move, the sum does not
+    latency.labels("c").observe(0.5)
+    second = asyncio.run(render_text(registry))
+    assert second == generate_latest(registry) and second != first
+    assert b't_seconds_count{model="b"} 2.0' in second and b't_seconds_count{model="a"} 1.0' in second
