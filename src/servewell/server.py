@@ -51,7 +51,12 @@ from servewell.threads import lower_priority_pool
 from servewell.workers.handle import WorkerSettings
 from servewell.workers.messages import SpareLaunch
 from servewell.workers.shm import NAME_PREFIX, remove_segments, remove_stale_segments
-from servewell.workers.spare import SpareWorkers, effective_spare_workers, effective_warmup_first_only
+from servewell.workers.spare import (
+    SpareWorkers,
+    effective_load_cpu_policy,
+    effective_spare_workers,
+    effective_warmup_first_only,
+)
 
 log = logging.getLogger("servewell.server")
 
@@ -148,7 +153,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     spares = SpareWorkers(effective_spare_workers(settings), SpareLaunch(settings.log_level, settings.log_format))
     workers = WorkerSettings(settings.worker_heartbeat_timeout_s, settings.log_level, settings.log_format,
                              tracing.settings, spares=spares, warmup_first_only=effective_warmup_first_only(settings),
-                             load_cpu_policy=settings.load_cpu_policy)
+                             load_cpu_policy=effective_load_cpu_policy(settings))
     access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
     tenants = Tenants(lambda: access.ring if access.enabled else None, metrics)
     engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes,

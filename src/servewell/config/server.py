@@ -257,8 +257,10 @@ class ServerConfig(BaseModel):
         "taken by the next model load instead of a fresh spawn (a load skips the interpreter start and imports); "
         "default: 1 in the lazy repository mode, else 0.",
     )
-    load_cpu_policy: Literal["idle", "normal"] = Field(
-        "idle", description="The CPU priority a model load and its warm-up run at. idle: SCHED_IDLE (Linux), so any "
+    load_cpu_policy: Literal["idle", "normal"] | None = Field(
+        None, description="The CPU priority a model load and its warm-up run at; default: idle in the lazy "
+        "repository mode (loads run while the resident models serve), else normal (a restart under load comes "
+        "back sooner: a starved idle load starts over). idle: SCHED_IDLE (Linux), so any "
         "serving thread that wakes preempts the load at once and a load takes only the CPU the served models leave; "
         "a load that spends more than half of any half second waiting for a core starts over at normal priority, so "
         "a saturated machine still loads. Only where no serving thread could inherit the priority (ONNX on CPU "

@@ -127,6 +127,16 @@ def effective_warmup_first_only(settings: ServerConfig) -> bool:
     return settings.repository_mode == "lazy"
 
 
+def effective_load_cpu_policy(settings: ServerConfig) -> str:
+    """The policy loads run at: `load_cpu_policy`, or by default idle in the lazy repository mode
+    (loads come while the resident models serve: issue 21's p99) and normal in eager mode, where a
+    load is a start, reload or restart, and one starved at idle under bench.chaos's saturation
+    started over: the engine's recovery after kill -9 took 9.8 s against 5.3 s."""
+    if settings.load_cpu_policy is not None:
+        return settings.load_cpu_policy
+    return "idle" if settings.repository_mode == "lazy" else "normal"
+
+
 def why_fresh(spares: SpareWorkers | None, config: ModelConfig) -> str:
     """Why a start spawned its worker rather than taking a spare, in words."""
     if spares is None or spares.count == 0:

@@ -22,39 +22,15 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from model_dirs import onnx_mlp_model
+from pool_listener import Listener
 from servewell.engine.repository import read_model_config
 from servewell.workers.handle import WorkerHandle, WorkerLoadError, WorkerLoadStarved, WorkerSettings
-from servewell.workers.pool import PoolState, RestartReason, WarmupFacts, WorkerPool
+from servewell.workers.pool import WorkerPool
 
 #: Seconds a worker may take to come up on a loaded 2-core machine (it imports onnxruntime).
 READY_TIMEOUT_S = 120.0
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
-
-
-class Listener:
-    """Records the workers a pool reports ready (the `PoolListener` protocol)."""
-
-    def __init__(self) -> None:
-        self.ready: list[WorkerHandle] = []
-
-    def worker_ready(self, worker: WorkerHandle) -> None:
-        self.ready.append(worker)
-
-    def worker_gone(self, worker: WorkerHandle) -> None:
-        pass
-
-    def max_batch_size_limited(self, size: int, why: str) -> None:
-        pass
-
-    def warmed_up(self, facts: WarmupFacts) -> None:
-        pass
-
-    def worker_replaced(self, reason: RestartReason) -> None:
-        pass
-
-    def pool_state(self, state: PoolState, reason: str | None) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")

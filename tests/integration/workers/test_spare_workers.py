@@ -20,40 +20,15 @@ import pytest
 import torch
 
 from model_dirs import onnx_mlp_model, torchscript_mlp_model
+from pool_listener import Listener
 from processes import thread_nices
 from servewell.engine.repository import read_model_config
 from servewell.workers.handle import WorkerHandle, WorkerSettings
-from servewell.workers.pool import PoolState, RestartReason, WarmupFacts, WorkerPool
+from servewell.workers.pool import WorkerPool
 from servewell.workers.spare import SpareWorkers
 
 #: Seconds a spare may take to come up on a loaded 2-core machine (it imports onnxruntime).
 READY_TIMEOUT_S = 120.0
-
-
-class Listener:
-    """Records what a pool reports (the `PoolListener` protocol)."""
-
-    def __init__(self) -> None:
-        self.ready: list[WorkerHandle] = []
-        self.states: list[PoolState] = []
-
-    def worker_ready(self, worker: WorkerHandle) -> None:
-        self.ready.append(worker)
-
-    def worker_gone(self, worker: WorkerHandle) -> None:
-        pass
-
-    def max_batch_size_limited(self, size: int, why: str) -> None:
-        pass
-
-    def warmed_up(self, facts: WarmupFacts) -> None:
-        pass
-
-    def worker_replaced(self, reason: RestartReason) -> None:
-        pass
-
-    def pool_state(self, state: PoolState, reason: str | None) -> None:
-        self.states.append(state)
 
 
 def process_gone(pid: int) -> bool:

@@ -7,7 +7,7 @@ import pytest
 from servewell.config.server import ServerConfig
 from servewell.workers.cold_start import breakdown_of
 from servewell.workers.messages import WorkerReady
-from servewell.workers.spare import effective_spare_workers, effective_warmup_first_only
+from servewell.workers.spare import effective_load_cpu_policy, effective_spare_workers, effective_warmup_first_only
 
 
 def test_the_steps_are_measured_from_the_request_across_the_pipe():
@@ -39,3 +39,10 @@ def test_the_warm_up_of_the_first_batch_sizes_only_is_the_lazy_mode_s_default_an
     assert not effective_warmup_first_only(ServerConfig(repository_mode="lazy", warmup_batch_sizes="all"))
     assert effective_warmup_first_only(ServerConfig(warmup_batch_sizes="first"))
     assert not effective_warmup_first_only(ServerConfig(warmup_batch_sizes="all"))
+
+
+def test_loads_run_at_idle_priority_by_default_in_lazy_mode_only():
+    assert effective_load_cpu_policy(ServerConfig()) == "normal"  # eager: starts and restarts come back first
+    assert effective_load_cpu_policy(ServerConfig(repository_mode="lazy")) == "idle"
+    assert effective_load_cpu_policy(ServerConfig(repository_mode="lazy", load_cpu_policy="normal")) == "normal"
+    assert effective_load_cpu_policy(ServerConfig(load_cpu_policy="idle")) == "idle"
