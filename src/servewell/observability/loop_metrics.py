@@ -15,6 +15,7 @@ library took 430-480 ms a scrape on the 2-core machine, on the event loop that s
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
@@ -145,12 +146,13 @@ class _LoopFamily(Collector, Generic[SeriesT, FamilyT]):
             self._header_text = generate_latest(MetricList([self._family()])).decode()
         return self._header_text
 
+    @abstractmethod
     def snapshot(self) -> Sequence[Any]:
         """Every series now, own and absorbed (the subclasses say in what shape)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _lines(self, row: Any) -> str:
-        raise NotImplementedError
+        """One series of `snapshot()` in the text format."""
 
 
 class LoopHistogram(_LoopFamily[_HistogramSeries, HistogramMetricFamily]):
