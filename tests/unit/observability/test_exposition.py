@@ -3,16 +3,18 @@ byte for byte what prometheus-client's `generate_latest` writes for the same reg
 
 import asyncio
 import re
+import threading
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from servewell.observability.exposition import OrderedRegistry, render_text
-from servewell.observability.loop_metrics import SERIES_PER_CHUNK, LoopCounter, LoopHistogram
-from servewell.observability.metrics import ModelSample, ServeMetrics, StateCollector
+from servewell.observability.exposition import OrderedRegistry, family_chunks, render_text
+from servewell.observability.loop_metrics import SERIES_PER_CHUNK, LoopCounter, LoopHistogram, MetricList
+from servewell.observability.metrics import ModelSample, ServeMetrics, StateCollector, WorkerSample
 
 # Label values a hostile client or an odd repository could bring: quotes, backslashes, newlines,
 # braces, commas, non-ASCII, empty.
@@ -69,8 +71,18 @@ def test_the_servers_own_registry_with_200_models_matches_too():
         for family in metrics.families():
             series = family.labels(*([model] + ["x"] * (len(family.labelnames) - 1)))
             series.observe(0.003 * i) if isinstance(family, LoopHistogram) else series.inc(i)
-    samples = [ModelSample(f"model-{i}", "ready", {"normal": i}, 1, 8, residency="resident") for i in range(200)]
-    metrics.registry.register(StateCollector(lambda: samples, lambda pid: {}, budget=lambda: (1000, 400)))
+    samples = [ModelSample(f"model-{i}", "ready", {"normal": i}, 1, 8,
+                           (WorkerSample(f"model-{i}", 0, True, 1000 + i),
+                            WorkerSample(f"model-{i}", 1, i % 3 > 0, None)),
+                           residency="resident") for i in range(200)]
+
+    def facts(pid: int) -> dict[str, float]:
+        if pid % 7 == 0:
+            return {}  # gone since the model was sampled
+        return {"rss_bytes": pid * 4096.0, "private_bytes": pid * 1024.0, "file_bytes": 8192.0,
+                "cpu_seconds": pid / 100, "threads": 3.0}
+
+    metrics.registry.register(StateCollector(lambda: samples, facts, budget=lambda: (1000, 400)))
 
     def without_process(text: bytes) -> list[str]:  # the process's own figures move between two reads
         return [line for line in text.decode().splitlines()
@@ -135,3 +147,57 @@ def test_a_series_that_moved_since_the_last_scrape_is_written_anew():
     second = asyncio.run(render_text(registry))
     assert second == generate_latest(registry) and second != first
     assert b't_seconds_count{model="b"} 2.0' in second and b't_seconds_count{model="a"} 1.0' in second
+
+
+@settings(max_examples=40, deadline=None)
+@given(names=st.lists(LABEL_VALUES, max_size=30, unique=True), per=st.integers(1, 8))
+def test_a_gauge_family_in_pieces_joins_to_the_same_text(names, per):
+    gauge = GaugeMetricFamily("t_depth", 'Waiting "now"\nper \\ model.', labels=["model"])
+    counter = CounterMetricFamily("t_done", "Done.", labels=["model"], created=1.7e9)
+    for i, name in enumerate(names):
+        gauge.add_metric([name], float(i))
+        counter.add_metric([name], float(i), created=1.7e9 + i)
+    pieces = list(family_chunks(gauge, per))
+    assert len(pieces) == max(1, -(-len(names) // per))
+    assert "".join(pieces) == generate_latest(MetricList([gauge])).decode()
+    # a counter's `_created` lines follow all its series: never split
+    assert list(family_chunks(counter, per)) == [generate_latest(MetricList([counter])).decode()]
+
+
+def test_the_workers_proc_reads_run_off_the_event_loop():
+    """Each read of a worker's /proc costs 0.6-2.4 ms (more for a bigger model): 200 of them on
+    the loop held it about 200 ms. They run on a thread, and the loop is served meanwhile."""
+    samples = [ModelSample(f"m{i}", "ready", {}, 0, 8, (WorkerSample(f"m{i}", 0, True, 100 + i),)) for i in range(5)]
+    read_on: set[int] = set()
+
+    def slow_facts(pid: int) -> dict[str, float]:
+        read_on.add(threading.get_ident())
+        time.sleep(0.02)  # a read the kernel takes long over (the GIL is free meanwhile)
+        return {"rss_bytes": 1.0, "private_bytes": 1.0, "cpu_seconds": 1.0, "threads": 1.0}
+
+    registry = OrderedRegistry()
+    registry.register(StateCollector(lambda: samples, slow_facts))
+    read_on.clear()  # registering collected once, to learn the names
+    turns = 0
+
+    async def main() -> tuple[bytes, int]:
+        nonlocal turns
+        stop = asyncio.Event()
+
+        async def other_work() -> None:
+            nonlocal turns
+            while not stop.is_set():
+                turns += 1
+                await asyncio.sleep(0.001)
+
+        task = asyncio.create_task(other_work())
+        text = await render_text(registry)
+        stop.set()
+        await task
+        return text, threading.get_ident()
+
+    text, loop_thread = asyncio.run(main())
+    assert read_on and loop_thread not in read_on
+    assert text == generate_latest(registry)  # (this one reads on the caller's thread)
+    assert turns >= 20, turns  # 5 reads of 20 ms: the loop ran on through them
+    assert text.count(b"servewell_worker_resident_memory_bytes{") == 5
