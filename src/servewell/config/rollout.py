@@ -56,6 +56,11 @@ class RollbackConfig(StrictModel):
         "than this (0.05: five points); null: rule off.")
     max_p99_ratio: float | None = Field(2.0, ge=1, le=1000, description="Roll back when the canary's p99 latency is "
                                         "more than this many times the stable version's; null: rule off.")
+    min_p99_increase_ms: float = Field(
+        5.0, ge=0, le=3_600_000, description="The p99 rule also needs the canary's p99 to exceed the stable "
+        "version's by at least this many milliseconds: the p99 of a small window is its slowest requests, and on a "
+        "busy host a sub-millisecond model's slowest requests wait a few ms for a core (a same-model canary measured "
+        "3.1 ms against 0.7). 0: the ratio alone.")
     min_shadow_agreement: float | None = Field(
         None, ge=0, le=1, description="Roll back the shadow (stop it, and take its weight to 0) when the share of "
         "rows whose top-1 agrees with the primary falls below this; null: rule off.")

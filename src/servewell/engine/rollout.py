@@ -68,7 +68,8 @@ def rules_of(config: RollbackConfig) -> RollbackRules:
     """The judge's rules from model.yaml's `rollout.rollback`."""
     return RollbackRules(window_s=config.window_s, min_requests=config.min_requests,
                          max_error_rate_increase=config.max_error_rate_increase,
-                         max_p99_ratio=config.max_p99_ratio, min_shadow_agreement=config.min_shadow_agreement,
+                         max_p99_ratio=config.max_p99_ratio, min_p99_increase_s=config.min_p99_increase_ms / 1000.0,
+                         min_shadow_agreement=config.min_shadow_agreement,
                          promote_after_requests=config.promote_after_requests)
 
 

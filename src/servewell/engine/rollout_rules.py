@@ -40,8 +40,10 @@ class RollbackRules:
     min_requests: int = 20
     #: Roll back when canary error rate - stable error rate exceeds this (None: rule off).
     max_error_rate_increase: float | None = 0.05
-    #: Roll back when canary p99 / stable p99 exceeds this (None: rule off).
+    #: Roll back when canary p99 / stable p99 exceeds this (None: rule off)...
     max_p99_ratio: float | None = 2.0
+    #: ...and canary p99 - stable p99 is at least this (scheduling noise of a fast model is not a regression).
+    min_p99_increase_s: float = 0.005
     #: Roll back the shadow version when its top-1 agreement (matches / rows) falls below this (None: off).
     min_shadow_agreement: float | None = None
     #: Promote a canary after this many requests in total with no rule broken (None: never).
@@ -240,11 +242,13 @@ class RolloutJudge:
                 f"canary version '{canary}' failed {c.error_rate:.1%} of {c.requests} requests {window} against "
                 f"{against} (allowed +{margin * 100:.1f} points)"), evidence | {"canary_error_rate": c.error_rate,
                 "stable_error_rate": s.error_rate, "max_error_rate_increase": margin})
-        most = rules.max_p99_ratio
-        if most is None or not known or not s.p99_s or c.p99_s is None or c.p99_s / s.p99_s <= most:
+        most, least_s = rules.max_p99_ratio, rules.min_p99_increase_s
+        if most is None or not known or not s.p99_s or c.p99_s is None or c.p99_s / s.p99_s <= most or \
+                c.p99_s - s.p99_s < least_s:
             return None
         return Verdict("rollback", canary, "p99", (
             f"canary version '{canary}' answered with a p99 of {c.p99_s * 1000:.1f} ms over {c.requests} requests "
             f"{window}, {c.p99_s / s.p99_s:.1f}x the {s.p99_s * 1000:.1f} ms of stable version '{stable}' over "
-            f"{s.requests} (allowed {most:g}x)"), evidence | {
-            "canary_p99_s": c.p99_s, "stable_p99_s": s.p99_s, "p99_ratio": c.p99_s / s.p99_s, "max_p99_ratio": most})
+            f"{s.requests} (allowed up to {most:g}x, or up to {least_s * 1000:g} ms more)"), evidence | {
+            "canary_p99_s": c.p99_s, "stable_p99_s": s.p99_s, "p99_ratio": c.p99_s / s.p99_s, "max_p99_ratio": most,
+            "min_p99_increase_s": least_s})
