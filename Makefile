@@ -26,8 +26,13 @@ serve: install
 test-deps:
 	scripts/install-test-deps.sh
 
+# Two processes share the test files (a file's tests stay together, with its module's servers):
+# a serial run left half of 2 cores idle (tests wait on servers, clients and timeouts). Tests
+# marked `serial` run alone afterwards.
+TEST_PROCESSES ?= 2
 test: install test-deps
-	$(VENV)/bin/pytest -q --durations=25
+	$(VENV)/bin/pytest -q -n $(TEST_PROCESSES) --dist loadfile -m "not serial" --durations=25
+	$(VENV)/bin/pytest -q -m serial --durations=10
 
 # ruff (lint rules in pyproject.toml) and mypy (strict on the serving path).
 lint: install

@@ -31,7 +31,8 @@ from servewell.workers.pool import WorkerPool
 #: Seconds a worker may take to come up on a loaded 2-core machine (it imports onnxruntime).
 READY_TIMEOUT_S = 120.0
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+pytestmark = [pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's"),
+              pytest.mark.serial]  # an idle-priority load on a busy machine starts over at normal
 
 
 @pytest.fixture(scope="module")
