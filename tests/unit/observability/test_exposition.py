@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from servewell.observability.exposition import OrderedRegistry, family_chunks, render_text
+from servewell.observability.exposition import SLICE_S, OrderedRegistry, family_chunks, render_text
 from servewell.observability.loop_metrics import SERIES_PER_CHUNK, LoopCounter, LoopHistogram, MetricList
 from servewell.observability.metrics import ModelSample, ServeMetrics, StateCollector, WorkerSample
 
@@ -92,29 +92,29 @@ def test_the_servers_own_registry_with_200_models_matches_too():
         generate_latest(metrics.registry))
 
 
+async def render_counting_turns(registry: OrderedRegistry, slice_s: float, pause_s: float) -> tuple[bytes, int]:
+    """`render_text`'s text, and how often another task ran meanwhile (it sleeps `pause_s` a turn)."""
+    turns = 0
+    stop = asyncio.Event()
+
+    async def other_work() -> None:
+        nonlocal turns
+        while not stop.is_set():
+            turns += 1
+            await asyncio.sleep(pause_s)
+
+    task = asyncio.create_task(other_work())
+    await asyncio.sleep(0)
+    turns = 0
+    text = await render_text(registry, slice_s=slice_s)
+    stop.set()
+    await task
+    return text, turns
+
+
 def test_the_loop_is_served_between_slices():
     registry = registry_with([f"m{i}" for i in range(10 * SERIES_PER_CHUNK)], [0.002])
-    turns = 0
-
-    async def main() -> bytes:
-        nonlocal turns
-        stop = asyncio.Event()
-
-        async def other_work() -> None:
-            nonlocal turns
-            while not stop.is_set():
-                turns += 1
-                await asyncio.sleep(0)
-
-        task = asyncio.create_task(other_work())
-        await asyncio.sleep(0)
-        turns = 0
-        text = await render_text(registry, slice_s=0.0)  # yield after every chunk
-        stop.set()
-        await task
-        return text
-
-    text = asyncio.run(main())
+    text, turns = asyncio.run(render_counting_turns(registry, 0.0, 0.0))  # yield after every chunk
     assert text == generate_latest(registry)
     # every family's header and each SERIES_PER_CHUNK series is a chunk: the other task ran between them
     assert turns >= 2 * 10 + 4, turns
@@ -178,25 +178,12 @@ def test_the_workers_proc_reads_run_off_the_event_loop():
     registry = OrderedRegistry()
     registry.register(StateCollector(lambda: samples, slow_facts))
     read_on.clear()  # registering collected once, to learn the names
-    turns = 0
 
-    async def main() -> tuple[bytes, int]:
-        nonlocal turns
-        stop = asyncio.Event()
+    async def main() -> tuple[bytes, int, int]:
+        text, turns = await render_counting_turns(registry, SLICE_S, 0.001)
+        return text, turns, threading.get_ident()
 
-        async def other_work() -> None:
-            nonlocal turns
-            while not stop.is_set():
-                turns += 1
-                await asyncio.sleep(0.001)
-
-        task = asyncio.create_task(other_work())
-        text = await render_text(registry)
-        stop.set()
-        await task
-        return text, threading.get_ident()
-
-    text, loop_thread = asyncio.run(main())
+    text, turns, loop_thread = asyncio.run(main())
     assert read_on and loop_thread not in read_on
     assert text == generate_latest(registry)  # (this one reads on the caller's thread)
     assert turns >= 20, turns  # 5 reads of 20 ms: the loop ran on through them
