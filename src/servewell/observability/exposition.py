@@ -13,9 +13,10 @@ pool benchmark (a Prometheus scraping every 15 s would stall every model that of
   `SLICE_S` since it last did, so a request that arrives mid-scrape waits at most about one slice;
 * a collector with `collect_off_loop` (the per-model gauges, `StateCollector`) does its slow part
   (the workers' /proc reads) on a thread and says where it may be interrupted while it builds
-  its families (after each model); a gauge family of many
-  series is written `FAMILY_CHUNK` series at a time (the header once: what `generate_latest`
-  writes for a gauge is its header, then one line per series, so the pieces join to the same text).
+  its families (after each model);
+* a gauge family of many series is written `FAMILY_CHUNK` series at a time, its header once:
+  what `generate_latest` writes for a gauge is its header, then one line per series, so the
+  pieces join to the same text.
 
 The collectors come in registration order (`OrderedRegistry`), the order `generate_latest` uses,
 so the whole text is what `generate_latest(registry)` gives for the same state.
