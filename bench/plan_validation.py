@@ -48,6 +48,9 @@ P99_GOAL = 0.30
 #: of the time a replica is idle between requests, and pays for it: `ReplicaModel.idle_cost`).
 OPEN_SHARES = {"open": 0.5, "open20": 0.2}
 CLIENTS = 32
+#: The replicas' model workers run at servewell's default niceness (model.yaml `nice`): the curve says
+#: so, and the simulator weighs their batches by it on the shared cores.
+WORKER_NICE = 5
 #: Think times (ms) of the one-client calibration steps that measure what idleness costs.
 IDLE_MS = (2, 5, 20)
 
@@ -137,7 +140,8 @@ def run_round(name: str, work: Workload, fleets: dict[int, Fleet], bodies: list[
                      "server_cpu_ms_per_request": m["server_cpu_ms_per_request"]})
     curve: dict[str, Any] = {
         "tool": "servewell curve", "model": name, "cores": os.cpu_count(),
-        "settings": {"max_batch_size": work.max_batch_size, "policy": "idle", "instances": 1, "threads": 1},
+        "settings": {"max_batch_size": work.max_batch_size, "policy": "idle", "instances": 1, "threads": 1,
+                     "nice": WORKER_NICE},
         "points": points,
         "client_cpu_s_per_request": calibration_cpu,  # the load generator shared the replica's cores
         "idle": idle,
@@ -187,15 +191,21 @@ def predict(fit: FitResult, run: dict[str, Any], window_s: float, seed: int) -> 
             "p99_ms": (stats.p99_s or 0) * 1000, "server_cpu_ms": result.cpu_per_answer_s * 1000}
 
 
-def analyse(name: str, work: Workload, rounds: list[dict[str, Any]], logs: Path) -> list[dict[str, Any]]:
-    """Fit each round's curve, predict its runs; one row per (replicas, shape) with medians."""
+def analyse(name: str, work: Workload, rounds: list[dict[str, Any]], logs: Path,
+            worker_nice: int | None = None) -> list[dict[str, Any]]:
+    """Fit each round's curve, predict its runs; one row per (replicas, shape) with medians.
+    `worker_nice` models the workers at that niceness whatever the curve says (0: the simulator's
+    plain processor sharing, for comparing the models on the same rounds)."""
     from servewell.plan.curve import read_curves
     from servewell.plan.fit import NodeContext, fit_replica
     per_key: dict[tuple[int, str], list[tuple[dict[str, Any], dict[str, float]]]] = {}
     fits = []
     for r in rounds:
         path = logs / f"curve-{name}-r{r['round']}.json"
-        path.write_text(json.dumps(r["curve"], indent=1))
+        curve_doc = r["curve"]
+        if worker_nice is not None:
+            curve_doc = {**curve_doc, "settings": {**curve_doc.get("settings", {}), "nice": worker_nice}}
+        path.write_text(json.dumps(curve_doc, indent=1))
         curve = read_curves(path)[0]
         fit = fit_replica(curve, node=NodeContext(os.cpu_count() or 2, r["calibration_client_cpu_s_per_request"]),
                           seed=r["round"])
@@ -248,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="short windows, for developing the benchmark")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append", help="only these (repeatable)")
     parser.add_argument("--analyse-only", action="store_true", help="refit and predict the last measured rounds")
+    parser.add_argument("--worker-nice", type=int, choices=range(20), default=None, metavar="0-19",
+                        help="model the workers at this niceness, whatever the rounds measured (0: no weights)")
     parser.add_argument("--ingress-processes", type=int, default=None,
                         help="each replica's --ingress-processes (default: the server's, one per CPU)")
     args = parser.parse_args(argv)
@@ -283,9 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, rounds in measured_rounds.items():
         print(f"{name}: fitting and predicting ...", file=sys.stderr, flush=True)
-        rows += analyse(name, WORKLOADS[name], rounds, logs)
+        rows += analyse(name, WORKLOADS[name], rounds, logs, args.worker_nice)
     doc = {"started_at": started, "elapsed_s": round(time.time() - started, 1), "cpu_count": os.cpu_count(),
            "load_average_at_end": os.getloadavg(), "ingress_processes": args.ingress_processes,
+           "worker_nice_modelled": args.worker_nice if args.worker_nice is not None else WORKER_NICE,
            "goals": {"throughput": THROUGHPUT_GOAL, "p99": P99_GOAL},
            "rows": rows}
     (RESULTS / f"plan_validation{suffix}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")

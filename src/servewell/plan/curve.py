@@ -58,6 +58,10 @@ class CurveSettings:
     instances: int = 1
     threads: int = 1
     policy: str = DEFAULT_POLICY
+    #: the model workers' niceness (model.yaml `nice`, 5 by default), when the curve says: the fit then
+    #: weighs their batches by it on a shared node (`ReplicaModel.worker_nice`); None: every thread at
+    #: the same weight, as before curves said it
+    nice: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +153,7 @@ def _settings(raw: dict[str, Any], where: str) -> CurveSettings:
         instances=int(_number(raw.get("instances", 1), f"{where}.instances", low=1, high=1024)),
         threads=int(_number(raw.get("threads", 1), f"{where}.threads", low=1, high=1024)),
         policy=str(policy),
+        nice=None if raw.get("nice") is None else int(_number(raw["nice"], f"{where}.nice", high=19)),
     )
 
 

@@ -4,9 +4,9 @@ when answered), with faults and an autoscaler.
 
 What is modelled is `ReplicaModel`'s and `FleetSpec`'s docstrings; the parts are:
 `des_engine` (the event loop and the request flow), `des_pod` (a replica's state), `des_fleet`
-(pod lifecycle and the balancer's ready list), `des_node` (a shared machine, processor sharing),
-`des_control` (faults, autoscaler syncs, scrapes), `des_scaling` (what the autoscaler reads) and
-`des_result` (what a run reports).
+(pod lifecycle and the balancer's ready list), `des_node` (a shared machine, processor sharing
+weighted by niceness), `des_control` (faults, autoscaler syncs, scrapes), `des_scaling` (what the
+autoscaler reads) and `des_result` (what a run reports).
 
 Conventions a caller must know:
 - The load stops at its duration (no arrival, no closed-loop send at or after it); every request
@@ -26,17 +26,29 @@ What a request costs when it finds its replica idle is modelled from a table mea
 client that waits after each answer (`ReplicaModel.idle_cost`): at 20 % of the peak the tiny MLP's
 simulated CPU per request is 0.87x the measured with 1 to 3 replicas (0.60-0.81x without it).
 
-Not modelled (where predictions and measurements part, `bench.plan_validation`): the operating
-system's scheduling (a shared node is ideal processor sharing, every job at the same weight: model
-workers run at nice 5, and on 2 cores running a replica's sub-millisecond hops, HAProxy and the load
-generator, the tiny MLP's open-loop p99 near the node's capacity is underestimated 1.4x to 2.6x); a
-replica's own processes apart (ingress, engine and worker are one front loop and the batcher here:
-the front's per-wake-up cost and the answer's way back through it stand for the hand-offs); CPU per
-request that grows with the number of replicas sharing a node beyond what the wake-ups explain
-(measured with 32 clients: 0.51 ms with 1 MLP replica, 0.70 with 2 and 0.97 with 3, simulated 0.55,
-0.60 and 0.67: every replica is 4 Python processes, and 12 of them take turns on 2 cores); a replica
-kept busy whose processes are still evicted from the caches by the others' (the idle cost applies
-only to a replica with nothing in flight); pauses of a whole process (garbage collection,
+On a shared node a model worker's batch weighs what its niceness weighs in Linux's fair
+scheduler (`ReplicaModel.worker_nice`, from a curve that says its `settings.nice`; servewell's
+default nice 5 weighs 335/1024 of a front), so when the cores are contended a batch runs slower and
+the fronts faster than at equal weights. A curve that does not say is fitted at equal weights: on
+`bench/data/resnet50-curve.json` nice 5 fitted a front of 28.8 ms instead of 11.6 with a larger error
+(0.063 against 0.039), so the weights are not assumed where they were not measured. On the
+same 5 MLP rounds (2026-12-06, a slower and noisier hour than 2026-12-05's) it moved the simulated
+p99 towards the measured in 5 of the 6 closed and half-peak rows (1 replica at half the peak 0.53x
+-> 0.67x of the measured, 2 replicas 0.26x -> 0.40x, the 1-, 2- and 3-replica closed loops 0.93x ->
+1.01x, 0.60x -> 0.68x and 0.61x -> 0.79x; 3 replicas at half the peak stayed at 0.36x) and the 2-
+and 3-replica closed loops' throughput the wrong way (1.20x -> 1.26x, 1.24x -> 1.27x).
+
+Not modelled (where predictions and measurements part, `bench.plan_validation`): the rest of the
+operating system's scheduling (wake-up order and time slices: on 2 cores running a replica's
+sub-millisecond hops, HAProxy and the load generator, the tiny MLP's open-loop p99 at half the
+node's capacity is still underestimated 1.5x to 2.8x); a replica's own processes apart (ingress,
+engine and worker are one front loop and the batcher here: the front's per-wake-up cost and the
+answer's way back through it stand for the hand-offs); CPU per request that grows with the number
+of replicas sharing a node beyond what the wake-ups explain (measured with 32 clients on
+2026-12-05: 0.51 ms with 1 MLP replica, 0.70 with 2 and 0.97 with 3, simulated 0.55, 0.60 and
+0.67: every replica is 4 Python processes or more, and 12 of them take turns on 2 cores); a
+replica kept busy whose processes are still evicted from the caches by the others' (the idle cost
+applies only to a replica with nothing in flight); pauses of a whole process (garbage collection,
 housekeeping threads); connection set-up; network time beyond `balancer_s` and `overhead_s`; a
 client's own timeouts and retries (every request waits for its outcome).
 """

@@ -88,7 +88,7 @@ def _scrape(run: FleetRun, t: float, scrape_s: float) -> None:
 def _sync(run: FleetRun, t: float) -> None:
     probe = run.probe
     assert probe is not None
-    clock = t if run.node is None else run.node.clock(t)
+    clock = (t, t) if run.node is None else run.node.clock(t)
     desired = max(1, probe.sync(t, clock, run.fleet, run.desired))
     if desired > run.desired:
         create_pods(run, t, desired - run.desired)

@@ -25,7 +25,17 @@ import numpy as np
 
 from servewell.plan.des_control import handle_fleet_event, start_fleet_events
 from servewell.plan.des_fleet import PodFleet
-from servewell.plan.des_node import BATCH, CLIENT, EXTRA, FRONT, NodeJob, SharedNode
+from servewell.plan.des_node import (
+    BATCH,
+    BATCH_CLASS,
+    CLIENT,
+    EXTRA,
+    FRONT,
+    NORMAL_CLASS,
+    NodeJob,
+    SharedNode,
+    nice_weight,
+)
 from servewell.plan.des_pod import DRAINING, Pod
 from servewell.plan.des_result import ANSWERED, FAILED, REFUSED
 from servewell.plan.des_scaling import ScalingProbe
@@ -126,7 +136,7 @@ class FleetRun:
         self.batch_jit = self.front_jit
         self.balancer_draws = RandomDraws(balancer_gen.random)
         self.fault_gen = fault_gen
-        self.node = SharedNode(fleet.node_cores) if fleet.node_cores > 0 else None
+        self.node = SharedNode(fleet.node_cores, nice_weight(r.worker_nice)) if fleet.node_cores > 0 else None
         self.extra_cpu_s = fleet.balancer_cpu_s if self.node is not None else 0.0
         # the load generator on the same node is one process: each request waits for it to send
         self.client_cpu_s = fleet.client_cpu_s if self.node is not None else 0.0
@@ -315,7 +325,7 @@ class FleetRun:
 
     def _front_done(self, pod: Pod, t: float) -> None:
         rid = pod.front_rid
-        pod.busy_base += t if self.node is None else self.node.vtime
+        pod.busy_base += t if self.node is None else self.node.vtime(NORMAL_CLASS)
         pod.busy_threads -= 1
         queue = pod.front_queue
         if queue:
@@ -382,18 +392,18 @@ class FleetRun:
         self.replica_cpu_s += work * threads
         if node is None:
             pod.busy_base -= t * threads
-            pod.busy_threads += threads
+            pod.busy_threads_batch += threads
             heapq.heappush(self.heap, (t + work, next(self.seq), _BATCH_DONE, pod, batch))
         else:
             pod.busy_base -= node.add(t, NodeJob(BATCH, pod, batch, threads), work) * threads
-            pod.busy_threads += threads
+            pod.busy_threads_batch += threads
 
     def _batch_done(self, pod: Pod, batch: list[int], t: float) -> None:
         pod.running.remove(batch)
         pod.free += 1
         threads = self.threads
-        pod.busy_base += (t if self.node is None else self.node.vtime) * threads
-        pod.busy_threads -= threads
+        pod.busy_base += (t if self.node is None else self.node.vtime(BATCH_CLASS)) * threads
+        pod.busy_threads_batch -= threads
         if self.answers_cross_front:
             self._answers_to_front(pod, batch, t)
         else:

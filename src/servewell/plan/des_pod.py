@@ -32,6 +32,7 @@ class Pod:
     __slots__ = (
         "busy_base",
         "busy_threads",
+        "busy_threads_batch",
         "cpu_marks",
         "depth_samples",
         "free",
@@ -65,9 +66,12 @@ class Pod:
         self.free = instances  # instances not running a batch
         self.running: list[list[int]] = []
         self.timer_s = -1.0  # when the batcher's window timer is due (-1: none pending)
-        # CPU bookkeeping: busy CPU-seconds so far = busy_base + busy_threads * clock (see des_engine).
+        # CPU bookkeeping: busy CPU-seconds so far = busy_base + busy_threads * the front's clock
+        # + busy_threads_batch * the batches' clock (see des_engine; on a shared node each weight
+        # class has its own virtual clock, des_node).
         self.busy_base = 0.0
         self.busy_threads = 0
+        self.busy_threads_batch = 0
         self.cpu_marks: deque[tuple[float, float]] = deque()  # (time, busy CPU-seconds) at syncs
         self.depth_samples: deque[tuple[float, int]] = deque()  # (time, waiting) at scrapes
 
@@ -75,9 +79,10 @@ class Pod:
         """Requests waiting in the pod: the front's queue and the batcher's (servewell_queue_depth)."""
         return len(self.front_queue) + len(self.urgent) + len(self.normal)
 
-    def busy_cpu_s(self, clock: float) -> float:
-        """Busy CPU-seconds since the pod was created, with the run's CPU clock at `clock`."""
-        return self.busy_base + self.busy_threads * clock
+    def busy_cpu_s(self, clock: tuple[float, float]) -> float:
+        """Busy CPU-seconds since the pod was created, with the run's CPU clocks (front, batches) at
+        `clock`."""
+        return self.busy_base + self.busy_threads * clock[0] + self.busy_threads_batch * clock[1]
 
     def take_requests(self) -> list[int]:
         """Every request the pod holds, removed from it (the pod dies with them)."""

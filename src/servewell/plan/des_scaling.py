@@ -65,7 +65,7 @@ class ScalingProbe:
         self._wait_sum += wait_sum_s
         self._wait_n += requests
 
-    def sync(self, now: float, clock: float, fleet: PodFleet, current_replicas: int) -> int:
+    def sync(self, now: float, clock: tuple[float, float], fleet: PodFleet, current_replicas: int) -> int:
         """One sync at `now` (`clock`: the run's CPU clock then): the Deployment's new spec.replicas."""
         fleet_value: float | None = None
         if self.signal is ScalingSignal.CPU:
@@ -78,7 +78,7 @@ class ScalingProbe:
         sample = ScalingSample(current_replicas, values, fleet.starting(), fleet_value)
         return self.hpa.sync(now, sample)
 
-    def _cpu(self, pod: Pod, now: float, clock: float) -> float:
+    def _cpu(self, pod: Pod, now: float, clock: tuple[float, float]) -> float:
         busy = pod.busy_cpu_s(clock)
         marks = pod.cpu_marks
         start = now - self._cpu_window_s

@@ -141,7 +141,7 @@ def _candidate(curve: MeasuredCurve, bottleneck: str, other: float, efficiency: 
     return ReplicaModel(front_s=front_s, alpha_s=alpha, beta_s=beta, max_batch_size=batch,
                         max_wait_s=s.max_wait_s, instances=s.instances, threads=s.threads, max_queue=max_queue,
                         jitter_cv=jitter, front_fixed_s=front_s * fixed_per_request,
-                        front_out_share=out_share)
+                        front_out_share=out_share, worker_nice=s.nice or 0)
 
 
 def _scaled(replica: ReplicaModel, factor: float, overhead_s: float) -> ReplicaModel:

@@ -42,6 +42,11 @@ class ReplicaModel:
     20 ms idle takes 1.6 ms more and 1.3 ms more CPU than one sent as the last was answered (caches
     cold, every process of the chain woken from sleep), so a light open load costs far more per
     request than a busy closed loop. Empty: idleness costs nothing.
+
+    On a node shared with other work (`FleetSpec.node_cores`), a batch's threads get the CPU weight
+    of `worker_nice` (servewell runs model workers at nice 5 by default, model.yaml `nice`), the
+    front's and everything else's that of nice 0: when the cores are contended, a batch runs at about
+    a third of a front's share. 0: every thread at the same weight.
     """
 
     front_s: float
@@ -58,6 +63,7 @@ class ReplicaModel:
     front_fixed_s: float = 0.0  # the front's cost per wake-up of its loop, shared by the requests it finds
     front_out_share: float = 0.0  # of front_s and of each wake-up's cost, spent on the answer after the batch
     idle_cost: tuple[tuple[float, float, float], ...] = ()  # (idle_s, extra CPU s, extra delay s), idle_s rising
+    worker_nice: int = 0  # the model workers' niceness: their batches' CPU weight on a shared node (des_node)
 
     def idle_extra(self, idle_s: float) -> tuple[float, float]:
         """(extra CPU seconds, extra delay seconds) of a request that finds the replica idle for

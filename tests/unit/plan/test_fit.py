@@ -37,9 +37,15 @@ def test_the_fit_reproduces_a_curve_the_simulator_made(replica: ReplicaModel):
     curve = curve_of(replica)
     fit = fit_replica(curve, seed=1)
     assert fit.error < ROUGH_FIT_ERROR / 2, fit
+    assert fit.replica.worker_nice == 0  # the curve does not say its workers' niceness: no weights
     for point in fit.points:
         assert point.throughput_rps == pytest.approx(point.measured.throughput_rps, rel=0.15)
         assert math.log(point.p99_s / point.measured.p99_s) == pytest.approx(0, abs=0.35)
+
+
+def test_a_curve_that_says_its_workers_niceness_gives_it_to_the_fitted_replica():
+    curve = curve_of(ReplicaModel(front_s=0.0004, alpha_s=0.004, beta_s=0.0001, max_batch_size=32), (1, 8))
+    assert fit_replica(replace(curve, settings=replace(curve.settings, nice=5)), seed=1).replica.worker_nice == 5
 
 
 def test_when_the_closed_loop_cannot_tell_the_stages_apart_the_fit_keeps_the_slower_open_loop():

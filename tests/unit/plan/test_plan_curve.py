@@ -71,6 +71,13 @@ def test_plain_curve_file(tmp_path):
     assert curve.points[0].server_cpu_s is None  # not measured
 
 
+def test_a_curve_may_say_its_workers_niceness(tmp_path):
+    doc = {"tool": "servewell curve", "settings": {"max_batch_size": 4, "nice": 5}, "points": ladder((2, 10, 1, 2))}
+    assert read_curves(write(tmp_path, doc))[0].settings.nice == 5
+    del doc["settings"]["nice"]
+    assert read_curves(write(tmp_path, doc))[0].settings.nice is None  # not said: no weights
+
+
 def test_a_plain_curve_point_may_say_the_servers_cpu_per_request(tmp_path):
     points = ladder((1, 500, 1.6, 3.3), (32, 2700, 11.2, 24))
     points[0]["server_cpu_ms_per_request"] = 1.665
@@ -111,6 +118,8 @@ def test_a_curve_may_say_what_requests_cost_after_the_server_sat_idle(tmp_path):
     ({"tool": "servewell curve", "settings": {"policy": "fastest"}, "points": ladder((1, 5, 1, 2))}, "policy"),
     ({"tool": "servewell curve", "settings": {"max_batch_size": 10**9}, "points": ladder((1, 5, 1, 2))},
      "max_batch_size"),
+    ({"tool": "servewell curve", "settings": {"nice": 20}, "points": ladder((1, 5, 1, 2))}, "settings.nice"),
+    ({"tool": "servewell curve", "settings": {"nice": -1}, "points": ladder((1, 5, 1, 2))}, "settings.nice"),
     ({"tool": "servewell curve", "client_cpu_s_per_request": 2.0, "points": ladder((1, 5, 1, 2))},
      "client_cpu_s_per_request"),
     ({"tool": "servewell curve", "client_cpu_s_per_request": "x" * 10_000, "points": ladder((1, 5, 1, 2))},
