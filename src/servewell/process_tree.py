@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from servewell.child_process import ENGINE_DOOR_SOCKET, ENGINE_HTTP_SOCKET
+from servewell.cpu_limit import usable_cpus
 
 #: Most ingress processes chosen by default: past 8, one engine's event loop (envelopes in and
 #: out for every request) is the likelier limit; more can still be asked for.
@@ -39,17 +40,10 @@ _MAX_SOCKET_PATH = 100
 _PR_SET_PDEATHSIG = 1
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, which a container's cpuset narrows)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def ingress_process_count(configured: int | None, cpus: int | None = None) -> int:
     """How many ingress processes to run: `configured` when set (0: the single-process server),
-    else one per usable CPU, at least 1 and at most `DEFAULT_MAX_INGRESS_PROCESSES`."""
+    else one per usable CPU (`cpu_limit.usable_cpus`: the affinity mask, at most the container's
+    CPU limit rounded up), at least 1 and at most `DEFAULT_MAX_INGRESS_PROCESSES`."""
     if configured is not None:
         return configured
     return max(1, min(DEFAULT_MAX_INGRESS_PROCESSES, usable_cpus() if cpus is None else cpus))

@@ -46,7 +46,9 @@ from pathlib import Path
 
 from servewell.child_process import write_settings
 from servewell.config.server import ConfigSource, ServerConfig
+from servewell.cpu_limit import affinity_cpus, cpu_quota
 from servewell.process_tree import (
+    DEFAULT_MAX_INGRESS_PROCESSES,
     ENGINE_MODULE_ARGV,
     INGRESS_MODULE_ARGV,
     ListenError,
@@ -400,4 +402,9 @@ def _remove_stale_segments() -> int:
 def run(settings: ServerConfig, source: ConfigSource) -> int:
     """`servewell serve` with ingress processes: supervise until stopped; the exit status."""
     count = ingress_process_count(settings.ingress_processes)
+    if settings.ingress_processes is None:
+        quota = cpu_quota()
+        log.info("%d ingress processes by default: one per usable CPU (%d in this process's affinity mask, CPU "
+                 "limit %s), at most %d", count, affinity_cpus(),
+                 "none" if quota is None else f"{quota:g} from its control group", DEFAULT_MAX_INGRESS_PROCESSES)
     return asyncio.run(Supervisor(settings, source, ingress_processes=count).serve())

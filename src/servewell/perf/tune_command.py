@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import os
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ import orjson
 import yaml
 
 from servewell.config.model import ModelConfig
+from servewell.cpu_limit import usable_cpus
 from servewell.observability.process import tree_cpu_seconds
 from servewell.perf.bench_command import input_choice, parse_headers
 from servewell.perf.httpclient import fetch
@@ -64,14 +64,6 @@ REPEAT_SHARE = 0.25
 TYPICAL_STEPS = 3
 #: Seconds a step costs beyond its duration (connecting, the grace wait, the live change).
 STEP_OVERHEAD_S = 0.4
-
-
-def usable_cores() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 class TuneRunner:
@@ -258,7 +250,7 @@ def _prepare(args: argparse.Namespace) -> tuple[Path, dict[str, Any], SearchSpac
         raise ValueError(f"{model_dir / 'model.yaml'} is not valid: {exc}") from None
     parse_shape_overrides(args.shapes)
     parse_headers(args.headers)
-    cores = args.cores or usable_cores()
+    cores = args.cores or usable_cpus()  # the affinity mask, at most the container's CPU limit
     baseline = baseline_candidate(config)
     dtypes = [d for d in (args.dtypes.split(",") if args.dtypes else ("auto",)) if d] \
         if baseline.dtype is not None else []
