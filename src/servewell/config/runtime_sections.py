@@ -30,7 +30,8 @@ class OnnxSettings(StrictModel):
 
     spin_wait: bool | None = Field(
         None, description="Let idle intra-op threads spin between batches (lower latency, burns CPU); "
-        "default: only when instances x threads leave a core free.",
+        "default: only when instances x threads leave a core free (of the machine, at most its container's CPU "
+        "limit).",
     )
 
 

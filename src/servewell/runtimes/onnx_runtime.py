@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import numpy as np
 import onnxruntime as ort
 
 from servewell.config.model import ModelConfig, OnnxSettings, TensorSpec
+from servewell.cpu_limit import machine_cpus
 from servewell.runtimes.base import ModelLoadError, ProgressFn
 
 #: onnxruntime's element type names mapped to numpy; types numpy lacks (bfloat16, ...) are absent.
@@ -131,12 +131,14 @@ def load(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> OnnxRunt
     return OnnxRuntime(session, config, make_session, options)
 
 
-def spin_wait(config: ModelConfig) -> bool:
-    """Whether idle intra-op threads may spin: as `onnx.spin_wait` says, else only when a core stays free."""
+def spin_wait(config: ModelConfig, cpus: int | None = None) -> bool:
+    """Whether idle intra-op threads may spin: as `onnx.spin_wait` says, else only when a core stays
+    free of the machine's `cpus` (default `cpu_limit.machine_cpus`: a container's CPU limit counts,
+    since spinning threads spend its quota and get the whole container throttled)."""
     settings = config.onnx or OnnxSettings()
     if settings.spin_wait is not None:
         return settings.spin_wait
-    return config.instances * config.threads < (os.cpu_count() or 1)
+    return config.instances * config.threads < (machine_cpus() if cpus is None else cpus)
 
 
 def _providers(device: str, limit_bytes: int | None, progress: ProgressFn) -> list[str | tuple[str, dict[str, str]]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +11,9 @@ import pytest
 import torch
 
 from servewell.config.model import ModelConfig
+from servewell.cpu_limit import machine_cpus
 from servewell.runtimes import ModelLoadError, load_runtime
-from servewell.runtimes.onnx_runtime import cuda_provider_options
+from servewell.runtimes.onnx_runtime import cuda_provider_options, spin_wait
 from servewell.runtimes.warmup import warm_up
 
 # The legacy (TorchScript-based) exporter is the one that works without onnxscript; it warns
@@ -152,3 +154,26 @@ def test_corrupt_file_is_a_load_error(tmp_path: Path) -> None:
 def test_device_memory_limit_caps_the_cuda_providers_arena() -> None:
     assert cuda_provider_options("cuda:1", 2 << 30) == {"device_id": "1", "gpu_mem_limit": str(2 << 30)}
     assert cuda_provider_options("cuda", None) == {"device_id": "0"}
+
+
+@pytest.mark.parametrize(("instances", "threads", "cpus", "spins"), [
+    (1, 2, 64, True),  # a core stays free
+    (1, 2, 3, True),
+    (1, 3, 3, False),  # a container limited to 3 CPUs on a 64-core node: spinning would spend its quota
+    (2, 2, 3, False),
+])
+def test_intra_op_threads_spin_only_when_a_core_of_the_machine_or_its_cpu_limit_stays_free(
+        instances: int, threads: int, cpus: int, spins: bool):
+    assert spin_wait(make_config(instances=instances, threads=threads), cpus) is spins
+    # What model.yaml says wins either way.
+    assert spin_wait(make_config(instances=instances, threads=threads, onnx={"spin_wait": not spins}), cpus) is (
+        not spins)
+
+
+def test_the_machines_cpus_count_a_containers_cpu_limit(tmp_path: Path):
+    (tmp_path / "cgroup" / "ctr").mkdir(parents=True)
+    (tmp_path / "cgroup" / "cgroup.controllers").write_text("cpu\n")
+    (tmp_path / "cgroup" / "ctr" / "cpu.max").write_text("200000 100000\n")
+    (tmp_path / "cgroup-of-self").write_text("0::/ctr\n")
+    assert machine_cpus(tmp_path / "cgroup", tmp_path / "cgroup-of-self") == min(2, os.cpu_count() or 1)
+    assert machine_cpus(tmp_path / "none", tmp_path / "no-file") == (os.cpu_count() or 1)
