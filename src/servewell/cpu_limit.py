@@ -108,17 +108,17 @@ def affinity_cpus() -> int:
 def machine_cpus(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> int:
     """The machine's CPUs (`os.cpu_count()`, whatever the affinity mask), at most the control
     groups' CPU limit rounded up: how many cores this container's processes may keep busy together."""
-    cpus = os.cpu_count() or 1
-    quota = cpu_quota(cgroup_root, proc_cgroup)
-    if quota is not None:
-        cpus = min(cpus, math.ceil(quota - 1e-9))
-    return max(1, cpus)
+    return _within_limit(os.cpu_count() or 1, cgroup_root, proc_cgroup)
 
 
 def usable_cpus(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> int:
     """CPUs this process may use: its affinity mask, at most its control groups' CPU limit rounded up,
     at least 1."""
-    cpus = affinity_cpus()
+    return _within_limit(affinity_cpus(), cgroup_root, proc_cgroup)
+
+
+def _within_limit(cpus: int, cgroup_root: Path, proc_cgroup: Path) -> int:
+    """`cpus`, at most the control groups' CPU limit rounded up (half a CPU is still one), at least 1."""
     quota = cpu_quota(cgroup_root, proc_cgroup)
     if quota is not None:
         cpus = min(cpus, math.ceil(quota - 1e-9))
