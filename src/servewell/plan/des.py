@@ -31,22 +31,23 @@ scheduler (`ReplicaModel.worker_nice`, from a curve that says its `settings.nice
 default nice 5 weighs 335/1024 of a front), so when the cores are contended a batch runs slower and
 the fronts faster than at equal weights. A curve that does not say is fitted at equal weights: on
 `bench/data/resnet50-curve.json` nice 5 fitted a front of 28.8 ms instead of 11.6 with a larger error
-(0.063 against 0.039), so the weights are not assumed where they were not measured. On the
-same 5 MLP rounds (2026-12-06, a slower and noisier hour than 2026-12-05's) it moved the simulated
-p99 towards the measured in 5 of the 6 closed and half-peak rows (1 replica at half the peak 0.53x
--> 0.67x of the measured, 2 replicas 0.26x -> 0.40x, the 1-, 2- and 3-replica closed loops 0.93x ->
-1.01x, 0.60x -> 0.68x and 0.61x -> 0.79x; 3 replicas at half the peak stayed at 0.36x) and the 2-
-and 3-replica closed loops' throughput the wrong way (1.20x -> 1.26x, 1.24x -> 1.27x).
+(0.063 against 0.039), so the weights are not assumed where they were not measured.
+
+Validated (`bench.plan_validation --ingress-processes 1`, 2026-12-06): 1, 2 and 3 replicas of the
+tiny MLP and of ResNet-50 behind HAProxy on a 2-core VM, each replica with one ingress process, closed
+loops and open loops at 50 % and 20 % of the peak: all 18 runs within 20 % on throughput and 30 % on
+p99 with the weights (15 at equal weights: the MLP's open loops with 2 and 3 replicas miss).
 
 Not modelled (where predictions and measurements part, `bench.plan_validation`): the rest of the
 operating system's scheduling (wake-up order and time slices: on 2 cores running a replica's
 sub-millisecond hops, HAProxy and the load generator, the tiny MLP's open-loop p99 at half the
-node's capacity is still underestimated 1.5x to 2.8x); a replica's own processes apart (ingress,
-engine and worker are one front loop and the batcher here: the front's per-wake-up cost and the
-answer's way back through it stand for the hand-offs); CPU per request that grows with the number
-of replicas sharing a node beyond what the wake-ups explain (measured with 32 clients on
-2026-12-05: 0.51 ms with 1 MLP replica, 0.70 with 2 and 0.97 with 3, simulated 0.55, 0.60 and
-0.67: every replica is 4 Python processes or more, and 12 of them take turns on 2 cores); a
+node's capacity is underestimated 1.5x to 2.8x when each replica runs the default 2 ingress
+processes); a replica's own processes apart (ingress, engine and worker are one front loop and the
+batcher here: the front's per-wake-up cost and the answer's way back through it stand for the
+hand-offs, which holds for one ingress process per replica); CPU per request that grows with the
+number of processes taking turns on a node's cores beyond what the wake-ups explain (with 2 ingress
+processes per replica, 3 replicas are 15 processes on 2 cores, and the tiny MLP's CPU per request in
+a closed loop is 25-35 % above the simulated); a
 replica kept busy whose processes are still evicted from the caches by the others' (the idle cost
 applies only to a replica with nothing in flight); pauses of a whole process (garbage collection,
 housekeeping threads); connection set-up; network time beyond `balancer_s` and `overhead_s`; a
