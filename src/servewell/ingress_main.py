@@ -138,7 +138,9 @@ def build_ingress(settings: ServerConfig, run_dir: Path, index: int) -> tuple[AS
         tracing.set_sample_ratio(sample_ratio_or_default(fresh.trace_sample_ratio))
         logging.getLogger().setLevel(fresh.log_level.upper())
 
-    engine = RemoteEngine(str(run_dir / ENGINE_DOOR_SOCKET), index, apply_live, view_snapshot=console.view.snapshot)
+    engine = RemoteEngine(str(run_dir / ENGINE_DOOR_SOCKET), index, apply_live, view_snapshot=console.view.snapshot,
+                          shared_min_bytes=settings.shared_tensor_min_bytes,
+                          shared_limit_bytes=settings.shared_tensor_limit_bytes)
     decoder, pools = build_decoder(settings)
     plane = DataPlane(engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side), metrics,
                       tracing)

@@ -197,7 +197,9 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     if door_path is not None:
         door = EngineDoor(engine, door_path,
                           live=lambda: LiveSettings(reloader.settings, access.ring, access.default_rate_per_s),
-                          absorb=console.view.absorb, retire=console.view.retire)
+                          absorb=console.view.absorb, retire=console.view.retire,
+                          shared_min_bytes=settings.shared_tensor_min_bytes,
+                          shared_limit_bytes=settings.shared_tensor_limit_bytes)
         console.view.set_refresher(door.pull_views)  # /metrics, the console and alerts see every ingress
         if metrics is not None:
             run_dir = Path(door_path).parent

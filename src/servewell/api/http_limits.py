@@ -130,6 +130,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._body_bytes = 0
         self._pipeline_full = False  # the last request this connection may queue has been parsed
         self._deferred: tuple[Any, Any] | None = None  # (cycle, app) waiting for its body to be all in
+        self._deferred_chunks: list[bytes] = []  # its body so far (joined once: `+=` per chunk copied it all again)
         self._send_timer: asyncio.TimerHandle | None = None
 
     # Connection lifecycle
@@ -321,13 +322,18 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
         if self._deferred is not None and self._deferred[0] is self.cycle:
-            self.cycle.body += body  # bounded by its Content-Length (uvicorn would pause reading: nobody reads yet)
+            # Bounded by its Content-Length (uvicorn would pause reading: nobody reads yet).
+            self._deferred_chunks.append(body)
             return
         super().on_body(body)
 
     def on_message_complete(self) -> None:
+        deferred = self._deferred is not None and self._deferred[0] is self.cycle
+        if deferred:
+            chunks, self._deferred_chunks = self._deferred_chunks, []
+            self.cycle.body += chunks[0] if len(chunks) == 1 else b"".join(chunks)
         super().on_message_complete()
-        if self._deferred is not None and self._deferred[0] is self.cycle:
+        if deferred and self._deferred is not None:
             cycle, app = self._deferred
             self._deferred = None
             super()._start_asgi_task(cycle, app)

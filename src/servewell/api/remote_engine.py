@@ -55,6 +55,7 @@ from servewell.engine.envelope import (
 )
 from servewell.engine.lanes import resolve_lane
 from servewell.engine.protocol import ModelView, Readiness, RequestResult
+from servewell.engine.shared_tensors import Release, TensorLeases, TensorStore, ThreadSafeReleases, tensor_bytes
 from servewell.errors import EngineUnavailable, ModelNotReady, NotFound, ServeError, ShuttingDown, quote
 from servewell.observability.context import (
     BatchPlacement,
@@ -116,8 +117,14 @@ class RemoteEngine:
     `ServingEngine`)."""
 
     def __init__(self, path: str, index: int, on_live: Callable[[LiveSettings], None],
-                 view_snapshot: Callable[[], Any] | None = None) -> None:
+                 view_snapshot: Callable[[], Any] | None = None, *, shared_min_bytes: int = 32768,
+                 shared_limit_bytes: int = 0) -> None:
         self._path = path
+        self._shared_min = max(1, shared_min_bytes)
+        # Request tensors of `shared_min` bytes or more go to the engine in this process's shared memory.
+        self._inputs = TensorStore(shared_limit_bytes) if shared_limit_bytes > 0 else None
+        self._leases: TensorLeases | None = None  # results' tensors in the engine's memory (after its Hello)
+        self._releases: ThreadSafeReleases | None = None
         self._index = index
         self._source = f"ingress-{index}-{os.getpid()}"
         self._on_live = on_live
@@ -148,9 +155,12 @@ class RemoteEngine:
             await _either(stop, lost)
         if self._writer is not None:
             self._writer.transport.close()
+        if self._inputs is not None:
+            self._inputs.close()
 
     def _on_open(self, transport: asyncio.Transport) -> None:
         self._writer = FrameWriter(transport)
+        self._releases = ThreadSafeReleases(asyncio.get_running_loop(), self._released)
         self._writer.send(Hello(self._source, self._index, os.getpid()))
         log.info("connected to the engine", extra={"event": "engine_connected"})
 
@@ -158,6 +168,11 @@ class RemoteEngine:
         if self._writer is None:
             return
         self._writer, self._table = None, None
+        if self._inputs is not None:
+            self._inputs.abandon()  # the engine may still read them: unlink, never reuse
+        if self._leases is not None:
+            self._leases.close()
+        self._leases, self._releases = None, None
         failure = EngineUnavailable(_NO_ENGINE)
         for future in self._pending.values():
             if not future.done():
@@ -179,12 +194,23 @@ class RemoteEngine:
             placement = self._placements.pop(message.call_id, None)
             if placement is not None and message.placement is not None:
                 _copy_placement(message.placement, placement)
+            result = message.result
+            if message.shared is not None:
+                result = self._shared_outputs(message)
             if future is None or future.done():
                 return
             if message.error is not None:
                 future.set_exception(message.error)
+            elif result is None:
+                future.set_exception(EngineUnavailable("the engine's answer could not be read; retry"))
             else:
-                future.set_result(message.result)  # type: ignore[arg-type]
+                future.set_result(result)
+        elif isinstance(message, Release):
+            if self._inputs is not None:
+                self._inputs.release(message.blocks)
+        elif isinstance(message, Hello):
+            if isinstance(message.pid, int) and self._releases is not None:
+                self._leases = TensorLeases(message.pid, self._releases)
         elif isinstance(message, ModelTable):
             self._table = message if self._table is None else self._table.merged(message)
             self.connected_once.set()
@@ -205,6 +231,26 @@ class RemoteEngine:
                     ask.set_exception(message.error)
                 else:
                     ask.set_result(message.result)
+
+    def _shared_outputs(self, outcome: Outcome) -> RequestResult | None:
+        """The outcome's result with its outputs read in place from the engine's shared memory
+        (None, logged, when they cannot be: the block is released all the same)."""
+        shared = outcome.shared
+        assert shared is not None
+        if self._leases is None:
+            if self._writer is not None:
+                self._writer.send(Release((shared.block,)))
+            return None
+        try:
+            outputs = self._leases.arrays(shared)
+        except ValueError as exc:
+            log.error("could not read a result's tensors from the engine's shared memory: %s", exc)
+            return None
+        return dataclasses.replace(outcome.result, outputs=outputs) if outcome.result is not None else None
+
+    def _released(self, blocks: tuple[int, ...]) -> None:
+        if self._writer is not None:
+            self._writer.send(Release(blocks))
 
     # --- the data plane --------------------------------------------------------------------
 
@@ -233,9 +279,12 @@ class RemoteEngine:
             .get_span_context()
         traceparent = traceparent_of(span_context) if span_context.is_valid and span_context.trace_flags.sampled \
             else None
-        writer.send(Envelope(call_id, model, version, lane, deadline, arrived_at, request_id, inputs,
-                             tenant=client_var.get() or None, traceparent=traceparent,
-                             route_key=route_key_var.get()))
+        shared = None
+        if self._inputs is not None and tensor_bytes(inputs) >= self._shared_min:
+            shared = self._inputs.put(inputs)  # None: inline after all (objects, or the store is full)
+        writer.send(Envelope(call_id, model, version, lane, deadline, arrived_at, request_id,
+                             inputs if shared is None else {}, tenant=client_var.get() or None,
+                             traceparent=traceparent, route_key=route_key_var.get(), shared=shared))
         future.add_done_callback(lambda f: self._cancelled(call_id) if f.cancelled() else None)
         return future
 

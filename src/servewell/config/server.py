@@ -297,6 +297,17 @@ class ServerConfig(BaseModel):
         "most 8; 0: everything in one process, no supervisor.",
     )
 
+    shared_tensor_min_bytes: int = Field(
+        32768, ge=0, description="Between an ingress process and the engine, a request's input tensors (and a "
+        "result's outputs) of at least this many bytes travel in shared memory, written once and read in place; "
+        "smaller ones inline in the message, where copying costs less than the bookkeeping.",
+    )
+    shared_tensor_limit_bytes: int = Field(
+        64 << 20, ge=0, description="Most shared memory each ingress process (for inputs) and the engine, per "
+        "ingress (for outputs), holds for such tensors; past it, or while less than half of /dev/shm would stay "
+        "free, they go inline. 0: always inline.",
+    )
+
     @field_validator("admin_token")
     @classmethod
     def _admin_token_not_blank(cls, value: str | None) -> str | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -53,6 +54,14 @@ from servewell.engine.envelope import (
     ViewReply,
 )
 from servewell.engine.protocol import RequestResult
+from servewell.engine.shared_tensors import (
+    Release,
+    SharedTensors,
+    TensorLeases,
+    TensorStore,
+    ThreadSafeReleases,
+    tensor_bytes,
+)
 from servewell.errors import ModelError, ServeError, quote
 from servewell.observability.context import (
     BatchPlacement,
@@ -97,13 +106,27 @@ def _fingerprint(entry: ModelEntrySummary) -> tuple[Any, ...]:
 class _Ingress:
     """One connected ingress process."""
 
-    __slots__ = ("writer", "pending", "source", "closed")
+    __slots__ = ("writer", "pending", "source", "closed", "leases", "releases", "outputs")
 
-    def __init__(self, writer: FrameWriter) -> None:
+    def __init__(self, writer: FrameWriter, limit_bytes: int) -> None:
         self.writer = writer
         self.pending: dict[int, asyncio.Future[RequestResult]] = {}
         self.source = ""
         self.closed = False
+        self.leases: TensorLeases | None = None  # its request tensors in its shared memory (after Hello)
+        self.releases = ThreadSafeReleases(asyncio.get_running_loop(), self._released)
+        self.outputs = TensorStore(limit_bytes) if limit_bytes > 0 else None  # results' tensors it reads in place
+
+    def _released(self, blocks: tuple[int, ...]) -> None:
+        if not self.closed:
+            self.writer.send(Release(blocks))
+
+    def close(self) -> None:
+        self.closed = True
+        if self.leases is not None:
+            self.leases.close()
+        if self.outputs is not None:
+            self.outputs.abandon()  # it may still read them: never reuse, unlink
 
 
 class EngineDoor:
@@ -111,8 +134,11 @@ class EngineDoor:
 
     def __init__(self, engine: InferenceEngine, path: str, live: Callable[[], LiveSettings],
                  absorb: Callable[[str, Any], object] | None = None,
-                 retire: Callable[[str], None] | None = None) -> None:
+                 retire: Callable[[str], None] | None = None, *, shared_min_bytes: int = 32768,
+                 shared_limit_bytes: int = 0) -> None:
         self._engine = engine
+        self._shared_min = shared_min_bytes
+        self._shared_limit = shared_limit_bytes
         self._path = path
         self._live = live
         self._absorb = absorb
@@ -177,9 +203,10 @@ class EngineDoor:
         box: list[_Ingress] = []
 
         def opened(transport: asyncio.Transport) -> None:
-            ingress = _Ingress(FrameWriter(transport))
+            ingress = _Ingress(FrameWriter(transport), self._shared_limit)
             box.append(ingress)
             self._ingresses.add(ingress)
+            ingress.writer.send(Hello("engine", -1, os.getpid()))
             ingress.writer.send(model_table(self._engine))
             ingress.writer.send(self._live())
 
@@ -195,6 +222,9 @@ class EngineDoor:
     def _on_message(self, ingress: _Ingress, message: Any) -> None:
         if isinstance(message, Envelope):
             self._on_envelope(ingress, message)
+        elif isinstance(message, Release):
+            if ingress.outputs is not None:
+                ingress.outputs.release(message.blocks)
         elif isinstance(message, Cancel):
             future = ingress.pending.get(message.call_id)
             if future is not None:
@@ -212,6 +242,8 @@ class EngineDoor:
             self._on_control(ingress, message)
         elif isinstance(message, Hello):
             ingress.source = message.source
+            if isinstance(message.pid, int) and ingress.leases is None:
+                ingress.leases = TensorLeases(message.pid, ingress.releases)
             log.info("ingress %d (pid %d) connected", message.index, message.pid,
                      extra={"event": "ingress_connected", "ingress": message.index, "pid": message.pid})
         else:
@@ -266,7 +298,8 @@ class EngineDoor:
         if envelope.traceparent:
             trace_token = otel_context.attach(extract({"traceparent": envelope.traceparent}))
         try:
-            future = self._engine.submit(envelope.model, envelope.version, envelope.inputs, lane=envelope.lane,
+            inputs = envelope.inputs if envelope.shared is None else self._shared_inputs(ingress, envelope.shared)
+            future = self._engine.submit(envelope.model, envelope.version, inputs, lane=envelope.lane,
                                          deadline=envelope.deadline, request_id=envelope.request_id,
                                          arrived_at=envelope.arrived_at)
         except ServeError as exc:
@@ -286,6 +319,18 @@ class EngineDoor:
         ingress.pending[envelope.call_id] = future
         future.add_done_callback(partial(self._answer, ingress, envelope.call_id, placement))
 
+    @staticmethod
+    def _shared_inputs(ingress: _Ingress, shared: SharedTensors) -> dict[str, Any]:
+        """The envelope's inputs, read in place from the ingress's shared memory."""
+        if ingress.leases is None:  # no Hello yet: whose memory this is cannot be checked
+            ingress.writer.send(Release((shared.block,)))
+            raise ServeError("shared tensors from an ingress that has not said who it is")
+        try:
+            return ingress.leases.arrays(shared)
+        except ValueError as exc:
+            log.error("refused shared tensors from ingress %s: %s", ingress.source, exc)
+            raise ServeError(f"the request's tensors could not be read from shared memory: {exc}") from None
+
     def _answer(self, ingress: _Ingress, call_id: int, placement: BatchPlacement,
                 future: asyncio.Future[RequestResult]) -> None:
         ingress.pending.pop(call_id, None)
@@ -293,7 +338,13 @@ class EngineDoor:
             return  # a cancel from the ingress: it answered its client already
         error = future.exception()
         if error is None:
-            ingress.writer.send(Outcome(call_id, result=future.result(), placement=placement))
+            result = future.result()
+            shared = None
+            if ingress.outputs is not None and tensor_bytes(result.outputs) >= max(1, self._shared_min):
+                shared = ingress.outputs.put(result.outputs)
+                if shared is not None:
+                    result = dataclasses.replace(result, outputs={})
+            ingress.writer.send(Outcome(call_id, result=result, placement=placement, shared=shared))
         elif isinstance(error, ServeError):
             ingress.writer.send(Outcome(call_id, error=error, placement=placement))
         else:
@@ -302,7 +353,7 @@ class EngineDoor:
     def _on_lost(self, ingress: _Ingress, exc: BaseException | None) -> None:
         if ingress.closed:
             return
-        ingress.closed = True
+        ingress.close()
         self._ingresses.discard(ingress)
         for future in list(ingress.pending.values()):
             future.cancel()  # its client is gone with its ingress: drop what has not run

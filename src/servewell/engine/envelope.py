@@ -17,6 +17,11 @@ message written while the event loop runs one step goes out in one frame (`Frame
 under load many envelopes or outcomes share one write and one read. Pickle is safe here for
 the same reason it is on the worker pipes: both ends are servewell processes of one server,
 and the socket lives in the supervisor's private (0700) run directory.
+
+Tensors of `shared_tensor_min_bytes` or more do not travel in the frame: the envelope (inputs)
+or the outcome (outputs) carries a `SharedTensors` reference to a block of its sender's shared
+memory, and the receiver answers `Release` when it no longer uses it (`engine/shared_tensors.py`).
+Both sides say `Hello` first, with the pid their segments are named after.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import numpy as np
 
 from servewell.config.model import ModelConfig
 from servewell.engine.protocol import Readiness, RequestResult
+from servewell.engine.shared_tensors import SharedTensors
 from servewell.errors import ServeError
 from servewell.observability.context import BatchPlacement
 
@@ -56,6 +62,7 @@ class Envelope:
     tenant: str | None = None  # the API key id, when keys are required
     traceparent: str | None = None  # W3C trace context of the request's span in the ingress
     route_key: str = ""  # the client's X-Route-Key: keeps it on one version of a traffic split
+    shared: SharedTensors | None = None  # the inputs in the ingress's shared memory (then `inputs` is empty)
 
 
 @dataclass(slots=True)
@@ -66,6 +73,7 @@ class Outcome:
     result: RequestResult | None = None
     error: ServeError | None = None
     placement: BatchPlacement | None = None  # the batch it ran in, for the ingress's logs and console
+    shared: SharedTensors | None = None  # the result's outputs in the engine's shared memory (`outputs` empty)
 
 
 @dataclass(slots=True, frozen=True)
@@ -154,11 +162,12 @@ class ViewReply:
 
 @dataclass(slots=True, frozen=True)
 class Hello:
-    """The first message of an ingress connection: who it is."""
+    """The first message each side of a door connection sends: who it is (the engine's `source` is
+    "engine", index -1)."""
 
     source: str  # e.g. "ingress-0-1234": names its share of the metrics
     index: int
-    pid: int
+    pid: int  # its shared-memory segments are named after it (`engine/shared_tensors.py`)
 
 
 @dataclass(slots=True, frozen=True)

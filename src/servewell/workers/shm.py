@@ -15,6 +15,7 @@ frontend sweeps by prefix, so nothing needs a tracker.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import math
 import mmap
@@ -59,6 +60,7 @@ class Segment:
         try:
             if create:
                 os.ftruncate(fd, size)
+                _reserve(fd, size)
             else:
                 size = os.fstat(fd).st_size
             self._map = mmap.mmap(fd, size)
@@ -87,6 +89,30 @@ class Segment:
     def unlink(self) -> None:
         """Remove the name; processes that mapped it keep their mapping."""
         remove_segment(self.name)
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Give the segment its memory now. A tmpfs that is full (a container's /dev/shm is often
+    64-256 MiB) then fails here with `OSError` (ENOSPC), where a mapping that only ftruncate sized
+    would kill the process with SIGBUS at the first write to a page it cannot get."""
+    if size <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # no fallocate here: as before
+            raise
+
+
+def shm_free_fraction(size: int) -> float:
+    """The fraction of the shared-memory filesystem that would still be free after `size` more
+    bytes (1.0 when it cannot be told)."""
+    try:
+        stat = os.statvfs(shm_directory())
+    except OSError:
+        return 1.0
+    total = stat.f_blocks * stat.f_frsize
+    return 1.0 if total <= 0 else (stat.f_bavail * stat.f_frsize - size) / total
 
 
 def remove_segment(name: str) -> bool:

@@ -106,3 +106,32 @@ def test_arrays_of_python_objects_are_refused(arena):
     with pytest.raises(TypeError, match=r"\['s'\] hold Python objects"):
         arena.views({"s": ((2,), np.dtype(object))})
     assert arena.write({"x": np.ones(2, np.float32)})  # numbers still go through
+
+
+def test_a_new_segment_has_its_memory_reserved_so_a_full_dev_shm_fails_at_creation_not_with_sigbus() -> None:
+    from servewell.workers.shm import Segment, new_prefix, shm_directory
+
+    name = new_prefix() + "-reserved"
+    segment = Segment(name, 4 << 20, create=True)
+    try:
+        # Blocks allocated up front (posix_fallocate), not only a size (ftruncate leaves a sparse file).
+        assert (shm_directory() / name).stat().st_blocks * 512 >= 4 << 20
+    finally:
+        segment.close()
+        segment.unlink()
+
+
+def test_a_full_filesystem_refuses_the_segment_with_an_os_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    from servewell.workers import shm
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    name = shm.new_prefix() + "-full"
+    with pytest.raises(OSError):
+        shm.Segment(name, 1 << 20, create=True)
+    assert not (shm.shm_directory() / name).exists()  # nothing left behind

@@ -278,14 +278,14 @@ def encode_infer_response(
 ) -> tuple[bytes, int | None]:
     """Render the response; returns (body, json_header_length or None when all-JSON)."""
     tensors: list[dict[str, Any]] = []
-    blobs: list[bytes] = []
+    blobs: list[bytes | memoryview] = []
     for name, array in outputs.items():
         datatype = NUMPY_TO_OIP.get(array.dtype.name, "BYTES" if array.dtype == object else None)
         if datatype is None:
             raise InvalidInput(f"output {quote(name)} has dtype {array.dtype}, which the protocol cannot carry")
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if name in binary:
-            blob = _to_binary(array, datatype)
+            blob = _binary_view(array, datatype)
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         elif datatype == "BYTES":
@@ -301,7 +301,17 @@ def encode_infer_response(
     header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
         return header, None
-    return header + b"".join(blobs), len(header)
+    return b"".join((header, *blobs)), len(header)  # the one copy of the tensors' bytes
+
+
+def _binary_view(array: np.ndarray, datatype: str) -> bytes | memoryview:
+    """An output's bytes for the binary extension, as a view of the array where it already is
+    little-endian and contiguous (the body's join is then their only copy: a result read in place
+    from the engine's shared memory goes from there into the body)."""
+    if datatype == "BYTES" or array.size == 0:
+        return _to_binary(array, datatype)
+    contiguous = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    return memoryview(contiguous.data).cast("B")
 
 
 def _to_binary(array: np.ndarray, datatype: str) -> bytes:
