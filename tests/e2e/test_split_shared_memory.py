@@ -6,6 +6,7 @@ segment behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -129,3 +130,31 @@ def test_an_ingress_killed_with_blocks_leaves_no_segment_and_serving_goes_on(
 
     eventually(replaced, 30, "the killed ingress process was not replaced")
     assert all(len(_json(shared, row)) == 10 for row in ROWS[:8])
+
+
+def test_a_large_body_arriving_in_many_pieces_is_read_whole_and_in_order(
+        servers: tuple[ServerProcess, ServerProcess]) -> None:
+    import socket
+    import time
+
+    shared, inline = servers
+    row = ROWS[5]
+    expected = _json(inline, row)
+    doc = {"inputs": [{"name": "input", "shape": list(row.shape), "datatype": "FP32",
+                       "data": row.reshape(-1).tolist()}]}
+    # 300 kB, the document between runs of whitespace (JSON allows it): a piece lost or out of
+    # order fails the parse or changes the answer.
+    body = b" " * 150_000 + json.dumps(doc).encode() + b"\n" * 150_000
+    host, port = shared.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(f"POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
+        for start in range(0, len(body), 16_384):
+            sock.sendall(body[start:start + 16_384])
+            time.sleep(0.002)  # separate reads on the server's side
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert json.loads(payload)["outputs"][0]["data"] == expected

@@ -130,7 +130,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._body_bytes = 0
         self._pipeline_full = False  # the last request this connection may queue has been parsed
         self._deferred: tuple[Any, Any] | None = None  # (cycle, app) waiting for its body to be all in
-        self._deferred_chunks: list[bytes] = []  # its body so far (joined once: `+=` per chunk copied it all again)
+        # Its body so far: the first chunk as it came, a bytearray from the second on (`bytes +=` per
+        # chunk copied the whole body again each time; a list would cost an object per tiny chunk).
+        self._deferred_body: bytes | bytearray = b""
         self._send_timer: asyncio.TimerHandle | None = None
 
     # Connection lifecycle
@@ -323,15 +325,21 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._body_bytes += len(body)
         if self._deferred is not None and self._deferred[0] is self.cycle:
             # Bounded by its Content-Length (uvicorn would pause reading: nobody reads yet).
-            self._deferred_chunks.append(body)
+            held = self._deferred_body
+            if not held:
+                self._deferred_body = body
+            elif isinstance(held, bytearray):
+                held += body
+            else:
+                self._deferred_body = bytearray(held) + body
             return
         super().on_body(body)
 
     def on_message_complete(self) -> None:
         deferred = self._deferred is not None and self._deferred[0] is self.cycle
         if deferred:
-            chunks, self._deferred_chunks = self._deferred_chunks, []
-            self.cycle.body += chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            held, self._deferred_body = self._deferred_body, b""
+            self.cycle.body += held if isinstance(held, bytes) else bytes(held)
         super().on_message_complete()
         if deferred and self._deferred is not None:
             cycle, app = self._deferred
