@@ -214,8 +214,10 @@ def segments(owners: Iterable[int]) -> dict[str, int]:
 
 
 def owners(root: int) -> list[int]:
-    """The pids whose names the server's segments carry: the root and its engine process (if split)."""
-    return [root, *tree_roles(root).get(ENGINE, [])]
+    """The pids whose names the server's segments carry: the root, and a split server's engine and
+    ingress processes (the ingress processes hold their requests' large tensors)."""
+    roles = tree_roles(root)
+    return [root, *(pid for role, pids in roles.items() if role == ENGINE or role.startswith(INGRESS) for pid in pids)]
 
 
 # -- answers --------------------------------------------------------------------------------------

@@ -172,7 +172,10 @@ async def kill_ingress(suite: Suite, server: ServerProcess) -> None:
     # answer (as HTTP clients do for a keep-alive race): the killed ingress's in-flight requests
     # mostly show up here, answered by a surviving ingress, not as errors.
     retries = sum(c.retries for r in run.recorders.values() for c in r.connections)
-    suite.record("kill-9-ingress", run, {"in_flight_window_s": IN_FLIGHT_WINDOW_S, "client_resends": retries},
+    # The killed ingress's shared-memory tensor blocks (ResNet-50's decoded images are 588 KiB) go
+    # with it: the supervisor sweeps them when it reaps the process.
+    suite.record("kill-9-ingress", run, {"in_flight_window_s": IN_FLIGHT_WINDOW_S, "client_resends": retries,
+                                         "leaked_segments": segments([victim])["count"]},
                  excused=_in_flight_on_kill(killed_at))
 
 

@@ -94,8 +94,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
+    from servewell.cpu_limit import affinity_cpus, cpu_quota, usable_cpus
     from servewell.engine.memory_budget import machine_memory_budget
-    from servewell.repository_report import available_cpus, render, report_repository
+    from servewell.repository_report import available_cpus, cpu_warning, render, report_repository
     from servewell.server import builtin_repository
 
     settings = _settings(args)
@@ -110,7 +111,10 @@ def _cmd_models(args: argparse.Namespace) -> int:
     source = "--memory-budget-bytes" if settings.memory_budget_bytes else "default: a share of the memory available now"
     reports = report_repository(repository, budget, available_cpus(), check_factories=not args.no_factory_check,
                                 check_graphs=not args.no_graph_check)
-    print(render(repository, budget, source, reports))
+    quota = cpu_quota()
+    why = f"{affinity_cpus()} in its affinity mask" + (f", CPU limit {quota:g} from its control group" if quota else "")
+    warning = cpu_warning(reports, usable_cpus(), why)
+    print(render(repository, budget, source, reports, [warning] if warning else []))
     return 1 if any(report.status != "ok" for report in reports) else 0
 
 

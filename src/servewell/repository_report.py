@@ -50,6 +50,7 @@ class ModelReport:
     refused: str | None = None
     settings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    cpu_threads: int = 0  # instances x threads of a model on the CPU (0 for a GPU model or a pipeline)
 
     @property
     def status(self) -> str:
@@ -103,6 +104,8 @@ def report_repository(
         else:
             reserved += estimate.total_bytes
         report.settings = effective_settings(config, f"~{_mib(estimate.total_bytes)} ({estimate.basis})")
+        if config.kind != "pipeline" and config.device == "cpu":
+            report.cpu_threads = config.instances * config.threads
     return reports
 
 
@@ -291,10 +294,23 @@ def available_cpus() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
-def render(root: Path, budget_bytes: int, budget_source: str, reports: list[ModelReport]) -> str:
-    """The text `servewell models` prints."""
+def cpu_warning(reports: list[ModelReport], cpus: int, why: str) -> str | None:
+    """A warning when the CPU models that would serve have more worker threads than the `cpus`
+    this server may use (`why`: where that number comes from), else None."""
+    threads = sum(report.cpu_threads for report in reports if report.status == "ok")
+    if threads <= cpus:
+        return None
+    return (f"warning: the CPU models' worker threads add up to {threads} (instances x threads), more than the {cpus} "
+            f"CPU(s) this server may use ({why}): their batches will take turns on the cores and every model's "
+            "latency grows with the others' load; lower threads or instances, or give the server more CPUs")
+
+
+def render(root: Path, budget_bytes: int, budget_source: str, reports: list[ModelReport],
+           warnings: Iterable[str] = ()) -> str:
+    """The text `servewell models` prints (`warnings`: lines about the whole repository)."""
     width = max([20] + [len(r.name) for r in reports])
     lines = [f"model repository {root}: {len(reports)} model(s); memory budget {_mib(budget_bytes)} ({budget_source})"]
+    lines += [f"  {line}" for line in warnings]
     for report in reports:
         head = f"  {report.name:<{width}} {report.status:<8} "
         body = report.problems + ([report.refused] if report.refused else []) + report.settings + report.notes

@@ -113,3 +113,21 @@ def test_the_versions_a_traffic_split_names_are_checked_as_the_server_reads_them
     assert report.problems[0].startswith("version '3': its inputs") and "differ from stable version '1'" in \
         report.problems[0]
     assert report.problems[1].startswith("version '4': ") and "missing" in report.problems[1]
+
+
+def test_more_cpu_worker_threads_than_usable_cpus_is_a_warning_for_the_whole_repository(tmp_path: Path) -> None:
+    from servewell.repository_report import cpu_warning
+
+    onnx_model(tmp_path, "a", instances=2, threads=2)
+    onnx_model(tmp_path, "b", threads=1)
+    onnx_model(tmp_path, "gpu", device="cuda", threads=8)  # its threads feed a GPU: not counted
+    onnx_model(tmp_path, "broken", threads=64, max_batch_size="lots")  # would not serve: not counted
+    reports = report_repository(tmp_path, 1 << 40, {0, 1}, check_graphs=False)
+    assert [r.cpu_threads for r in reports if r.status == "ok"] == [4, 1, 0]
+    assert cpu_warning(reports, 5, "x") is None
+    warning = cpu_warning(reports, 3, "4 in its affinity mask, CPU limit 2.5 from its control group")
+    assert warning is not None
+    assert warning.startswith("warning: the CPU models' worker threads add up to 5 (instances x threads), more than "
+                              "the 3 CPU(s) this server may use (4 in its affinity mask, CPU limit 2.5")
+    text = render(tmp_path, 1 << 40, "test", reports, [warning])
+    assert text.splitlines()[1] == "  " + warning  # right under the header, before the models
