@@ -18,7 +18,8 @@ Anything else is refused with `ValueError`, and the block is still released.
 
 Blocks come in power-of-two size classes carved from segments of `segment_bytes` and reused
 through one free list per class; a block larger than a segment gets a segment of its own,
-unlinked when it is released. The store never holds more than `limit_bytes` of segments, and
+unlinked when it is released; when no block is in use the store keeps one segment and unlinks
+the rest, so a burst does not hold its peak. The store never holds more than `limit_bytes` of segments, and
 takes a new one only while half of /dev/shm stays free (a container's is often 64-256 MiB, and
 the workers' batch arenas need it); past either, `put` returns None and the message carries its
 tensors inline, as small ones always do. Segments get their memory when made (`workers/shm.py`),
@@ -158,6 +159,21 @@ class TensorStore:
                 segment.unlink()
             else:
                 self._free.setdefault(size_class, []).append((segment, offset))
+        if not self._blocks and len(self._segments) > 1:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Nothing is in use: keep the segment blocks are carved from now and unlink the others,
+        so a burst does not hold its peak of /dev/shm (a pod's memory) for ever."""
+        keep = self._current
+        for segment in self._segments:
+            if segment is not keep:
+                self._mapped -= segment.size
+                segment.close()
+                segment.unlink()
+        self._segments = [keep] if keep is not None else []
+        self._free = {size: kept for size, blocks in self._free.items()
+                      if (kept := [block for block in blocks if block[0] is keep])}
 
     def abandon(self) -> None:
         """The reader is gone: unlink every segment (a reader that still maps one keeps its

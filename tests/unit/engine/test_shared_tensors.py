@@ -232,3 +232,26 @@ def test_a_store_leaves_half_of_dev_shm_to_the_workers_batches(monkeypatch: pyte
         assert store.put({"x": np.ones(1000, np.float32)}) is not None
     finally:
         store.close()
+
+
+def test_after_a_burst_the_store_keeps_one_segment_and_unlinks_the_rest() -> None:
+    store = TensorStore(limit_bytes=64 << 20, segment_bytes=1 << 20)
+    try:
+        burst = [store.put({"x": np.ones(100_000, np.float32)}) for _ in range(12)]  # 512 KiB blocks: 6 segments
+        assert all(b is not None for b in burst)
+        names = {b.segment for b in burst if b is not None}
+        assert len(names) == 6 and store.mapped_bytes == 6 << 20
+        store.release(tuple(b.block for b in burst[:-1] if b is not None))
+        assert store.mapped_bytes == 6 << 20  # one block still in use: nothing goes
+        last = burst[-1]
+        assert last is not None
+        store.release((last.block,))
+        assert store.mapped_bytes == 1 << 20
+        left = [name for name in names if (shm_directory() / name).exists()]
+        assert left == [last.segment]  # the one blocks were being carved from
+        again = [store.put({"x": np.ones(100_000, np.float32)}) for _ in range(3)]
+        assert all(a is not None for a in again)
+        assert len({a.segment for a in again if a is not None}) == 2  # its free blocks reused, then one new
+        assert store.mapped_bytes == 2 << 20
+    finally:
+        store.close()
