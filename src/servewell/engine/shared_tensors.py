@@ -18,12 +18,13 @@ Anything else is refused with `ValueError`, and the block is still released.
 
 Blocks come in power-of-two size classes carved from segments of `segment_bytes` and reused
 through one free list per class; a block larger than a segment gets a segment of its own,
-unlinked when it is released; when no block is in use the store keeps one segment and unlinks
-the rest, so a burst does not hold its peak. The store never holds more than `limit_bytes` of segments, and
-takes a new one only while half of /dev/shm stays free (a container's is often 64-256 MiB, and
-the workers' batch arenas need it); past either, `put` returns None and the message carries its
-tensors inline, as small ones always do. Segments get their memory when made (`workers/shm.py`),
-so a full /dev/shm is an error there, never a SIGBUS at a write.
+unlinked when it is released. When no block is in use, 30 s or more after it last grew, the
+store keeps one segment and unlinks the rest, so a burst does not hold its peak. It never holds
+more than `limit_bytes` of segments, and takes a new one only while half of /dev/shm stays free
+(a container's is often 64-256 MiB, and the workers' batch arenas need it); past either, `put`
+returns None and the message carries its tensors inline, as small ones always do. Segments get
+their memory when made (`workers/shm.py`), so a full /dev/shm is an error there, never a SIGBUS
+at a write.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import itertools
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -54,6 +56,9 @@ _DTYPE_KINDS = frozenset("biufc")  # numbers; "b" is BOOL
 #: A store takes a new segment only if at least this much of /dev/shm stays free after it: the
 #: workers' batch arenas live there too, and every ingress and the engine have a store.
 KEEP_FREE_FRACTION = 0.5
+#: An idle store unlinks its extra segments only this long after it last grew: a load whose blocks
+#: in use touch zero between requests made and unlinked segments 20 times a second without it.
+TRIM_AFTER_S = 30.0
 
 
 def _aligned(n: int) -> int:
@@ -102,8 +107,11 @@ def tensor_bytes(arrays: Mapping[str, np.ndarray]) -> int:
 class TensorStore:
     """The owner's side: blocks of shared memory that messages' tensors are written into."""
 
-    def __init__(self, limit_bytes: int, segment_bytes: int = 8 << 20, prefix: str | None = None) -> None:
+    def __init__(self, limit_bytes: int, segment_bytes: int = 8 << 20, prefix: str | None = None,
+                 trim_after_s: float = TRIM_AFTER_S) -> None:
         self._limit = limit_bytes
+        self._trim_after_s = trim_after_s
+        self._grown_at = 0.0  # monotonic time the last shared segment was made
         self._segment_bytes = segment_bytes
         self._prefix = prefix or new_prefix() + "-t"
         self._names = itertools.count()
@@ -159,7 +167,7 @@ class TensorStore:
                 segment.unlink()
             else:
                 self._free.setdefault(size_class, []).append((segment, offset))
-        if not self._blocks and len(self._segments) > 1:
+        if not self._blocks and len(self._segments) > 1 and time.monotonic() - self._grown_at >= self._trim_after_s:
             self._trim()
 
     def _trim(self) -> None:
@@ -212,6 +220,7 @@ class TensorStore:
                 return None
             self._segments.append(segment)
             self._current, self._bump = segment, 0
+            self._grown_at = time.monotonic()
         offset = self._bump
         self._bump += size_class
         return size_class, self._current, offset
