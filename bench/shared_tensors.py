@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 import yaml
 
 from bench.processes import ServerProcess, TreeCpu, closed_loop, free_port, role_groups
-from bench.workspace import RESULTS, WORK
+from bench.workspace import RESULTS, WORK, write_binary_body
 
 #: Issue 20's goal for binary tensors: all processes' CPU per request, new / old.
 GOAL_CPU_RATIO = 0.5
@@ -72,14 +71,9 @@ def binary_bodies(root: Path, name: str, floats: int, count: int = 8) -> tuple[l
     rng = np.random.default_rng(floats)
     paths, lengths = [], set()
     for i in range(count):
-        row = rng.random(floats, dtype=np.float32).astype("<f4")
-        header = orjson.dumps({"inputs": [{"name": "x", "shape": [1, floats], "datatype": "FP32",
-                                           "parameters": {"binary_data_size": row.nbytes}}],
-                               "parameters": {"binary_data_output": True}})
         path = out / f"{name}_{i}.bin"
-        path.write_bytes(header + row.tobytes())
+        lengths.add(write_binary_body(path, "x", rng.random(floats, dtype=np.float32)))
         paths.append(path)
-        lengths.add(len(header))
     (length,) = lengths
     return paths, length
 

@@ -115,16 +115,22 @@ def mlp_binary_bodies() -> tuple[list[Path], int]:
     out.mkdir(parents=True, exist_ok=True)
     paths, lengths = [], set()
     for source in sorted(WORK.glob("mlp_input_*.npy")):
-        row = np.load(source).astype("<f4")
-        header = orjson.dumps({"inputs": [{"name": "input", "shape": [1, int(row.shape[0])], "datatype": "FP32",
-                                           "parameters": {"binary_data_size": row.nbytes}}],
-                               "parameters": {"binary_data_output": True}})
         path = out / f"mlp_{source.stem.rsplit('_', 1)[1]}.bin"
-        path.write_bytes(header + row.tobytes())
+        lengths.add(write_binary_body(path, "input", np.load(source)))
         paths.append(path)
-        lengths.add(len(header))
     (length,) = lengths
     return paths, length
+
+
+def write_binary_body(path: Path, input_name: str, row: np.ndarray) -> int:
+    """An OIP binary-extension body at `path`: one FP32 row of `input_name` as raw little-endian
+    bytes after its JSON header, outputs asked for in binary; the header's length."""
+    row = row.astype("<f4")
+    header = orjson.dumps({"inputs": [{"name": input_name, "shape": [1, int(row.shape[0])], "datatype": "FP32",
+                                       "parameters": {"binary_data_size": row.nbytes}}],
+                           "parameters": {"binary_data_output": True}})
+    path.write_bytes(header + row.tobytes())
+    return len(header)
 
 
 def prepare(models: list[ServedModel]) -> Workspace:
