@@ -70,6 +70,8 @@ log = logging.getLogger("servewell.ingress")
 
 #: How often a lost door is dialled again.
 RECONNECT_S = 0.1
+#: How often an idle tensor store is asked to give back a burst's segments.
+TRIM_CHECK_S = 5.0
 #: Longest a `Resolve` waits for the engine.
 RESOLVE_TIMEOUT_S = 2.0
 #: Longest a control call that only reads (a model's view, the model list) waits for the engine.
@@ -152,7 +154,10 @@ class RemoteEngine:
             except OSError:
                 await _wait(stop, RECONNECT_S)
                 continue
-            await _either(stop, lost)
+            while not stop.is_set() and not lost.is_set():
+                await _either(stop, lost, TRIM_CHECK_S)
+                if self._inputs is not None:
+                    self._inputs.trim_if_idle()  # a burst's segments go once it is over
         if self._writer is not None:
             self._writer.transport.close()
         if self._inputs is not None:
@@ -475,10 +480,10 @@ async def _wait(stop: asyncio.Event, seconds: float) -> None:
         await asyncio.wait_for(stop.wait(), seconds)
 
 
-async def _either(a: asyncio.Event, b: asyncio.Event) -> None:
+async def _either(a: asyncio.Event, b: asyncio.Event, timeout_s: float | None = None) -> None:
     waits = [asyncio.ensure_future(a.wait()), asyncio.ensure_future(b.wait())]
     try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for w in waits:
             w.cancel()

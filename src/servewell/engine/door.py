@@ -389,6 +389,9 @@ class EngineDoor:
                 log.exception("building the model table failed")
                 continue
             self._last_key = key
+            for ingress in self._ingresses:
+                if ingress.outputs is not None:
+                    ingress.outputs.trim_if_idle()  # a burst's segments go once it is over
             if change is not None:
                 for ingress in self._ingresses:
                     ingress.writer.send(change)

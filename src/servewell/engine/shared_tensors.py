@@ -18,9 +18,9 @@ Anything else is refused with `ValueError`, and the block is still released.
 
 Blocks come in power-of-two size classes carved from segments of `segment_bytes` and reused
 through one free list per class; a block larger than a segment gets a segment of its own,
-unlinked when it is released. A release that leaves no block in use, 30 s or more after the
-store last grew, keeps one segment and unlinks the rest, so traffic after a burst does not hold
-its peak (a store that gets no traffic at all keeps what it has until its process ends). It never holds
+unlinked when it is released. With no block in use, 30 s or more after it last grew, a store
+keeps one segment and unlinks the rest (checked at each release and every few seconds by its
+owner), so a burst does not hold its peak of /dev/shm, which a pod pays as memory. It never holds
 more than `limit_bytes` of segments, and takes a new one only while half of /dev/shm stays free
 (a container's is often 64-256 MiB, and the workers' batch arenas need it); past either, `put`
 returns None and the message carries its tensors inline, as small ones always do. Segments get
@@ -168,6 +168,11 @@ class TensorStore:
                 segment.unlink()
             else:
                 self._free.setdefault(size_class, []).append((segment, offset))
+        self.trim_if_idle()
+
+    def trim_if_idle(self) -> None:
+        """With no block in use, `trim_after_s` or more after the store last grew: keep one segment
+        and unlink the rest (called at every release and by its owner's periodic check)."""
         if not self._blocks and len(self._segments) > 1 and time.monotonic() - self._grown_at >= self._trim_after_s:
             self._trim()
 

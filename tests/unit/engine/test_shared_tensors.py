@@ -265,3 +265,20 @@ def test_after_a_burst_the_store_keeps_one_segment_and_unlinks_the_rest() -> Non
         assert store.mapped_bytes == 2 << 20
     finally:
         store.close()
+
+
+def test_an_idle_store_gives_a_burst_back_at_its_owners_periodic_check() -> None:
+    import time
+
+    store = TensorStore(limit_bytes=64 << 20, segment_bytes=1 << 20, trim_after_s=0.2)
+    try:
+        burst = [store.put({"x": np.ones(100_000, np.float32)}) for _ in range(6)]
+        store.release(tuple(b.block for b in burst if b is not None))  # idle, but it grew just now
+        assert store.mapped_bytes == 3 << 20
+        store.trim_if_idle()
+        assert store.mapped_bytes == 3 << 20
+        time.sleep(0.25)
+        store.trim_if_idle()  # no release needed: the owner's loop asks every few seconds
+        assert store.mapped_bytes == 1 << 20
+    finally:
+        store.close()
