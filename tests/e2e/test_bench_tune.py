@@ -13,6 +13,7 @@ import copy
 import csv
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,10 @@ def test_bench_of_a_model_directory_serves_it_for_the_run(servewell_cache, digit
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["local_server"] is True
     check_steps(doc, [2.0])  # the idle step is not a step of the ladder
+    # the CPUs this run could use (affinity, a container's CPU limit), not the node's count
+    from servewell.cpu_limit import cpu_quota, usable_cpus
+
+    assert doc["machine"] == {"cpus": usable_cpus(), "machine_cpus": os.cpu_count(), "cpu_limit": cpu_quota()}
     # the server it started ran in this machine's /proc: its CPU per request, for `servewell plan`
     assert 0 < doc["steps"][0]["server_cpu_ms_per_request"] < 1000
     # one client waiting 20 ms after each answer: what a request that finds the server idle costs

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from servewell.cpu_limit import cpu_quota, usable_cpus
 from servewell.observability.process import tree_cpu_seconds
 from servewell.perf.commands import DEFAULT_CONCURRENCY, REQUESTS_ONLY_DURATION_S
 from servewell.perf.inputs import InputError, parse_shape_overrides
@@ -39,6 +40,13 @@ from servewell.perf.target import Endpoint, InputChoice, parse_endpoint, prepare
 
 #: The longest --idle-ms: a minute between requests says all there is to say about idleness.
 MAX_IDLE_MS = 60_000
+
+
+def machine_facts() -> dict[str, Any]:
+    """The CPUs this run could use (`cpus`: the affinity mask and the container's CPU limit, what
+    `servewell plan` takes as the measured node's cores) beside the machine's own count."""
+    quota = cpu_quota()
+    return {"cpus": usable_cpus(), "machine_cpus": os.cpu_count(), "cpu_limit": quota}
 
 
 def _levels(text: str, kind: type[int] | type[float], flag: str) -> list[float]:
@@ -168,7 +176,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"idle {point['idle_ms']:g} ms between requests: p50 {point['p50_ms']:.2f} ms, "
               f"p99 {point['p99_ms']:.2f} ms")
     doc = {"tool": "servewell bench", "started_at": started.isoformat(timespec="seconds"),
-           "machine": {"cpus": os.cpu_count()}, **doc, "local_server": local,
+           "machine": machine_facts(), **doc, "local_server": local,
            "local_server_ready_s": ready_s,  # start -> ready: the cold start `servewell plan` uses
            "settings": {"mode": shapes[0].mode, "levels": [s.level for s in shapes if s.think_s == 0],
                         "idle_ms": [s.think_s * 1000 for s in shapes if s.think_s > 0],
@@ -181,7 +189,7 @@ def run_bench(args: argparse.Namespace) -> int:
         written = ["results.json", "results.csv"]
         if not args.no_plot:
             title = (f"{doc['model']['name']} at {doc['target']['url']} ({doc['target']['protocol']}/"
-                     f"{doc['target']['format']}), {shapes[0].mode} loop, {os.cpu_count()} CPUs")
+                     f"{doc['target']['format']}), {shapes[0].mode} loop, {doc['machine']['cpus']} CPUs")
             plot_latency_vs_throughput({"": step_points(ladder)}, title, args.out / "latency_vs_throughput.png")
             written.append("latency_vs_throughput.png")
         print(f"\nwrote {', '.join(str(args.out / w) for w in written)}")
