@@ -132,7 +132,7 @@ def test_an_ingress_killed_with_blocks_leaves_no_segment_and_serving_goes_on(
     assert all(len(_json(shared, row)) == 10 for row in ROWS[:8])
 
 
-def test_a_large_body_arriving_in_many_pieces_is_read_whole_and_in_order(
+def test_a_large_body_arriving_in_pieces_large_and_tiny_is_read_whole_and_in_order(
         servers: tuple[ServerProcess, ServerProcess]) -> None:
     import socket
     import time
@@ -149,8 +149,11 @@ def test_a_large_body_arriving_in_many_pieces_is_read_whole_and_in_order(
     with socket.create_connection((host, int(port)), timeout=20) as sock:
         sock.sendall(f"POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
-        for start in range(0, len(body), 16_384):
-            sock.sendall(body[start:start + 16_384])
+        start, sizes = 0, [100, 16_384, 7, 16_384, 16_384, 3_000]  # tiny pieces gathered, large ones kept
+        while start < len(body):
+            piece = sizes[start % len(sizes)]
+            sock.sendall(body[start:start + piece])
+            start += piece
             time.sleep(0.002)  # separate reads on the server's side
         answer = b""
         while chunk := sock.recv(65536):

@@ -95,6 +95,9 @@ _NEVER = float("inf")
 FRESH_CONNECTION_GRACE_S = 1.0
 
 
+#: A body chunk this large is kept as it came while the body is deferred; smaller ones are gathered.
+_WHOLE_CHUNK = 4096
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with servewell's limits; `limited_protocol` makes the bound class."""
 
@@ -130,9 +133,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._body_bytes = 0
         self._pipeline_full = False  # the last request this connection may queue has been parsed
         self._deferred: tuple[Any, Any] | None = None  # (cycle, app) waiting for its body to be all in
-        # Its body so far: the first chunk as it came, a bytearray from the second on (`bytes +=` per
-        # chunk copied the whole body again each time; a list would cost an object per tiny chunk).
-        self._deferred_body: bytes | bytearray = b""
+        # Its body so far, joined once when it is all in (`bytes +=` per chunk copied the whole body
+        # again each time): chunks of 4 KiB or more as they came, smaller ones gathered into a
+        # bytearray, so a slow client's 1-byte chunks cost no object each.
+        self._deferred_body: list[bytes | bytearray] = []
         self._send_timer: asyncio.TimerHandle | None = None
 
     # Connection lifecycle
@@ -326,20 +330,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._deferred is not None and self._deferred[0] is self.cycle:
             # Bounded by its Content-Length (uvicorn would pause reading: nobody reads yet).
             held = self._deferred_body
-            if not held:
-                self._deferred_body = body
-            elif isinstance(held, bytearray):
-                held += body
+            if len(body) >= _WHOLE_CHUNK:
+                held.append(body)
+            elif held and isinstance(held[-1], bytearray):
+                held[-1] += body
             else:
-                self._deferred_body = bytearray(held) + body
+                held.append(bytearray(body))
             return
         super().on_body(body)
 
     def on_message_complete(self) -> None:
         deferred = self._deferred is not None and self._deferred[0] is self.cycle
         if deferred:
-            held, self._deferred_body = self._deferred_body, b""
-            self.cycle.body += held if isinstance(held, bytes) else bytes(held)
+            held, self._deferred_body = self._deferred_body, []
+            self.cycle.body += held[0] if len(held) == 1 and isinstance(held[0], bytes) else b"".join(held)
         super().on_message_complete()
         if deferred and self._deferred is not None:
             cycle, app = self._deferred
