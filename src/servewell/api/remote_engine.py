@@ -158,6 +158,8 @@ class RemoteEngine:
                 await _either(stop, lost, TRIM_CHECK_S)
                 if self._inputs is not None:
                     self._inputs.trim_if_idle()  # a burst's segments go once it is over
+                if self._leases is not None:
+                    self._leases.prune()  # and the engine's trimmed ones are not kept mapped here
         if self._writer is not None:
             self._writer.transport.close()
         if self._inputs is not None:

@@ -77,6 +77,8 @@ log = logging.getLogger("servewell.engine")
 TABLE_POLL_S = 0.05
 #: Longest a view read waits for the ingress processes' snapshots before using what it has.
 VIEW_PULL_TIMEOUT_S = 1.0
+#: Every this many table polls (about 5 s) the door forgets its mappings of segments an ingress unlinked.
+_PRUNE_EVERY_TICKS = 100
 #: The engine methods an ingress may call with `ControlCall`: what its gRPC servicer needs, no more.
 CONTROL_METHODS = frozenset(("models", "model", "load_model", "unload_model", "readiness"))
 
@@ -378,6 +380,7 @@ class EngineDoor:
                           removed=removed)
 
     async def _watch_table(self) -> None:
+        ticks = 0
         while True:
             await asyncio.sleep(TABLE_POLL_S)
             if not self._ingresses:
@@ -389,9 +392,12 @@ class EngineDoor:
                 log.exception("building the model table failed")
                 continue
             self._last_key = key
+            ticks += 1
             for ingress in self._ingresses:
                 if ingress.outputs is not None:
                     ingress.outputs.trim_if_idle()  # a burst's segments go once it is over
+                if ingress.leases is not None and ticks % _PRUNE_EVERY_TICKS == 0:
+                    ingress.leases.prune()  # and the ingress's trimmed ones are not kept mapped here
             if change is not None:
                 for ingress in self._ingresses:
                     ingress.writer.send(change)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from servewell.workers.shm import Segment, new_prefix, shm_free_fraction
+from servewell.workers.shm import Segment, new_prefix, shm_directory, shm_free_fraction
 
 log = logging.getLogger("servewell.shared_tensors")
 
@@ -317,9 +317,22 @@ class TensorLeases:
             out[tensor.name] = np.asarray(_View(interface, lease))
         return out
 
+    @property
+    def attached(self) -> int:
+        """Segments of the owner's this reader keeps mapped."""
+        return len(self._attached)
+
     def close(self) -> None:
         """Forget every mapping (arrays still alive keep theirs)."""
         self._attached.clear()
+
+    def prune(self) -> None:
+        """Forget the mappings of segments their owner has unlinked (a store trimmed after a burst,
+        or abandoned): a mapping kept the unlinked memory alive. Arrays still over one keep it
+        until they go. Called when a new segment is attached and by the reader's periodic check."""
+        directory = shm_directory()
+        for name in [name for name in self._attached if not (directory / name).exists()]:
+            del self._attached[name]
 
     def _attach(self, shared: SharedTensors) -> _Mapping:
         name = shared.segment
@@ -336,6 +349,7 @@ class TensorLeases:
             self._release(shared.block)
             raise ValueError(f"segment {name!r} cannot be mapped: {exc}") from None
         if not shared.own_segment:  # an own segment is unlinked at release: never mapped again
+            self.prune()
             if len(self._attached) >= MAX_ATTACHED:
                 del self._attached[next(iter(self._attached))]
             self._attached[name] = mapping

@@ -282,3 +282,21 @@ def test_an_idle_store_gives_a_burst_back_at_its_owners_periodic_check() -> None
         assert store.mapped_bytes == 1 << 20
     finally:
         store.close()
+
+
+def test_the_reader_forgets_segments_its_owner_unlinked_but_arrays_over_them_stay_whole(store: TensorStore) -> None:
+    data = np.arange(2000, dtype=np.float32)
+    first = store.put({"x": data})
+    assert first is not None
+    leases = TensorLeases(PID, lambda block: None)
+    arrays = leases.arrays(first)
+    assert leases.attached == 1
+    leases.prune()
+    assert leases.attached == 1  # still the owner's: kept
+    store.abandon()  # unlinks it (a trim does the same to the segments it gives back)
+    leases.prune()
+    assert leases.attached == 0  # the mapping no longer keeps the unlinked memory alive
+    assert np.array_equal(arrays["x"], data)  # ...except under arrays still over it
+    second = store.put({"x": data})
+    assert second is not None
+    assert np.array_equal(leases.arrays(second)["x"], data) and leases.attached == 1
