@@ -59,3 +59,33 @@ async def read_json_patch(request: Request, limit: int, model: type[M]) -> M:
         return model.model_validate(raw)
     except ValidationError as exc:
         raise InvalidInput("; ".join(str(p)[:200] for p in field_problems(exc)[:5])) from None
+
+
+class GatheredBody:
+    """A request body arriving in chunks, joined once when it is all in (`bytes +=` per chunk
+    copied the whole body again each time): chunks of 4 KiB or more kept as they came, smaller
+    ones gathered into a bytearray, so a slow client's 1-byte chunks cost no object each."""
+
+    WHOLE_CHUNK = 4096
+
+    __slots__ = ("_parts",)
+
+    def __init__(self) -> None:
+        self._parts: list[bytes | bytearray] = []
+
+    def add(self, chunk: bytes) -> None:
+        """One more chunk, in order."""
+        parts = self._parts
+        if len(chunk) >= self.WHOLE_CHUNK:
+            parts.append(chunk)
+        elif parts and isinstance(parts[-1], bytearray):
+            parts[-1] += chunk
+        else:
+            parts.append(bytearray(chunk))
+
+    def take(self) -> bytes:
+        """The whole body (one chunk that came whole is not copied); the gatherer starts empty again."""
+        parts, self._parts = self._parts, []
+        if len(parts) == 1 and isinstance(parts[0], bytes):
+            return parts[0]
+        return b"".join(parts)

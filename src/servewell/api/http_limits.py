@@ -46,6 +46,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from servewell.api.body import GatheredBody
 from servewell.api.connection_slots import ConnectionSlots, SlotKind
 from servewell.api.fd_limits import fit_to_fd_limit
 from servewell.api.http_limit_rules import HttpLimits as HttpLimits  # re-exported: tests and bench build limits here
@@ -94,10 +95,6 @@ _NEVER = float("inf")
 #: At shutdown, how long a connection that has not yet sent its first request gets to send it.
 FRESH_CONNECTION_GRACE_S = 1.0
 
-
-#: A body chunk this large is kept as it came while the body is deferred; smaller ones are gathered.
-_WHOLE_CHUNK = 4096
-
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with servewell's limits; `limited_protocol` makes the bound class."""
 
@@ -133,10 +130,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._body_bytes = 0
         self._pipeline_full = False  # the last request this connection may queue has been parsed
         self._deferred: tuple[Any, Any] | None = None  # (cycle, app) waiting for its body to be all in
-        # Its body so far, joined once when it is all in (`bytes +=` per chunk copied the whole body
-        # again each time): chunks of 4 KiB or more as they came, smaller ones gathered into a
-        # bytearray, so a slow client's 1-byte chunks cost no object each.
-        self._deferred_body: list[bytes | bytearray] = []
+        self._deferred_body = GatheredBody()  # its body so far, joined once when it is all in
         self._send_timer: asyncio.TimerHandle | None = None
 
     # Connection lifecycle
@@ -328,22 +322,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
         if self._deferred is not None and self._deferred[0] is self.cycle:
-            # Bounded by its Content-Length (uvicorn would pause reading: nobody reads yet).
-            held = self._deferred_body
-            if len(body) >= _WHOLE_CHUNK:
-                held.append(body)
-            elif held and isinstance(held[-1], bytearray):
-                held[-1] += body
-            else:
-                held.append(bytearray(body))
+            self._deferred_body.add(body)  # bounded by its Content-Length (nobody reads it yet)
             return
         super().on_body(body)
 
     def on_message_complete(self) -> None:
         deferred = self._deferred is not None and self._deferred[0] is self.cycle
         if deferred:
-            held, self._deferred_body = self._deferred_body, []
-            self.cycle.body += held[0] if len(held) == 1 and isinstance(held[0], bytes) else b"".join(held)
+            self.cycle.body += self._deferred_body.take()
         super().on_message_complete()
         if deferred and self._deferred is not None:
             cycle, app = self._deferred
