@@ -168,16 +168,18 @@ class ModelEntry:
         return future
 
     def submit_admitted(self, inputs: dict[str, np.ndarray], rows: int, lane: int, deadline: float | None,
-                        request_id: str, arrived_at: float | None, tenant: str) -> asyncio.Future[RequestResult]:
+                        request_id: str, arrived_at: float | None, tenant: str,
+                        coalesce: bool = False) -> asyncio.Future[RequestResult]:
         """`submit` for a request whose tenant's quotas were counted already (a pipeline's step:
-        the pipeline request counts once); `tenant` still orders it in the fair queue."""
+        the pipeline request counts once); `tenant` still orders it in the fair queue. `coalesce`:
+        see `ModelScheduler.submit`."""
         cache = self.cache
         if cache is None:
-            return self.scheduler.submit(inputs, rows, lane, deadline, request_id, arrived_at, tenant)
+            return self.scheduler.submit(inputs, rows, lane, deadline, request_id, arrived_at, tenant, coalesce)
         if deadline is None:
             start = arrived_at if arrived_at is not None else time.monotonic()
             deadline = start + self.scheduler.batching.default_timeout_ms / 1000.0
-        compute = partial(self.scheduler.submit, inputs, rows, lane, deadline, request_id, arrived_at, tenant)
+        compute = partial(self.scheduler.submit, inputs, rows, lane, deadline, request_id, arrived_at, tenant, coalesce)
         return cache.serve(inputs, deadline, compute, partial(self._telemetry.count, lane, "success"))
 
     def update_batching(self, changes: Mapping[str, Any]) -> dict[str, Any]:

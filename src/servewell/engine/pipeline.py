@@ -77,6 +77,10 @@ class PipelineEntry:
         self._engine = engine
         self.spec = config.pipeline
         self.levels = _levels(self.spec.steps)
+        #: Per step, the steps its sources (and its condition's tensor) come from: skipped with any of them.
+        self.source_steps: dict[str, tuple[str, ...]] = {
+            step.name: tuple(name for name in (split_source(s)[0] for s in _sources(step)) if name is not None)
+            for step in self.spec.steps}
         #: The step model config each step was last checked against (by identity: a reload makes a new one).
         self._checked: dict[str, ModelConfig] = {}
         self._inflight: set[asyncio.Future[RequestResult]] = set()
@@ -295,11 +299,11 @@ class PipelineHandle:
             if self._traced():
                 with self._span(step) as span:
                     result = await entry.submit_admitted(inputs, step_rows, step_lane, deadline, request_id, started,
-                                                         tenant)
+                                                         tenant, coalesce=True)
                     span.set_attribute("servewell.batch_size", result.batch_size)
             else:
                 result = await entry.submit_admitted(inputs, step_rows, step_lane, deadline, request_id, started,
-                                                     tenant)
+                                                     tenant, coalesce=True)
         except ServeError as exc:
             self._count(step, exc.code, None)
             raise _named(exc, self._entry.label, step) from None
@@ -310,11 +314,9 @@ class PipelineHandle:
                                             result.batch_size, "success")
         self._count(step, "success", elapsed)
 
-    @staticmethod
-    def _skipped(step: PipelineStep, run: _Run) -> bool:
+    def _skipped(self, step: PipelineStep, run: _Run) -> bool:
         """Whether the step does not run: a source of it was skipped, or its condition is false."""
-        sources = list(step.inputs.values()) + ([step.when.tensor] if step.when is not None else [])
-        if any(split_source(source)[0] in run.skipped for source in sources):
+        if run.skipped and any(name in run.skipped for name in self._entry.source_steps[step.name]):
             return True
         if step.when is None:
             return False
@@ -395,10 +397,14 @@ def _levels(steps: list[PipelineStep]) -> list[list[PipelineStep]]:
     """Steps grouped so each group's sources come from inputs or earlier groups: a group runs together."""
     level: dict[str, int] = {}
     for step in steps:
-        sources = list(step.inputs.values()) + ([step.when.tensor] if step.when is not None else [])
-        after = [level[s] for s in (split_source(source)[0] for source in sources) if s is not None]
+        after = [level[s] for s in (split_source(source)[0] for source in _sources(step)) if s is not None]
         level[step.name] = 1 + max(after, default=-1)
     return [[s for s in steps if level[s.name] == n] for n in range(max(level.values()) + 1)]
+
+
+def _sources(step: PipelineStep) -> list[str]:
+    """The tensors a step reads: its inputs' sources and its condition's tensor."""
+    return list(step.inputs.values()) + ([step.when.tensor] if step.when is not None else [])
 
 
 def _outputs_fit(config: ModelConfig, step: PipelineStep, step_config: ModelConfig) -> list[str]:

@@ -122,6 +122,21 @@ def test_a_batch_is_handed_to_an_idle_runner_before_submit_returns() -> None:
     run(main)
 
 
+def test_coalesced_requests_of_one_loop_step_form_one_batch_on_a_free_runner() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(), clock=clock)
+        runner = HandOverRecorder()
+        s.add_runner(runner)
+        coalesced = [s.submit(row(v), 1, NORMAL, None, f"c{v}", coalesce=True) for v in (1, 2, 3)]
+        assert runner.handed == []  # nothing handed over before this loop step ends
+        await asyncio.gather(*coalesced)
+        assert runner.handed == [[1, 2, 3]]
+        one_by_one = [submit(s, v) for v in (4, 5, 6)]  # the default: the first goes at once, alone
+        await asyncio.gather(*one_by_one)
+        assert runner.handed == [[1, 2, 3], [4], [5, 6]]
+    run(main)
+
+
 def test_a_runner_refusing_the_hand_over_answers_the_batch_and_the_next_one_runs() -> None:
     async def main(clock: FakeClock) -> None:
         s = ModelScheduler(config(), clock=clock)
@@ -248,6 +263,41 @@ def test_expired_request_is_answered_at_its_deadline_and_never_reaches_the_model
         clock.advance(0.001)  # the timer at the deadline fires while the runner is still busy
         await settle()
         assert isinstance(doomed.exception(), DeadlineExceeded)
+        runner.release.set()
+        await busy
+        assert runner.batches == [[0]]
+    run(main)
+
+
+def test_requests_sharing_the_next_deadline_arm_one_timer_and_a_fired_timer_is_armed_again() -> None:
+    async def main(clock: FakeClock) -> None:
+        s = ModelScheduler(config(), clock=clock)
+        runner = FakeRunner()
+        runner.release.clear()
+        s.add_runner(runner)
+        busy = submit(s, 0)
+        await settle()  # the running batch's own watch is armed (its budget, far off)
+        watch = clock.pending()
+        armed: list[float] = []
+        call_at = clock.call_at
+
+        def counted(when: float, callback: Callable[[], None]) -> Any:
+            armed.append(when)
+            return call_at(when, callback)
+
+        clock.call_at = counted  # type: ignore[method-assign]
+        first = [submit(s, 1 + i, deadline=clock.now() + 0.02) for i in range(5)]
+        assert sorted(clock.pending()) == sorted([*watch, clock.now() + 0.02])  # one wake-up, not one per request
+        later = submit(s, 9, deadline=clock.now() + 0.05)
+        assert sorted(clock.pending()) == sorted([*watch, clock.now() + 0.02])  # the earliest deadline decides
+        assert armed == [clock.now() + 0.02]  # six requests, one timer made (not cancelled and made again)
+        clock.advance(0.02)
+        await settle()
+        assert all(isinstance(f.exception(), DeadlineExceeded) for f in first)
+        assert sorted(clock.pending()) == sorted([*watch, clock.now() + 0.03])  # armed again, for the next one
+        clock.advance(0.03)
+        await settle()
+        assert isinstance(later.exception(), DeadlineExceeded)
         runner.release.set()
         await busy
         assert runner.batches == [[0]]
