@@ -1,7 +1,8 @@
 """Per-model scheduler: admits requests into priority lanes and feeds free runners batches.
 
 Event-driven: it acts when a request arrives, when a runner becomes free, and on one timer
-(the earliest of "a batching wait ends" and "a queued deadline passes"). It never polls.
+(the earliest of "a batching wait ends" and "a queued deadline passes"; `PumpWakeups`). It never
+polls. What it keeps of each request is in `scheduled.py`.
 The rules themselves live in `BatchQueue` (ordering, lanes, bounds) and `batch_policy`
 (when to start); this class only wires them to a clock and the runners. Time comes from an
 injectable `Clock`, so every rule is unit-tested without sleeping.
@@ -13,7 +14,6 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,9 +25,11 @@ from servewell.engine.batch_queue import BatchQueue, QueuedItem
 from servewell.engine.batch_runner import BatchOutcome, BatchRunner, split_rows
 from servewell.engine.batch_settings import validated_update
 from servewell.engine.batch_watch import BatchWatch, compute_budget_s
-from servewell.engine.clock import Clock, LoopClock, TimerHandle
+from servewell.engine.clock import Clock, LoopClock
 from servewell.engine.protocol import RequestResult
+from servewell.engine.pump_wakeups import PumpWakeups
 from servewell.engine.runner_roster import RunnerRoster
+from servewell.engine.scheduled import PendingRequest, Request, SchedulerStats, fail, failed
 from servewell.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -37,36 +39,10 @@ from servewell.errors import (
     ShuttingDown,
     WorkerHung,
 )
-from servewell.observability.batch_telemetry import BatchTelemetry, TraceMark
+from servewell.observability.batch_telemetry import BatchTelemetry
 from servewell.observability.tracing import traceparent_of
 
 log = logging.getLogger("servewell.engine")
-
-
-@dataclass(slots=True)
-class PendingRequest:
-    """What a queued or running request carries; the queue's `QueuedItem` holds it with its
-    lane, rows, shape and deadline, and that item is the request's one record."""
-
-    inputs: dict[str, np.ndarray]
-    request_id: str
-    future: asyncio.Future[RequestResult]
-    trace: TraceMark | None = None
-
-
-Request = QueuedItem[PendingRequest]
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """Counters since start, for health and benchmarks."""
-
-    batches: int = 0
-    rows: int = 0
-    expired: int = 0
-    cancelled: int = 0
-    rejected: int = 0
-    isolated_batches: int = 0  # failed batches whose requests were run again one by one
 
 
 class ModelScheduler:
@@ -88,9 +64,7 @@ class ModelScheduler:
             **({"weight_of": weight_of} if weight_of is not None else {}),
         )
         self._runners: RunnerRoster[BatchRunner] = RunnerRoster()  # who may be handed a batch, and who is free
-        self._timer: TimerHandle | None = None
-        self._timer_at: float | None = None  # when `_timer` fires
-        self._pump_soon = False  # a pump is due at the end of this loop step (`submit(coalesce=True)`)
+        self._wakeups = PumpWakeups(self._clock, self._pump)
         self._accepting = True
         self._drained: asyncio.Event | None = None
         self._learned = LearnedLoad()
@@ -255,16 +229,11 @@ class ModelScheduler:
             raise self._refuse(lane)
         self._learned.arrivals.observe(now)
         future.add_done_callback(lambda f: self._on_cancel(item) if f.cancelled() else None)
-        if not coalesce:
+        if coalesce:
+            self._wakeups.soon()
+        else:
             self._pump()
-        elif not self._pump_soon:
-            self._pump_soon = True
-            asyncio.get_running_loop().call_soon(self._coalesced_pump)
         return future
-
-    def _coalesced_pump(self) -> None:
-        self._pump_soon = False
-        self._pump()
 
     def _on_cancel(self, item: Request) -> None:
         if item.queued:
@@ -307,21 +276,13 @@ class ModelScheduler:
         deadline = self._queue.next_deadline()
         if deadline is not None and (wake_at is None or deadline < wake_at):
             wake_at = deadline
-        if wake_at != self._timer_at:  # under load most pumps keep the same wake-up: no new timer each
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = self._clock.call_at(wake_at, self._on_timer) if wake_at is not None else None
-            self._timer_at = wake_at
+        self._wakeups.at(wake_at)
         self._check_drained()
-
-    def _on_timer(self) -> None:
-        self._timer = self._timer_at = None  # fired: the next pump arms a new one
-        self._pump()
 
     def _expire(self, item: Request, why: str) -> None:
         self.stats.expired += 1
         self._telemetry.count(item.lane, "deadline_exceeded")
-        _fail(item, DeadlineExceeded(why))
+        fail(item, DeadlineExceeded(why))
 
     def _viable(self, items: list[Request], now: float) -> list[Request]:
         """Drop from a batch what nobody waits for any more, and what could only finish after its
@@ -370,9 +331,9 @@ class ModelScheduler:
                 [item.deadline_at for item in batch],
             )
         except Exception as exc:  # a bug in transport must still resolve every future (`_run_watched`)
-            failed: asyncio.Future[BatchOutcome] = asyncio.get_running_loop().create_future()
-            failed.set_exception(exc)
-            return failed
+            refused: asyncio.Future[BatchOutcome] = asyncio.get_running_loop().create_future()
+            refused.set_exception(exc)
+            return refused
 
     async def _execute(self, runner: BatchRunner, serial: int, batch: list[Request], span: Span | None,
                        started: float, running: asyncio.Future[BatchOutcome]) -> None:
@@ -403,7 +364,7 @@ class ModelScheduler:
                 self._fail_open(batch, error)
         finally:
             del self._in_flight[serial]
-            self._telemetry.end_batch(span, any(_failed(item) for item in batch))
+            self._telemetry.end_batch(span, any(failed(item) for item in batch))
             self._release(runner)
             self._pump()
 
@@ -414,7 +375,7 @@ class ModelScheduler:
         for item in items:
             if not item.payload.future.done():  # answered already: at its deadline, or cancelled
                 self._telemetry.count(item.lane, "error")
-                _fail(item, error)
+                fail(item, error)
 
     async def _run_watched(self, runner: BatchRunner, batch: list[Request], span: Span | None, started: float,
                            running: asyncio.Future[BatchOutcome]) -> ServeError | None:
@@ -495,11 +456,11 @@ class ModelScheduler:
         """Resolve every queued request with `error` (the model went away); with `running`, also
         those in batches that are running now (their answers will never be read)."""
         for item in self._queue.expire(float("inf")):
-            _fail(item, error)
+            fail(item, error)
         if running:
             for batch in list(self._in_flight.values()):
                 for item in batch:
-                    _fail(item, error)
+                    fail(item, error)
         self._check_drained()
 
     def stop_accepting(self) -> None:
@@ -511,12 +472,3 @@ class ModelScheduler:
         if self._drained is not None and not len(self._queue) and not self._in_flight:
             self._drained.set()
 
-
-def _fail(item: Request, error: ServeError) -> None:
-    if not item.payload.future.done():
-        item.payload.future.set_exception(error)
-
-
-def _failed(item: Request) -> bool:
-    future = item.payload.future
-    return future.done() and not future.cancelled() and future.exception() is not None

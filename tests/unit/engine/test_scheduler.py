@@ -90,6 +90,15 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+def held_runner(clock: FakeClock) -> tuple[ModelScheduler, FakeRunner]:
+    """A scheduler of `config()` with one runner whose batches wait until the test releases them."""
+    s = ModelScheduler(config(), clock=clock)
+    runner = FakeRunner()
+    runner.release.clear()
+    s.add_runner(runner)
+    return s, runner
+
+
 def run(test: Callable[[FakeClock], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(test(FakeClock()))
 
@@ -153,10 +162,7 @@ def test_a_runner_refusing_the_hand_over_answers_the_batch_and_the_next_one_runs
 
 def test_each_request_gets_its_own_rows_back() -> None:
     async def main(clock: FakeClock) -> None:
-        s = ModelScheduler(config(), clock=clock)
-        runner = FakeRunner()
-        runner.release.clear()
-        s.add_runner(runner)
+        s, runner = held_runner(clock)
         first = submit(s, 1)  # starts at once on the idle runner
         rest = [submit(s, v) for v in (2, 3)]
         await settle()
@@ -204,10 +210,7 @@ def test_batch_size_buckets_are_powers_of_two(rows: int, bucket: int) -> None:
 
 def test_urgent_request_overtakes_a_full_normal_queue() -> None:
     async def main(clock: FakeClock) -> None:
-        s = ModelScheduler(config(), clock=clock)
-        runner = FakeRunner()
-        runner.release.clear()
-        s.add_runner(runner)
+        s, runner = held_runner(clock)
         running = submit(s, 0)
         queued = [submit(s, v) for v in range(1, 9)]
         urgent = submit(s, 99, lane=HIGH)
@@ -251,10 +254,7 @@ def test_window_closes_early_when_the_batch_is_full() -> None:
 
 def test_expired_request_is_answered_at_its_deadline_and_never_reaches_the_model() -> None:
     async def main(clock: FakeClock) -> None:
-        s = ModelScheduler(config(), clock=clock)
-        runner = FakeRunner()
-        runner.release.clear()
-        s.add_runner(runner)
+        s, runner = held_runner(clock)
         busy = submit(s, 0)
         doomed = submit(s, 1, deadline=clock.now() + 0.02)
         clock.advance(0.019)
@@ -271,10 +271,7 @@ def test_expired_request_is_answered_at_its_deadline_and_never_reaches_the_model
 
 def test_requests_sharing_the_next_deadline_arm_one_timer_and_a_fired_timer_is_armed_again() -> None:
     async def main(clock: FakeClock) -> None:
-        s = ModelScheduler(config(), clock=clock)
-        runner = FakeRunner()
-        runner.release.clear()
-        s.add_runner(runner)
+        s, runner = held_runner(clock)
         busy = submit(s, 0)
         await settle()  # the running batch's own watch is armed (its budget, far off)
         watch = clock.pending()
@@ -342,10 +339,7 @@ def test_a_runner_that_skips_what_the_engine_has_not_expired_yet_answers_deadlin
 
 def test_cancelled_request_is_dropped_before_compute() -> None:
     async def main(clock: FakeClock) -> None:
-        s = ModelScheduler(config(), clock=clock)
-        runner = FakeRunner()
-        runner.release.clear()
-        s.add_runner(runner)
+        s, runner = held_runner(clock)
         busy = submit(s, 0)
         gone = submit(s, 1)
         kept = submit(s, 2)
@@ -404,10 +398,7 @@ def test_a_removed_runner_gets_no_more_batches() -> None:
 
 def test_drain_finishes_queued_work_then_refuses_new_requests() -> None:
     async def main(clock: FakeClock) -> None:
-        s = ModelScheduler(config(), clock=clock)
-        runner = FakeRunner()
-        runner.release.clear()
-        s.add_runner(runner)
+        s, runner = held_runner(clock)
         pending = [submit(s, v) for v in range(6)]
         drained = asyncio.ensure_future(s.drain())
         await settle()
@@ -531,10 +522,7 @@ def test_no_deadline_means_the_live_default_timeout_from_arrival() -> None:
 
 def test_a_request_that_would_finish_after_its_deadline_is_not_run() -> None:
     async def main(clock: FakeClock) -> None:
-        s = ModelScheduler(config(), clock=clock)
-        runner = FakeRunner()
-        runner.release.clear()
-        s.add_runner(runner)
+        s, runner = held_runner(clock)
         first = submit(s, -1)
         await settle()
         clock.advance(0.2)  # the scheduler learns that a batch takes about 200 ms
