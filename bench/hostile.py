@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import http.client
 import io
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,6 +43,7 @@ import orjson
 from PIL import Image
 
 from bench.attacks_grpc import LegitGrpcCalls
+from bench.hostile_cases import CaseResult, cases
 from bench.processes import HOST, ServerProcess, cpu_seconds, free_port, role_of, run_module, stop_process, tree_pids
 from bench.workspace import RESULTS, WORK
 
@@ -399,6 +402,50 @@ def print_summary(summary: list[dict[str, Any]]) -> None:
               f"{'ok' if v['errors'] else 'FAIL':>2} {back:>5} {'ok' if v['recovery_s'] else 'FAIL':>3}")
 
 
+def run_rounds(rounds: int, attacks: list[str], server: ServerProcess, light: list[Path], heavy: Path,
+               window_s: float, ramp_s: float, grpc_port: int, rows: list[dict[str, Any]]) -> None:
+    """Every attack `rounds` times against the shared server (rows appended as they finish)."""
+    server.wait_ready(300)
+    sampler = ProcessSampler(server.pid or 0, server.port)
+    sampler.start()
+    try:
+        for round_index in range(rounds):
+            for name in attacks:
+                print(f"  {name} (round {round_index + 1}) ...", flush=True)
+                row = run_attack(name, server, sampler, light, heavy, window_s, ramp_s, grpc_port)
+                row["round"] = round_index + 1
+                rows.append(row)
+                if not server.alive():
+                    break
+            if not server.alive():
+                print(f"  the server died during {rows[-1]['attack']}; stopping", flush=True)
+                break
+    finally:
+        sampler.stop()
+
+
+def run_cases(names: list[str], known: dict[str, Any]) -> list[CaseResult]:
+    """Run each case with a server of its own, in a fresh directory; print one line per case."""
+    results = []
+    for name in names:
+        print(f"  case {name} ...", flush=True)
+        workdir = WORK / "hostile-cases" / name
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.mkdir(parents=True)
+        try:
+            result = known[name](workdir)
+        except Exception as exc:  # a case that could not run is a failure, never a pass
+            result = CaseResult(name, "ran to the end", False, {"error": repr(exc)})
+        results.append(result)
+    if results:
+        print()
+        print(f"{'case':<28} {'verdict':<7} bound; figures")
+        for result in results:
+            figures = ", ".join(f"{k}={v}" for k, v in result.figures.items())
+            print(f"{result.name:<28} {'ok' if result.passed else 'FAIL':<7} {result.bound}; {figures}")
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.hostile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short windows, for trying the script")
@@ -407,11 +454,21 @@ def main(argv: list[str] | None = None) -> int:
         "--attacks", default=",".join(ATTACK_ORDER), help="comma-separated, from: " + ", ".join(ATTACK_ORDER)
     )
     parser.add_argument("--rounds", type=int, default=1, help="times each attack runs (the summary takes medians)")
+    known_cases = cases()
+    parser.add_argument(
+        "--cases", default=",".join(known_cases),
+        help="comma-separated cases with a server of their own (bench/hostile_cases.py), run after the attacks, "
+             "once each; from: " + (", ".join(known_cases) or "(none)"),
+    )
     args = parser.parse_args(argv)
     attacks = [a for a in args.attacks.split(",") if a]
     unknown = set(attacks) - set(ATTACK_ORDER)
     if unknown:
         parser.error(f"unknown attacks: {sorted(unknown)}")
+    chosen_cases = [c for c in args.cases.split(",") if c]
+    unknown = set(chosen_cases) - set(known_cases)
+    if unknown:
+        parser.error(f"unknown cases: {sorted(unknown)}")
     window_s, ramp_s = (4.0, 1.0) if args.quick else (10.0, 2.0)
     started = time.monotonic()
     for folder in ("logs", "runs"):
@@ -438,35 +495,23 @@ def main(argv: list[str] | None = None) -> int:
         RESULTS / "logs" / "servewell-hostile.log",
     )
     server.log_path.unlink(missing_ok=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
     try:
-        server.start()
-        server.wait_ready(300)
-        sampler = ProcessSampler(server.pid or 0, port)
-        sampler.start()
-        try:
-            for round_index in range(args.rounds):
-                for name in attacks:
-                    print(f"  {name} (round {round_index + 1}) ...", flush=True)
-                    row = run_attack(name, server, sampler, light, heavy, window_s, ramp_s, grpc_port)
-                    row["round"] = round_index + 1
-                    rows.append(row)
-                    if not server.alive():
-                        break
-                if not server.alive():
-                    print(f"  the server died during {rows[-1]['attack']}; stopping", flush=True)
-                    break
-        finally:
-            sampler.stop()
+        if attacks:
+            server.start()
+            run_rounds(args.rounds, attacks, server, light, heavy, window_s, ramp_s, grpc_port, rows)
     finally:
         server.stop()
-    print_table(rows)
+    if rows:
+        print_table(rows)
     summary = summarize(rows)
     if args.rounds > 1:
         print_summary(summary)
+    case_rows = run_cases(chosen_cases, known_cases)
     doc = {
         "rows": rows,
         "summary": summary,
+        "cases": [dataclasses.asdict(row) for row in case_rows],
         "rounds": args.rounds,
         "targets": TARGETS,
         "rate_rps": RATE,
