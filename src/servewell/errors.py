@@ -25,10 +25,12 @@ class ServeError(Exception):
     status: int = 500
     code: str = "internal"
 
-    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+    def __init__(self, message: str, *, retry_after_s: float | None = None, tenant: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after_s = retry_after_s
+        #: The tenant a refusal refused (None: not a refusal of one tenant's request, or not known).
+        self.tenant = tenant
 
     @property
     def headers(self) -> dict[str, str]:
@@ -122,8 +124,8 @@ class Unavailable(ServeError):
 
     status, code = 503, "unavailable"
 
-    def __init__(self, message: str, *, retry_after_s: float | None = 1.0) -> None:
-        super().__init__(message, retry_after_s=retry_after_s)
+    def __init__(self, message: str, *, retry_after_s: float | None = 1.0, tenant: str | None = None) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, tenant=tenant)
 
 
 class ModelNotReady(Unavailable):

@@ -14,6 +14,14 @@ clock is the virtual time at which the last row taken started; a tenant that bec
 at its own virtual time or the clock, whichever is later: idle time is not banked, and rows a
 tenant got while it was alone are not held against it when another arrives.
 With one tenant this is the earliest-deadline-first heap it always was.
+
+**Fair admission** (issue 46). A lane's bound is shared by weight too, not first come first
+served: when a request meets a full lane, each tenant's share of the lane's places is its weight
+over the weights of the tenants holding places (the newcomer's included). The tenant holding the
+most places beyond its share gives one up: when that is the newcomer's own tenant, the newcomer
+is refused; otherwise that tenant's newest queued request is pushed out (the caller answers it
+503 with its tenant named) and the newcomer takes its place. So a tenant within its share is
+never refused because another filled the lane, and a flood displaces only itself.
 """
 
 from __future__ import annotations
@@ -41,6 +49,15 @@ class QueuedItem(Generic[T]):
     cancelled: bool = False
     queued: bool = False
     tenant: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class Admission(Generic[T]):
+    """What `BatchQueue.push` did with a request."""
+
+    admitted: bool
+    displaced: QueuedItem[T] | None = None  # another tenant's request pushed out for it (answer it)
+    holder: str | None = None  # refused: the tenant holding most of the full lane beyond its share
 
 
 @dataclass(order=True, slots=True)
@@ -116,10 +133,19 @@ class BatchQueue(Generic[T]):
         """Requests of `tenant` waiting in any lane."""
         return sum(lane.live.get(tenant, 0) for lane in self._lanes)
 
-    def push(self, item: QueuedItem[T]) -> bool:
-        """Queue `item`; False when its lane is full (the caller refuses the request)."""
+    def push(self, item: QueuedItem[T]) -> Admission[T]:
+        """Queue `item`, by the fair admission rule when its lane is full: `Admission.admitted`
+        false means the caller refuses it; `displaced` is a request of another tenant pushed out
+        to make room (already out of the queue: the caller answers it)."""
+        displaced = None
         if self._counts[item.lane] >= self.max_queue_size:
-            return False
+            holder = self.holder_beyond_share(item.lane, item.tenant)
+            if holder == item.tenant:
+                return Admission(False, holder=holder)
+            displaced = self._newest(item.lane, holder)
+            if displaced is None:
+                return Admission(False, holder=holder)
+            self.cancel(displaced)
         item.seq = next(self._seq)
         item.queued = True
         lane = self._lanes[item.lane]
@@ -133,7 +159,41 @@ class BatchQueue(Generic[T]):
         lane.live[tenant] = live + 1
         heapq.heappush(heap, _HeapEntry(item.deadline_at, item.seq, item))
         self._counts[item.lane] += 1
-        return True
+        return Admission(True, displaced)
+
+    def would_admit(self, lane: int, tenant: str) -> bool:
+        """Whether a request of `tenant` would be queued in `lane` now (pushing out another
+        tenant's if need be): the check before a request's body is read."""
+        if self._counts[lane] < self.max_queue_size:
+            return True
+        return self.holder_beyond_share(lane, tenant) != tenant
+
+    def holder_beyond_share(self, lane: int, newcomer: str) -> str:
+        """The tenant holding the most of full `lane`'s places beyond its weighted share, counting
+        one more place for `newcomer` (ties: the newcomer, so a tie never churns the queue)."""
+        entries = self._lanes[lane]
+        held = {tenant: count for tenant, count in entries.live.items() if count > 0}
+        held[newcomer] = held.get(newcomer, 0) + 1
+        total_weight = sum(self._weight(t) for t in held)
+        if total_weight <= 0:
+            return newcomer
+        best, best_excess = newcomer, held[newcomer] - self.max_queue_size * self._weight(newcomer) / total_weight
+        for tenant, count in held.items():
+            excess = count - self.max_queue_size * self._weight(tenant) / total_weight
+            if excess > best_excess + 1e-9:
+                best, best_excess = tenant, excess
+        return best
+
+    def places(self, lane: int) -> dict[str, int]:
+        """Who holds `lane`'s places: queued requests per tenant (tenants with none left out)."""
+        return {tenant: count for tenant, count in self._lanes[lane].live.items() if count > 0}
+
+    def _newest(self, lane: int, tenant: str) -> QueuedItem[T] | None:
+        """The most recently queued live item of `tenant` in `lane` (a scan of that tenant's heap:
+        only when a full lane must push one out)."""
+        heap = self._lanes[lane].heaps.get(tenant, [])
+        live = [entry.item for entry in heap if not entry.item.cancelled]
+        return max(live, key=lambda i: i.seq) if live else None
 
     def cancel(self, item: QueuedItem[T]) -> None:
         """Drop `item` if it is still queued; it is discarded lazily and never handed out."""

@@ -52,7 +52,9 @@ class ServedModelHandle:
         """Refuse now what could not be queued (not ready, lane full, shutting down)."""
         if not self._slot.resident and self._engine.pool.loadable(self._slot):
             return  # evicted since it resolved: `infer` loads it again
-        self._serving().scheduler.admit(lane)
+        tenants = self._engine.tenants
+        tenant = tenants.of(client_var.get()).id if tenants is not None and tenants.enabled else ""
+        self._serving().scheduler.admit(lane, tenant)
 
     def infer(self, inputs: dict[str, np.ndarray], *, lane: int, deadline: float | None, request_id: str,
               arrived_at: float | None) -> asyncio.Future[RequestResult]:

@@ -158,22 +158,30 @@ class ModelScheduler:
         """Requests inside batches on runners right now."""
         return sum(len(batch) for batch in self._in_flight.values())
 
-    def admit(self, lane: int) -> None:
+    def admit(self, lane: int, tenant: str = "") -> None:
         """Refuse at once (`Overloaded`, `ShuttingDown`) what `submit` would refuse, before the
-        caller spends anything on decoding the request."""
+        caller spends anything on decoding the request: a full lane refuses `tenant` only when it
+        holds the most of the lane beyond its weighted share (`BatchQueue`'s fair admission)."""
         if not self._accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
-        if self._queue.depth(lane) >= self._queue.max_queue_size:
-            raise self._refuse(lane)
+        if not self._queue.would_admit(lane, tenant):
+            raise self._refuse(lane, tenant)
 
-    def _refuse(self, lane: int) -> Overloaded:
-        """Count a refusal of a full lane and build its error, Retry-After from the predicted drain."""
+    def lane_places(self, lane: int) -> dict[str, int]:
+        """Who holds `lane`'s queue places: queued requests per tenant."""
+        return self._queue.places(lane)
+
+    def _refuse(self, lane: int, tenant: str) -> Overloaded:
+        """Count a refusal of `tenant`'s request by a full lane and build its error (naming the
+        tenant and its places), Retry-After from the predicted drain."""
         self.stats.rejected += 1
         self._telemetry.count(lane, "rejected")
+        held = self._queue.places(lane).get(tenant, 0)
+        who = f"tenant '{tenant}'" if tenant else "the anonymous tenant"
         return Overloaded(
             f"model '{self.config.name}' has {self._queue.depth(lane)} requests queued in lane "
-            f"'{self.lanes[lane]}', its limit",
-            retry_after_s=self._predicted_drain_s(),
+            f"'{self.lanes[lane]}', its limit; {who} holds {held} of them, the most beyond its share",
+            retry_after_s=self._predicted_drain_s(), tenant=tenant,
         )
 
     def predicted_compute_s(self, rows: int) -> float:
@@ -225,8 +233,12 @@ class ModelScheduler:
         mark = self._telemetry.mark(self._queue.depth(lane))  # queue position: requests ahead in its lane
         item = QueuedItem(PendingRequest(inputs, request_id, future, mark), lane, rows, shape_key, deadline_at, now,
                           tenant=tenant)
-        if not self._queue.push(item):
-            raise self._refuse(lane)
+        admission = self._queue.push(item)
+        if not admission.admitted:
+            raise self._refuse(lane, tenant)
+        if admission.displaced is not None:
+            displaced = admission.displaced
+            fail(displaced, self._refuse(lane, displaced.tenant))
         self._learned.arrivals.observe(now)
         future.add_done_callback(lambda f: self._on_cancel(item) if f.cancelled() else None)
         if coalesce:

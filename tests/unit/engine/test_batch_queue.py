@@ -61,8 +61,8 @@ def test_multi_row_items_never_overflow_the_batch():
 
 def test_lane_bound_refuses_beyond_max_queue_size_per_lane():
     q = BatchQueue(lanes=2, max_queue_size=2)
-    assert q.push(item("n1")) and q.push(item("n2"))
-    assert not q.push(item("n3"))
+    assert q.push(item("n1")).admitted and q.push(item("n2")).admitted
+    assert not q.push(item("n3")).admitted
     assert q.push(item("h1", lane=HIGH))  # the other lane has its own bound
     assert q.depth(NORMAL) == 2 and q.depth(HIGH) == 1
 
@@ -84,7 +84,7 @@ def test_cancelled_items_are_never_handed_out_and_free_their_slot():
     q.push(gone)
     q.cancel(gone)
     assert len(q) == 0
-    assert q.push(item("kept"))
+    assert q.push(item("kept")).admitted
     assert names(q.take_batch(max_rows=8)) == ["kept"]
 
 

@@ -23,7 +23,7 @@ def drain(queue: BatchQueue[str], max_rows: int) -> list[list[str]]:
 def test_one_tenant_is_earliest_deadline_first() -> None:
     queue: BatchQueue[str] = BatchQueue(1, 100)
     for deadline in (5, 1, 4, 2, 3):
-        assert queue.push(item("", deadline))
+        assert queue.push(item("", deadline)).admitted
     assert drain(queue, 2) == [["@1", "@2"], ["@3", "@4"], ["@5"]]
 
 
@@ -97,3 +97,71 @@ def test_cancel_and_expiry_keep_every_tenants_count() -> None:
     assert queue.next_deadline() == 6
     assert [i.payload for i in queue.take_batch(8)] == ["b@6"]
     assert len(queue) == 0 and queue.head() is None
+
+
+# --- fair admission: a full lane's places are shared by weight too (issue 46) ---------------------
+
+
+def test_a_full_lane_pushes_out_the_flooders_newest_for_a_tenant_within_its_share() -> None:
+    queue: BatchQueue[str] = BatchQueue(1, 10)
+    for i in range(9):
+        assert queue.push(item("flood", i)).admitted
+    assert queue.push(item("light", 50)).admitted  # the lane is now full: 9 + 1
+    admission = queue.push(item("light", 51))
+    assert admission.admitted
+    assert admission.displaced is not None and admission.displaced.payload == "flood@8"  # its newest
+    assert queue.places(0) == {"flood": 8, "light": 2}
+    assert len(queue) == 10
+
+
+def test_the_tenant_beyond_its_share_is_refused_itself_and_displaces_nobody() -> None:
+    queue: BatchQueue[str] = BatchQueue(1, 10)
+    for i in range(6):
+        queue.push(item("flood", i))
+    for i in range(4):
+        queue.push(item("light", 100 + i))
+    refused = queue.push(item("flood", 99))
+    assert not refused.admitted and refused.holder == "flood" and refused.displaced is None
+    assert not queue.would_admit(0, "flood")
+    assert queue.would_admit(0, "light")  # within its half: it would push out flood's newest
+    assert queue.places(0) == {"flood": 6, "light": 4}
+
+
+def test_a_light_tenant_keeps_its_requests_while_another_floods_a_full_lane() -> None:
+    """A flood 10x the lane's size never costs the light tenant a queued request."""
+    queue: BatchQueue[str] = BatchQueue(1, 20)
+    refused: Counter[str] = Counter()
+    pushed_out: Counter[str] = Counter()
+    for round_ in range(10):
+        for i in range(20):
+            admission = queue.push(item("flood", round_ * 100 + i))
+            if not admission.admitted:
+                refused["flood"] += 1
+        admission = queue.push(item("light", round_ * 100 + 50))
+        if not admission.admitted:
+            refused["light"] += 1
+        if admission.displaced is not None:
+            pushed_out[admission.displaced.tenant] += 1
+        queue.take_batch(2)  # the model takes a little
+    assert refused["light"] == 0 and pushed_out["light"] == 0
+    assert refused["flood"] > 100
+
+
+def test_places_in_a_full_lane_follow_the_weights() -> None:
+    weights = {"gold": 3.0, "bronze": 1.0}
+    queue: BatchQueue[str] = BatchQueue(1, 8, weight_of=lambda t: weights.get(t, 1.0))
+    for i in range(6):
+        queue.push(item("gold", i))
+    for i in range(2):
+        queue.push(item("bronze", 10 + i))
+    # gold holds 6 of its 6 (3/4 of 8), bronze 2 of its 2: whoever comes next is the one beyond.
+    assert not queue.push(item("bronze", 20)).admitted
+    assert not queue.push(item("gold", 21)).admitted
+
+
+def test_one_tenant_alone_is_refused_at_the_bound_as_before() -> None:
+    queue: BatchQueue[str] = BatchQueue(1, 3)
+    for i in range(3):
+        assert queue.push(item("", i)).admitted
+    admission = queue.push(item("", 9))
+    assert not admission.admitted and admission.displaced is None
