@@ -110,11 +110,11 @@ def _cmd_models(args: argparse.Namespace) -> int:
     budget = settings.memory_budget_bytes or machine_memory_budget()
     source = "--memory-budget-bytes" if settings.memory_budget_bytes else "default: a share of the memory available now"
     reports = report_repository(repository, budget, available_cpus(), check_factories=not args.no_factory_check,
-                                check_graphs=not args.no_graph_check)
+                                check_graphs=not args.no_graph_check, mode=settings.repository_mode)
     quota = cpu_quota()
     why = f"{affinity_cpus()} in its affinity mask" + (f", CPU limit {quota:g} from its control group" if quota else "")
     warning = cpu_warning(reports, usable_cpus(), why)
-    print(render(repository, budget, source, reports, [warning] if warning else []))
+    print(render(repository, budget, source, reports, [warning] if warning else [], mode=settings.repository_mode))
     return 1 if any(report.status != "ok" for report in reports) else 0
 
 
@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         "model.yaml (file, field, reason), its CPU affinity on this machine, a pytorch factory built on the meta "
         "device and its weights' names and shapes, a python model's entry class, an ONNX graph's inputs and "
         "outputs, and its estimated memory "
-        "against the memory budget; shows the effective settings. "
+        "against the memory budget as the repository mode uses it (eager: every model at start; lazy: the pinned "
+        "ones at start, the others on demand, refused only when they could never fit); shows the effective settings. "
         "Exit code 1 if any model is invalid or would be refused.")
     models.add_argument("--config", type=Path, default=None, help="YAML file with settings.")
     models.add_argument("--no-factory-check", action="store_true",
@@ -163,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "a process that imports torch or the model's code)")
     models.add_argument("--no-graph-check", action="store_true",
                         help="do not open ONNX graphs (each check starts a process that imports onnxruntime)")
-    _add_config_flags(models, only=("model_repository", "cache_dir", "memory_budget_bytes"))
+    _add_config_flags(models, only=("model_repository", "cache_dir", "memory_budget_bytes", "repository_mode"))
     models.set_defaults(run=_cmd_models)
     keys = sub.add_parser("keys", help="make API keys and the hashed lines of a keys file",
                           description="new: print a fresh random key and its hashed line for --api-keys-file; "

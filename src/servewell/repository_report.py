@@ -6,9 +6,12 @@ runtime, the factory built on the meta device in a child process (the lazy submo
 exist, the parameter names and shapes must be the weights file's); for the python runtime, the
 entry class imported in a child process (not instantiated); for the onnx runtime, the
 graph opened by onnxruntime in a child process (names, datatypes and shapes against model.yaml,
-a corrupt file); and the memory estimate against the budget, reserved model after model exactly as the
-server reserves them (`engine.memory_budget`), so a model the server would refuse is reported as
-refused, not `ok`. Valid models show their effective settings in two or three short lines.
+a corrupt file); and the memory estimate against the budget as the server's repository mode uses
+it (`engine.memory_budget`, `engine.model_pool`): eager, every model reserved in load order, so a
+model the server would refuse at start is reported as refused, not `ok`; lazy, the pinned models
+reserved at start and every other model loadable on demand when it fits beside them (idle models
+are evicted to make room), refused only when it could never fit. Valid models show their effective
+settings in two or three short lines.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from typing import Any
 
 from servewell.config.model import ModelConfig, TensorSpec
 from servewell.config.model_file import CONFIG_FILE, ModelConfigError, read_model_yaml, version_problems
-from servewell.engine.memory_budget import MiB, estimate_model_memory
+from servewell.engine.memory_budget import MemoryEstimate, MiB, estimate_model_memory
+from servewell.engine.model_pool import RepositoryMode
 from servewell.engine.pipeline_check import check_pipeline
 from servewell.engine.repository import scan_repository
 from servewell.runtimes.python_entry import config_problems
@@ -51,22 +55,27 @@ class ModelReport:
     settings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     cpu_threads: int = 0  # instances x threads of a model on the CPU (0 for a GPU model or a pipeline)
+    on_demand: bool = False  # lazy mode: loads on its first request (not at start), evicting idle models
+    estimated_bytes: int | None = None  # the memory estimate the budget counts (None: invalid, or no estimate)
 
     @property
     def status(self) -> str:
-        """ok, INVALID (a problem in the config or on this machine) or REFUSED (over the memory budget)."""
+        """ok, INVALID (a problem in the config or on this machine) or REFUSED (over the memory budget;
+        in lazy mode, only a model that could never fit)."""
         if self.problems:
             return "INVALID"
         return "REFUSED" if self.refused else "ok"
 
 
 def report_repository(
-    root: Path, budget_bytes: int, available_cpus: set[int], check_factories: bool = True, check_graphs: bool = True
+    root: Path, budget_bytes: int, available_cpus: set[int], check_factories: bool = True, check_graphs: bool = True,
+    mode: RepositoryMode = "eager",
 ) -> list[ModelReport]:
     """A report per model directory of `root`, in the server's load order (`check_factories`,
-    `check_graphs`: run the pytorch and python checks, and the onnx check, each in a child process)."""
+    `check_graphs`: run the pytorch and python checks, and the onnx check, each in a child process;
+    `mode`: the server's repository mode, which decides what the memory budget refuses)."""
     reports = []
-    reserved = 0
+    budget = BudgetCheck(budget_bytes, mode)
     sources = list(scan_repository(root))
     # The child processes run side by side: each spends seconds importing torch or onnxruntime
     # (5 pytorch models took 42 s one after another on a busy 2-core machine).
@@ -88,25 +97,67 @@ def report_repository(
         if config.kind == "pipeline":  # against its step models, as the server checks it when it loads
             report.problems.extend(f"pipeline: {p}" for p in check_pipeline(config, partial(_step_config, configs)))
         report.notes.extend(notes)
-        # The server reserves every valid model's estimate before any load finishes, in this order.
         try:
             estimate = estimate_model_memory(config, source.directory)
         except (OSError, ValueError) as exc:
             report.refused = f"would be refused before loading: {exc}"
             continue
-        left = budget_bytes - reserved
+        report.estimated_bytes = estimate.total_bytes
+        budget.add(report, config, estimate)
+        memory = f"~{_mib(estimate.total_bytes)} ({estimate.basis})"
+        report.settings = effective_settings(config, memory + (", loads on demand" if report.on_demand else ""))
+        if config.kind != "pipeline" and config.device == "cpu":
+            report.cpu_threads = config.instances * config.threads
+    budget.finish()
+    return reports
+
+
+class BudgetCheck:
+    """The memory budget as the server's repository mode applies it to the models of one report.
+
+    eager: every valid model's estimate is reserved before any load finishes, in load order, so a
+    model past what is left is refused. lazy (`engine/model_pool.py`): the pinned models (model.yaml's
+    `pinned`, a model with other versions, a pipeline) load at start and are never evicted; every
+    other model loads on its first request, evicting idle ones to make room, so it is refused only
+    when it could never fit: bigger than what the pinned models leave of the whole budget.
+    """
+
+    def __init__(self, budget_bytes: int, mode: RepositoryMode) -> None:
+        self.budget_bytes = budget_bytes
+        self.mode = mode
+        self.reserved_bytes = 0  # eager: every model so far; lazy: the pinned ones
+        self._on_demand: list[tuple[ModelReport, MemoryEstimate]] = []
+
+    def add(self, report: ModelReport, config: ModelConfig, estimate: MemoryEstimate) -> None:
+        """Reserve `estimate` now (eager, or a pinned model in lazy mode) or after the pinned ones (lazy)."""
+        if self.mode == "lazy" and not (config.pinned or config.other_versions or config.kind == "pipeline"):
+            report.on_demand = True
+            self._on_demand.append((report, estimate))
+            return
+        left = self.budget_bytes - self.reserved_bytes
         if estimate.total_bytes > left:
             report.refused = (
-                f"would be refused: needs {_mib(estimate.total_bytes)}, budget {_mib(budget_bytes)}"
-                + (f" ({_mib(max(left, 0))} left after the models before it)" if reserved else "")
+                f"would be refused: needs {_mib(estimate.total_bytes)}, budget {_mib(self.budget_bytes)}"
+                + (f" ({_mib(max(left, 0))} left after the {'pinned ' if self.mode == 'lazy' else ''}models "
+                   "before it)" if self.reserved_bytes else "")
                 + f"; estimate from the {estimate.basis}"
             )
         else:
-            reserved += estimate.total_bytes
-        report.settings = effective_settings(config, f"~{_mib(estimate.total_bytes)} ({estimate.basis})")
-        if config.kind != "pipeline" and config.device == "cpu":
-            report.cpu_threads = config.instances * config.threads
-    return reports
+            self.reserved_bytes += estimate.total_bytes
+
+    def finish(self) -> None:
+        """Judge the on-demand models (lazy mode) against what every pinned model leaves: the pinned
+        ones load at start wherever they stand in the load order."""
+        left = self.budget_bytes - self.reserved_bytes
+        for report, estimate in self._on_demand:
+            if estimate.total_bytes > self.budget_bytes:
+                report.refused = (f"would be refused on every request: needs {_mib(estimate.total_bytes)}, more "
+                                  f"than the whole budget of {_mib(self.budget_bytes)}; estimate from the "
+                                  f"{estimate.basis}")
+            elif estimate.total_bytes > left:
+                report.refused = (f"would be refused on every request: needs {_mib(estimate.total_bytes)}, but the "
+                                  f"pinned models (never evicted) leave {_mib(max(left, 0))} of the "
+                                  f"{_mib(self.budget_bytes)} budget; estimate from the {estimate.basis}")
 
 
 def _step_config(configs: dict[str, ModelConfig | None], name: str) -> tuple[ModelConfig | None, str]:
@@ -305,11 +356,24 @@ def cpu_warning(reports: list[ModelReport], cpus: int, why: str) -> str | None:
             "latency grows with the others' load; lower threads or instances, or give the server more CPUs")
 
 
+def lazy_summary(reports: list[ModelReport]) -> str:
+    """What lazy mode does with these models: which load at start, which on their first request."""
+    serving = [r for r in reports if r.status == "ok"]
+    pinned = [r for r in serving if not r.on_demand]
+    on_demand = len(serving) - len(pinned)
+    return (f"lazy mode: {len(pinned)} pinned model(s) load at start "
+            f"({_mib(sum(r.estimated_bytes or 0 for r in pinned))}), {on_demand} load on their first request, "
+            "evicting idle models to make room")
+
+
 def render(root: Path, budget_bytes: int, budget_source: str, reports: list[ModelReport],
-           warnings: Iterable[str] = ()) -> str:
-    """The text `servewell models` prints (`warnings`: lines about the whole repository)."""
+           warnings: Iterable[str] = (), mode: RepositoryMode = "eager") -> str:
+    """The text `servewell models` prints (`warnings`: lines about the whole repository; `mode`: the
+    repository mode the reports were made for, said under the header when lazy)."""
     width = max([20] + [len(r.name) for r in reports])
     lines = [f"model repository {root}: {len(reports)} model(s); memory budget {_mib(budget_bytes)} ({budget_source})"]
+    if mode == "lazy":
+        lines.append(f"  {lazy_summary(reports)}")
     lines += [f"  {line}" for line in warnings]
     for report in reports:
         head = f"  {report.name:<{width}} {report.status:<8} "

@@ -157,3 +157,20 @@ def test_pytorch_weights_that_do_not_fit_the_factory_exit_1_naming_tensor_and_bo
         block = model_block(out, name)
         assert block.split()[1] == "INVALID" and f"{tmp_path / name / 'model.yaml'}:" in block, block
         assert message in " ".join(block.split()), block
+
+
+def test_lazy_mode_serves_on_demand_what_one_budget_cannot_hold_at_once(tmp_path: Path) -> None:
+    for name in ("a", "b", "c"):
+        onnx_model(tmp_path, name)
+    budget = RUNTIME_BASE_BYTES["onnx"] + (2 << 20)  # room for one model at a time
+    eager = models(tmp_path, "--no-graph-check", "--memory-budget-bytes", str(budget))
+    assert eager.returncode == 1 and [model_block(eager.stdout, n).split()[1] for n in "abc"] == \
+        ["ok", "REFUSED", "REFUSED"], eager.stdout
+    lazy = models(tmp_path, "--no-graph-check", "--memory-budget-bytes", str(budget), "--repository-mode", "lazy")
+    assert lazy.returncode == 0, lazy.stdout + lazy.stderr
+    assert [model_block(lazy.stdout, n).split()[1] for n in "abc"] == ["ok", "ok", "ok"], lazy.stdout
+    assert "lazy mode: 0 pinned model(s) load at start (0 MiB), 3 load on their first request" in lazy.stdout
+    assert "loads on demand" in model_block(lazy.stdout, "c")
+    small = models(tmp_path, "--no-graph-check", "--memory-budget-bytes", str(budget // 2), "--repository-mode", "lazy")
+    assert small.returncode == 1  # no model fits the whole budget: each is refused for good
+    assert "more than the whole budget" in " ".join(model_block(small.stdout, "a").split()), small.stdout

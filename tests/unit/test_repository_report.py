@@ -131,3 +131,38 @@ def test_more_cpu_worker_threads_than_usable_cpus_is_a_warning_for_the_whole_rep
                               "the 3 CPU(s) this server may use (4 in its affinity mask, CPU limit 2.5")
     text = render(tmp_path, 1 << 40, "test", reports, [warning])
     assert text.splitlines()[1] == "  " + warning  # right under the header, before the models
+
+
+def test_lazy_mode_loads_on_demand_what_the_eager_budget_refuses(tmp_path: Path) -> None:
+    for name in ("a", "b", "c"):
+        onnx_model(tmp_path, name, size_bytes=8 * MiB)
+    budget = need(8 * MiB) + need(1000)  # room for one of them at a time
+    eager = report_repository(tmp_path, budget, {0}, check_graphs=False)
+    assert [r.status for r in eager] == ["ok", "REFUSED", "REFUSED"]
+    lazy = report_repository(tmp_path, budget, {0}, check_graphs=False, mode="lazy")
+    assert [r.status for r in lazy] == ["ok", "ok", "ok"]  # each loads on its request, evicting the idle one
+    assert all(r.on_demand and r.refused is None for r in lazy)
+    assert lazy[0].settings[0].endswith(f"memory ~{need(8 * MiB) / MiB:,.0f} MiB (file size of model.onnx), "
+                                        "loads on demand")
+    text = render(tmp_path, budget, "test", lazy, mode="lazy")
+    assert text.splitlines()[1] == ("  lazy mode: 0 pinned model(s) load at start (0 MiB), 3 load on their first "
+                                    "request, evicting idle models to make room")
+
+
+def test_lazy_mode_refuses_only_a_model_that_could_never_fit(tmp_path: Path) -> None:
+    onnx_model(tmp_path, "a_small", size_bytes=1000)
+    onnx_model(tmp_path, "b_huge", size_bytes=8 * MiB, instances=4)
+    onnx_model(tmp_path, "c_beside_the_pinned", size_bytes=8 * MiB)
+    onnx_model(tmp_path, "d_pinned", size_bytes=8 * MiB, pinned=True)  # loads at start, wherever it stands
+    budget = need(8 * MiB) + need(1000)
+    small, huge, beside, pinned = report_repository(tmp_path, budget, {0}, check_graphs=False, mode="lazy")
+    assert (small.status, pinned.status) == ("ok", "ok")
+    assert small.on_demand and not pinned.on_demand
+    assert huge.status == "REFUSED" and huge.refused is not None
+    assert huge.refused.startswith(f"would be refused on every request: needs {need(8 * MiB, 4) / MiB:,.0f} MiB, more "
+                                   f"than the whole budget of {budget / MiB:,.0f} MiB")
+    assert beside.status == "REFUSED" and beside.refused is not None  # fits the budget, not beside the pinned one
+    assert "the pinned models (never evicted) leave" in beside.refused
+    text = render(tmp_path, budget, "test", [small, huge, beside, pinned], mode="lazy")
+    assert text.splitlines()[1].startswith("  lazy mode: 1 pinned model(s) load at start "
+                                           f"({need(8 * MiB) / MiB:,.0f} MiB), 1 load on their first request")
