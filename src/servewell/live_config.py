@@ -36,7 +36,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from servewell.api.keys import InferenceAccess, KeyFormatError, KeyRing, NoKeysError, parse_keys
+from servewell.api.keys import InferenceAccess, KeyFormatError, KeyRing, NoKeysError, check_distinct, parse_keys
 from servewell.api.state import LiveKnobs
 from servewell.config.bounded_yaml import cut
 from servewell.config.file_read import decode_utf8, read_config_bytes
@@ -72,10 +72,7 @@ def load_keys(settings: ServerConfig) -> KeyRing:
     keys.extend(parse_keys(settings.api_keys, "api_keys (SERVEWELL_API_KEYS or the config file)"))
     if settings.api_keys_file is not None and not keys:
         raise NoKeysError(f"{settings.api_keys_file}: holds no key (empty or comments only)")
-    ids = [k.id for k in keys]
-    duplicated = sorted({i for i in ids if ids.count(i) > 1})
-    if duplicated:
-        raise KeyFormatError(f"key ids {duplicated} appear in both the keys file and api_keys")
+    check_distinct(keys)  # across the two sources: an id, or a key, in both
     return KeyRing(keys)
 
 

@@ -16,7 +16,16 @@ and, for tenants (issue 22; engine/tenants.py enforces them in the engine, for t
     ... concurrency=<n>            its requests admitted and not yet answered, at most (all models)
     ... queue=<n>                  its requests queued per model, at most
 
-`#` starts a comment. Only SHA-256 digests are kept in memory; a presented key is hashed once
+and, for operators (issue 45):
+
+    ... role=operator              the key is an operator's: besides inference it opens what the
+                                   admin token opens (/admin, /metrics and the console's whole-server
+                                   view when keys are configured; api/access.py); default role=tenant
+
+A field appears at most once on a line, and a key at most once in all the entries (under one id
+or two): which of two would win is not something to guess. `#` starts a comment.
+
+Only SHA-256 digests are kept in memory; a presented key is hashed once
 and compared with every stored digest in constant time. Ids (never keys) appear in logs and as
 a metric label, so their number is bounded by the configuration.
 """
@@ -55,7 +64,9 @@ class NoKeysError(KeyFormatError):
 #: Bounds of the tenant fields: a weight from 1/1000 to 1000 of another's; quotas a server can hold.
 MAX_WEIGHT = 1000.0
 MAX_QUOTA = 1_000_000
-_FIELDS = ("rate", "tenant", "weight", "concurrency", "queue")
+_FIELDS = ("rate", "tenant", "weight", "concurrency", "queue", "role")
+#: What a key may be: a tenant's (inference, its own requests and figures) or an operator's.
+ROLES = ("tenant", "operator")
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,6 +81,9 @@ class ApiKey:
     weight: float | None = None
     max_concurrent: int | None = None
     max_queued: int | None = None
+    operator: bool = False  # role=operator: opens the operator's views and endpoints (api/access.py)
+    #: Where the entry was read ("keys.txt: entry 3"), for messages about two entries; never the key.
+    where: str = dataclasses.field(default="", compare=False)
 
     @property
     def tenant_id(self) -> str:
@@ -81,7 +95,6 @@ def parse_keys(lines: Iterable[str], source: str) -> list[ApiKey]:
     """Keys from `lines` (a file's lines or the variable's entries); `KeyFormatError` naming the
     source and line for anything malformed. The message never contains the key itself."""
     keys: list[ApiKey] = []
-    seen: set[str] = set()
     for number, raw in enumerate(lines, 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -89,23 +102,46 @@ def parse_keys(lines: Iterable[str], source: str) -> list[ApiKey]:
         where = f"{source}: entry {number}"
         fields = line.split()
         extras = _extra_fields(fields[1:], where)
-        key = dataclasses.replace(_parse_entry(fields[0], where, None), **extras)
-        if key.id in seen:
-            raise KeyFormatError(f"{where}: key id '{key.id}' appears twice")
-        seen.add(key.id)
-        keys.append(key)
+        keys.append(dataclasses.replace(_parse_entry(fields[0], where, None), where=where, **extras))
+    check_distinct(keys)
     _check_tenants(keys, source)
     return keys
+
+
+def check_distinct(keys: Iterable[ApiKey]) -> None:
+    """`KeyFormatError` when two entries (of one source or several: a keys file and
+    SERVEWELL_API_KEYS) share an id, or hold the same key under two ids or tenants: the lookup
+    would answer with one of them, silently (issue 45, H7). The message names both entries, never the key."""
+    by_id: dict[str, ApiKey] = {}
+    by_digest: dict[bytes, ApiKey] = {}
+    for key in keys:
+        first = by_id.setdefault(key.id, key)
+        if first is not key:
+            raise KeyFormatError(f"{key.where or 'an entry'}: key id '{key.id}' appears twice "
+                                 f"(first at {first.where or 'another entry'})")
+        first = by_digest.setdefault(key.digest, key)
+        if first is not key:
+            raise KeyFormatError(
+                f"{key.where or 'an entry'}: the same key as {first.where or 'another entry'} (ids '{first.id}' and "
+                f"'{key.id}'): one key must name one caller; give each id and tenant its own key")
 
 
 def _extra_fields(fields: list[str], where: str) -> dict[str, Any]:
     """The `name=value` fields after a key, checked."""
     out: dict[str, Any] = {}
+    named: set[str] = set()
     for extra in fields:
         name, sep, value = extra.partition("=")
         if not sep or name not in _FIELDS:
             raise KeyFormatError(f"{where}: unexpected field (after a key: {', '.join(f + '=' for f in _FIELDS)})")
-        if name == "tenant":
+        if name in named:
+            raise KeyFormatError(f"{where}: {name}= appears twice on the line (which would win?)")
+        named.add(name)
+        if name == "role":
+            if value not in ROLES:
+                raise KeyFormatError(f"{where}: role must be {' or '.join(ROLES)}")
+            out["operator"] = value == "operator"
+        elif name == "tenant":
             if not _ID.match(value):
                 raise KeyFormatError(f"{where}: tenant must be 1-64 letters, digits, '-', '_' or '.'")
             out["tenant"] = value
