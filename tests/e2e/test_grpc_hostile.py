@@ -293,3 +293,68 @@ def test_shutdown_sends_goaway_when_readiness_turns_false(tmp_path, start_server
         assert httpx.get(stopping.url + "/v2/health/ready", timeout=5).status_code == 503  # HTTP still answers
     finally:
         watcher.close()
+
+
+class IdleFlood:
+    """Raw HTTP/2 connections that send the preface and SETTINGS and nothing more, renewed as the
+    server closes them (as an attacker renews them)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.sockets: list[socket.socket] = []
+        self.closed_by_server = 0
+
+    def top_up(self, count: int) -> None:
+        """Forget the connections the server closed, then open new ones until `count` are held."""
+        held = []
+        for sock in self.sockets:
+            sock.setblocking(False)
+            try:
+                ended = sock.recv(65536, socket.MSG_PEEK) == b""
+            except BlockingIOError:
+                ended = False
+            except OSError:
+                ended = True
+            if ended:
+                self.closed_by_server += 1
+                sock.close()
+            else:
+                held.append(sock)
+        self.sockets = held
+        while len(self.sockets) < count:
+            self.sockets.append(open_raw(self.url))
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+
+def test_idle_connections_at_the_cap_give_way_to_new_clients(tmp_path, start_server):
+    """Issue 45 H18: connections that never opened a call held every place under the cap, and a new
+    tritonclient.grpc client failed at once (UNAVAILABLE "Socket closed") until the idle timeout."""
+    cap = 50
+    slow_model(tmp_path, "slow", 1, max_batch_size=1)
+    started = start_server(["--model-repository", str(tmp_path), "--grpc-max-connections", str(cap),
+                            "--grpc-idle-timeout-s", "300", "--ingress-processes", "1"])
+    started.wait_ready()
+    flood = IdleFlood(started.grpc_url)
+    try:
+        flood.top_up(cap + 10)
+        first = flood.sockets[0]
+        for value in range(3):  # each a new client with its own connection, the flood renewed before it
+            flood.top_up(cap + 10)
+
+            def new_client_answers(value: float = value) -> bool:
+                try:
+                    with triton.InferenceServerClient(started.grpc_url) as legit:
+                        return legit.infer("slow", x_input(value)).as_numpy("y") is not None
+                except InferenceServerException as exc:
+                    assert "UNAVAILABLE" in code_of(exc), exc  # refused at the cap: what the sweep ends
+                    return False
+
+            eventually(new_client_answers, 10.0, "a new gRPC client is refused while idle connections hold the cap")
+        # The places were made by closing the flood's oldest connections, not by its idle timeout (300 s).
+        assert first not in flood.sockets or closed_by_server(first, 5.0)
+        assert flood.closed_by_server >= 10
+    finally:
+        flood.close()

@@ -6,12 +6,14 @@ servicer raised NotImplementedError: an ERROR with a traceback per call, 500 cal
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 from tritonclient.grpc import service_pb2 as pb
 
+from servewell.api.grpc.connection_eviction import CallPeers, peer_address
 from servewell.api.grpc.incoming import IncomingMessage
 from servewell.api.grpc.scope import RpcContext, RpcScope
 
@@ -27,10 +29,13 @@ def _serialize(message: Any) -> bytes:
 
 
 class ServiceRouter(grpc.GenericRpcHandler):
-    """The one generic handler of the gRPC server."""
+    """The one generic handler of the gRPC server; it tells `calls` which connections have calls
+    (by their peer), so that the connection sweep knows which never opened one."""
 
-    def __init__(self, servicer: object, scope: RpcScope, receive_timeout_s: float) -> None:
+    def __init__(self, servicer: object, scope: RpcScope, receive_timeout_s: float,
+                 calls: CallPeers | None = None) -> None:
         self._scope = scope
+        self.calls = calls if calls is not None else CallPeers()
         self._handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
         for name, method in _METHODS.items():
             behaviour = getattr(servicer, name, None)
@@ -38,8 +43,9 @@ class ServiceRouter(grpc.GenericRpcHandler):
                 continue
             request_type = getattr(pb, method.input_type.name)
             self._handlers[f"/{SERVICE}/{name}"] = grpc.stream_unary_rpc_method_handler(
-                _bind(behaviour, request_type, receive_timeout_s), response_serializer=_serialize)
-        self._unimplemented: grpc.RpcMethodHandler[Any, Any] = grpc.stream_unary_rpc_method_handler(self._refuse)
+                _bind(behaviour, request_type, receive_timeout_s, self.calls), response_serializer=_serialize)
+        self._unimplemented: grpc.RpcMethodHandler[Any, Any] = grpc.stream_unary_rpc_method_handler(
+            _counted(self._refuse, self.calls))
 
     @property
     def methods(self) -> list[str]:
@@ -56,7 +62,23 @@ class ServiceRouter(grpc.GenericRpcHandler):
         await self._scope.unimplemented(context)
 
 
-def _bind(behaviour: Behaviour, request_type: type[Any], timeout_s: float) -> Callable[..., Awaitable[Any]]:
+def _bind(behaviour: Behaviour, request_type: type[Any], timeout_s: float,
+          calls: CallPeers) -> Callable[[object, RpcContext], Awaitable[Any]]:
     async def handle(request_iterator: object, context: RpcContext) -> Any:
         return await behaviour(IncomingMessage(context, request_type, timeout_s), context)
-    return handle
+    return _counted(handle, calls)
+
+
+def _counted(handle: Callable[[object, RpcContext], Awaitable[Any]],
+             calls: CallPeers) -> Callable[[object, RpcContext], Awaitable[Any]]:
+    """`handle`, telling `calls` when a call starts and ends on its connection."""
+    async def counted(request_iterator: object, context: RpcContext) -> Any:
+        address = peer_address(context.peer())
+        if address is None:
+            return await handle(request_iterator, context)
+        calls.started(address)
+        try:
+            return await handle(request_iterator, context)
+        finally:
+            calls.ended(address, time.monotonic())
+    return counted
