@@ -319,6 +319,17 @@ def test_a_pipeline_that_does_not_fit_its_steps_is_refused_with_the_mismatch(ser
     assert models(server)["digits_page"] == "ready"  # the rest of the repository is untouched
 
 
+def test_a_pipeline_output_wired_to_a_step_output_that_does_not_exist_is_refused_at_load(served: Any) -> None:
+    """Issue 45 W6: it loaded ready, and every request got a 422 "skipped by their conditions"."""
+    server, _, root = served
+    pipeline(root, "miswired", [{"name": "one", "model": "double", "inputs": {"x": "x"}}], {"y": "one.nope"})
+    load = httpx.post(server.url + "/v2/repository/models/miswired/load", timeout=60)
+    assert load.status_code == 422 and error_code(load) == "load_failed", load.text
+    assert "output 'y': step 'one' (model 'double') has no output 'nope'; its outputs are ['y']" \
+        in error_of(load)["message"]
+    assert models(server)["miswired"] == "failed"
+
+
 def test_a_pipeline_reloads_live_when_its_model_yaml_changes(served: Any) -> None:
     server, _, root = served
     assert infer(server, "swap", 4.0).json()["outputs"][0]["data"] == [8.0]

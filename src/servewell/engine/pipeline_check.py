@@ -1,6 +1,7 @@
 """A pipeline checked against its step models' configs, when it loads (and again for a step whose
 model was reloaded since): every step model exists and is a model, every input of it is fed by a
-tensor of the same dtype and a compatible shape, and every pipeline output is what its source gives.
+tensor of the same dtype and a compatible shape, and every pipeline output names an output its step's
+model has, of the dtype and shape the pipeline declares.
 
 What the pipeline's own model.yaml can say alone is checked in config/pipeline.py; what needs the
 step models is checked here, and each problem names the step, the tensor and both sides.
@@ -34,11 +35,14 @@ def check_pipeline(config: ModelConfig, configs: StepConfigs) -> list[str]:
         if step_config is not None:
             for out in step_config.outputs:
                 tensors[f"{step.name}.{out.name}"] = out
+    models = {step.name: step.model for step in spec.steps}
     for output in config.outputs:
         for source in spec.alternatives(output.name):
-            given = tensors.get(source)
+            # A source naming an output its step's model lacks is refused here: served, it made every
+            # request a 422 "skipped by their conditions" (issue 45 W6).
+            given = _source_spec(source, tensors, problems, f"output {output.name!r}", models)
             if given is None:
-                continue  # its step failed a check above, or has no such output (said there)
+                continue  # named just now, or its step failed a check above (said there)
             if given.datatype != output.datatype or not shapes_fit(given.shape, output.shape):
                 problems.append(f"output {output.name!r} is declared {output.datatype} {output.shape}, but its "
                                 f"source {source!r} gives {given.datatype} {given.shape}")
@@ -50,6 +54,8 @@ def check_step(config: ModelConfig, step: PipelineStep, tensors: dict[str, Tenso
     """Check one step against its model; its config when the model can serve it (even if some of its
     inputs do not fit: the steps after it are then still checked against its outputs)."""
     where = f"step {step.name!r} (model {step.model!r})"
+    spec = config.pipeline
+    models = {} if spec is None else {s.name: s.model for s in spec.steps}
     step_config, why = configs(step.model)
     if step_config is None:
         problems.append(f"{where}: {why}")
@@ -72,21 +78,25 @@ def check_step(config: ModelConfig, step: PipelineStep, tensors: dict[str, Tenso
         if target is None:
             problems.append(f"{where} has no input {name!r}; its inputs are {sorted(wanted)}")
             continue
-        given = _source_spec(source, tensors, problems, f"{where} input {name!r}")
+        given = _source_spec(source, tensors, problems, f"{where} input {name!r}", models)
         if given is not None and (given.datatype != target.datatype or not shapes_fit(given.shape, target.shape)):
             problems.append(f"{where} input {name!r} is {target.datatype} {target.shape}, but its source "
                             f"{source!r} is {given.datatype} {given.shape}")
     if step.when is not None:
-        _source_spec(step.when.tensor, tensors, problems, f"{where} condition")
+        _source_spec(step.when.tensor, tensors, problems, f"{where} condition", models)
     return step_config
 
 
-def _source_spec(source: str, tensors: dict[str, TensorSpec], problems: list[str], what: str) -> TensorSpec | None:
+def _source_spec(source: str, tensors: dict[str, TensorSpec], problems: list[str], what: str,
+                 models: dict[str, str]) -> TensorSpec | None:
+    """The spec of the tensor `source` names; None, with the problem added, when its step's model has
+    no such output (None without a problem when the step itself failed: said already)."""
     given = tensors.get(source)
     step, tensor = split_source(source)
     if given is None and step is not None and not any(name.startswith(step + ".") for name in tensors):
         return None  # the source step's own problem is reported already
     if given is None:
         outputs = sorted(name.partition(".")[2] for name in tensors if name.startswith(f"{step}."))
-        problems.append(f"{what}: step {step!r} has no output {tensor!r}; its outputs are {outputs}")
+        model = f" (model {models[step]!r})" if step in models else ""
+        problems.append(f"{what}: step {step!r}{model} has no output {tensor!r}; its outputs are {outputs}")
     return given

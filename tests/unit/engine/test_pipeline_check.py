@@ -67,11 +67,19 @@ def test_an_unfed_input_and_an_unknown_output_are_named() -> None:
     steps: list[dict[str, Any]] = [{"name": "crop", "model": "crop", "inputs": {"page": "page"}},
                                    {"name": "cls", "model": "classify", "inputs": {"input": "crop.digits"}}]
     problems = check_pipeline(pipeline(steps, {"logits": "cls.logits"}, {"logits": ("FP32", [10])}), configs)
-    assert problems == ["step 'cls' (model 'classify') input 'input': step 'crop' has no output 'digits'; its outputs "
-                        "are ['box', 'digit']"]
+    assert problems == ["step 'cls' (model 'classify') input 'input': step 'crop' (model 'crop') has no output "
+                        "'digits'; its outputs are ['box', 'digit']"]
     steps[1]["inputs"] = {"other": "crop.digit"}
     problems = check_pipeline(pipeline(steps, {"logits": "cls.logits"}, {"logits": ("FP32", [10])}), configs)
     assert "step 'cls' (model 'classify'): input 'input' is not fed (add it to the step's inputs)" in problems
+
+
+def test_an_output_wired_to_a_step_output_that_does_not_exist_is_refused() -> None:
+    """Issue 45 W6: `w: m.nope` loaded ready and every request got a 422 blaming the client."""
+    config = pipeline(GOOD_STEPS, {"logits": "cls.logits", "box": ["crop.nope", "crop.box"]},
+                      {"logits": ("FP32", [10]), "box": ("INT64", [4])})
+    assert check_pipeline(config, configs) == [
+        "output 'box': step 'crop' (model 'crop') has no output 'nope'; its outputs are ['box', 'digit']"]
 
 
 def test_shapes_fit_where_any_size_meets_a_size() -> None:
