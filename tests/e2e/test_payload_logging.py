@@ -1,6 +1,7 @@
 """The payload log (issue 24) through a real split server: requests over HTTP reach the JSONL file
 and a CloudEvents receiver (tests/support/event_receiver.py), every one counted in /metrics; the
-section changes live, and a sink that cannot be opened is refused, at start and at reload."""
+section changes live, and a sink that cannot be opened is refused, at start and at reload; a sink
+that fails (a full disk) is warned about once a minute and shown in /healthz and /metrics."""
 
 from __future__ import annotations
 
@@ -114,6 +115,39 @@ def test_a_change_applies_live_and_a_sink_that_cannot_open_is_refused(server: Se
     assert report()["server"]["settings"]["payload_log"]["file"]["path"] == str(log_path)
     infer(server, "tiny", 5.0, "still-logged")
     eventually(lambda: lines(log_path)[-1]["request_id"] == "still-logged", 15, "the running log kept")
+
+
+def test_a_full_disk_is_warned_once_a_minute_and_shown_in_healthz_and_metrics(server: ServerProcess,
+                                                                              receiver: EventReceiver):
+    """Issue 45, H8: a full disk under the file sink logged one warning per failed batch (82 in 10 s)
+    and /healthz said "ok". /dev/full stands for the full disk (every write: ENOSPC)."""
+    conf: Path = server.conf  # type: ignore[attr-defined]
+    full = conf / "full.jsonl"
+    full.symlink_to("/dev/full")
+    failed = lambda: scraped_total(server.url, "servewell_payload_log_records_total",  # noqa: E731
+                                   sink="file", outcome="failed")
+    (conf / "server.yaml").write_text(yaml.safe_dump(payload_settings(full, receiver)))
+    eventually(lambda: httpx.get(server.url + "/admin/config", timeout=10).json()["server"]["settings"]
+               ["payload_log"]["file"]["path"] == str(full), 20, "the change applied")
+    before = failed()
+    for i in range(6):  # one request a batch: each waits until the one before has failed
+        infer(server, "tiny", float(i), f"full-{i}")
+        eventually(lambda n=before + i + 1: failed() >= n, 15, "the write failed")
+    health = server.health()
+    assert health["status"] == "degraded" and health["ready"] is True  # records are lost, requests are served
+    sink = health["payload_log"]["sinks"]["file"]
+    assert health["payload_log"]["status"] == "failing" and sink["failing"] is True
+    assert sink["problem"] == "ENOSPC: No space left on device" and sink["failed_records"] >= 6
+    assert str(conf) not in json.dumps(health)  # /healthz is open: no path
+    assert scraped_total(server.url, "servewell_payload_log_sink_failing", sink="file") == 1
+    warned = [line for line in server.log().splitlines() if str(full) in line and "WARNING" in line.upper()]
+    assert len(warned) == 1, warned  # six batches failed
+
+    log_path = conf / "payload.jsonl"
+    (conf / "server.yaml").write_text(yaml.safe_dump(payload_settings(log_path, receiver, models=["tiny"])))
+    eventually(lambda: server.health()["status"] == "ok", 20, "the working file sink in force again")
+    assert scraped_total(server.url, "servewell_payload_log_sink_failing", sink="file") == 0
+    assert log_path.stat().st_mode & 0o777 == 0o600  # H12: created for the server's user only
 
 
 def test_a_server_whose_payload_file_cannot_be_opened_does_not_start(tmp_path: Path, start_server: ServerFactory,

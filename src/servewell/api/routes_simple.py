@@ -24,6 +24,7 @@ from servewell.config.model import ModelConfig
 from servewell.engine.protocol import SchedulingFacts
 from servewell.errors import BadRequest, InvalidInput, quote
 from servewell.observability.context import request_id_var
+from servewell.observability.payload_log import PayloadLog
 from servewell.observability.process import rss_bytes
 
 router = APIRouter()
@@ -175,6 +176,11 @@ async def healthz(state: AppState = Depends(state_dependency)) -> Response:
     config = doc["config"] = state.config_status()
     if config["rejected"] and doc["status"] == "ok":
         doc["status"] = "degraded"
+    payload_log = getattr(state.engine, "payload_log", None)  # the engine's (observability/payload_log.py)
+    if isinstance(payload_log, PayloadLog):  # a failing sink (a full disk) loses records: degraded, still ready
+        doc["payload_log"] = payload_log.health()
+        if doc["payload_log"]["status"] == "failing" and doc["status"] == "ok":
+            doc["status"] = "degraded"
     ready = readiness.ready
     return _json(doc, 200 if ready else 503, None if ready else {"Retry-After": "2"})
 

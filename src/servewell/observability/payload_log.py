@@ -8,6 +8,10 @@ HTTP sink's events to a second bounded queue that a second thread POSTs from, so
 never holds up the file. A full queue drops the record and counts it; every record a sink was
 meant to get ends in `servewell_payload_log_records_total{sink, outcome}` as written, failed or
 dropped (why: `servewell_payload_log_drops_total{sink, reason}`).
+
+A sink that fails (a full disk, an unreachable receiver) is shown while it fails: in /healthz
+(`payload_log`, and status "degraded"), in `servewell_payload_log_sink_failing{sink}`, and in the
+log at most once a minute (`payload_sinks.SinkHealth`). Files are created 0600.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -33,7 +37,9 @@ from servewell.observability.payload_sinks import (
     HttpEventSender,
     PayloadRecord,
     RotatingFile,
+    SinkHealth,
     TensorCapture,
+    describe,
     encode,
 )
 
@@ -180,6 +186,8 @@ class PayloadLog:
         self._records: BoundedStage[PayloadRecord] | None = None
         self._events: BoundedStage[EncodedRecord] | None = None
         self._random = random.random
+        #: Whether each sink fails now (for /healthz and the metrics), across reconfigurations of its settings.
+        self.sink_health = {sink: SinkHealth(sink) for sink in SINKS}
         self.apply(settings)
 
     # -- the event loop's side ---------------------------------------------------------------
@@ -230,8 +238,11 @@ class PayloadLog:
                 # Opened here, so a path that cannot be written is refused now; the encoder thread
                 # closes the file it wrote to when it sees a new one.
                 self._file = RotatingFile(settings.file) if settings.file is not None else None
+                self.sink_health["file"].reset()
             if settings.http != (self._http.settings if self._http is not None else None):
-                self._http = HttpEventSender(settings.http) if settings.http is not None else None
+                self._http = (HttpEventSender(settings.http, self.sink_health["http"]) if settings.http is not None
+                              else None)
+                self.sink_health["http"].reset()
         if settings.enabled and self._records is None:
             self._events = BoundedStage("payload-log-http", self._send, settings.queue_records, settings.queue_bytes)
             self._records = BoundedStage("payload-log", self._write, settings.queue_records, settings.queue_bytes)
@@ -292,12 +303,14 @@ class PayloadLog:
                 for sink in self._sinks():
                     self.counts.add(sink, "failed")
         if file is not None:
+            health = self.sink_health["file"]
             try:
                 file.write([e.line for e in encoded])
                 self.counts.add("file", "written", len(encoded))
-            except OSError as exc:
-                log.warning("payload log: writing %s failed: %s", file.settings.path, exc)
+                health.succeeded(str(file.settings.path))
+            except OSError as exc:  # once a minute in the log (a full disk once logged each batch)
                 self.counts.add("file", "failed", len(encoded))
+                health.failed(describe(exc), len(encoded), str(file.settings.path))
         events = self._events
         if http is not None and events is not None:
             for e in encoded:
@@ -314,6 +327,13 @@ class PayloadLog:
         self.counts.add("http", "written", written)
         self.counts.add("http", "failed", failed)
         self.counts.add("http", "dropped", len(batch) - written - failed, "shutdown")
+
+    def health(self) -> dict[str, Any]:
+        """For /healthz: `{"enabled", "status": "ok" | "failing", "sinks": {sink: SinkHealth.to_json()}}`
+        over the configured sinks (no path, no URL: /healthz is open to anyone)."""
+        sinks = {sink: self.sink_health[sink].to_json() for sink in self._sinks()}
+        failing = any(doc["failing"] for doc in sinks.values())
+        return {"enabled": self.settings.enabled, "status": "failing" if failing else "ok", "sinks": sinks}
 
     def queue_depths(self) -> dict[str, int]:
         """Records waiting to be encoded ("records") and to be sent ("http")."""
@@ -359,4 +379,9 @@ class PayloadLogCollector(Collector):
                                   labels=["queue"])
         for queue, n in self._log.queue_depths().items():
             depth.add_metric([queue], n)
-        return [records, drops, depth]
+        failing = GaugeMetricFamily("servewell_payload_log_sink_failing",
+                                    "1 while a payload log sink fails (its latest write did: a full disk, an "
+                                    "unreachable receiver), else 0.", labels=["sink"])
+        for sink, health in self._log.sink_health.items():
+            failing.add_metric([sink], 1 if health.failing else 0)
+        return [records, drops, depth, failing]

@@ -6,12 +6,16 @@ Nothing here runs on the event loop: encoding and I/O are the background threads
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import hashlib
 import http.client
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,8 +34,86 @@ REDACTED = "[redacted]"
 CE_REQUEST = "org.kubeflow.serving.inference.request"  # KServe's logger (pkg/logger/worker.go)
 CE_RESPONSE = "org.kubeflow.serving.inference.response"
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
-#: Shortest time between two warnings about one sink's failures (the rest are counted in /metrics).
+#: Shortest time between two warnings about one sink's failures (the rest are counted in /metrics):
+#: a full disk under the file sink once logged one warning per failed batch, 82 in 10 s (issue 45, H8).
 WARN_INTERVAL_S = 60.0
+#: Mode of the files the file sink creates: requests and answers are the clients' data, for the
+#: server's user only (issue 45, H12: they were created 0644, world-readable, under the umask).
+FILE_MODE = 0o600
+
+
+class SinkHealth:
+    """Whether one sink ("file" or "http") fails now, for /healthz and
+    `servewell_payload_log_sink_failing`, and its warnings: the first failure at once, then at
+    most one a `WARN_INTERVAL_S` with what failed meanwhile, and one line when it works again.
+    Written by the sink's own thread; read from the event loop (plain attributes: a reader may
+    see one update late, never a torn value)."""
+
+    def __init__(self, sink: str, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.sink = sink
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._lock = threading.Lock()
+        self.failing = False
+        self.failing_since: float | None = None  # Unix time of the first failure of this spell
+        self.problem: str | None = None  # the latest failure: an errno name or HTTP status, never a path or URL
+        self.failed_records = 0  # in this spell
+        self._warned_at: float | None = None  # monotonic
+        self._unwarned = 0  # records failed since the last warning
+
+    def failed(self, problem: str, records: int, where: str) -> None:
+        """`records` could not be written (`problem`: what `describe` gives); `where` names the
+        sink in the log line (the file's path; never the HTTP sink's URL, which may hold a secret)."""
+        with self._lock:
+            now = self._clock()
+            if not self.failing:
+                self.failing, self.failing_since, self.failed_records = True, self._wall_clock(), 0
+            self.problem = problem
+            self.failed_records += records
+            self._unwarned += records
+            if self._warned_at is not None and now - self._warned_at < WARN_INTERVAL_S:
+                return
+            first = self._warned_at is None or self._unwarned == self.failed_records
+            self._warned_at, unwarned, self._unwarned = now, self._unwarned, 0
+        metric = f'servewell_payload_log_records_total{{sink="{self.sink}",outcome="failed"}}'
+        if first:
+            log.warning("payload log: the %s sink (%s) failed: %s; its records are counted in %s, shown in /healthz "
+                        "(payload_log), and warned about at most once a minute", self.sink, where, problem, metric)
+        else:
+            log.warning("payload log: the %s sink (%s) still fails: %s; %d records failed since the last warning",
+                        self.sink, where, problem, unwarned)
+
+    def succeeded(self, where: str) -> None:
+        """A write went through: the sink works (again)."""
+        if not self.failing:  # the common case: one attribute read, no lock
+            return
+        with self._lock:
+            if not self.failing:
+                return
+            lost = self.failed_records
+            self.failing, self.failing_since, self.problem, self.failed_records = False, None, None, 0
+            self._warned_at, self._unwarned = None, 0
+        log.warning("payload log: the %s sink (%s) writes again, after %d records failed", self.sink, where, lost)
+
+    def reset(self) -> None:
+        """The sink was removed or replaced: what its predecessor did no longer counts."""
+        with self._lock:
+            self.failing, self.failing_since, self.problem, self.failed_records = False, None, None, 0
+            self._warned_at, self._unwarned = None, 0
+
+    def to_json(self) -> dict[str, Any]:
+        """`{failing, since, problem, failed_records}` for /healthz (no path, no URL)."""
+        return {"failing": self.failing, "since": self.failing_since, "problem": self.problem,
+                "failed_records": self.failed_records}
+
+
+def describe(exc: BaseException) -> str:
+    """A failure as /healthz may show it: the errno's name and text for an OS error
+    ("ENOSPC: No space left on device"), else the exception's type; never its message (a path, a URL)."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return f"{errno.errorcode.get(exc.errno, str(exc.errno))}: {os.strerror(exc.errno)}"
+    return type(exc).__name__
 
 
 @dataclass(slots=True)
@@ -162,7 +244,7 @@ class RotatingFile:
     def __init__(self, settings: PayloadFileSink) -> None:
         self.settings = settings
         self._path = settings.path
-        self._file = open(self._path, "ab", buffering=0)
+        self._file = _open_private(self._path)
         self._size = self._file.tell()
 
     def write(self, lines: list[bytes]) -> None:
@@ -183,8 +265,15 @@ class RotatingFile:
         if chunk:
             data = b"".join(chunk)
             view = memoryview(data)
-            while view:  # an unbuffered write may be short
-                view = view[self._file.write(view) or 0:]
+            try:
+                while view:  # an unbuffered write may be short
+                    view = view[self._file.write(view) or 0:]
+            except OSError:
+                # A full disk may take part of the chunk: cut the file back to its last whole line, so
+                # that the lines written once space is free again do not follow half a line.
+                with contextlib.suppress(OSError):
+                    self._file.truncate(self._size)
+                raise
             self._size += len(data)
 
     def _rotate(self) -> None:
@@ -200,7 +289,7 @@ class RotatingFile:
                 if older.exists():
                     os.replace(older, f"{path}.{i + 1}")
             os.replace(path, f"{path}.1")
-        self._file = open(path, "ab", buffering=0)
+        self._file = _open_private(path)
         self._size = 0
 
     def close(self) -> None:
@@ -208,11 +297,23 @@ class RotatingFile:
         self._file.close()
 
 
+def _open_private(path: Path) -> Any:
+    """`path` opened to append, unbuffered; created `FILE_MODE` (0600) whatever the umask. An
+    existing file keeps its mode: the operator may have chosen it (a log shipper's group)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+    try:
+        return os.fdopen(fd, "ab", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class HttpEventSender:
     """POSTs CloudEvents to one URL over one keep-alive connection (one thread uses it)."""
 
-    def __init__(self, settings: PayloadHttpSink) -> None:
+    def __init__(self, settings: PayloadHttpSink, health: SinkHealth | None = None) -> None:
         self.settings = settings
+        self.health = health if health is not None else SinkHealth("http")
         url = urlsplit(settings.url.get_secret_value())
         self._https = url.scheme == "https"
         self._host = url.hostname or ""
@@ -220,7 +321,7 @@ class HttpEventSender:
         self._path = (url.path or "/") + (f"?{url.query}" if url.query else "")
         self._extra = {name: value.get_secret_value() for name, value in settings.headers.items()}
         self._conn: http.client.HTTPConnection | None = None
-        self._warned_at = 0.0
+        self._problem = ""  # why the last POST that failed did
 
     def deliver(self, records: list[EncodedRecord], until: float) -> tuple[int, int]:
         """Send the records' events, none after `until` (monotonic; no retry either): how many
@@ -235,16 +336,23 @@ class HttpEventSender:
                 ok = self._post(self._batch_body(part),
                                 {**self._extra, "Content-Type": "application/cloudevents-batch+json"}, until)
                 written, failed = (written + len(part), failed) if ok else (written, failed + len(part))
+                self._report(ok, len(part))
             return written, failed
         for r in records:
             if time.monotonic() >= until:
                 break
-            if (self._post(r.request_body, self._binary_headers(r, CE_REQUEST), until)
-                    and self._post(r.response_body, self._binary_headers(r, CE_RESPONSE), until)):
-                written += 1
-            else:
-                failed += 1
+            ok = (self._post(r.request_body, self._binary_headers(r, CE_REQUEST), until)
+                  and self._post(r.response_body, self._binary_headers(r, CE_RESPONSE), until))
+            written, failed = (written + 1, failed) if ok else (written, failed + 1)
+            self._report(ok, 1)
         return written, failed
+
+    def _report(self, ok: bool, records: int) -> None:
+        # The URL may hold a secret: the log line and /healthz never name it.
+        if ok:
+            self.health.succeeded("its URL is in the config")
+        else:
+            self.health.failed(self._problem, records, "its URL is in the config")
 
     def _attributes(self, record: PayloadRecord, kind: str) -> dict[str, str]:
         # KServe's extensions: inferenceservicename (the model), component, endpoint (here: the
@@ -288,9 +396,9 @@ class HttpEventSender:
                 if response.status != 429 and response.status < 500:
                     break  # the sink refuses this event: trying again would not help
             except (OSError, http.client.HTTPException) as exc:
-                problem = type(exc).__name__
+                problem = describe(exc)
                 self._disconnect()
-        self._warn(problem)
+        self._problem = problem
         return False
 
     def _connect(self) -> http.client.HTTPConnection:
@@ -303,13 +411,6 @@ class HttpEventSender:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-
-    def _warn(self, problem: str) -> None:
-        now = time.monotonic()
-        if now - self._warned_at >= WARN_INTERVAL_S:  # the URL may hold a secret: never logged
-            self._warned_at = now
-            log.warning("payload log: the HTTP sink failed (%s); failures are counted in "
-                        "servewell_payload_log_records_total{sink=\"http\",outcome=\"failed\"}", problem)
 
     def close(self) -> None:
         """Close the connection."""

@@ -20,6 +20,8 @@ from event_receiver import EventReceiver
 from servewell.config.payload_log import PayloadLogConfig
 from servewell.config.server import ServerConfig
 from servewell.observability.payload_log import PayloadLog, PayloadLogCollector
+from servewell.observability.payload_sinks import SinkHealth
+from waiting import eventually
 
 X = np.arange(8, dtype=np.float32).reshape(1, 8)
 Y = np.array([[0.25, 0.75]], dtype=np.float32)
@@ -271,3 +273,80 @@ def test_the_dashboard_shows_every_payload_log_family():
 
     shown = {name for panel in panels() for target in panel["targets"] for name in METRIC_NAME.findall(target["expr"])}
     assert set(PAYLOAD_LOG_FAMILIES) <= shown
+
+
+# ---------- a failing sink, and who may read the files (issue 45, H8 and H12) ----------
+
+def test_files_are_created_for_the_servers_user_only(tmp_path):
+    # They were created 0644 under the usual umask: every local user could read the clients' payloads.
+    log = PayloadLog(settings(tmp_path, file={"path": str(tmp_path / "log.jsonl"), "max_bytes": 4096, "keep": 2}))
+    for i in range(40):  # about 300 bytes a line: the file rotates a few times
+        record(log, f"r{i}")
+    log.close()
+    files = sorted(tmp_path.glob("log.jsonl*"))
+    assert [f.name for f in files] == ["log.jsonl", "log.jsonl.1", "log.jsonl.2"]
+    assert {f.stat().st_mode & 0o777 for f in files} == {0o600}
+
+
+def test_a_full_disk_warns_once_and_shows_the_failing_sink(tmp_path, caplog):
+    full = tmp_path / "full.jsonl"
+    full.symlink_to("/dev/full")  # every write: ENOSPC, as on a full disk
+    log = PayloadLog(settings(tmp_path, file={"path": str(full)}))
+    caplog.set_level("WARNING", logger="servewell.payload_log")
+    try:
+        for i in range(4):  # one record a batch: each waits until the one before has failed
+            record(log, f"r{i}")
+            eventually(lambda n=i + 1: log.counts.records["file", "failed"] == n, 5, "the write failed", 0.01)
+        health = log.health()
+    finally:
+        log.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings  # four batches failed; it once warned for each
+    assert "file sink" in warnings[0] and "ENOSPC" in warnings[0] and "once a minute" in warnings[0]
+    assert health == {"enabled": True, "status": "failing", "sinks": {"file": {
+        "failing": True, "since": health["sinks"]["file"]["since"], "problem": "ENOSPC: No space left on device",
+        "failed_records": 4}}}
+    registry = CollectorRegistry()
+    registry.register(PayloadLogCollector(log))
+    text = generate_latest(registry).decode()
+    assert 'servewell_payload_log_sink_failing{sink="file"} 1.0' in text
+    assert 'servewell_payload_log_sink_failing{sink="http"} 0.0' in text
+
+
+def test_sink_health_warns_at_most_once_a_minute_and_when_it_writes_again(caplog):
+    now = [1000.0]
+    health = SinkHealth("file", clock=lambda: now[0], wall_clock=lambda: 1.7e9)
+    caplog.set_level("INFO", logger="servewell.payload_log")
+    health.succeeded("/var/log/p.jsonl")  # working: nothing to say
+    for _ in range(3):
+        health.failed("ENOSPC: No space left on device", 10, "/var/log/p.jsonl")
+        now[0] += 20.0
+    assert health.to_json() == {"failing": True, "since": 1.7e9, "problem": "ENOSPC: No space left on device",
+                                "failed_records": 30}
+    health.failed("ENOSPC: No space left on device", 5, "/var/log/p.jsonl")  # 60 s after the first warning
+    health.succeeded("/var/log/p.jsonl")
+    assert health.to_json()["failing"] is False
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 3, messages
+    assert "failed: ENOSPC" in messages[0]
+    assert "still fails" in messages[1] and "25 records failed since the last warning" in messages[1]
+    assert "writes again, after 35 records failed" in messages[2]
+    health.failed("EIO: Input/output error", 1, "/var/log/p.jsonl")  # a new spell warns at once
+    assert len(caplog.records) == 4 and "failed: EIO" in caplog.records[-1].getMessage()
+
+
+def test_a_failing_http_sink_is_shown_and_its_url_never(tmp_path, caplog):
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead_url = f"http://127.0.0.1:{closed.getsockname()[1]}/secret-path?token=s3cret"
+    log = PayloadLog(settings(tmp_path, http={"url": dead_url, "retries": 0}))
+    caplog.set_level("WARNING", logger="servewell.payload_log")
+    try:
+        record(log, "r1")
+        eventually(lambda: log.health()["sinks"]["http"]["failing"], 5, "the http sink failing")
+        health = log.health()
+    finally:
+        log.close()
+    assert health["status"] == "failing" and not health["sinks"]["file"]["failing"]
+    assert health["sinks"]["http"]["problem"] == "ECONNREFUSED: Connection refused"
+    assert "s3cret" not in caplog.text and "secret-path" not in caplog.text and "s3cret" not in str(health)
