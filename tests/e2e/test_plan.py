@@ -103,3 +103,28 @@ def test_plan_refuses_a_file_that_is_not_a_curve_and_a_bad_trace(curve, tmp_path
     trace.write_text("time_s,rate_rps\n0,10\n5,nan\n")
     done = servewell("plan", str(curve), "--slo-p99-ms", "100", "--trace", str(trace))
     assert done.returncode == 2 and "line 3" in done.stderr and "Traceback" not in done.stderr
+
+
+def plain_curve(path: Path, *steps: tuple[int, float, float, float]) -> Path:
+    """A `servewell curve` file of closed-loop steps (concurrency, req/s, p50 ms, p99 ms)."""
+    path.write_text(json.dumps({"tool": "servewell curve", "model": "m", "settings": {"max_batch_size": 4},
+                                "points": [{"concurrency": c, "throughput_rps": x, "p50_ms": p50, "p99_ms": p99}
+                                           for c, x, p50, p99 in steps]}))
+    return path
+
+
+def test_plan_refuses_a_one_step_curve_at_once_saying_what_it_needs(tmp_path):
+    one = plain_curve(tmp_path / "one.json", (4, 180.0, 21.0, 24.0))
+    done = servewell("plan", str(one), "--slo-p99-ms", "100", "--rps", "500", timeout_s=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "the curve has 1 step(s) (concurrency 4); plan needs at least 2" in done.stderr
+    assert "--concurrency 1,2,4,8,16,32" in done.stderr and done.stdout == ""  # no plan printed
+
+
+def test_plan_refuses_an_slo_under_the_unloaded_p99_at_once_naming_the_floor(tmp_path):
+    ladder = plain_curve(tmp_path / "ladder.json", (1, 45.0, 21.0, 24.0), (2, 90.0, 21.5, 25.0),
+                         (4, 180.0, 22.0, 27.0), (8, 190.0, 41.0, 48.0))
+    done = servewell("plan", str(ladder), "--slo-p99-ms", "20", "--rps", "500", timeout_s=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "unloaded p99 (the 1-client step) is 24.0 ms" in done.stderr
+    assert "the lowest SLO it can plan for is 26.7 ms" in done.stderr

@@ -18,7 +18,7 @@ from servewell.plan.fleet_run import POLICIES, FleetOutcome, run_policy
 from servewell.plan.latency_table import build_table
 from servewell.plan.model import BalancerPolicy, Fault, FaultKind, Trace
 from servewell.plan.plots import plot_outcomes
-from servewell.plan.sizing import Plan, PlanInputs, make_plan
+from servewell.plan.sizing import Plan, PlanInputs, check_plannable, make_plan, quantity
 
 #: Cold start assumed when neither the curve nor --cold-start-s says.
 DEFAULT_COLD_START_S = 30.0
@@ -75,7 +75,9 @@ def _check(args: argparse.Namespace) -> None:
 
 def plan_from_curve(curve: MeasuredCurve, inputs: PlanInputs, *, instances: int | None = None,
                     cold_start_s: float | None = None, seed: int = 0) -> Plan:
-    """Fit `curve`, optionally give each pod `instances` instances, tabulate its latency, size the fleet."""
+    """Fit `curve`, optionally give each pod `instances` instances, tabulate its latency, size the fleet;
+    `ValueError` at once for a curve too thin to fit or an SLO under its unloaded p99."""
+    check_plannable(curve, inputs.slo_s)
     cold = cold_start_s if cold_start_s is not None else (curve.ready_s or DEFAULT_COLD_START_S)
     # a load generator that shared the server's cores slowed it: the fit takes that out
     node = NodeContext(curve.machine_cores, curve.client_cpu_s) if curve.machine_cores and curve.client_cpu_s else None
@@ -121,13 +123,13 @@ def summary(plan: Plan) -> dict[str, Any]:
                     "cpu_utilization": plan.cpu_target},
         "pod": {"cpu": r.cores, "memory_mib": plan.memory_mib, "instances": r.instances, "threads": r.threads,
                 "max_batch_size": r.max_batch_size, "max_wait_ms": r.max_wait_s * 1000},
+        "cpu_cores_used": {"at_target": plan.cpu_at_target_cores, "at_operating_point": plan.cpu_at_operating_cores},
+        "smaller_pod": None if plan.smaller_pod_cores is None else {
+            "cpu": plan.smaller_pod_cores, "cpu_limit": r.cores,
+            "cpu_utilization_target": plan.cpu_target * r.cores / plan.smaller_pod_cores},
+        "model_threads_to_fill": plan.model_threads_to_fill,
         "reasoning": plan.reasoning,
     }
-
-
-def quantity(value: float) -> str:
-    """A Kubernetes quantity: "4.5", or "85m" below one."""
-    return f"{value:g}" if value >= 1 else f"{round(value * 1000)}m"
 
 
 def manifests_text(plan: Plan) -> str:
@@ -144,6 +146,8 @@ def manifests_text(plan: Plan) -> str:
         "the Deployment's container (base/deployment.yaml):",
         f"  resources.requests.cpu: \"{plan.cores:g}\""
         + (f", memory: {math.ceil(plan.memory_mib)}Mi" if plan.memory_mib else ""),
+        *([f"  or the smaller pod (reasoning 8): resources.requests.cpu: \"{quantity(plan.smaller_pod_cores)}\", "
+           f"limits.cpu: \"{plan.cores:g}\""] if plan.smaller_pod_cores is not None else []),
         f"  model.yaml: instances {plan.fit.replica.instances}, threads {plan.fit.replica.threads}, "
         f"max_batch_size {plan.fit.replica.max_batch_size}",
     ])

@@ -90,6 +90,12 @@ class MeasuredCurve:
         frontend's event loop."""
         return 1.0 + self.settings.instances * self.settings.threads
 
+    @property
+    def unloaded_p99_s(self) -> float | None:
+        """The p99 of the one-client step (each request alone in the replica), or None when the curve
+        has no such step: no load can give a replica a lower p99."""
+        return next((p.p99_s for p in self.points if p.concurrency == 1), None)
+
 
 def _number(value: object, what: str, *, low: float = 0.0, high: float = 1e9) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):

@@ -109,6 +109,13 @@ class ReplicaModel:
         per_request = self.front_fixed_s + self.front_s + self.batch_s(1) * self.threads
         return min(1.0, rate_rps * per_request / self.cores)
 
+    def stage_cores(self, rate_rps: float) -> tuple[float, float]:
+        """(front, model) cores busy at `rate_rps`, on the same upper bound as `cpu_share` (a wake-up
+        and a batch of one per request), each at most what the stage can use."""
+        front = min(1.0, rate_rps * (self.front_fixed_s + self.front_s))
+        model = min(float(self.instances * self.threads), rate_rps * self.batch_s(1) * self.threads)
+        return front, model
+
 
 class BalancerPolicy(Enum):
     """How the load balancer picks a ready replica for each request."""

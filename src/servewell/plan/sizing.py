@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from servewell.plan.curve import MeasuredCurve
 from servewell.plan.fit import FitResult
 from servewell.plan.latency_table import LoadRow, highest_load_within, interpolate
 from servewell.plan.model import LatencyTable, Trace
@@ -27,6 +28,14 @@ SYNC_S = 15.0
 DEFAULT_POD_START_S = 10.0
 #: Memory a replica needs besides its workers: the frontend, engine, buffers (measured RSS, about).
 FRONTEND_MEMORY_MIB = 400
+#: Steps (distinct concurrencies) a curve needs before a fit means anything: one step tells neither
+#: how latency grows with load nor where throughput stops growing, and any replica reproduces it.
+MIN_CURVE_POINTS = 2
+#: Below this many steps the plan says its figures rest on little (a low step, the knee, saturation).
+THIN_CURVE_POINTS = 4
+#: A pod whose CPU at the autoscaler's target is under this share of its request is told of the
+#: smaller pod (and of the thread settings that would use the cores).
+LOW_CPU_SHARE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +71,13 @@ class Plan:
     queue_depth_target: float = 0.0
     queue_wait_target_s: float = 0.0
     cpu_target: float = 0.0
+    #: cores the pod keeps busy at the target and at the operating point (`ReplicaModel.cpu_share`)
+    cpu_at_target_cores: float = 0.0
+    cpu_at_operating_cores: float = 0.0
+    #: the CPU request that covers the operating point, when it is well under `cores` (None: the pod uses them)
+    smaller_pod_cores: float | None = None
+    #: instances x threads that would fill `cores` beside the front's real use (None: nothing to gain)
+    model_threads_to_fill: int | None = None
     reasoning: list[str] = field(default_factory=list)
 
     @property
@@ -101,6 +117,26 @@ def growth_within(trace: Trace, horizon_s: float) -> float:
     return worst
 
 
+def check_plannable(curve: MeasuredCurve, slo_s: float) -> None:
+    """`ValueError` naming what is missing, before any fit (the fit and the latency table take
+    minutes on a small machine): a curve of too few steps, or an SLO that even an unloaded replica misses."""
+    if len(curve.points) < MIN_CURVE_POINTS:
+        steps = ", ".join(str(p.concurrency) for p in curve.points)
+        raise ValueError(
+            f"the curve has {len(curve.points)} step(s) (concurrency {steps}); plan needs at least "
+            f"{MIN_CURVE_POINTS} at different concurrencies, and {THIN_CURVE_POINTS} or more for figures to rely on: "
+            "one step tells neither how the latency grows with the load nor where the throughput stops growing, "
+            "and any replica reproduces it. Measure a ladder from 1 client past saturation, e.g. "
+            "`servewell bench MODEL --concurrency 1,2,4,8,16,32` or `servewell tune`")
+    floor_s = curve.unloaded_p99_s
+    if floor_s is not None and slo_s * (1 - SLO_MARGIN) < floor_s:
+        raise ValueError(
+            f"--slo-p99-ms {slo_s * 1000:g} is below what this replica can meet at any load: its unloaded p99 "
+            f"(the 1-client step) is {floor_s * 1000:.1f} ms, and the plan keeps {SLO_MARGIN:.0%} of the SLO as "
+            f"margin, so the lowest SLO it can plan for is {floor_s / (1 - SLO_MARGIN) * 1000:.1f} ms. Faster "
+            "hardware, a smaller model or fewer rows per batch first")
+
+
 def make_plan(fit: FitResult, table: LatencyTable, rows: list[LoadRow], inputs: PlanInputs) -> Plan:
     """Size the fleet for `inputs` with the fitted replica (see the module docstring)."""
     plan = Plan(fit, table, rows, inputs, highest_load_within(rows, inputs.slo_s * (1 - SLO_MARGIN),
@@ -122,7 +158,10 @@ def make_plan(fit: FitResult, table: LatencyTable, rows: list[LoadRow], inputs: 
            "idle between requests is planned as if it were busy, which is optimistic at light loads.")
         + (f" The model describes this curve poorly (error above {ROUGH_FIT_ERROR}): read every figure below as "
            "rough, and measure again with more steps, longer windows or the load generator on other cores."
-           if fit.error > ROUGH_FIT_ERROR else ""))
+           if fit.error > ROUGH_FIT_ERROR else "")
+        + (f" The curve has only {len(fit.points)} steps: few enough that several replicas reproduce it, so read "
+           f"every figure below as rough; {THIN_CURVE_POINTS} or more, from 1 client past saturation, pin it down."
+           if len(fit.points) < THIN_CURVE_POINTS else ""))
     if plan.operating is None:
         say(f"2. No load meets p99 <= {inputs.slo_s * 1000 * (1 - SLO_MARGIN):.0f} ms "
             f"({100 * (1 - SLO_MARGIN):.0f}% of the SLO): even an idle replica's p99 is "
@@ -183,4 +222,47 @@ def make_plan(fit: FitResult, table: LatencyTable, rows: list[LoadRow], inputs: 
         + (f"{memory:.0f} MiB (frontend {FRONTEND_MEMORY_MIB} MiB + 1.25 x the measured worker)."
            if memory is not None else "pass --worker-memory-mib (the worker's resident memory, from "
            "`servewell_worker_resident_memory_bytes` or the bench) to size it."))
+    _cpu_request(plan, op.utilization * plan.capacity_rps)
     return plan
+
+
+def _cpu_request(plan: Plan, operating_rps: float) -> None:
+    """Step 8, when the pod's CPU at the target is well under its request: say so, and offer the
+    smaller pod and (for a model-bound pod whose front idles) the threads that would use the cores."""
+    r = plan.fit.replica
+    cores = r.cores
+    plan.cpu_at_target_cores = r.cpu_share(plan.target_rps) * cores
+    plan.cpu_at_operating_cores = r.cpu_share(operating_rps) * cores
+    if plan.cpu_at_target_cores >= LOW_CPU_SHARE * cores:
+        return
+    smaller = max(0.1, math.ceil(plan.cpu_at_operating_cores * 10 - 1e-9) / 10)  # a tenth of a core, rounded up
+    if smaller < cores:
+        plan.smaller_pod_cores = smaller
+    front_cores, _ = r.stage_cores(operating_rps)
+    fill = round(cores - front_cores)  # the front keeps what it uses; the rest can run batches
+    ways = [f"threads {fill // r.instances} (faster batches)"] if fill // r.instances > r.threads else []
+    ways += [f"instances {fill // r.threads} (more batches at once)"] if fill // r.threads > r.instances else []
+    if plan.fit.bottleneck == "model" and ways:
+        plan.model_threads_to_fill = fill
+    text = (f"8. CPU request. At the target the pod keeps about {plan.cpu_at_target_cores:.2f} of its {cores:g} "
+            f"requested cores busy ({plan.cpu_at_target_cores / cores:.0%}), and {plan.cpu_at_operating_cores:.2f} "
+            "at the operating point, the busiest load a pod is planned for: most of the request would be reserved "
+            "and idle.")
+    if plan.smaller_pod_cores is not None:
+        text += (f" The smaller pod: requests.cpu \"{quantity(smaller)}\" (the operating point's use, rounded up to "
+                 f"a tenth of a core) with limits.cpu \"{cores:g}\" (or none), so that a burst still finds a core for "
+                 "the front and each thread, as the fitted latencies assume; a CPU autoscaling target is then "
+                 f"{plan.cpu_target * cores / smaller:.0%} of that request.")
+    if plan.model_threads_to_fill is not None:
+        text += (f" Or keep the {cores:g} cores and let the model use what the front leaves (it needs "
+                 f"{front_cores:.2f} of its core at the operating point): {fill} model threads in all instead of "
+                 f"{r.instances} x {r.threads}, as " + " or ".join(ways) + f"; the curve was measured at "
+                 f"{r.instances} x {r.threads}, so measure that setting (servewell tune) and plan from its curve.")
+    elif plan.fit.bottleneck == "frontend":
+        text += " The front is the bottleneck: more model threads would not carry more load per pod."
+    plan.reasoning.append(text)
+
+
+def quantity(value: float) -> str:
+    """A Kubernetes CPU quantity: "4.5", or "850m" below one core."""
+    return f"{value:g}" if value >= 1 else f"{round(value * 1000)}m"
