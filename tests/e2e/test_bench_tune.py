@@ -14,8 +14,11 @@ import csv
 import hashlib
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import httpx
@@ -23,9 +26,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from model_dirs import slow_model
+from model_dirs import factory_model, slow_model
 from servewell.config.model import ModelConfig
+from servewell.perf.local_server import free_port
 from servewell.plan.curve import read_curves
+from waiting import eventually
 
 EXAMPLE_IMAGE = Path(__file__).parents[2] / "src/servewell/examples/images/digit-3-200px.jpg"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -215,3 +220,77 @@ def test_bench_and_tune_take_a_model_yaml_without_a_name(tmp_path):
     assert "name" not in recommended  # the user's file, tuned: nothing added that they did not write
     ModelConfig.model_validate({"name": "echo_model", **recommended})
     assert _tree_digest(model_dir) == before
+
+
+def servewell_alive(pid: int) -> bool:
+    """Whether `pid` is a live (not zombie) servewell process."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z" and b"servewell" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, IndexError):
+        return False
+
+
+def test_bench_stopped_by_sigterm_stops_the_server_it_started_and_removes_its_directory(
+        servewell_cache, digits_server, tmp_path):
+    """SIGTERM mid-run left the server bench started running (on its port) and its temporary
+    directory behind; `--port` and `--load-timeout-s` go to that server."""
+    model_dir = servewell_cache / "models" / "digits"
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    port = free_port()
+    log = tmp_path / "bench.log"
+    with open(log, "wb") as out:
+        bench = subprocess.Popen([sys.executable, "-m", "servewell", "bench", str(model_dir), "--concurrency", "2",
+                                  "--duration-s", "300", "--warmup-s", "0.2", "--port", str(port),
+                                  "--load-timeout-s", "120"],
+                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(temp)})
+    server_pid = None
+
+    def said() -> str:
+        return log.read_text(errors="replace")
+
+    try:
+        ready = eventually(lambda: re.search(r"servewell ready in \S+ s \(pid (\d+)\)", said()), 180,
+                           lambda: f"bench never said its server was ready:\n{said()[-3000:]}")
+        server_pid = int(ready.group(1))
+        eventually(lambda: "benchmarking model 'digits'" in said(), 60, lambda: said()[-3000:])
+        # mid-run: the server serves on the port asked for, and its directory exists (what is checked below)
+        assert httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=10).status_code == 200
+        assert servewell_alive(server_pid)
+        assert [p.name for p in temp.iterdir() if p.name.startswith("servewell-bench-")], list(temp.iterdir())
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(90) == 128 + signal.SIGTERM, said()[-3000:]
+        assert "servewell bench: stopped by SIGTERM" in said()
+        assert not servewell_alive(server_pid)
+        assert list(temp.iterdir()) == []
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/v2/health/live", timeout=5)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait(30)
+        if server_pid is not None and servewell_alive(server_pid):  # what the bug left: stop it here
+            os.kill(server_pid, signal.SIGTERM)
+            eventually(lambda: not servewell_alive(server_pid), 60, "the left server did not stop")
+
+
+SLOW_LOAD = textwrap.dedent('''
+    import time
+
+    import torch
+
+
+    def build():
+        time.sleep(6)  # a model slow to build: longer than the 1 s load timeout given below
+        return torch.nn.Linear(1, 1)
+''')
+
+
+def test_bench_gives_the_server_it_starts_the_load_timeout_asked_for(tmp_path):
+    factory_model(tmp_path, "slow_load", SLOW_LOAD)
+    done = servewell("bench", str(tmp_path / "slow_load"), "--concurrency", "1", "--duration-s", "1",
+                     "--load-timeout-s", "1", "--out", str(tmp_path / "out"), "--no-plot")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "load did not finish within 1 s" in done.stderr, done.stderr
+    assert "may need longer: --load-timeout-s" in done.stderr

@@ -2,7 +2,9 @@
 any OIP v2 server (servewell, Triton, MLServer), over HTTP (JSON or binary tensors) or gRPC.
 
 TARGET is a URL (`http://HOST:PORT`, `grpc://HOST:PORT`) or a model directory (or repository),
-which is served by its own `servewell serve` on a free port for the length of the run.
+which is served by its own `servewell serve` for the length of the run (on free ports unless
+--port / --grpc-port; --load-timeout-s for a model slow to load). SIGTERM or SIGINT stop that
+server and remove its temporary directory before bench exits (128 + the signal's number).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from servewell.perf.report import (
     write_csv,
     write_json,
 )
+from servewell.perf.stop_signals import Stopped, stop_on_signals
 from servewell.perf.sweep import StepResult, run_sweep
 from servewell.perf.target import Endpoint, InputChoice, parse_endpoint, prepare_target, start_local
 
@@ -135,11 +138,33 @@ async def _bench(endpoint: Endpoint, args: argparse.Namespace, model: str | None
     return results, doc
 
 
+def check_local_flags(args: argparse.Namespace, local: bool) -> None:
+    """The flags of the server bench starts go with a model directory only."""
+    if local:
+        return
+    given = [flag for flag, value in (("--port", args.port), ("--grpc-port", args.grpc_port),
+                                      ("--load-timeout-s", args.load_timeout_s)) if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} set the server bench starts for a model directory; "
+                         f"{args.target!r} is a running server's URL")
+
+
 def run_bench(args: argparse.Namespace) -> int:
-    """Entry point of `servewell bench`."""
+    """Entry point of `servewell bench`: on SIGTERM or SIGINT the server it started is stopped and
+    its temporary directory removed (the `with` blocks unwind), and it exits with 128 + the signal."""
+    try:
+        with stop_on_signals():
+            return _run_bench(args)
+    except Stopped as stopped:
+        print(f"servewell bench: stopped by {stopped.name}", file=sys.stderr)
+        return 128 + stopped.signum
+
+
+def _run_bench(args: argparse.Namespace) -> int:
     try:
         shapes = load_shapes(args)
         parse_headers(args.headers)
+        check_local_flags(args, Path(args.target).is_dir())
         if args.out is not None and not args.no_plot:
             require_matplotlib()
     except (ValueError, MissingDependency) as exc:
@@ -155,7 +180,9 @@ def run_bench(args: argparse.Namespace) -> int:
             model = args.model
             if local:
                 progress.note(f"starting servewell for {args.target} ...")
-                server, found = start_local(Path(args.target), stack, args.out, args.protocol == "grpc")
+                server, found = start_local(Path(args.target), stack, args.out, args.protocol == "grpc",
+                                            port=args.port or 0, grpc_port=args.grpc_port or 0,
+                                            load_timeout_s=args.load_timeout_s)
                 model = model or found
                 endpoint = Endpoint(args.protocol or "http", "127.0.0.1",
                                     server.grpc_port if args.protocol == "grpc" else server.port)

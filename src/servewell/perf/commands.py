@@ -24,6 +24,29 @@ def _run_tune(args: argparse.Namespace) -> int:
     return run_tune(args)
 
 
+def port(text: str) -> int:
+    """A TCP port flag (argparse names the type in its error)."""
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a TCP port (1 to 65535)")
+    return port
+
+
+def seconds(text: str) -> float:
+    """A positive duration flag, up to a day."""
+    value = float(text)
+    if not 0 < value <= 86_400:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 86400] seconds")
+    return value
+
+
+def add_load_timeout_argument(parser: argparse.ArgumentParser) -> None:
+    """--load-timeout-s of the server the command starts (a large model on a busy machine needs longer)."""
+    parser.add_argument("--load-timeout-s", type=seconds, default=None,
+                        help="for the server this command starts: a model whose load and warm-up take longer is "
+                        "failed (default: the server's own; a large model on a busy machine may need more)")
+
+
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by bench and tune: protocol, inputs, request bounds."""
     parser.add_argument("--protocol", choices=("http", "grpc"), default=None,
@@ -84,6 +107,12 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="write results.json, results.csv and latency_vs_throughput.png into this directory")
     p.add_argument("--no-plot", action="store_true", help="with --out: skip the PNG (no matplotlib needed)")
+    p.add_argument("--port", type=port, default=None,
+                   help="with a model directory: the HTTP port of the server bench starts (default: a free one)")
+    p.add_argument("--grpc-port", type=port, default=None,
+                   help="with a model directory: the gRPC port of the server bench starts (default: a free one "
+                   "with --protocol grpc, else no gRPC listener)")
+    add_load_timeout_argument(p)
     add_load_arguments(p)
     p.set_defaults(run=_run_bench)
 
@@ -128,5 +157,6 @@ def add_tune_parser(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=2, help="runs of each of the two best, to show the noise "
                    "(default: 2)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    add_load_timeout_argument(p)
     add_load_arguments(p)
     p.set_defaults(run=_run_tune)

@@ -1,5 +1,7 @@
 """A servewell started by `servewell bench MODEL_DIR` or `servewell tune`: `servewell serve` as a
-child process on free loopback ports, with its log in a file, stopped by its own pid.
+child process on loopback ports (free ones unless given), with its log in a file, in a process
+group of its own, stopped by its own pid (SIGTERM: it drains and ends its engine, ingress and
+workers), then its group (SIGKILL: whatever of it is left, a server that would not stop in time).
 
 The user's model directory is never written: the server gets a repository in a temporary
 directory whose model entry links back to the user's files (and, for `tune`, holds its own
@@ -8,6 +10,7 @@ rewritten `model.yaml`).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -23,9 +26,15 @@ from typing import Any
 import yaml
 
 from servewell.config.server import ServerConfig
+from servewell.perf.stop_signals import signals_held
 
 HOST = "127.0.0.1"
 MODEL_FILE = "model.yaml"
+#: How long a server may take to start and have every model ready, at least; a longer load timeout
+#: adds to it (the server marks a model failed only when its load timeout has passed).
+READY_TIMEOUT_S = 180.0
+#: How often the start-up and the stop look at the server again.
+POLL_S = 0.2
 
 
 class LocalServerError(RuntimeError):
@@ -93,6 +102,19 @@ def stage_model(model_dir: Path, repository: Path, model_yaml: dict[str, Any] | 
     return name
 
 
+def exit_status(pid: int) -> int | None:
+    """The exit status of our child `pid` once it has exited (a negative signal number when a signal
+    ended it), else None; it is left unreaped, so its pid, which names its process group, cannot be
+    reused meanwhile."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return 0  # reaped already
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
 def _get(port: int, path: str, timeout_s: float = 3.0) -> tuple[int, Any]:
     connection = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
     try:
@@ -108,16 +130,21 @@ def _get(port: int, path: str, timeout_s: float = 3.0) -> tuple[int, Any]:
 
 
 class LocalServer:
-    """`servewell serve --model-repository REPO` on free ports, ready when every model is."""
+    """`servewell serve --model-repository REPO` on loopback ports, ready when every model is.
+
+    `port` and `grpc_port` (0: a free port; the gRPC listener is off unless `grpc` or a `grpc_port`
+    asks for it), `load_timeout_s` (None: the server's default) go to the server's command line."""
 
     def __init__(self, repository: Path, log_path: Path, *, grpc: bool = False,
-                 extra_args: tuple[str, ...] = ()) -> None:
-        if grpc and not grpc_supported():
+                 extra_args: tuple[str, ...] = (), port: int = 0, grpc_port: int = 0,
+                 load_timeout_s: float | None = None) -> None:
+        if (grpc or grpc_port) and not grpc_supported():
             raise LocalServerError("this servewell has no gRPC listener (no --grpc-port); benchmark over HTTP")
         self.repository = repository
         self.log_path = log_path
-        self.port = free_port()
-        self.grpc_port = free_port() if grpc else 0
+        self.port = port or free_port()
+        self.grpc_port = grpc_port or (free_port() if grpc else 0)
+        self.load_timeout_s = load_timeout_s
         self._extra = extra_args
         self._process: subprocess.Popen[bytes] | None = None
         self.started_s: float | None = None  # seconds from start to ready
@@ -132,23 +159,34 @@ class LocalServer:
         """Process id, once started."""
         return self._process.pid if self._process is not None else None
 
+    @property
+    def ready_timeout_s(self) -> float:
+        """How long `start` waits for every model to be ready."""
+        return max(READY_TIMEOUT_S, (self.load_timeout_s or 0.0) + 120.0)
+
     def argv(self) -> list[str]:
         """The command line it runs."""
         argv = [sys.executable, "-m", "servewell", "serve", "--model-repository", str(self.repository),
                 "--host", HOST, "--port", str(self.port), "--log-format", "json", *self._extra]
+        if self.load_timeout_s is not None:
+            argv += ["--load-timeout-s", f"{self.load_timeout_s:g}"]
         if grpc_supported():  # its default port (8001) may be taken, and only --protocol grpc needs it
             argv += ["--grpc-port", str(self.grpc_port)]
         return argv
 
-    def start(self, timeout_s: float = 180.0) -> float:
-        """Start and wait until every model is ready; returns the seconds it took."""
+    def start(self, timeout_s: float | None = None) -> float:
+        """Start and wait until every model is ready (`timeout_s`, default `ready_timeout_s`);
+        returns the seconds it took."""
         began = time.monotonic()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        with open(self.log_path, "ab") as log, signals_held():  # a stop signal waits until its pid is known
+            # its own process group: a stop reaches what it left behind, and a Ctrl-C meant for the
+            # bench does not cut its drain short (the bench stops it)
             self._process = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                             stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                             process_group=0)
         try:
-            self._wait_ready(began + timeout_s)
+            self._wait_ready(began + (self.ready_timeout_s if timeout_s is None else timeout_s))
         except BaseException:
             self.stop()
             raise
@@ -158,21 +196,23 @@ class LocalServer:
     def _wait_ready(self, deadline: float) -> None:
         assert self._process is not None
         while time.monotonic() < deadline:
-            code = self._process.poll()
+            code = exit_status(self._process.pid)
             if code is not None:
                 raise LocalServerError(f"servewell exited with code {code} while starting:\n{self.log_tail()}")
             try:
                 status, health = _get(self.port, "/healthz")
             except OSError:
-                time.sleep(0.2)
+                time.sleep(POLL_S)
                 continue
             if status == 200:
                 return
             models = (health or {}).get("models", {}) if isinstance(health, dict) else {}
             broken = {n: m.get("reason") for n, m in models.items() if m.get("state") in ("failed", "invalid")}
             if broken:
-                raise LocalServerError(f"models did not load: {broken}")
-            time.sleep(0.2)
+                slow = any("did not finish within" in str(reason) for reason in broken.values())
+                raise LocalServerError(f"models did not load: {broken}" + (
+                    "; a large model on a busy machine may need longer: --load-timeout-s" if slow else ""))
+            time.sleep(POLL_S)
         raise LocalServerError(f"servewell was not ready in time:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 15) -> str:
@@ -183,18 +223,22 @@ class LocalServer:
             return "(no log)"
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
-        """SIGTERM, wait for the drain, then SIGKILL; returns the exit code."""
-        process = self._process
-        if process is None:
-            return None
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5.0)
-        return process.returncode
+        """SIGTERM, wait for the drain, then SIGKILL to its process group (the server if it is still
+        there, and whatever it left in its group); returns the exit code. A stop signal meanwhile waits."""
+        with signals_held():
+            process = self._process
+            if process is None or process.returncode is not None:
+                return None if process is None else process.returncode
+            pid = process.pid
+            # until it is reaped below, `pid` stays ours, and so does the group it names
+            if exit_status(pid) is None:
+                os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while exit_status(pid) is None and time.monotonic() < deadline:
+                time.sleep(POLL_S / 4)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            return process.wait(5.0)
 
     def __enter__(self) -> LocalServer:
         return self

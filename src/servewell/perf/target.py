@@ -118,8 +118,10 @@ async def prepare_target(endpoint: Endpoint, model: str | None, version: str | N
 
 
 def start_local(path: Path, stack: ExitStack, log_dir: Path | None, grpc: bool,
-                extra_args: tuple[str, ...] = ()) -> tuple[LocalServer, str | None]:
-    """Serve a model directory (or a whole repository) on free loopback ports until `stack` closes.
+                extra_args: tuple[str, ...] = (), *, port: int = 0, grpc_port: int = 0,
+                load_timeout_s: float | None = None) -> tuple[LocalServer, str | None]:
+    """Serve a model directory (or a whole repository) on loopback ports (`port`, `grpc_port`: 0 for
+    free ones) until `stack` closes, which stops the server and removes its temporary directory.
 
     Returns the server and the model name when `path` is one model's directory.
     """
@@ -130,7 +132,8 @@ def start_local(path: Path, stack: ExitStack, log_dir: Path | None, grpc: bool,
         model: str | None = stage_model(path, repository)
     else:
         repository, model = path, None
-    server = LocalServer(repository, (log_dir or workdir) / "servewell.log", grpc=grpc, extra_args=extra_args)
+    server = LocalServer(repository, (log_dir or workdir) / "servewell.log", grpc=grpc, extra_args=extra_args,
+                         port=port, grpc_port=grpc_port, load_timeout_s=load_timeout_s)
     server.start()
     stack.callback(server.stop)
     return server, model

@@ -41,6 +41,7 @@ from servewell.perf.loop import LoadShape, Recorder
 from servewell.perf.oip_http import ServerError
 from servewell.perf.progress import Progress
 from servewell.perf.report import MissingDependency, ms, require_matplotlib, write_json
+from servewell.perf.stop_signals import Stopped, stop_on_signals
 from servewell.perf.sweep import measure
 from servewell.perf.target import Endpoint, prepare_target
 from servewell.perf.tune_config import ConfigEditError, apply, baseline_candidate, yaml_block
@@ -128,7 +129,8 @@ class TuneRunner:
         doc = apply(self.doc, candidate, self.space.slo_ms, max_batch_size=self.space.ceiling, name=self.name)
         repository = self.workdir / f"repo-{len(list(self.workdir.glob('repo-*')))}"
         stage_model(self.model_dir, repository, doc)
-        server = LocalServer(repository, Path(self.args.out) / "servewell.log", grpc=self.args.protocol == "grpc")
+        server = LocalServer(repository, Path(self.args.out) / "servewell.log", grpc=self.args.protocol == "grpc",
+                             load_timeout_s=self.args.load_timeout_s)
         self.progress.update(f"starting servewell with {candidate.instances}x{candidate.threads} threads"
                              + (f", {candidate.dtype}" if candidate.dtype else "") + " ...", force=True)
         began = time.monotonic()
@@ -265,7 +267,17 @@ def _prepare(args: argparse.Namespace) -> tuple[Path, dict[str, Any], SearchSpac
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    """Entry point of `servewell tune`."""
+    """Entry point of `servewell tune`: on SIGTERM or SIGINT the server it runs is stopped and its
+    temporary directory removed (what it measured is in its state file already: a rerun resumes)."""
+    try:
+        with stop_on_signals():
+            return _run_tune(args)
+    except Stopped as stopped:
+        print(f"servewell tune: stopped by {stopped.name}", file=sys.stderr)
+        return 128 + stopped.signum
+
+
+def _run_tune(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         if not args.no_plot:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from servewell.cli import build_parser
-from servewell.perf.bench_command import load_shapes, parse_headers
+from servewell.perf.bench_command import check_local_flags, load_shapes, parse_headers
+from servewell.perf.local_server import LocalServer
 from servewell.perf.target import Endpoint, parse_endpoint
 
 
@@ -78,3 +79,25 @@ def test_idle_steps_follow_the_ladder_as_one_thinking_client_each():
 def test_bad_idle_steps_are_refused(argv, problem):
     with pytest.raises(ValueError, match=problem):
         load_shapes(_args(*argv))
+
+
+def test_the_server_bench_starts_takes_its_ports_and_load_timeout(tmp_path):
+    args = build_parser().parse_args(["bench", str(tmp_path), "--port", "18123", "--grpc-port", "18124",
+                                      "--load-timeout-s", "240"])
+    check_local_flags(args, local=True)
+    server = LocalServer(tmp_path, tmp_path / "log", port=args.port, grpc_port=args.grpc_port,
+                         load_timeout_s=args.load_timeout_s)
+    argv = server.argv()
+    assert argv[argv.index("--port") + 1] == "18123" and argv[argv.index("--grpc-port") + 1] == "18124"
+    assert argv[argv.index("--load-timeout-s") + 1] == "240"
+    assert server.ready_timeout_s >= 240  # the start waits past the load timeout it gave
+    default = LocalServer(tmp_path, tmp_path / "log")
+    assert "--load-timeout-s" not in default.argv() and default.port > 0 and default.grpc_port == 0
+
+
+def test_the_local_server_flags_are_refused_with_a_url_and_out_of_range():
+    with pytest.raises(ValueError, match="--port, --load-timeout-s set the server bench starts"):
+        check_local_flags(_args("--port", "9000", "--load-timeout-s", "60"), local=False)
+    for flag, value in (("--port", "70000"), ("--grpc-port", "0"), ("--load-timeout-s", "0")):
+        with pytest.raises(SystemExit):
+            _args(flag, value)
