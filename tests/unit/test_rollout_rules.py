@@ -7,8 +7,9 @@ import math
 import re
 
 import numpy as np
+import pytest
 
-from servewell.engine.rollout_rules import RollbackRules, RolloutJudge, VersionWindow
+from servewell.engine.rollout_rules import RollbackRules, RolloutJudge, Verdict, VersionWindow
 
 
 def feed(judge, version, count, *, start=0.0, span_s=10.0, latency_s=0.010, errors=0):
@@ -29,8 +30,9 @@ def test_a_canary_failing_a_fifth_of_its_requests_is_rolled_back_with_the_number
     assert verdict is not None and (verdict.action, verdict.version, verdict.rule) == ("rollback", "2", "error_rate")
     assert verdict.evidence["canary_error_rate"] == 0.2 and verdict.evidence["canary_requests"] == 50
     assert verdict.evidence["stable_error_rate"] == 0.0 and verdict.evidence["stable_requests"] == 200
-    assert verdict.reason == ("canary version '2' failed 20.0% of 50 requests in the last 30 s against 0.0% of 200 "
-                              "for stable version '1' (allowed +5.0 points)")
+    assert verdict.reason.startswith("canary version '2' failed 20.0% of 50 requests in the last 30 s against 0.0% "
+                                     "of 200 for stable version '1' (allowed +5.0 points; p = ")
+    assert float(verdict.evidence["p_value"]) < 1e-3
 
 
 def test_a_canary_within_the_margin_of_the_stable_error_rate_stays():
@@ -38,7 +40,9 @@ def test_a_canary_within_the_margin_of_the_stable_error_rate_stays():
     feed(judge, "1", 200, errors=10)  # 5 %
     feed(judge, "2", 50, errors=4)  # 8 %: three points worse, five allowed
     assert judge.judge(10.0, ["2"], None) is None
-    feed(judge, "2", 10, start=5.0, span_s=1.0, errors=4)  # 8 of 60: 13.3 %
+    feed(judge, "2", 10, start=5.0, span_s=1.0, errors=4)  # 8 of 60: 13.3 %, but as likely as 1 in 25 by chance
+    assert judge.judge(10.0, ["2"], None) is None
+    feed(judge, "2", 40, start=6.0, span_s=1.0, errors=12)  # 20 of 100: 20 %
     verdict = judge.judge(10.0, ["2"], None)
     assert verdict is not None and verdict.rule == "error_rate"
 
@@ -72,7 +76,7 @@ def test_requests_older_than_the_window_are_forgotten():
     assert judge.window_stats("2", 41.0).errors == 30
 
 
-def test_p99_three_times_the_stable_fires_and_a_fifth_worse_does_not():
+def test_a_latency_three_times_the_stable_fires_and_a_fifth_worse_does_not():
     judge = judge_of()
     feed(judge, "1", 100, latency_s=0.010)
     feed(judge, "2", 100, latency_s=0.012)
@@ -80,26 +84,38 @@ def test_p99_three_times_the_stable_fires_and_a_fifth_worse_does_not():
     feed(judge, "3", 100, latency_s=0.030)
     verdict = judge.judge(10.0, ["2", "3"], None)
     assert verdict is not None and (verdict.version, verdict.rule) == ("3", "p99")
-    assert math.isclose(float(verdict.evidence["p99_ratio"]), 3.0, rel_tol=0.03)
-    assert math.isclose(float(verdict.evidence["stable_p99_s"]), 0.010, rel_tol=0.01)
-    said = re.search(r"p99 of ([\d.]+) ms over 100 requests in the last 30 s, 3\.0x the ([\d.]+) ms", verdict.reason)
-    assert said is not None and "(allowed up to 2x, or up to 5 ms more)" in verdict.reason
+    assert verdict.evidence["quantile"] == 0.9  # 100 answers: p90 has 10 above it, p99 only one
+    assert math.isclose(float(verdict.evidence["quantile_ratio"]), 3.0, rel_tol=0.03)
+    assert math.isclose(float(verdict.evidence["stable_quantile_s"]), 0.010, rel_tol=0.01)
+    said = re.search(r"p90 of ([\d.]+) ms over 100 requests in the last 30 s, 3\.0x the ([\d.]+) ms", verdict.reason)
+    assert said is not None and "(allowed up to 2x, or up to 5 ms more; 100 of the canary's" in verdict.reason
     assert abs(float(said[1]) - 30.0) <= 0.35 and abs(float(said[2]) - 10.0) <= 0.15  # ±1 %, printed to 0.1 ms
 
 
-def test_a_fast_models_p99_needs_the_absolute_increase_too():
-    """The p99 of a small window is its slowest request: a sub-millisecond model's canary that once
-    waited for a core is 4x by ratio and no regression (seen: 3.1 ms against 0.7 on a busy host)."""
+def test_a_canary_whose_slowest_answer_waited_for_a_core_is_not_rolled_back():
+    """Issue 45 W10: a byte-identical canary was rolled back, its p99 over 92 requests being its
+    slowest answer (86.7 ms against a stable p99 of 17.4 ms over 839)."""
+    judge = judge_of()
+    rng = np.random.default_rng(45)
+    for version, count in (("1", 839), ("2", 91)):
+        for i, latency in enumerate(rng.lognormal(np.log(0.008), 0.35, count)):
+            judge.request_done(version, 30.0 * i / count, float(latency), False)
+    judge.request_done("2", 29.9, 0.0867, False)
+    assert judge.window_stats("2", 30.0).p99_s == pytest.approx(0.0867, rel=0.01)  # its p99 is that one answer
+    assert judge.judge(30.0, ["2"], None) is None
+
+
+def test_a_fast_models_latency_needs_the_absolute_increase_too():
+    """A sub-millisecond model's canary 4x slower by ratio is a regression only past the margin."""
     for least_ms, fires in ((5.0, False), (2.5, False), (2.0, True), (0.0, True)):
         judge = judge_of(min_p99_increase_s=least_ms / 1000)
         feed(judge, "1", 35, latency_s=0.0007)
-        feed(judge, "2", 34, latency_s=0.0007)
-        feed(judge, "2", 1, latency_s=0.0031)
+        feed(judge, "2", 35, latency_s=0.0031)
         verdict = judge.judge(10.0, ["2"], None)
         assert (verdict is not None) == fires, (least_ms, verdict)
         if verdict is not None:
             assert verdict.rule == "p99" and verdict.evidence["min_p99_increase_s"] == least_ms / 1000
-            assert f"(allowed up to 2x, or up to {least_ms:g} ms more)" in verdict.reason
+            assert f"(allowed up to 2x, or up to {least_ms:g} ms more;" in verdict.reason
 
 
 def test_p99_is_not_compared_with_a_stable_version_that_has_too_few_requests():
@@ -185,3 +201,70 @@ def test_the_stable_version_is_never_judged_as_a_canary():
     judge = judge_of(promote_after_requests=10)
     feed(judge, "1", 100, errors=100)
     assert judge.judge(10.0, ["1"], None) is None
+
+
+class BusyHost:
+    """Seeded traffic of a stable version and a canary on a busy host: lognormal latencies around
+    8 ms with a Pareto tail on 2 % of answers, and bursts (a tenth of the seconds start one, 0.3 to
+    2 s long) during which every answer of either version is 3 to 10x slower and a fifth of them
+    time out; 0.5 % of answers fail anyway. The canary is the stable version times `slowdown`,
+    failing `canary_errors` more."""
+
+    def __init__(self, seed: int, stable_per_s: float, canary_per_s: float, slowdown: float = 1.0,
+                 canary_errors: float = 0.0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.rates = {"1": stable_per_s, "2": canary_per_s}
+        self.slowdown, self.canary_errors = slowdown, canary_errors
+        self.bursts: list[tuple[float, float, float]] = []  # (start, end, factor)
+
+    def second(self, judge: RolloutJudge, start: float) -> None:
+        rng = self.rng
+        if rng.random() < 0.1:
+            begin = start + rng.random()
+            self.bursts.append((begin, begin + rng.uniform(0.3, 2.0), rng.uniform(3.0, 10.0)))
+        for version, rate in self.rates.items():
+            count = rng.poisson(rate)
+            times = start + np.sort(rng.random(count))
+            latencies = rng.lognormal(math.log(0.008), 0.5, count)
+            spiked = rng.random(count) < 0.02
+            latencies[spiked] *= 1 + 3 * rng.pareto(1.5, int(spiked.sum()))
+            failing = np.full(count, 0.005)
+            for begin, end, factor in self.bursts[-3:]:
+                inside = (times >= begin) & (times < end)
+                latencies[inside] *= factor
+                failing[inside] = 0.2
+            if version == "2":
+                latencies *= self.slowdown
+                failing += self.canary_errors
+            errors = rng.random(count) < failing
+            for at, latency, error in zip(times.tolist(), latencies.tolist(), errors.tolist(), strict=True):
+                judge.request_done(version, at, latency, error)
+
+    def first_verdict(self, seconds: int) -> tuple[float, Verdict] | None:
+        """Judged once a second (as the engine does) for `seconds`: when the first verdict came, and it."""
+        judge = judge_of()
+        for second in range(seconds):
+            self.second(judge, float(second))
+            if (verdict := judge.judge(second + 1.0, ["2"], None)) is not None:
+                return second + 1.0, verdict
+        return None
+
+
+# The issue's busy host: 839 stable and 92 canary answers in 30 s.
+BUSY = {"stable_per_s": 28.0, "canary_per_s": 3.1}
+
+
+def test_an_identical_canary_on_a_busy_host_is_never_rolled_back():
+    """100 seeded runs of 35 s (28 looks each, 2,800 in all) and 10 at ten times the traffic (the
+    rules passed 200 + 20 too: 61 s on a host loaded 7x over, too long for every run of the suite)."""
+    wrong = [(seed, found) for seed in range(100) if (found := BusyHost(seed, **BUSY).first_verdict(35)) is not None]
+    wrong += [(seed, found) for seed in range(1000, 1010)
+              if (found := BusyHost(seed, 280.0, 31.0).first_verdict(35)) is not None]
+    assert wrong == []
+
+
+def test_a_canary_three_times_slower_or_failing_a_fifth_is_caught_within_30_s_even_on_a_busy_host():
+    for canary in ({"slowdown": 3.0}, {"canary_errors": 0.2}):
+        caught = [BusyHost(seed, **BUSY, **canary).first_verdict(30) for seed in range(50)]
+        assert all(found is not None for found in caught), canary
+        assert {found[1].rule for found in caught if found} == {"p99" if "slowdown" in canary else "error_rate"}

@@ -50,17 +50,21 @@ class RollbackConfig(StrictModel):
 
     window_s: float = Field(30.0, ge=1, le=3600, description="Seconds of recent requests the rules look at.")
     min_requests: int = Field(20, ge=1, le=1_000_000, description="Requests a canary (and the stable version) needs "
-                              "in the window before it is judged.")
+                              "in the window before it is judged. Either rule also needs its difference to be unlikely "
+                              "by chance (p < 0.001, an exact one-sided test), so a few requests judge only a large "
+                              "difference.")
     max_error_rate_increase: float | None = Field(
         0.05, ge=0, le=1, description="Roll back when the canary's error rate exceeds the stable version's by more "
         "than this (0.05: five points); null: rule off.")
-    max_p99_ratio: float | None = Field(2.0, ge=1, le=1000, description="Roll back when the canary's p99 latency is "
-                                        "more than this many times the stable version's; null: rule off.")
+    max_p99_ratio: float | None = Field(
+        2.0, ge=1, le=1000, description="Roll back when the canary's p99 latency is more than this many times the "
+        "stable version's; null: rule off. With fewer than 1,000 requests of either version in the window, the highest "
+        "quantile with 10 of the canary's requests above it is compared instead (p90 for 100, the median for 20: never "
+        "the slowest answer), and the median always is too.")
     min_p99_increase_ms: float = Field(
         5.0, ge=0, le=3_600_000, description="The p99 rule also needs the canary's p99 to exceed the stable "
-        "version's by at least this many milliseconds: the p99 of a small window is its slowest requests, and on a "
-        "busy host a sub-millisecond model's slowest requests wait a few ms for a core (a same-model canary measured "
-        "3.1 ms against 0.7). 0: the ratio alone.")
+        "version's by at least this many milliseconds: on a busy host a sub-millisecond model's slow requests wait a "
+        "few ms for a core (a same-model canary measured 3.1 ms against 0.7). 0: the ratio alone.")
     min_shadow_agreement: float | None = Field(
         None, ge=0, le=1, description="Roll back the shadow (stop it, and take its weight to 0) when the share of "
         "rows whose top-1 agrees with the primary falls below this; null: rule off.")

@@ -9,6 +9,14 @@ Memory is bounded per version: a window is WINDOW_BUCKETS time buckets (1 s each
 window), each holding counts and a sparse latency histogram with log-spaced bins. A report costs
 O(1) (one log and a few dict updates); `judge()` merges at most WINDOW_BUCKETS + 1 buckets per
 version. A sample leaves a window between window_s and window_s + one bucket after it was taken.
+
+A rule fires only on a difference that is both large (its margin) and unlikely by chance
+(engine/rollout_stats.py): the error rule tests the two versions' error counts (Fisher's exact
+test); the latency rule compares a quantile that has at least TAIL_SAMPLES canary answers above it
+(p99 from 1,000 answers, p90 from 100, the median from 20: never the slowest answer) and tests
+whether the canary holds more than its share of the answers above that quantile of both versions
+together. Measured before (issue 45 W10): a byte-identical canary was rolled back on a busy host,
+its p99 over 92 requests being its slowest answer (86.7 ms against 17.4 ms over 839).
 """
 
 from __future__ import annotations
@@ -18,6 +26,17 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
+
+from servewell.engine.rollout_stats import (
+    LOWEST_QUANTILE,
+    SIGNIFICANCE,
+    binomial_upper_tail,
+    compared_quantile,
+    count_from,
+    histogram_quantile_key,
+    hypergeometric_upper_tail,
+    quantile_label,
+)
 
 #: Time buckets per window: the window's edge is exact to 1/30 of it (1 s of 30 s).
 WINDOW_BUCKETS = 30
@@ -40,9 +59,11 @@ class RollbackRules:
     min_requests: int = 20
     #: Roll back when canary error rate - stable error rate exceeds this (None: rule off).
     max_error_rate_increase: float | None = 0.05
-    #: Roll back when canary p99 / stable p99 exceeds this (None: rule off)...
+    #: Roll back when the canary's p99 / the stable p99 exceeds this (None: rule off); with fewer than
+    #: 1,000 canary requests a lower quantile is compared (see the module doc)...
     max_p99_ratio: float | None = 2.0
-    #: ...and canary p99 - stable p99 is at least this (scheduling noise of a fast model is not a regression).
+    #: ...and the difference is at least this (scheduling noise of a fast model is not a regression);
+    #: both rules also need the difference to be unlikely by chance (rollout_stats.SIGNIFICANCE).
     min_p99_increase_s: float = 0.005
     #: Roll back the shadow version when its top-1 agreement (matches / rows) falls below this (None: off).
     min_shadow_agreement: float | None = None
@@ -139,18 +160,23 @@ class VersionWindow:
 
     def stats(self, now: float, window_s: float) -> WindowStats:
         """Requests, errors and p99 over the last `window_s` (at most the span it was made with)."""
+        return self.stats_and_histogram(now, window_s)[0]
+
+    def stats_and_histogram(self, now: float, window_s: float) -> tuple[WindowStats, Counter[int]]:
+        """`stats`, and the window's latency histogram (bin key -> requests; `latency_of_bin`)."""
         buckets, bins = self._ring.recent(now, window_s), Counter[int]()
         for bucket in buckets:
             bins.update(bucket.latency_bins)
         requests, errors = sum(b.requests for b in buckets), sum(b.errors for b in buckets)
         if not requests:
-            return WindowStats(0, 0, 0.0, None)
-        rank, seen = math.ceil(0.99 * requests), 0
-        for key in sorted(bins):
-            seen += bins[key]
-            if seen >= rank:
-                break
-        return WindowStats(requests, errors, errors / requests, LATENCY_BIN_GROWTH ** (key + 0.5))
+            return WindowStats(0, 0, 0.0, None), bins
+        key = histogram_quantile_key(bins, requests, 0.99)
+        return WindowStats(requests, errors, errors / requests, latency_of_bin(key)), bins
+
+
+def latency_of_bin(key: int) -> float:
+    """The latency a histogram bin stands for: its geometric middle, in seconds."""
+    return float(LATENCY_BIN_GROWTH ** (key + 0.5))
 
 
 class RolloutJudge:
@@ -201,9 +227,9 @@ class RolloutJudge:
         """The first broken rule (canaries in the given order, then the shadow), else a promotion;
         None when all is well or there is too little data to say."""
         rules, judged = self.rules, [c for c in dict.fromkeys(canaries) if c != self.stable]
-        stable, window = self.window_stats(self.stable, now), f"in the last {rules.window_s:g} s"
+        stable, window = self._measured(self.stable, now), f"in the last {rules.window_s:g} s"
         for canary in judged:
-            if (verdict := self._canary_rollback(canary, self.window_stats(canary, now), stable, window)) is not None:
+            if (verdict := self._canary_rollback(canary, self._measured(canary, now), stable, window)) is not None:
                 return verdict
         least = rules.min_shadow_agreement
         if shadow is not None and least is not None:
@@ -224,31 +250,91 @@ class RolloutJudge:
                                {"requests": total, "promote_after_requests": after})
         return None
 
-    def _canary_rollback(self, canary: str, c: WindowStats, s: WindowStats, window: str) -> Verdict | None:
-        rules, stable = self.rules, self.stable
-        if c.requests < rules.min_requests:
+    def _measured(self, version: str, now: float) -> Measured:
+        window = self._windows.get(version)
+        if window is None:
+            return Measured(WindowStats(0, 0, 0.0, None), Counter())
+        return Measured(*window.stats_and_histogram(now, self.rules.window_s))
+
+    def _canary_rollback(self, canary: str, c: Measured, s: Measured, window: str) -> Verdict | None:
+        rules = self.rules
+        if c.stats.requests < rules.min_requests:
             return None
         evidence: dict[str, float | int | str] = {
-            "canary_requests": c.requests, "canary_errors": c.errors, "stable_requests": s.requests,
-            "stable_errors": s.errors, "window_s": rules.window_s, "stable": stable}
-        # A stable version with too few requests is taken to fail nothing: a canary failing more
-        # than the margin on its own is still taken back (unlike p99, errors need no baseline).
-        known = s.requests >= rules.min_requests
+            "canary_requests": c.stats.requests, "canary_errors": c.stats.errors,
+            "stable_requests": s.stats.requests, "stable_errors": s.stats.errors, "window_s": rules.window_s,
+            "stable": self.stable}
+        known = s.stats.requests >= rules.min_requests
+        verdict = self._error_rollback(canary, c.stats, s.stats, known, window, evidence)
+        if verdict is None and known:
+            verdict = self._latency_rollback(canary, c, s, window, evidence)
+        return verdict
+
+    def _error_rollback(self, canary: str, c: WindowStats, s: WindowStats, known: bool, window: str,
+                        evidence: dict[str, float | int | str]) -> Verdict | None:
+        rules, stable = self.rules, self.stable
         margin = rules.max_error_rate_increase
-        if margin is not None and c.error_rate - (s.error_rate if known else 0.0) > margin:
-            against = (f"{s.error_rate:.1%} of {s.requests} for stable version '{stable}'" if known
-                       else f"0% assumed (stable version '{stable}' had only {s.requests} requests)")
-            return Verdict("rollback", canary, "error_rate", (
-                f"canary version '{canary}' failed {c.error_rate:.1%} of {c.requests} requests {window} against "
-                f"{against} (allowed +{margin * 100:.1f} points)"), evidence | {"canary_error_rate": c.error_rate,
-                "stable_error_rate": s.error_rate, "max_error_rate_increase": margin})
-        most, least_s = rules.max_p99_ratio, rules.min_p99_increase_s
-        if most is None or not known or not s.p99_s or c.p99_s is None or c.p99_s / s.p99_s <= most or \
-                c.p99_s - s.p99_s < least_s:
+        # A stable version with too few requests is taken to fail nothing: a canary failing more
+        # than the margin on its own is still taken back (unlike latency, errors need no baseline),
+        # when that many failures are unlikely at the margin's rate itself.
+        if margin is None or c.error_rate - (s.error_rate if known else 0.0) <= margin:
             return None
-        return Verdict("rollback", canary, "p99", (
-            f"canary version '{canary}' answered with a p99 of {c.p99_s * 1000:.1f} ms over {c.requests} requests "
-            f"{window}, {c.p99_s / s.p99_s:.1f}x the {s.p99_s * 1000:.1f} ms of stable version '{stable}' over "
-            f"{s.requests} (allowed up to {most:g}x, or up to {least_s * 1000:g} ms more)"), evidence | {
-            "canary_p99_s": c.p99_s, "stable_p99_s": s.p99_s, "p99_ratio": c.p99_s / s.p99_s, "max_p99_ratio": most,
-            "min_p99_increase_s": least_s})
+        if known:
+            p_value = hypergeometric_upper_tail(c.errors, c.requests, c.errors + s.errors, c.requests + s.requests)
+        else:
+            p_value = binomial_upper_tail(c.errors, c.requests, margin)
+        if p_value >= SIGNIFICANCE:
+            return None
+        against = (f"{s.error_rate:.1%} of {s.requests} for stable version '{stable}'" if known
+                   else f"0% assumed (stable version '{stable}' had only {s.requests} requests)")
+        return Verdict("rollback", canary, "error_rate", (
+            f"canary version '{canary}' failed {c.error_rate:.1%} of {c.requests} requests {window} against "
+            f"{against} (allowed +{margin * 100:.1f} points; p = {p_value:.1g})"), evidence | {
+            "canary_error_rate": c.error_rate, "stable_error_rate": s.error_rate,
+            "max_error_rate_increase": margin, "p_value": p_value})
+
+    def _latency_rollback(self, canary: str, c: Measured, s: Measured, window: str,
+                          evidence: dict[str, float | int | str]) -> Verdict | None:
+        rules, stable = self.rules, self.stable
+        most, least_s = rules.max_p99_ratio, rules.min_p99_increase_s
+        n_c, n_s = c.stats.requests, s.stats.requests
+        if most is None or not n_c or not n_s:
+            return None
+        # The tail (p99, or the highest quantile with TAIL_SAMPLES canary answers above it), and the
+        # median too: a canary slower throughout is plain at the median, where a host's bursts of
+        # slowness (which fill the tail of both versions) hide little (at the tail alone, a 3x slower
+        # canary was missed in 1 of 50 busy-host runs).
+        for quantile in dict.fromkeys((compared_quantile(0.99, min(n_c, n_s)), LOWEST_QUANTILE)):
+            c_q, s_q = c.latency(quantile), s.latency(quantile)
+            if c_q / s_q <= most or c_q - s_q < least_s:
+                continue
+            # Both versions' answers together: does the canary hold more than its share of those in or
+            # above the bin of their common quantile? Exact under "no worse" whatever the latencies'
+            # shape (the bin is chosen from both together, so any answer is as likely the canary's).
+            threshold = histogram_quantile_key(c.bins + s.bins, n_c + n_s, quantile)
+            c_above, s_above = count_from(c.bins, threshold), count_from(s.bins, threshold)
+            p_value = hypergeometric_upper_tail(c_above, n_c, c_above + s_above, n_c + n_s)
+            if p_value >= SIGNIFICANCE:
+                continue
+            name = quantile_label(quantile)
+            return Verdict("rollback", canary, "p99", (
+                f"canary version '{canary}' answered with a {name} of {c_q * 1000:.1f} ms over {n_c} requests "
+                f"{window}, {c_q / s_q:.1f}x the {s_q * 1000:.1f} ms of stable version '{stable}' over {n_s} "
+                f"(allowed up to {most:g}x, or up to {least_s * 1000:g} ms more; {c_above} of the canary's answers "
+                f"and {s_above} of the stable's at or above both's {name}: p = {p_value:.1g})"), evidence | {
+                "quantile": quantile, "canary_quantile_s": c_q, "stable_quantile_s": s_q,
+                "quantile_ratio": c_q / s_q, "max_p99_ratio": most, "min_p99_increase_s": least_s,
+                "canary_above": c_above, "stable_above": s_above, "p_value": p_value})
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """One version's window: its counts and its latency histogram."""
+
+    stats: WindowStats
+    bins: Counter[int]
+
+    def latency(self, quantile: float) -> float:
+        """The nearest-rank `quantile` of the window's latencies (within ±1 %), in seconds."""
+        return latency_of_bin(histogram_quantile_key(self.bins, self.stats.requests, quantile))
