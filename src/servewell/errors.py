@@ -197,3 +197,11 @@ class ModelError(ServeError):
     """The model itself raised while running the batch."""
 
     status, code = 500, "model_error"
+
+
+class OutputTooLarge(ModelError):
+    """The model's answer to one request is larger than its `max_output_bytes` (model.yaml, else the
+    server's): refused in the worker before it is copied anywhere. The model's or its limit's
+    problem, not the client's (a request with fewer rows may fit: the message says)."""
+
+    code = "output_too_large"

@@ -153,7 +153,8 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     spares = SpareWorkers(effective_spare_workers(settings), SpareLaunch(settings.log_level, settings.log_format))
     workers = WorkerSettings(settings.worker_heartbeat_timeout_s, settings.log_level, settings.log_format,
                              tracing.settings, spares=spares, warmup_first_only=effective_warmup_first_only(settings),
-                             load_cpu_policy=effective_load_cpu_policy(settings))
+                             load_cpu_policy=effective_load_cpu_policy(settings),
+                             max_output_bytes=settings.max_output_bytes)
     access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
     tenants = Tenants(lambda: access.ring if access.enabled else None, metrics)
     engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes,

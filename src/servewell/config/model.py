@@ -103,6 +103,11 @@ class ModelConfig(StrictModel):
         description="Largest batch; 0 means the model takes no batch dimension and runs one request at a time.",
     )
     batching: BatchingConfig = Field(default_factory=BatchingConfig, description="Dynamic batching settings.")
+    max_output_bytes: int | None = Field(
+        None, ge=1, description="Largest answer to one request, all its outputs together, in bytes: a larger one is "
+        "refused in the worker before it is copied anywhere (500 output_too_large, naming both sizes); unset: the "
+        "server's max_output_bytes.",
+    )
     instances: int = Field(1, ge=1, le=64, description="Worker processes serving this model.")
     pinned: bool = Field(False, description="Never evicted to make room for another model; in lazy mode it "
                          "loads at start.")

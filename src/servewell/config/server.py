@@ -74,6 +74,11 @@ class ServerConfig(BaseModel):
         Path.home() / ".cache" / "servewell", description="Where built-in models are built and cached."
     )
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest request body accepted (413 above).")
+    max_output_bytes: int = Field(
+        64 << 20, ge=1024, description="Largest answer to one request, all its outputs together, in bytes, for a "
+        "model whose model.yaml sets no max_output_bytes: a larger one is refused in the worker (500 "
+        "output_too_large), so it never crosses to the engine and the ingress nor holds their event loops.",
+    )
     max_image_pixels: int = Field(
         16_000_000, ge=1,
         description="Largest decoded image, in pixels, accepted (413 above; stops decompression bombs).",

@@ -81,6 +81,8 @@ class WorkerSettings:
     warmup_first_only: bool = False
     #: "idle": loads run at SCHED_IDLE where they may (`process_main.load_policy`); "normal".
     load_cpu_policy: str = "normal"
+    #: The largest answer to one request, in bytes, of a model whose config sets none (0: no bound).
+    max_output_bytes: int = 0
 
 
 class WorkerLoadError(Exception):
@@ -172,7 +174,7 @@ class WorkerHandle:
         launch = WorkerLaunch(
             str(self.model_dir), self.instance, self.segment_prefix, self._heartbeat.name, HEARTBEAT_INTERVAL_S,
             settings.log_level, settings.log_format, settings.tracing, self.device, settings.warmup_first_only,
-            settings.load_cpu_policy,
+            settings.load_cpu_policy, settings.max_output_bytes,
         )
         name = f"servewell-worker-{self.config.name}"
         spare = settings.spares.take(self.config) if settings.spares is not None else None
@@ -338,7 +340,9 @@ class WorkerHandle:
         elif isinstance(message, BatchFailed):
             future = self._pending.pop(message.batch_id, None)
             if future is not None and not future.done():
-                if message.fatal:
+                if message.refusal is not None:  # not the model raising: an answer too large, /dev/shm full
+                    future.set_exception(message.refusal)
+                elif message.fatal:
                     future.set_exception(WorkerLost(f"the device failed and the worker restarts: {message.message}"))
                 else:
                     future.set_exception(ModelError(f"model failed on the batch: {message.message}"))

@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from servewell.config.model import ModelConfig
+from servewell.errors import ServeError
 from servewell.observability.tracing import TracingSettings
 
 
@@ -57,6 +58,9 @@ class WorkerLaunch:
     #: "idle": load and warm up on a SCHED_IDLE thread where that applies (`process_main.load_policy`);
     #: the server's `load_cpu_policy`.
     load_cpu_policy: str = "normal"
+    #: The largest answer to one request, in bytes, for a model whose config sets no
+    #: `max_output_bytes` (the server's; 0: no bound).
+    max_output_bytes: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -182,6 +186,9 @@ class BatchFailed:
     batch_id: int
     message: str
     fatal: bool = False  # the worker exits after this (device unusable) and is restarted
+    #: The error to answer the batch's requests with, where it is not the model's raising
+    #: (`model_error`): an answer over `max_output_bytes`, no shared memory for the outputs.
+    refusal: ServeError | None = None
 
 
 @dataclass(slots=True, frozen=True)

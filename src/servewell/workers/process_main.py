@@ -42,6 +42,7 @@ from servewell.workers.messages import (
     receive_message,
     send_message,
 )
+from servewell.workers.output_limit import answer_refusal
 from servewell.workers.profiling import WorkerProfiler
 from servewell.workers.shm import HeartbeatCell, SegmentReader, SharedArena
 
@@ -158,7 +159,8 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, beg
         loaded_at=loaded_at,
     ))
     tracing = Tracing(launch.tracing, make_global=True) if launch.tracing is not None else None
-    _serve(conn, runtime, config.name, tracing, launch.segment_prefix)
+    _serve(conn, runtime, config.name, tracing, launch.segment_prefix,
+           config.max_output_bytes or launch.max_output_bytes)
 
 
 def load_policy(config: ModelConfig, launch: WorkerLaunch) -> str:
@@ -240,7 +242,8 @@ def _start_heartbeat(launch: WorkerLaunch) -> None:
     threading.Thread(target=beat, name="servewell-heartbeat", daemon=True).start()
 
 
-def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing | None, prefix: str) -> None:
+def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing | None, prefix: str,
+           max_output_bytes: int) -> None:
     reader = SegmentReader()
     # Outputs go into a segment named after the frontend's prefix for this worker, so the frontend
     # can remove it by name however this process ends.
@@ -289,9 +292,11 @@ def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing
                     "compute", context=context_from_traceparent(message.traceparent),
                     attributes={"servewell.model": model, "servewell.batch_size": plan.rows},
                 ):
-                    reply = _run(message, plan, runtime, reader, arena, rows_computed, steps, rss, splitting)
+                    reply = _run(message, plan, runtime, reader, arena, rows_computed, steps, rss, splitting,
+                                 model, max_output_bytes)
             else:
-                reply = _run(message, plan, runtime, reader, arena, rows_computed, steps, rss, splitting)
+                reply = _run(message, plan, runtime, reader, arena, rows_computed, steps, rss, splitting, model,
+                             max_output_bytes)
             send(reply)
             if isinstance(reply, BatchFailed) and reply.fatal:
                 return  # the device is unusable in this process: exit, supervision starts a fresh one
@@ -318,7 +323,7 @@ def _profile(message: StartProfile | StopProfile, profiler: WorkerProfiler, runt
 
 def _run(message: RunBatch, plan: RowPlan, runtime: ModelRuntime, reader: SegmentReader, arena: SharedArena,
          rows_computed: int, steps: list[tuple[str, float]], rss: RssReading,
-         splitting: OomSplitting | None = None) -> BatchDone | BatchFailed:
+         splitting: OomSplitting | None = None, model: str = "", max_output_bytes: int = 0) -> BatchDone | BatchFailed:
     inputs = reader.arrays(message.segment, message.inputs, copy=False)
     if plan.skipped:
         inputs = keep_rows(inputs, message.request_rows, plan)
@@ -326,6 +331,11 @@ def _run(message: RunBatch, plan: RowPlan, runtime: ModelRuntime, reader: Segmen
     try:
         outputs = runtime.run(inputs)
         compute_s = time.perf_counter() - started
+        # An answer over the bound is refused before a byte of it is copied (workers/output_limit.py).
+        kept_rows = [message.request_rows[i] for i in plan.kept] if message.request_rows else [plan.rows]
+        refusal = answer_refusal(model, outputs, kept_rows, max_output_bytes)
+        if refusal is not None:
+            return BatchFailed(message.batch_id, refusal.message, refusal=refusal)
         refs = arena.write({k: np.ascontiguousarray(v) for k, v in outputs.items()})
     except Exception as exc:
         return BatchFailed(message.batch_id, describe_failure(exc), fatal=isinstance(exc, DeviceUnusableError))
