@@ -193,6 +193,14 @@ class ModelReloading(Unavailable):
     code = "model_reloading"
 
 
+class SharedMemoryFull(Unavailable):
+    """The shared memory (/dev/shm) that carries a batch's tensors between the server's processes has
+    no room for this one (a container's /dev/shm is often 64-256 MiB): smaller requests still go
+    through what the server holds already; retrying once memory is freed succeeds."""
+
+    code = "shared_memory_full"
+
+
 class ModelError(ServeError):
     """The model itself raised while running the batch."""
 

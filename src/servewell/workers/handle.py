@@ -51,7 +51,14 @@ from servewell.workers.messages import (
     send_message,
 )
 from servewell.workers.process_start import find_jemalloc, spawn, watch_exit
-from servewell.workers.shm import HeartbeatCell, SegmentReader, SharedArena, new_prefix, remove_segments
+from servewell.workers.shm import (
+    HeartbeatCell,
+    SegmentReader,
+    SharedArena,
+    new_prefix,
+    remove_segments,
+    shm_directory,
+)
 from servewell.workers.spare import SpareWorkers, why_fresh
 
 log = logging.getLogger("servewell.workers")
@@ -169,7 +176,14 @@ class WorkerHandle:
         requested_at = time.monotonic()
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
-        self._heartbeat = HeartbeatCell(f"{self.segment_prefix}-hb", create=True)
+        try:
+            self._heartbeat = HeartbeatCell(f"{self.segment_prefix}-hb", create=True)
+            # The batch arena is made (and its memory reserved) now, not at the first batch: a worker
+            # that is ready keeps serving small batches when /dev/shm fills up later (issue 45 H14).
+            self._arena = SharedArena(prefix=f"{self.segment_prefix}-in")
+        except OSError as exc:  # /dev/shm full or not writable: the load fails saying so
+            self._release_segments()
+            raise WorkerLoadError(f"no shared memory for the worker's segments in {shm_directory()}: {exc}") from None
         settings = self._settings
         launch = WorkerLaunch(
             str(self.model_dir), self.instance, self.segment_prefix, self._heartbeat.name, HEARTBEAT_INTERVAL_S,

@@ -18,6 +18,7 @@ from typing import TypeVar
 import numpy as np
 
 from servewell.config.model import ModelConfig
+from servewell.errors import SharedMemoryFull
 from servewell.observability.logging import configure_logging
 from servewell.observability.process import rss_bytes
 from servewell.observability.steps import set_step_sink
@@ -148,6 +149,12 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, beg
         conn.close()
         return
 
+    try:  # made before the worker says it is ready: a ready worker has its arena (issue 45 H14)
+        arena = SharedArena(prefix=f"{launch.segment_prefix}-out" if launch.segment_prefix else None)
+    except OSError as exc:
+        send_message(conn, WorkerLoadFailed(f"no shared memory for the model's outputs: {exc}"))
+        conn.close()
+        return
     dtype = report.serving_dtype if report else (runtime.serving_dtype if isinstance(runtime, DtypeReporting) else "")
     send_message(conn, WorkerReady(
         os.getpid(), load_s, report.seconds if report else 0.0, rss_bytes(), tuple(stages),
@@ -159,8 +166,7 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, beg
         loaded_at=loaded_at,
     ))
     tracing = Tracing(launch.tracing, make_global=True) if launch.tracing is not None else None
-    _serve(conn, runtime, config.name, tracing, launch.segment_prefix,
-           config.max_output_bytes or launch.max_output_bytes)
+    _serve(conn, runtime, config.name, tracing, arena, config.max_output_bytes or launch.max_output_bytes)
 
 
 def load_policy(config: ModelConfig, launch: WorkerLaunch) -> str:
@@ -242,12 +248,11 @@ def _start_heartbeat(launch: WorkerLaunch) -> None:
     threading.Thread(target=beat, name="servewell-heartbeat", daemon=True).start()
 
 
-def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing | None, prefix: str,
+def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing | None, arena: SharedArena,
            max_output_bytes: int) -> None:
-    reader = SegmentReader()
-    # Outputs go into a segment named after the frontend's prefix for this worker, so the frontend
+    # Outputs go into `arena`, named after the frontend's prefix for this worker, so the frontend
     # can remove it by name however this process ends.
-    arena = SharedArena(prefix=f"{prefix}-out" if prefix else None)
+    reader = SegmentReader()
     rows_computed = 0
     rss = RssReading()
     steps: list[tuple[str, float]] = []
@@ -337,6 +342,8 @@ def _run(message: RunBatch, plan: RowPlan, runtime: ModelRuntime, reader: Segmen
         if refusal is not None:
             return BatchFailed(message.batch_id, refusal.message, refusal=refusal)
         refs = arena.write({k: np.ascontiguousarray(v) for k, v in outputs.items()})
+    except SharedMemoryFull as exc:  # the outputs do not fit /dev/shm: 503, the worker serves on
+        return BatchFailed(message.batch_id, exc.message, refusal=exc)
     except Exception as exc:
         return BatchFailed(message.batch_id, describe_failure(exc), fatal=isinstance(exc, DeviceUnusableError))
     finally:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from servewell.errors import SharedMemoryFull
 from servewell.workers.messages import TensorRef
 
 _ALIGN = 64  # cache-line alignment keeps vectorised copies fast
@@ -113,6 +114,15 @@ def shm_free_fraction(size: int) -> float:
         return 1.0
     total = stat.f_blocks * stat.f_frsize
     return 1.0 if total <= 0 else (stat.f_bavail * stat.f_frsize - size) / total
+
+
+def shm_free_bytes() -> int:
+    """Bytes free in the shared-memory filesystem now (-1 when it cannot be told)."""
+    try:
+        stat = os.statvfs(shm_directory())
+    except OSError:
+        return -1
+    return stat.f_bavail * stat.f_frsize
 
 
 def remove_segment(name: str) -> bool:
@@ -211,11 +221,25 @@ class SharedArena:
         return tuple(refs)
 
     def _ensure(self, nbytes: int) -> None:
+        """Room for `nbytes`: a larger segment (twice the size, or just `nbytes` when that does not
+        fit) made before the old one goes, so a full /dev/shm leaves the arena as it was, able to
+        carry the batches that fit it, and answers this one `SharedMemoryFull`."""
         if nbytes <= self._segment.size:
             return
-        size = max(nbytes, 2 * self._segment.size)
+        grown: Segment | None = None
+        why = ""
+        for size in dict.fromkeys((max(nbytes, 2 * self._segment.size), _aligned(nbytes))):
+            try:
+                grown = self._new(size)
+                break
+            except OSError as exc:
+                why = exc.strerror or str(exc)
+        if grown is None:
+            raise SharedMemoryFull(f"no room in {shm_directory()} for a batch of {nbytes} bytes "
+                                   f"({shm_free_bytes()} bytes free there: {why}); smaller requests are still "
+                                   "served, retry once shared memory is freed")
         self.close()
-        self._segment = self._new(size)
+        self._segment = grown
 
     def close(self) -> None:
         """Release and unlink the segment (closing twice is harmless)."""

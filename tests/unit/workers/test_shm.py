@@ -135,3 +135,35 @@ def test_a_full_filesystem_refuses_the_segment_with_an_os_error(monkeypatch: pyt
     with pytest.raises(OSError):
         shm.Segment(name, 1 << 20, create=True)
     assert not (shm.shm_directory() / name).exists()  # nothing left behind
+
+
+def test_an_arena_that_cannot_grow_keeps_its_segment_and_says_shared_memory_is_full(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A /dev/shm without room for a larger batch (issue 45 H14): the batch is refused 503
+    `shared_memory_full` naming the directory and the size, and the arena still carries the
+    batches that fit it (it used to unlink its segment first, then fail with a bare OSError)."""
+    import errno
+    import os
+
+    from servewell.errors import SharedMemoryFull
+    from servewell.workers.shm import SegmentReader, SharedArena, shm_directory
+
+    real_fallocate = os.posix_fallocate
+
+    def full_past_1_mib(fd: int, offset: int, length: int) -> None:
+        if length > 1 << 20:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fallocate(fd, offset, length)
+
+    arena = SharedArena(initial_bytes=1 << 20)
+    reader = SegmentReader()
+    try:
+        monkeypatch.setattr(os, "posix_fallocate", full_past_1_mib)
+        with pytest.raises(SharedMemoryFull, match=rf"no room in {shm_directory()} for a batch of 2097152 bytes"):
+            arena.write({"x": np.zeros(1 << 19, np.float32)})  # 2 MiB
+        small = np.arange(16, dtype=np.float32)
+        refs = arena.write({"x": small})
+        np.testing.assert_array_equal(reader.arrays(arena.name, refs, copy=True)["x"], small)
+    finally:
+        reader.close()
+        arena.close()
