@@ -10,7 +10,14 @@ here, in this order, the same for all of them:
 3. `preprocessing()` around the protocol's decoding, with `decode_images` / `model_inputs` for
    what is common (encoded images through the decode pool, datatype checks);
 4. `infer(...)`: final lane (OIP priority), deadline, submit, and cancellation when the client goes;
-5. `postprocessing()` around encoding, then `finish()`: stage metrics and the `Server-Timing` value.
+5. `encode(outputs, steps)` (or `postprocessing()` around encoding), then `finish()`: stage metrics and
+   the `Server-Timing` value.
+
+A large answer is encoded in steps with the event loop taking a turn between them (`encode`):
+a 60 MB answer is 0.7-1.5 s of JSON encoding, and a 4-float model's requests through the same
+ingress waited for all of it (issue 45 H1). Not on a thread: orjson holds the GIL for a whole
+call, and the loop, which gives the GIL up at every socket call, had to win it back each time (a
+4-float probe through the same ingress still waited up to 1.9 s with the encoding on a thread).
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Generator, Iterator, Mapping, Sequence
+from typing import TypeVar
 
 import numpy as np
 from opentelemetry import trace
@@ -32,6 +40,12 @@ from servewell.errors import ClientClosed, InvalidInput, Overloaded, quote
 from servewell.observability.context import model_var, request_id_var, stages_var
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.tracing import Tracing
+
+T = TypeVar("T")
+
+#: An answer whose tensors hold this many bytes or more is encoded in steps, the loop taking a turn
+#: between them; a smaller one at once (a turn of the loop costs more than encoding it).
+ENCODE_IN_STEPS_BYTES = 1 << 20
 
 
 class DataPlane:
@@ -158,6 +172,22 @@ class InferenceCall:
             yield
         finally:
             self.postprocess_s += time.perf_counter() - started
+
+    async def encode(self, outputs: Mapping[str, np.ndarray], steps: Generator[None, None, T]) -> T:
+        """Run the protocol's encoding of the answer `outputs`, given as `steps` (a generator that
+        yields between bounded pieces of work and returns the encoded answer), timed as
+        postprocessing: at once when the answer is small, else with the event loop taking a turn
+        between steps, so a large answer never holds the loop every other request needs."""
+        with self.postprocessing():
+            stepwise = sum(array.nbytes for array in outputs.values()) >= ENCODE_IN_STEPS_BYTES
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    result: T = done.value
+                    return result
+                if stepwise:
+                    await asyncio.sleep(0)
 
     async def decode_images(self, blobs: Sequence[bytes]) -> np.ndarray:
         """Encoded images to the model's image input batch (off the event loop)."""

@@ -13,9 +13,11 @@ it, and "none" is the case `retry-on empty-response` replays. It also saves a sy
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from starlette.types import Message
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
 #: A body this large leaves with its head through `writelines` rather than joined to it: joining
 #: copied a 588 KiB binary answer once more in the ingress (bench.shared_tensors).
@@ -83,3 +85,31 @@ def hold_heads(cycle: Any) -> None:
             transport.flush()  # a HEAD answer (or an empty body) writes nothing after the head
 
     cycle.send = send_holding_the_head
+
+
+class PartsResponse(Response):
+    """A response whose body is sent as the parts it was made of (`Content-Length` their sum): a
+    large binary answer goes from the arrays it was read into (the engine's shared memory) to the
+    socket without being joined into one more copy on the event loop (60 MB: about 50 ms)."""
+
+    def __init__(self, parts: Sequence[bytes | memoryview], status_code: int, headers: Mapping[str, str],
+                 media_type: str) -> None:
+        self.parts = list(parts)
+        super().__init__(b"", status_code, dict(headers), media_type)
+        self.headers["content-length"] = str(sum(memoryview(part).nbytes for part in self.parts))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        last = len(self.parts) - 1
+        for index, part in enumerate(self.parts):
+            await send({"type": "http.response.body", "body": part, "more_body": index < last})
+        if last < 0:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def parts_response(parts: Sequence[bytes | memoryview], status_code: int, headers: Mapping[str, str],
+                   media_type: str) -> Response:
+    """A plain `Response` for a body of one bytes part, else a `PartsResponse`."""
+    if len(parts) == 1 and isinstance(parts[0], bytes):
+        return Response(parts[0], status_code, dict(headers), media_type)
+    return PartsResponse(parts, status_code, headers, media_type)

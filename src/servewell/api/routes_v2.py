@@ -13,12 +13,13 @@ from fastapi.responses import Response
 
 import servewell
 from servewell.api.body import check_content_type, read_body
-from servewell.api.codecs.tensors import encode_infer_response, parse_infer_request
+from servewell.api.codecs.tensors import infer_response_steps, parse_infer_request
 from servewell.api.dataplane import select_outputs
 from servewell.api.hot_routes import HotRoute
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
 from servewell.api.model_document import TRITON_STATES, config_json, metadata_json, model_document, timeout_us_of
 from servewell.api.openapi import INFER_REQUEST_BODY, INFERENCE_HEADERS, error_responses, not_ready_response
+from servewell.api.response_writes import parts_response
 from servewell.api.routes_pool import pool_fields
 from servewell.api.state import AppState, app_state, state_dependency
 from servewell.engine.protocol import ModelView
@@ -162,16 +163,16 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
         timeout_ms=header_timeout if header_timeout is not None else _timeout_ms(parsed.parameters),
         disconnected=disconnected(request),
     )
-    with call.postprocessing():
-        outputs = select_outputs(name, result.outputs, parsed.requested_outputs)
-        binary = set(outputs) if parsed.all_binary else parsed.binary_outputs
-        version = result.version or model.config.version  # a traffic split may have drawn another version
-        body_out, json_length = encode_infer_response(name, version, parsed.id, outputs, binary)
+    outputs = select_outputs(name, result.outputs, parsed.requested_outputs)
+    binary = set(outputs) if parsed.all_binary else parsed.binary_outputs
+    version = result.version or model.config.version  # a traffic split may have drawn another version
+    # A large answer is encoded in steps, the event loop taking turns, and sent as its parts.
+    answer = await call.encode(outputs, infer_response_steps(name, version, parsed.id, outputs, binary))
     headers = {"Server-Timing": call.finish(result), "X-Model-Version": version}
-    if json_length is None:
-        return Response(body_out, 200, headers, "application/json")
-    headers["Inference-Header-Content-Length"] = str(json_length)
-    return Response(body_out, 200, headers, "application/octet-stream")
+    if answer.json_length is None:
+        return parts_response(answer.parts, 200, headers, "application/json")
+    headers["Inference-Header-Content-Length"] = str(answer.json_length)
+    return parts_response(answer.parts, 200, headers, "application/octet-stream")
 
 
 def hot_routes() -> list[HotRoute]:

@@ -9,9 +9,9 @@ BYTES elements in binary form are each prefixed by a 4-byte little-endian length
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
@@ -269,6 +269,47 @@ def _flatten(name: str, data: list[Any]) -> list[Any]:
     return out
 
 
+#: Values one step of an answer's JSON encoding turns into text (about 2-3 ms here): the event
+#: loop gets a turn between steps (`run_steps`, or `InferenceCall.encode` on the loop).
+STEP_VALUES = 1 << 15
+
+#: Text of a JSON body is gathered into parts of about this size: one socket write each.
+PART_BYTES = 1 << 20
+#: The parts a body is sent as, in order (a large binary tensor stays a view: never joined into a copy).
+BodyPart = bytes | memoryview
+
+
+@dataclass(slots=True)
+class EncodedBody:
+    """An answer's body as parts, and the length of its JSON header when binary tensors follow it."""
+
+    parts: list[BodyPart]
+    json_length: int | None  # None: the whole body is JSON
+
+    @property
+    def size(self) -> int:
+        """Bytes of the whole body."""
+        return sum(memoryview(part).nbytes for part in self.parts)
+
+    def joined(self) -> bytes:
+        """The body as one bytes object (a copy of every part)."""
+        return self.parts[0] if len(self.parts) == 1 and isinstance(self.parts[0], bytes) else b"".join(self.parts)
+
+
+Steps = Generator[None, None, EncodedBody]
+T = TypeVar("T")
+
+
+def run_steps(steps: Generator[None, None, T]) -> T:
+    """Every step of an encoding at once; what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            result: T = done.value
+            return result
+
+
 def encode_infer_response(
     model_name: str,
     model_version: str,
@@ -277,31 +318,92 @@ def encode_infer_response(
     binary: set[str],
 ) -> tuple[bytes, int | None]:
     """Render the response; returns (body, json_header_length or None when all-JSON)."""
-    tensors: list[dict[str, Any]] = []
-    blobs: list[bytes | memoryview] = []
+    body = run_steps(infer_response_steps(model_name, model_version, request_id, outputs, binary))
+    return body.joined(), body.json_length
+
+
+def infer_response_steps(model_name: str, model_version: str, request_id: str | None, outputs: dict[str, np.ndarray],
+                         binary: set[str]) -> Steps:
+    """The response's encoding as steps of at most `STEP_VALUES` values each (the generator yields
+    between them and returns the body): a 60 MB tensor as JSON is about a second of encoding,
+    which must not run in one piece on an event loop other requests wait for (issue 45 H1).
+    Every output's datatype is checked before the first step (`InvalidInput`)."""
+    datatypes = {}
     for name, array in outputs.items():
         datatype = NUMPY_TO_OIP.get(array.dtype.name, "BYTES" if array.dtype == object else None)
         if datatype is None:
             raise InvalidInput(f"output {quote(name)} has dtype {array.dtype}, which the protocol cannot carry")
+        datatypes[name] = datatype
+    return _steps(model_name, model_version, request_id, outputs, binary, datatypes)
+
+
+def _steps(model_name: str, model_version: str, request_id: str | None, outputs: dict[str, np.ndarray],
+           binary: set[str], datatypes: dict[str, str]) -> Steps:
+    header = _Parts()
+    header.add(orjson.dumps({"model_name": model_name, "model_version": model_version})[:-1])
+    header.add(b',"outputs":[')
+    blobs: list[BodyPart] = []
+    for index, (name, array) in enumerate(outputs.items()):
+        datatype = datatypes[name]
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+        if index:
+            header.add(b",")
         if name in binary:
             blob = _binary_view(array, datatype)
-            entry["parameters"] = {"binary_data_size": len(blob)}
+            entry["parameters"] = {"binary_data_size": memoryview(blob).nbytes}
             blobs.append(blob)
-        elif datatype == "BYTES":
-            entry["data"] = [bytes(v).decode("utf-8", "replace") for v in array.reshape(-1)]
-        elif datatype == "FP16":
-            entry["data"] = array.astype(np.float32).reshape(-1)
-        else:
-            entry["data"] = np.ascontiguousarray(array).reshape(-1)
-        tensors.append(entry)
-    doc: dict[str, Any] = {"model_name": model_name, "model_version": model_version, "outputs": tensors}
+            header.add(orjson.dumps(entry))
+            continue
+        header.add(orjson.dumps(entry)[:-1])
+        header.add(b',"data":[')
+        flat = array.reshape(-1)
+        for start in range(0, flat.size, STEP_VALUES):
+            if start:
+                header.add(b",")
+                yield  # a step's worth of values is written: the loop may take a turn
+            header.add(_json_values(flat[start:start + STEP_VALUES], datatype))
+        header.add(b"]}")
+    header.add(b"]")
     if request_id is not None:
-        doc["id"] = request_id
-    header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+        header.add(b',"id":')
+        header.add(orjson.dumps(request_id))
+    header.add(b"}")
+    parts = header.done()
     if not blobs:
-        return header, None
-    return b"".join((header, *blobs)), len(header)  # the one copy of the tensors' bytes
+        return EncodedBody(parts, None)
+    return EncodedBody(parts + blobs, sum(len(part) for part in parts))
+
+
+class _Parts:
+    """Pieces of text gathered into parts of about `PART_BYTES` (one write each, not one per piece)."""
+
+    __slots__ = ("_parts", "_pieces", "_size")
+
+    def __init__(self) -> None:
+        self._parts: list[BodyPart] = []
+        self._pieces: list[bytes] = []
+        self._size = 0
+
+    def add(self, piece: bytes) -> None:
+        self._pieces.append(piece)
+        self._size += len(piece)
+        if self._size >= PART_BYTES:
+            self._parts.append(b"".join(self._pieces))
+            self._pieces, self._size = [], 0
+
+    def done(self) -> list[BodyPart]:
+        if self._pieces or not self._parts:
+            self._parts.append(b"".join(self._pieces))
+        return self._parts
+
+
+def _json_values(values: np.ndarray, datatype: str) -> bytes:
+    """`values` (flat) as the text between a JSON list's brackets."""
+    if datatype == "BYTES":
+        return orjson.dumps([bytes(v).decode("utf-8", "replace") for v in values])[1:-1]
+    if datatype == "FP16":
+        values = values.astype(np.float32)
+    return orjson.dumps(np.ascontiguousarray(values), option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]
 
 
 def _binary_view(array: np.ndarray, datatype: str) -> bytes | memoryview:

@@ -3,6 +3,7 @@ from numpy: raw contents or typed contents in, raw contents out (as Triton answe
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 
-from servewell.api.codecs.tensors import DecodedTensor, tensor_from_raw, tensor_from_values, tensor_to_raw
+from servewell.api.codecs.tensors import DecodedTensor, run_steps, tensor_from_raw, tensor_from_values, tensor_to_raw
 from servewell.api.model_document import ModelDocument, timeout_us_of
 from servewell.errors import InvalidInput, quote
 
@@ -72,8 +73,17 @@ def decode_request(request: pb.ModelInferRequest) -> GrpcInferRequest:
 
 def encode_response(model: str, version: str, request_id: str, outputs: dict[str, np.ndarray]) -> pb.ModelInferResponse:
     """A `ModelInferResponse` with every output as raw contents."""
+    return run_steps(response_steps(model, version, request_id, outputs))
+
+
+def response_steps(model: str, version: str, request_id: str,
+                   outputs: dict[str, np.ndarray]) -> Generator[None, None, pb.ModelInferResponse]:
+    """`encode_response` as steps, one output each (the generator yields between them and returns the
+    message), so the event loop takes a turn between the copies of a large answer's outputs."""
     response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id)
-    for name, array in outputs.items():
+    for index, (name, array) in enumerate(outputs.items()):
+        if index:
+            yield
         datatype, blob = tensor_to_raw(name, array)
         response.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
         response.raw_output_contents.append(blob)

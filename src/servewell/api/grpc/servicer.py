@@ -23,7 +23,7 @@ from tritonclient.grpc import service_pb2 as pb
 import servewell
 from servewell.api.access import came_through_proxy, check_admin, grpc_peer_host
 from servewell.api.dataplane import DataPlane, select_outputs
-from servewell.api.grpc.codec import config_message, decode_request, encode_response, metadata_message, metadata_value
+from servewell.api.grpc.codec import config_message, decode_request, metadata_message, metadata_value, response_steps
 from servewell.api.grpc.incoming import IncomingMessage
 from servewell.api.grpc.scope import RpcContext, RpcScope
 from servewell.api.model_document import TRITON_STATES, model_document
@@ -112,10 +112,10 @@ class InferenceServicer:
             # The caller's gRPC deadline bounds the request's own, as an absolute time on the deadline clock.
             not_after = asyncio.get_running_loop().time() + remaining_s if remaining_s is not None else None
             result = await call.infer(inputs, priority=decoded.priority, timeout_ms=timeout_ms, not_after=not_after)
-            with call.postprocessing():
-                outputs = select_outputs(model.name, result.outputs, decoded.requested_outputs)
-                version = result.version or model.config.version  # a traffic split may have drawn another
-                response = encode_response(model.name, version, request.id, outputs)
+            outputs = select_outputs(model.name, result.outputs, decoded.requested_outputs)
+            version = result.version or model.config.version  # a traffic split may have drawn another
+            # A large answer is encoded in steps, the event loop taking turns between them.
+            response = await call.encode(outputs, response_steps(model.name, version, request.id, outputs))
             context.set_trailing_metadata((("x-request-id", request_id_var.get()),
                                            ("server-timing", call.finish(result)), ("x-model-version", version)))
             return response
