@@ -49,7 +49,9 @@ from servewell.process_tree import read_restart_counts, usable_cpus
 from servewell.shutdown import GracefulServer, ShutdownPlan, run_after_drain, uvicorn_graceful_timeout_s
 from servewell.threads import lower_priority_pool
 from servewell.workers.handle import WorkerSettings
+from servewell.workers.load_slots import load_retry_for, load_slots_for
 from servewell.workers.messages import SpareLaunch
+from servewell.workers.output_cap import output_limits_for
 from servewell.workers.shm import NAME_PREFIX, remove_segments, remove_stale_segments
 from servewell.workers.spare import (
     SpareWorkers,
@@ -150,11 +152,14 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     tracing = Tracing(settings_from(settings.otlp_endpoint, settings.otlp_protocol, settings.trace_sample_ratio),
                       decides_roots=True)
     # Pre-spawned workers for fast cold starts (issue 21): started with the app, stopped after the engine.
-    spares = SpareWorkers(effective_spare_workers(settings), SpareLaunch(settings.log_level, settings.log_format))
+    output = output_limits_for(settings)  # what of a worker's stdout/stderr reaches the log (issue 45)
+    spares = SpareWorkers(effective_spare_workers(settings), SpareLaunch(settings.log_level, settings.log_format),
+                          output)
     workers = WorkerSettings(settings.worker_heartbeat_timeout_s, settings.log_level, settings.log_format,
                              tracing.settings, spares=spares, warmup_first_only=effective_warmup_first_only(settings),
                              load_cpu_policy=effective_load_cpu_policy(settings),
-                             max_output_bytes=settings.max_output_bytes)
+                             max_output_bytes=settings.max_output_bytes, load_slots=load_slots_for(settings),
+                             load_retry=load_retry_for(settings), output=output)
     access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
     tenants = Tenants(lambda: access.ring if access.enabled else None, metrics)
     engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes,

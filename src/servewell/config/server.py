@@ -84,7 +84,23 @@ class ServerConfig(BaseModel):
         description="Largest decoded image, in pixels, accepted (413 above; stops decompression bombs).",
     )
     load_timeout_s: float = Field(
-        30.0, gt=0, description="A model whose load and warm-up take longer is killed and marked failed."
+        30.0, gt=0, description="A model whose load and warm-up take longer is killed and marked failed (counted "
+        "from the load's turn: time waiting for a load slot is not counted; see max_loading_workers)."
+    )
+    max_loading_workers: int | None = Field(
+        None, ge=1, le=256, description="Worker starts (spawn, imports, model load, warm-up) running at once across "
+        "every model, in every repository mode (at start, reloads, versions, lazy loads, restarts); the others wait "
+        "in order, shown as instance state 'queued'. Default: one per usable CPU (the affinity mask, at most the "
+        "container's CPU limit).",
+    )
+    load_attempts: int = Field(
+        3, ge=1, le=20, description="Attempts a model instance's load gets when it times out or its worker dies "
+        "while loading (a load the model itself refuses, such as an exception in its setup, is not tried again); "
+        "between attempts the instance shows state 'backoff' and next_attempt_at in /healthz. 1: no retry.",
+    )
+    load_retry_backoff_s: float = Field(
+        2.0, ge=0, le=600, description="Wait before a load's second attempt, doubling for each further one (at "
+        "most 60 s).",
     )
     max_image_side: int = Field(
         16_384, ge=1, description="Longest image side, in pixels, accepted (413 above; checked from the header)."
@@ -255,6 +271,20 @@ class ServerConfig(BaseModel):
         True, description="Load each model version from a private copy of its directory under cache_dir/snapshots, "
         "so that overwriting a served file in place cannot crash its workers; off: workers map the repository's "
         "files (publish new versions only by atomic rename).",
+    )
+    # A worker's stdout and stderr in the server's log (issue 45): workers/output_cap.py.
+    worker_output_rate_bytes_per_s: int = Field(
+        65536, ge=0, le=1 << 30, description="Bytes per second of one worker's stdout and stderr (a python model's "
+        "prints, a library's messages) that reach the server's log after its burst; the rest is dropped and counted "
+        "in a warning (event worker_output_dropped).",
+    )
+    worker_output_burst_bytes: int = Field(
+        1 << 20, ge=4096, le=1 << 30, description="Bytes of one worker's output that may reach the log at once "
+        "before the rate applies (a crash's stack trace, a burst of warnings).",
+    )
+    worker_output_line_max_bytes: int = Field(
+        16384, ge=256, le=1 << 24, description="Longest line of a worker's output that reaches the log whole; a "
+        "longer one is cut there and marked.",
     )
     # Fast cold starts (issue 21): workers/spare.py.
     spare_workers: int | None = Field(

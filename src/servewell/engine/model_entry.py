@@ -293,7 +293,8 @@ class ModelEntry:
         """Per-instance process facts."""
         return tuple(
             InstanceInfo(i, w.pid if w else None, bool(w and w.alive), w.rss_bytes if w else 0,
-                         w.rows_computed if w else 0, w.state if w else "starting", w.exit_reason if w else "")
+                         w.rows_computed if w else 0, w.state if w else "starting", w.exit_reason if w else "",
+                         w.load_attempt if w else 1, w.next_attempt_at if w else None)
             for i, w in enumerate(self.pool.workers)
         )
 

@@ -74,8 +74,11 @@ class InstanceInfo:
     alive: bool
     rss_bytes: int
     rows_computed: int
-    state: str = "ready"  # starting, ready, hung (killed, being replaced), exiting (not yet reaped), exited, stopped
+    state: str = "ready"  # starting, queued (for a load slot), backoff (to retry a failed load), ready, hung
+    # (killed, being replaced), exiting (not yet reaped), exited, stopped
     exit_reason: str = ""  # how the last process of this instance ended (exit code, signal, hung)
+    load_attempt: int = 1  # which attempt at loading it the current worker is (workers/pool.py retries)
+    next_attempt_at: float | None = None  # in state backoff: when the next attempt starts (Unix seconds)
 
 
 @dataclass(slots=True, frozen=True)

@@ -29,9 +29,11 @@ from servewell.config.model import ModelConfig
 from servewell.engine.batch_runner import BatchOutcome
 from servewell.errors import ModelError, ServeError, WorkerHung, WorkerLost
 from servewell.observability.tracing import TracingSettings
+from servewell.workers.child_main import run_child
 from servewell.workers.cold_start import ColdStartBreakdown, breakdown_of
 from servewell.workers.entry import run_worker
 from servewell.workers.lifecycle import WorkerLifecycle, WorkerPhase, WorkerState, describe_exit
+from servewell.workers.load_slots import LoadRetryPolicy, LoadSlots
 from servewell.workers.messages import (
     AdoptSpare,
     BatchDone,
@@ -50,7 +52,8 @@ from servewell.workers.messages import (
     receive_message,
     send_message,
 )
-from servewell.workers.process_start import find_jemalloc, spawn, watch_exit
+from servewell.workers.output_cap import OutputLimits
+from servewell.workers.process_start import end_group, find_jemalloc, output_pipe, spawn, watch_exit
 from servewell.workers.shm import (
     HeartbeatCell,
     SegmentReader,
@@ -60,12 +63,13 @@ from servewell.workers.shm import (
     shm_directory,
 )
 from servewell.workers.spare import SpareWorkers, why_fresh
+from servewell.workers.worker_output import WorkerOutput
 
 log = logging.getLogger("servewell.workers")
 
 ProgressCallback = Callable[[str, float], None]
-__all__ = ["WorkerHandle", "WorkerLoadError", "WorkerLoadStarved", "WorkerSettings", "WorkerState", "describe_exit",
-           "find_jemalloc"]
+__all__ = ["WorkerHandle", "WorkerLoadCrashed", "WorkerLoadError", "WorkerLoadStarved", "WorkerLoadTimedOut",
+           "WorkerSettings", "WorkerState", "describe_exit", "find_jemalloc"]
 
 #: How often a worker's heartbeat thread increments its counter.
 HEARTBEAT_INTERVAL_S = 0.1
@@ -88,12 +92,34 @@ class WorkerSettings:
     warmup_first_only: bool = False
     #: "idle": loads run at SCHED_IDLE where they may (`process_main.load_policy`); "normal".
     load_cpu_policy: str = "normal"
+    #: The turns every worker start of the engine takes (None: no bound).
+    load_slots: LoadSlots | None = None
+    #: When a load that timed out or crashed is tried again (`WorkerPool`).
+    load_retry: LoadRetryPolicy = LoadRetryPolicy()
+    #: How much of a worker's stdout and stderr reaches the log.
+    output: OutputLimits = OutputLimits()
     #: The largest answer to one request, in bytes, of a model whose config sets none (0: no bound).
     max_output_bytes: int = 0
 
 
 class WorkerLoadError(Exception):
     """The worker could not load its model (the message says why)."""
+
+    #: Whether the same load may succeed later (it ran out of time, its process died), rather than
+    #: failing the same way (the model refused it).
+    retryable = False
+
+
+class WorkerLoadTimedOut(WorkerLoadError):
+    """The load did not finish within the load timeout (counted from its turn); the worker was killed."""
+
+    retryable = True
+
+
+class WorkerLoadCrashed(WorkerLoadError):
+    """The worker process died while it loaded (a crash, an out-of-memory kill)."""
+
+    retryable = True
 
 
 class WorkerLoadStarved(WorkerLoadError):
@@ -144,6 +170,11 @@ class WorkerHandle:
         self._on_batch_done = on_batch_done
         #: Where the last `start` went (None until a start succeeds).
         self.cold_start: ColdStartBreakdown | None = None
+        #: Which attempt at loading this instance this worker is (1: the first; `WorkerPool` retries).
+        self.load_attempt = 1
+        #: While it waits to retry a failed load (state "backoff"): when it will start (Unix seconds).
+        self.next_attempt_at: float | None = None
+        self._output: WorkerOutput | None = None
 
     @property
     def alive(self) -> bool:
@@ -152,7 +183,8 @@ class WorkerHandle:
 
     @property
     def state(self) -> WorkerState:
-        """starting, ready, hung, exiting, exited or stopped."""
+        """starting, queued (for a load slot), backoff (to retry a failed load), ready, hung,
+        exiting, exited or stopped."""
         return self._life.phase.state
 
     @property
@@ -170,10 +202,25 @@ class WorkerHandle:
         """Process id of the worker, once started."""
         return self._process.pid if self._process else None
 
-    async def start(self, timeout_s: float) -> WorkerReady:
+    def backing_off(self, attempt: int, next_attempt_at: float) -> None:
+        """This worker is load attempt `attempt` of its instance, waiting to start at
+        `next_attempt_at` (Unix seconds) after the previous one failed."""
+        self.load_attempt, self.next_attempt_at = attempt, next_attempt_at
+        self._life.backing_off()
+
+    def queued(self) -> None:
+        """It waits for a load slot."""
+        self.next_attempt_at = None
+        self._life.queued()
+
+    async def start(self, timeout_s: float, began_at: float | None = None) -> WorkerReady:
         """Start the worker (a spare of `settings.spares` when one fits, else a fresh spawn) and
-        wait until its model is loaded and warmed up."""
+        wait until its model is loaded and warmed up, at most until `began_at + timeout_s`
+        (`time.monotonic()`; default: now). `WorkerLoadTimedOut` past it, `WorkerLoadCrashed` when
+        the process dies, `WorkerLoadError` when the model cannot load."""
         requested_at = time.monotonic()
+        deadline = (requested_at if began_at is None else began_at) + timeout_s
+        self.next_attempt_at = None
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
         try:
@@ -194,7 +241,7 @@ class WorkerHandle:
         spare = settings.spares.take(self.config) if settings.spares is not None else None
         fresh_reason = ""
         if spare is not None:
-            self._process, parent = spare.process, spare.conn
+            self._process, parent, self._output = spare.process, spare.conn, spare.output
             try:
                 send_message(parent, AdoptSpare(self.config, launch, name))
             except (OSError, ValueError):
@@ -203,23 +250,33 @@ class WorkerHandle:
             fresh_reason = why_fresh(settings.spares, self.config)
             ctx = multiprocessing.get_context("spawn")
             parent, child = ctx.Pipe(duplex=True)
-            process = ctx.Process(target=run_worker, args=(child, self.config, launch), name=name, daemon=True)
+            read_fd, output = output_pipe()
+            process = ctx.Process(target=run_child, args=(output, run_worker, child, self.config, launch), name=name,
+                                  daemon=True)
             self._process = process
-            spawn(process, self.config.name, self.config.allocator == "jemalloc")
-            child.close()
+            try:
+                spawn(process, self.config.name, self.config.allocator == "jemalloc")
+            finally:
+                child.close()
+                output.close()
+            self._output = WorkerOutput(read_fd, settings.output, "")
+            self._output.start(self._loop)
+        if self._output is not None:
+            self._output.relabel(f"model {self.config.name} instance {self.instance} (worker {self.pid})",
+                                 model=self.config.name, instance=self.instance, pid=self.pid)
         self._conn = parent
         self._life.spawned()
         self._loop.add_reader(parent.fileno(), self._on_readable)
         try:
-            info = await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
+            info = await asyncio.wait_for(asyncio.shield(self._ready), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             self.kill()
-            raise WorkerLoadError(f"load did not finish within {timeout_s:g} s; the worker was killed") from None
+            raise WorkerLoadTimedOut(f"load did not finish within {timeout_s:g} s; the worker was killed") from None
         finally:
             if spare is not None and settings.spares is not None:
                 settings.spares.refill()  # now that the load no longer needs the cores
         if self._life.phase is not WorkerPhase.LOADING:  # it died (or was stopped) just after saying ready
-            raise WorkerLoadError(f"worker process {self.pid} {self.exit_reason or 'stopped'} right after loading")
+            raise WorkerLoadCrashed(f"worker process {self.pid} {self.exit_reason or 'stopped'} right after loading")
         self.rss_bytes = info.rss_bytes
         self.ready_at = self._beat_at = time.monotonic()
         self._life.loaded()
@@ -403,7 +460,7 @@ class WorkerHandle:
         """Answer everything the lost worker held, free its segments, tell the pool."""
         reason = f"worker process {self.pid} {self.exit_reason}"
         if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(WorkerLoadError(f"{reason} while loading"))
+            self._ready.set_exception(WorkerLoadCrashed(f"{reason} while loading"))
         if self._profile_reply is not None and not self._profile_reply.done():
             self._profile_reply.set_exception(WorkerLost(reason))
         error = self._gone_error(f"{reason}; the request was not completed and is safe to retry")
@@ -412,6 +469,8 @@ class WorkerHandle:
                 future.set_exception(error)
         self._pending.clear()
         self._release_segments()
+        end_group(self.pid)  # what its model forked dies with it
+        self._close_output()
         # Only a worker that was serving is restarted by its pool: one that dies while loading
         # fails its start instead (the pool's restart loop owns that).
         if was_ready and self._on_lost is not None:
@@ -435,10 +494,17 @@ class WorkerHandle:
             self._heartbeat = None
         remove_segments(self.segment_prefix)
 
+    def _close_output(self) -> None:
+        if self._output is not None:
+            self._output.close()  # what it wrote last (a crash's stack) is forwarded first
+            self._output = None
+
     def kill(self) -> None:
-        """End the worker at once (hung load or batch, shutdown timeout)."""
+        """End the worker and everything its model forked at once (hung load or batch, shutdown
+        timeout)."""
         if self._process is not None and self._process.is_alive():
             self._process.kill()
+            end_group(self._process.pid)
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Ask the worker to exit after its current batch; kill it if it does not within `timeout_s`
@@ -452,10 +518,10 @@ class WorkerHandle:
         if self._process is not None and self._process.pid is not None:
             loop = asyncio.get_running_loop()
             if timeout_s > 0:
-                await loop.run_in_executor(None, self._process.join, timeout_s)
+                await loop.run_in_executor(None, _join_then_end_group, self._process, timeout_s)
             if self._process.is_alive():
-                self._process.kill()
-                await loop.run_in_executor(None, self._process.join, 5.0)
+                self.kill()
+                await loop.run_in_executor(None, _join_then_end_group, self._process, 5.0)
         if self._life.phase is WorkerPhase.EXITING:  # its pipe had closed: now it is reaped
             self._life.exited(describe_exit(self._process.exitcode if self._process else None))
         elif not self._life.ended:
@@ -467,3 +533,13 @@ class WorkerHandle:
                 future.set_exception(error)
         self._pending.clear()
         self._release_segments()
+        self._close_output()
+
+
+def _join_then_end_group(process: multiprocessing.process.BaseProcess, timeout_s: float) -> None:
+    """Wait up to `timeout_s` for `process` to exit; once it has, end what is left of its group at
+    once (in the same thread: its pid, which names the group, was just reaped and is not reused
+    for a long while)."""
+    process.join(timeout_s)
+    if process.exitcode is not None:
+        end_group(process.pid)

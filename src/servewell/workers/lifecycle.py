@@ -14,13 +14,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 #: What `/healthz` and the console show of a worker.
-WorkerState = Literal["starting", "ready", "hung", "exiting", "exited", "stopped"]
+WorkerState = Literal["starting", "queued", "backoff", "ready", "hung", "exiting", "exited", "stopped"]
 
 
 class WorkerPhase(enum.Enum):
     """Where a worker process is in its life."""
 
     NEW = "new"  # the handle exists, no process yet
+    BACKOFF = "backoff"  # the instance's previous load attempt failed; this one waits before it starts
+    QUEUED = "queued"  # waits for a load slot (`load_slots.LoadSlots`): other workers are loading
     LOADING = "loading"  # spawned; loading and warming up its model
     LOAD_FAILED = "load_failed"  # it said it cannot load; its pipe closes next
     READY = "ready"  # takes batches
@@ -42,6 +44,8 @@ class WorkerPhase(enum.Enum):
 
 _STATE_OF: Mapping[WorkerPhase, WorkerState] = {
     WorkerPhase.NEW: "starting",
+    WorkerPhase.BACKOFF: "backoff",
+    WorkerPhase.QUEUED: "queued",
     WorkerPhase.LOADING: "starting",
     WorkerPhase.LOAD_FAILED: "starting",
     WorkerPhase.READY: "ready",
@@ -55,7 +59,9 @@ _P = WorkerPhase
 #: Every allowed transition. HUNG, EXITED and STOPPED are final: a worker is never revived, its pool
 #: starts a new handle.
 TRANSITIONS: Mapping[WorkerPhase, frozenset[WorkerPhase]] = {
-    _P.NEW: frozenset({_P.LOADING, _P.STOPPED}),
+    _P.NEW: frozenset({_P.BACKOFF, _P.QUEUED, _P.LOADING, _P.STOPPED}),
+    _P.BACKOFF: frozenset({_P.QUEUED, _P.LOADING, _P.STOPPED}),
+    _P.QUEUED: frozenset({_P.LOADING, _P.STOPPED}),
     _P.LOADING: frozenset({_P.READY, _P.LOAD_FAILED, _P.HUNG, _P.EXITING, _P.EXITED, _P.STOPPED}),
     _P.LOAD_FAILED: frozenset({_P.EXITING, _P.EXITED, _P.STOPPED}),
     _P.READY: frozenset({_P.HUNG, _P.EXITING, _P.EXITED, _P.STOPPED}),
@@ -102,6 +108,14 @@ class WorkerLifecycle:
     def ended(self) -> bool:
         """Whether its loss was already handled (or is being: `EXITING`)."""
         return self.phase in (WorkerPhase.EXITING, WorkerPhase.HUNG, WorkerPhase.EXITED, WorkerPhase.STOPPED)
+
+    def backing_off(self) -> None:
+        """The instance's last load attempt failed; this one waits for its retry time."""
+        self._move(WorkerPhase.BACKOFF)
+
+    def queued(self) -> None:
+        """It waits for a load slot (no process yet)."""
+        self._move(WorkerPhase.QUEUED)
 
     def spawned(self) -> None:
         """The process was started."""

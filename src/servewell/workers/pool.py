@@ -15,9 +15,10 @@ which workers may take batches, what warm-up measured, and the pool's state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -112,6 +113,7 @@ class WorkerPool:
         self._watchers: set[asyncio.Task[None]] = set()  # heartbeat and memory checks, until `stop`
         self._backoff_step = 0
         self._closing = False
+        self._closed = asyncio.Event()  # set with `_closing`: queued and backing-off starts give up
         self._stopped = False
         self.restarts = 0
         self.recycles = 0
@@ -130,11 +132,14 @@ class WorkerPool:
         return self._closing
 
     async def start(self, model_dir: Path | None = None) -> None:
-        """Start every instance from `model_dir` (default: the one given at construction); raises
-        `WorkerLoadError` (after stopping the others) if any fails."""
+        """Start every instance from `model_dir` (default: the one given at construction), each load
+        in its turn (`WorkerSettings.load_slots`) and tried again after a timeout or a crash
+        (`WorkerSettings.load_retry`); raises `WorkerLoadError` (after stopping the others) if any
+        instance fails for good."""
         if model_dir is not None:
             self.model_dir = model_dir
-        results = await asyncio.gather(*(self._start(i) for i in range(len(self._workers))), return_exceptions=True)
+        results = await asyncio.gather(*(self._start_attempts(i) for i in range(len(self._workers))),
+                                       return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             await self.stop()
@@ -142,30 +147,85 @@ class WorkerPool:
         self._spawn_task(self._watch_memory(), self._watchers)
         self._spawn_task(self._watch_heartbeats(), self._watchers)
 
-    async def _start(self, index: int) -> None:
+    async def _start_attempts(self, index: int) -> None:
+        """Start instance `index`; a load that timed out or whose process died is tried again after
+        a backoff, while attempts are left (the instance shows state "backoff" and when it starts)."""
+        policy = self._settings.load_retry
+        attempt, waiting = 1, None
+        while True:
+            try:
+                await self._start(index, attempt, waiting)
+                return
+            except WorkerLoadError as exc:
+                delay_s = policy.delay_before(attempt + 1) if exc.retryable and not self._closing else None
+                if delay_s is None:
+                    if attempt > 1:
+                        raise type(exc)(f"{exc} (load attempt {attempt} of {policy.attempts})") from None
+                    raise
+                self.last_failure = str(exc)
+            attempt += 1
+            log.warning("model %s %s; load attempt %d of %d in %.1f s", self.config.name, self.last_failure,
+                        attempt, policy.attempts, delay_s,
+                        extra={"event": "load_retry_scheduled", "model": self.config.name, "instance": index,
+                               "attempt": attempt, "attempts": policy.attempts, "delay_s": delay_s})
+            waiting = self._new_worker(index, self._settings)
+            waiting.backing_off(attempt, time.time() + delay_s)
+            self._workers[index] = waiting
+            if not await self._sleep_unless_closing(delay_s):
+                await waiting.stop(0)
+                raise WorkerLoadError(f"instance {index}: the model is stopping")
+
+    def _new_worker(self, index: int, settings: WorkerSettings) -> WorkerHandle:
         progress = None
         if self._on_progress is not None:
             report = self._on_progress
             progress = lambda stage, elapsed: report(index, stage, elapsed)  # noqa: E731
-        settings, began = self._settings, time.monotonic()
-        while True:
-            worker = WorkerHandle(self.config, self.model_dir, progress, settings, index,
-                                  on_lost=self._on_lost, on_batch_done=self._after_batch, device=self.devices[index])
-            self._workers[index] = worker
-            try:
-                info = await worker.start(max(1.0, self._load_timeout_s - (time.monotonic() - began)))
-            except WorkerLoadStarved as exc:
-                if settings.load_cpu_policy == "normal":  # cannot happen: only an idle load starves
-                    raise WorkerLoadError(f"instance {index}: {exc}") from None
-                # That worker has exited; its memory is free. The same load at normal priority takes
-                # its share of a busy machine instead of what the served models leave (none).
-                log.warning("model %s instance %d: %s; loading it again at normal priority", self.config.name,
-                            index, exc, extra={"event": "load_starved", "model": self.config.name, "instance": index})
-                settings = replace(settings, load_cpu_policy="normal")
-                continue
-            except WorkerLoadError as exc:
-                raise WorkerLoadError(f"instance {index}: {exc}") from None
-            break
+        return WorkerHandle(self.config, self.model_dir, progress, settings, index, on_lost=self._on_lost,
+                            on_batch_done=self._after_batch, device=self.devices[index])
+
+    async def _start(self, index: int, attempt: int = 1, worker: WorkerHandle | None = None) -> None:
+        """One load of instance `index` (`worker`: the handle waiting for it, if any), in its turn."""
+        settings = self._settings
+        worker = worker or self._new_worker(index, settings)
+        self._workers[index] = worker
+        slots = settings.load_slots
+        if slots is None:
+            began = time.monotonic()
+        else:
+            worker.queued()
+            turn = await self._unless_closing(slots.acquire())
+            if turn is None or self._closing:
+                if turn is not None:
+                    slots.release()
+                await worker.stop(0)
+                raise WorkerLoadError(f"instance {index}: the model is stopping")
+            began = turn
+        try:
+            while True:
+                try:
+                    # The load timeout counts from this load's turn, not from when it was asked for.
+                    info = await worker.start(self._load_timeout_s, began)
+                except WorkerLoadStarved as exc:
+                    if settings.load_cpu_policy == "normal":  # cannot happen: only an idle load starves
+                        raise WorkerLoadError(f"instance {index}: {exc}") from None
+                    # That worker has exited; its memory is free. The same load at normal priority takes
+                    # its share of a busy machine instead of what the served models leave (none).
+                    log.warning("model %s instance %d: %s; loading it again at normal priority", self.config.name,
+                                index, exc,
+                                extra={"event": "load_starved", "model": self.config.name, "instance": index})
+                    settings = replace(settings, load_cpu_policy="normal")
+                    worker = self._new_worker(index, settings)
+                    worker.load_attempt = attempt
+                    self._workers[index] = worker
+                    # Still in its turn, with the time it has left (at least a second).
+                    began = max(began, time.monotonic() + 1.0 - self._load_timeout_s)
+                    continue
+                except WorkerLoadError as exc:
+                    raise type(exc)(f"instance {index}: {exc}") from None
+                break
+        finally:
+            if slots is not None:
+                slots.release()
         if self._closing:  # the server began stopping while this worker loaded
             await worker.stop()
             raise WorkerLoadError(f"instance {index}: the model is stopping")
@@ -174,6 +234,28 @@ class WorkerPool:
             log_breakdown(worker.cold_start)
         self._report_warmup(info)
         self._listener.worker_ready(worker)
+
+    async def _unless_closing(self, awaitable: Awaitable[float]) -> float | None:
+        """What `awaitable` returns, or None (it is cancelled) once the pool is closing first."""
+        task = asyncio.ensure_future(awaitable)
+        closing = asyncio.ensure_future(self._closed.wait())
+        try:
+            await asyncio.wait((task, closing), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        return None if task.cancelled() else task.result()
+
+    async def _sleep_unless_closing(self, delay_s: float) -> bool:
+        """Sleep `delay_s`; False as soon as the pool is closing."""
+        try:
+            await asyncio.wait_for(self._closed.wait(), delay_s)
+        except TimeoutError:
+            return True
+        return False
 
     def _report_warmup(self, info: WorkerReady) -> None:
         if info.effective_max_batch_size:
@@ -315,6 +397,7 @@ class WorkerPool:
         """Restart and replace nothing from now on (the server or this model is stopping); the
         workers keep serving what they were given until `stop`."""
         self._closing = True
+        self._closed.set()
         for task in list(self._tasks):
             if task is not asyncio.current_task():
                 task.cancel()

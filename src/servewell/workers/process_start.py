@@ -1,9 +1,12 @@
-"""Starting a worker process and learning that it exited, without blocking the event loop.
+"""Starting a worker process, learning that it exited without blocking the event loop, ending what it left.
 
-`spawn` starts it with SIGINT and SIGTERM blocked (so a signal meant for the frontend's shutdown
-plan cannot reach it before it ignores them), without multiprocessing's re-import of the main
-module, and, when asked, with jemalloc preloaded into the child only. `watch_exit` tells when a
+`output_pipe` makes the pipe its stdout and stderr go to (read by `worker_output.WorkerOutput`;
+the child puts it in place: `child_main.run_child`). `spawn` starts it with SIGINT and SIGTERM
+blocked (so a signal meant for the frontend's shutdown plan cannot reach it before it ignores
+them), without multiprocessing's re-import of the main module, and, when asked, with jemalloc
+preloaded into the child only. `watch_exit` tells when a
 process has exited through a pidfd the loop watches, so the loop never waits in `process.join`.
+`end_group` kills what is left of the process group a worker leads (whatever its model forked).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 from servewell.workers.entry import WORKER_IGNORED_SIGNALS
 
@@ -41,6 +45,26 @@ def find_jemalloc() -> str | None:
             return path
     found = ctypes.util.find_library("jemalloc")
     return found if found and os.path.isabs(found) else None
+
+
+def output_pipe() -> tuple[int, Connection]:
+    """A pipe for a worker's stdout and stderr: the engine's read end (a descriptor), and the write
+    end as a `Connection`, which multiprocessing hands to the child when it is among the process's
+    arguments (spawn and the fork server alike); close it here once the process has started."""
+    read_fd, write_fd = os.pipe()
+    return read_fd, Connection(write_fd, readable=False)
+
+
+def end_group(pid: int | None) -> None:
+    """SIGKILL every process left in the process group that worker `pid` made its own
+    (`child_main.run_child`): what its model forked. Called as the worker is killed, or once it has
+    exited (its pid, which names the group, cannot be reused while a process of the group lives);
+    nothing when the group is gone or was never made."""
+    if pid:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def spawn(process: multiprocessing.process.BaseProcess, model: str, jemalloc: bool) -> None:

@@ -46,9 +46,12 @@ from typing import Any
 from servewell.config.model import ModelConfig
 from servewell.config.server import ServerConfig
 from servewell.workers.backends import BACKEND_MODULES, ORT_TELEMETRY_SWITCH, SPARE_RUNTIME
+from servewell.workers.child_main import run_child
 from servewell.workers.entry import run_spare
 from servewell.workers.messages import SpareLaunch, SpareReady, receive_message
-from servewell.workers.process_start import spawn
+from servewell.workers.output_cap import OutputLimits
+from servewell.workers.process_start import output_pipe, spawn
+from servewell.workers.worker_output import WorkerOutput
 
 log = logging.getLogger("servewell.workers")
 
@@ -60,7 +63,8 @@ STOP_GRACE_S = 2.0
 
 
 #: What the fork server imports once, so that no spare it forks imports it again.
-FORK_SERVER_PRELOAD = ("servewell.workers.entry", "servewell.workers.spare_main", "servewell.workers.process_main")
+FORK_SERVER_PRELOAD = ("servewell.workers.entry", "servewell.workers.child_main", "servewell.workers.spare_main",
+                       "servewell.workers.process_main")
 
 
 def fork_server_preload() -> list[str]:
@@ -95,6 +99,8 @@ class SpareProcess:
 
     process: multiprocessing.process.BaseProcess
     conn: Connection
+    #: Its stdout and stderr (the model's, once adopted: the adopter takes this over).
+    output: WorkerOutput | None = None
     ready: SpareReady | None = None  # set once it has imported the runtime
     watched: bool = field(default=False, repr=False)
 
@@ -147,9 +153,10 @@ def why_fresh(spares: SpareWorkers | None, config: ModelConfig) -> str:
 class SpareWorkers:
     """Up to `count` idle worker processes with the runtime imported, for one engine."""
 
-    def __init__(self, count: int, launch: SpareLaunch | None = None) -> None:
+    def __init__(self, count: int, launch: SpareLaunch | None = None, output: OutputLimits | None = None) -> None:
         self.count = max(0, count)
         self._launch = launch or SpareLaunch()
+        self._output_limits = output or OutputLimits()
         self._idle: list[SpareProcess] = []
         self._spawning = 0
         self._failed_in_a_row = 0
@@ -226,6 +233,9 @@ class SpareWorkers:
         if self._stopped:
             await self._end(spare, 0.0)
             return
+        if spare.output is not None:
+            spare.output.relabel(f"spare worker {spare.pid}", pid=spare.pid)
+            spare.output.start(loop)
         self._idle.append(spare)
         loop.add_reader(spare.conn.fileno(), self._on_readable, spare)
         spare.watched = True
@@ -233,11 +243,18 @@ class SpareWorkers:
     def _spawn_blocking(self) -> SpareProcess:
         ctx = _fork_server()
         parent, child = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=run_spare, args=(child, self._launch), name="servewell-worker-spare",
-                              daemon=True)
-        spawn(process, "spare", jemalloc=False)
-        child.close()
-        return SpareProcess(process, parent)
+        read_fd, output = output_pipe()
+        process = ctx.Process(target=run_child, args=(output, run_spare, child, self._launch),
+                              name="servewell-worker-spare", daemon=True)
+        try:
+            spawn(process, "spare", jemalloc=False)
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            child.close()
+            output.close()
+        return SpareProcess(process, parent, WorkerOutput(read_fd, self._output_limits, "spare worker"))
 
     def _on_readable(self, spare: SpareProcess) -> None:
         try:
@@ -286,6 +303,9 @@ class SpareWorkers:
         if spare.process.is_alive():
             spare.process.kill()
         await loop.run_in_executor(None, spare.process.join, 5.0)
+        if spare.output is not None:
+            spare.output.close()
+            spare.output = None
 
     async def stop(self) -> None:
         """End every idle spare and start no more (the engine is stopping); returns once they exited.

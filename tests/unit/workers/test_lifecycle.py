@@ -68,3 +68,19 @@ def test_transitions_outside_the_table_are_refused(moves):
     with pytest.raises(InvalidTransition):
         getattr(life, refused)(*(["why"] if refused in ("hung", "exited") else []))
     assert (life.phase, life.exit_reason) == before
+
+
+def test_a_worker_waits_for_its_turn_and_a_retry_waits_for_its_time_before_it_starts():
+    retry = WorkerLifecycle()
+    retry.backing_off()
+    assert (retry.phase.state, retry.alive, retry.ended) == ("backoff", False, False)
+    retry.queued()
+    assert (retry.phase.state, retry.alive) == ("queued", False)
+    retry.spawned()
+    assert retry.alive and retry.phase.state == "starting"
+    waiting = WorkerLifecycle()
+    waiting.queued()
+    waiting.stopped()  # the model stopped while it waited: it never started
+    assert waiting.ended and waiting.phase.state == "stopped"
+    with pytest.raises(InvalidTransition):
+        WorkerLifecycle(phase=P.QUEUED).backing_off()  # a queued start does not go back to waiting out a backoff
