@@ -7,7 +7,8 @@ top-1 disagrees with the stable version's).
 
 - `split`: version 1 (stable) and versions/2 (the same scorer), 50/50, sticky by route key;
 - `canary`: version 1 and versions/2 failing 40 % of its batches, at weight 20; rules over a 5 s window;
-- `shadowed`: version 1 serves, versions/2 (flipped) shadows 100 % with an agreement rule.
+- `shadowed`: version 1 serves, versions/2 (flipped) shadows 100 % with an agreement rule;
+- `linked`: version 1 and versions/2, a symlink to a directory outside the repository, 50/50.
 """
 
 from __future__ import annotations
@@ -82,11 +83,22 @@ def server(tmp_path_factory: pytest.TempPathFactory, start_module_server: Server
     model_with_versions(root, "shadowed", {"flip": True}, rollout={
         "shadow": {"version": "2", "percent": 100},
         "rollback": {"window_s": 5, "min_requests": 5, "min_shadow_agreement": 0.5}})
+    linked_version(root, tmp_path_factory.mktemp("elsewhere"))
     srv = start_module_server(["--model-repository", str(root), "--config-poll-s", "0.5"])
     srv.wait_ready()
-    for name in ("split", "canary", "shadowed"):
+    for name in ("split", "canary", "shadowed", "linked"):
         versions_ready(srv, name)
     return srv
+
+
+def linked_version(root: Path, elsewhere: Path) -> Path:
+    """Model `linked`: version 1, and versions/2 a symlink to a directory under `elsewhere`; where
+    that directory is."""
+    scorer(root / "linked", "1", traffic={"1": 50, "2": 50}, rollout={"sticky": "none"})
+    scorer(elsewhere / "v2", "2")
+    (root / "linked" / "versions").mkdir()
+    (root / "linked" / "versions" / "2").symlink_to(elsewhere / "v2")
+    return (elsewhere / "v2").resolve()
 
 
 def versions_ready(server: ServerProcess, name: str) -> None:
@@ -265,3 +277,30 @@ def test_grpc_gets_the_split_the_route_key_and_the_version_that_answered(server:
         for user in ("alice", "bob", "carol"):
             assert len({infer({"x-route-key": user}) for _ in range(6)}) == 1
         assert {infer(version="2") for _ in range(5)} == {"2"}
+
+
+def test_a_version_directory_outside_the_repository_serves_with_a_warning(server: ServerProcess) -> None:
+    """Issue 45 H9: it was served without the warning a model directory gets."""
+    version = rollout(server, "linked")["versions"]["2"]
+    assert version["state"] == "ready" and version["outside_repository"] is not None
+    assert version["outside_repository"].endswith("/v2")
+    assert "model linked: version 2: its directory" in server.log() and "outside the repository" in server.log()
+    assert rollout(server, "split")["versions"]["2"]["outside_repository"] is None
+
+
+def test_a_version_directory_outside_the_repository_is_refused_by_the_setting(
+        tmp_path: Path, start_server: ServerFactory) -> None:
+    real = linked_version(tmp_path / "repo", tmp_path / "elsewhere")
+    srv = start_server(["--model-repository", str(tmp_path / "repo"), "--models-outside-repository", "refuse"])
+    srv.wait_ready()
+
+    def refused() -> dict[str, Any] | None:
+        version = rollout(srv, "linked")["versions"].get("2")
+        return version if version is not None and version["state"] == "failed" else None
+
+    version = eventually(refused, 60, lambda: f"version 2 was not refused: {rollout(srv, 'linked')}")
+    assert "outside the model repository" in version["reason"] and str(real) in version["reason"], version
+    assert version["outside_repository"] == str(real)
+    answered = {httpx.post(f"{srv.url}/v2/models/linked/infer", json=body(), timeout=10).json()["model_version"]
+                for _ in range(10)}
+    assert answered == {"1"}

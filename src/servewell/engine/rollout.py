@@ -91,6 +91,8 @@ class Rollout:
         self.name = name
         self.candidates: dict[str, ModelEntry] = {}  # loaded versions other than the stable one
         self.failed: dict[str, str] = {}  # version -> why it is not serving (load failed, wrong inputs)
+        #: version -> where its directory really is, when that is outside the model repository (a symlink out)
+        self.outside: dict[str, str] = {}
         self._metrics = metrics
         self.stable = config.version
         self.settings = RolloutConfig()
@@ -380,9 +382,11 @@ class Rollout:
             "changed_at": self.changed_at,
             "versions": {v: {"state": e.state, "reason": e.reason, "cpu_policy": e.config.cpu_policy,
                              "instances": [{"instance": i.instance, "pid": i.pid, "alive": i.alive,
-                                            "rss_bytes": i.rss_bytes} for i in e.instances()]}
+                                            "rss_bytes": i.rss_bytes} for i in e.instances()],
+                             "outside_repository": self.outside.get(v)}
                          for v, e in sorted(self.candidates.items())}
-            | {v: {"state": "failed", "reason": why} for v, why in sorted(self.failed.items())},
+            | {v: {"state": "failed", "reason": why, "outside_repository": self.outside.get(v)}
+               for v, why in sorted(self.failed.items())},
             "shadow": None if self.shadow_version is None else {
                 "version": self.shadow_version, "percent": self.shadow_percent, **self.shadow_counts,
                 "top1_agreement": (self.agreement["top1_matches"] / rows) if rows else None,

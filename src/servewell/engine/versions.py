@@ -19,7 +19,7 @@ from servewell.config.rollout import VERSIONS_DIRECTORY
 from servewell.engine.entry import StopCause
 from servewell.engine.model_entry import EntryServices, ModelEntry
 from servewell.engine.model_pool import ModelSlot
-from servewell.engine.repository import read_model_config
+from servewell.engine.repository import outside_repository, read_model_config
 from servewell.engine.rollout import SHADOW_NICE, Rollout
 from servewell.observability.metrics import RolloutGauges, ServeMetrics
 
@@ -62,6 +62,16 @@ async def _load_version(rollout: Rollout, stable: ModelEntry, version: str, serv
         rollout.failed[version] = str(exc)
         log.error("model %s: version %s cannot be read: %s", stable.name, version, exc, extra={"model": stable.name})
         return
+    # As for a model directory: a version that resolves outside the repository is served with a warning
+    # (and shown in the rollout's view), or refused by ModelEntry.load with models_outside_repository: refuse.
+    real = None if services.repository is None else await asyncio.to_thread(
+        outside_repository, services.repository, directory)
+    if real is None:
+        rollout.outside.pop(version, None)
+    else:
+        rollout.outside[version] = str(real)
+        log.warning("model %s: version %s: its directory %s resolves to %s, outside the repository %s", stable.name,
+                    version, directory, real, services.repository, extra={"model": stable.name, "version": version})
     if rollout.shadow_only(version, stable.config):
         config = config.model_copy(update={"nice": max(config.nice, SHADOW_NICE), "cpu_policy": "idle"})
     problem = signature_problem(stable.config, config)
