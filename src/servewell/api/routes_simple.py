@@ -178,8 +178,8 @@ async def healthz(state: AppState = Depends(state_dependency)) -> Response:
         doc["status"] = "degraded"
     payload_log = getattr(state.engine, "payload_log", None)  # the engine's (observability/payload_log.py)
     if isinstance(payload_log, PayloadLog):  # a failing sink (a full disk) loses records: degraded, still ready
-        doc["payload_log"] = payload_log.health()
-        if doc["payload_log"]["status"] == "failing" and doc["status"] == "ok":
+        payload = doc["payload_log"] = payload_log.health()
+        if payload["status"] == "failing" and doc["status"] == "ok":
             doc["status"] = "degraded"
     ready = readiness.ready
     return _json(doc, 200 if ready else 503, None if ready else {"Retry-After": "2"})
