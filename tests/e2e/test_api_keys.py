@@ -58,13 +58,20 @@ def test_a_key_opens_inference_by_bearer_or_header(keyed):
     assert httpx.get(keyed.url + "/v2/models/digits", headers={"X-API-Key": TEAM_A}).status_code == 200
 
 
-def test_probes_and_metrics_stay_open(keyed):
-    for path in ("/healthz", "/v2/health/live", "/v2/health/ready", "/metrics", "/openapi.json"):
+def test_probes_stay_open_and_metrics_are_an_operators(keyed):
+    for path in ("/healthz", "/v2/health/live", "/v2/health/ready", "/openapi.json"):
         assert httpx.get(keyed.url + path).status_code == 200, path
+    # /metrics names every key and tenant with its counts: with keys, the admin token (or an operator key).
+    assert httpx.get(keyed.url + "/metrics").status_code == 401
+    refused = httpx.get(keyed.url + "/metrics", headers={"Authorization": f"Bearer {TEAM_A}"})
+    assert refused.status_code == 403 and "operator key" in error_of(refused)["message"]
+    assert httpx.get(keyed.url + "/metrics", headers={"X-API-Key": TEAM_A}).status_code == 403
+    assert httpx.get(keyed.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
 
 
 def test_an_api_key_never_opens_admin_and_the_admin_token_never_opens_inference(keyed):
-    assert httpx.get(keyed.url + "/admin/config", headers={"Authorization": f"Bearer {TEAM_A}"}).status_code == 401
+    assert httpx.get(keyed.url + "/admin/config", headers={"Authorization": f"Bearer {TEAM_A}"}).status_code == 403
+    assert httpx.get(keyed.url + "/admin/config").status_code == 401
     assert httpx.get(keyed.url + "/admin/config", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
     assert predict(keyed, {"Authorization": f"Bearer {ADMIN}"}).status_code == 401
 
@@ -76,7 +83,7 @@ def test_a_rate_limited_key_gets_429_with_retry_after(keyed):
     limited = next(r for r in answers if r.status_code == 429)
     assert error_code(limited) == "rate_limited" and int(limited.headers["retry-after"]) >= 1
     assert predict(keyed, {"X-API-Key": TEAM_A}).status_code == 200  # other keys are not affected
-    metrics = httpx.get(keyed.url + "/metrics").text
+    metrics = httpx.get(keyed.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
     assert 'servewell_api_key_requests_total{key="team-b",result="rate_limited"}' in metrics
 
 

@@ -187,13 +187,18 @@ def test_console_json_follows_the_key_and_admin_rules(keyed):
 
     with_key = httpx.get(url + "/console/api/state", headers={"X-API-Key": KEY}).json()
     assert with_key["server"]["keys_required"] is True and with_key["server"]["admin"] is False
-    assert "admin_token" in with_key["server"]["admin_reason"]
-    assert with_key["recent"] is None and "batching" not in with_key["models"][0]
+    assert "admin token" in with_key["server"]["admin_reason"] and with_key["server"]["tenant"] == "console"
+    # A tenant's key sees its own tenant's requests (here every one is its own), not the server's counts.
+    assert [r["client"] for r in with_key["recent"]] and {r["client"] for r in with_key["recent"]} == {"console"}
+    assert with_key["recent_recorded"] is None and with_key["refusals"]["counts"] is None
+    assert "batching" not in with_key["models"][0]
     (digits,) = [m for m in with_key["models"] if m["name"] == "digits"]
     assert digits["state"] == "ready" and digits["takes_images"] and digits["instances"][0]["rss_bytes"] > 0
 
     wrong_admin = {"X-API-Key": KEY, "Authorization": "Bearer not-the-token"}
-    assert httpx.get(url + "/console/api/state", headers=wrong_admin).json()["recent"] is None
+    assert httpx.get(url + "/console/api/state", headers=wrong_admin).json()["server"]["admin"] is False
+    token_only = httpx.get(url + "/console/api/state", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert token_only.status_code == 200 and token_only.json()["server"]["admin"] is True  # no tenant's key needed
     admin = httpx.get(url + "/console/api/state", headers={"X-API-Key": KEY, "Authorization": f"Bearer {ADMIN}"}).json()
     assert admin["server"]["admin"] is True and admin["models"][0]["batching"]["policy"]
     (slow,) = [r for r in admin["recent"] if r["request_id"] == "console-slow-ok"]
@@ -221,6 +226,29 @@ def test_the_page_asks_for_the_key_and_then_shows_everything(keyed, browser):
     request_id = browser.execute_script("return window.servewellConsole.lastTry.requestId")
     # The admin token opens the list; every request here is slow (1 ms), so the try-it one is in it.
     wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, f'#recent-table tr[data-request-id="{request_id}"]'))
+    assert console_problems(browser) == []
+
+
+def test_a_tenants_key_shows_its_own_requests_and_the_admin_token_alone_opens_the_rest(keyed, browser):
+    # Issue 45, H2: a tenant's key sees its own tenant's requests (the note says so), one tenants row;
+    # an operator needs no tenant's key beside the admin token.
+    own = predict(keyed.url, {"X-API-Key": KEY, "X-Request-ID": "console-own-request"})
+    assert own.status_code == 200
+    browser.get(keyed.url + "/")
+    wait(browser, lambda d: d.find_element(By.ID, "auth").is_displayed())
+    browser.find_element(By.ID, "auth-key").send_keys(KEY)
+    browser.find_element(By.CSS_SELECTOR, "#auth-form button[type=submit]").click()
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, '#recent-table tr[data-request-id="console-own-request"]'))
+    assert "Tenant console's own requests only" in browser.find_element(By.ID, "recent-note").text
+    rows = browser.find_elements(By.CSS_SELECTOR, "#tenants-table tbody tr")
+    assert [r.find_element(By.TAG_NAME, "code").text for r in rows] == ["console"]
+
+    browser.find_element(By.ID, "auth-open").click()
+    browser.find_element(By.ID, "auth-forget").click()
+    browser.find_element(By.ID, "auth-admin").send_keys(ADMIN)  # the token only, no key
+    browser.find_element(By.CSS_SELECTOR, "#auth-form button[type=submit]").click()
+    wait(browser, lambda d: "recorded since the server started" in d.find_element(By.ID, "recent-note").text)
+    assert browser.execute_script("return window.servewellConsole.state.server.admin") is True
     assert console_problems(browser) == []
 
 
@@ -267,7 +295,7 @@ def test_records_name_their_batch_and_compute_is_shown_by_batch_size(keyed):
     assert one["queue_position"] == three["queue_position"] == 0  # nothing else was queued
 
     sizes = {"1", "2", "4", "8", "16", "32", "64"}  # digits: max_batch_size 64
-    metrics = httpx.get(url + "/metrics", headers={"X-API-Key": KEY}).text
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text  # an operator's
     labels = {sample.labels["batch_size"] for family in text_string_to_metric_families(metrics)
               if family.name == "servewell_batch_compute_by_size_seconds" for sample in family.samples
               if sample.labels.get("model") == "digits"}

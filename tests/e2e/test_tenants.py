@@ -1,7 +1,8 @@
 """Tenants (issue 22) through a real split server with two ingress processes and a keys file:
 quotas hold for the whole server (429 over_quota with Retry-After, distinct from the model's own
 503), a heavy tenant waits behind itself, the admin API shows and changes tenants live, a keys
-file change applies live, and the console filters recent requests by tenant.
+file change applies live, and the console filters recent requests by tenant. A second server
+(two tenants, an operator key, no admin token) keeps tenants apart in every view (issue 45, H2).
 
 `slow` echoes its input after 200 ms per batch, one row a batch, so every request is a batch and
 the order of answers is the order the scheduler chose."""
@@ -9,6 +10,7 @@ the order of answers is the order the scheduler chose."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -66,7 +68,7 @@ def tenants(server: ServerProcess) -> dict[str, dict[str, Any]]:
 
 
 def metric(server: ServerProcess, name: str, **labels: str) -> float:
-    return scraped_total(server.url, name, **labels)
+    return scraped_total(server.url, name, headers=ADMIN_AUTH, **labels)  # with keys: an operator's
 
 
 def test_a_concurrency_quota_holds_across_ingress_processes(server: ServerProcess) -> None:
@@ -140,7 +142,7 @@ def test_the_admin_api_changes_a_tenant_live_until_the_keys_file_changes(server:
     assert httpx.patch(server.url + "/admin/tenants/nobody", json={"weight": 2}, headers=ADMIN_AUTH,
                        timeout=10).status_code == 404
     assert httpx.patch(server.url + "/admin/tenants/gold", json={"weight": 2}, timeout=10,
-                       headers={"Authorization": f"Bearer {KEYS['gold']}"}).status_code == 401
+                       headers={"Authorization": f"Bearer {KEYS['gold']}"}).status_code == 403  # a tenant's key
     keys_file: Path = server.keys_file  # type: ignore[attr-defined]
     keys_file.write_text(KEYS_FILE.replace("weight=4 concurrency=3", "weight=8 concurrency=3"))
     eventually(lambda: tenants(server)["gold"]["weight"] == 8, 30, "the keys file change never applied")
@@ -186,3 +188,102 @@ def test_a_quota_holds_over_grpc_too(server: ServerProcess) -> None:
     assert [a.status_code for a in answers] == [200] * 3
     assert refused is not None and refused.status() == "StatusCode.RESOURCE_EXHAUSTED", refused
     assert "concurrency quota" in refused.message()
+
+
+# ---------- tenants kept apart in every view (issue 45, H2) ----------
+
+APART = {"acme": "acme-secret-0123456789abcdef", "bravo": "bravo-secret-0123456789abcdef",
+         "ops": "operator-secret-0123456789abcdef"}
+APART_FILE = (f"acme-key:{APART['acme']} tenant=acme\n"
+              f"bravo-key:{APART['bravo']} tenant=bravo\n"
+              f"ops:{APART['ops']} role=operator\n")
+ACME_IDS = ["acme-private-0", "acme-private-1", "acme-private-bad", "acme-private-miss"]
+BRAVO = {"X-API-Key": APART["bravo"]}
+STATE = "/console/api/state?recent=200"
+
+
+@pytest.fixture(scope="module")
+def apart(tmp_path_factory: pytest.TempPathFactory, start_module_server: ServerFactory) -> ServerProcess:
+    """Two tenants (acme, bravo) and an operator key, and no admin token: a client on loopback is
+    trusted (the default), which is where issue 45 found tenant b reading tenant a's requests.
+    acme's requests are here before any test: two successes (every request is slow at 1 ms, so
+    recorded), a failure and a refusal, each with a request id acme chose."""
+    root = tmp_path_factory.mktemp("apart-repo")
+    slow_model(root, "echo", 1)
+    keys_file = tmp_path_factory.mktemp("apart-keys") / "keys.txt"
+    keys_file.write_text(APART_FILE)
+    started = start_module_server(["--model-repository", str(root), "--api-keys-file", str(keys_file),
+                                   "--slow-request-ms", "1"])
+    started.wait_ready()
+    with httpx.Client(base_url=started.url, headers={"X-API-Key": APART["acme"]}, timeout=30) as acme:
+        for request_id, path, body, status in (
+                ("acme-private-0", "/v2/models/echo/infer", infer_body(1.0), 200),
+                ("acme-private-1", "/v2/models/echo/infer", infer_body(2.0), 200),
+                ("acme-private-bad", "/v2/models/echo/infer", {"inputs": []}, 422),
+                ("acme-private-miss", "/v2/models/nope/infer", infer_body(1.0), 404)):
+            answer = acme.post(path, json=body, headers={"X-Request-ID": request_id})
+            assert answer.status_code == status, answer.text
+    assert httpx.post(started.url + "/v2/models/echo/infer", json=infer_body(3.0), timeout=30,
+                      headers={**BRAVO, "X-Request-ID": "bravo-own-0"}).status_code == 200
+
+    def all_recorded() -> bool:  # the ingress processes' records reach the engine's view
+        doc = httpx.get(started.url + STATE, timeout=10).json()  # loopback, no token: an operator
+        seen = {r["request_id"] for r in doc["recent"] + doc["refusals"]["recent"]}
+        return {*ACME_IDS, "bravo-own-0"} <= seen
+
+    eventually(all_recorded, 30, "the requests recorded")
+    return started
+
+
+def test_a_tenants_key_sees_its_own_requests_and_figures_and_no_other_tenants(apart: ServerProcess) -> None:
+    doc = httpx.get(apart.url + STATE, headers=BRAVO, timeout=10).json()
+    text = json.dumps(doc)
+    assert "acme" not in text and '"ops"' not in text  # no request id, key id or tenant of anyone else
+    assert doc["server"]["admin"] is False and doc["server"]["tenant"] == "bravo"
+    assert "operator key" in doc["server"]["admin_reason"]
+    assert "bravo-own-0" in [r["request_id"] for r in doc["recent"]]
+    assert {r["client"] for r in doc["recent"]} == {"bravo-key"}
+    assert [t["tenant"] for t in doc["tenants"]] == ["bravo"] and doc["tenants"][0]["admitted"] >= 1
+    assert doc["recent_recorded"] is None and doc["refusals"]["counts"] is None  # the whole server's counts
+    for other in ("acme", "nobody", "-"):  # 403 whether the tenant exists or not: no oracle
+        refused = httpx.get(apart.url + STATE, params={"tenant": other}, headers=BRAVO, timeout=10)
+        assert refused.status_code == 403 and "its own requests only" in refused.json()["error"]["message"]
+    own = httpx.get(apart.url + STATE, params={"tenant": "bravo"}, headers=BRAVO, timeout=10)
+    assert own.status_code == 200 and {r["client"] for r in own.json()["recent"]} == {"bravo-key"}
+
+
+def test_a_tenants_key_opens_no_operator_route_even_from_loopback(apart: ServerProcess) -> None:
+    routes = [("GET", "/metrics"), ("GET", "/admin/tenants"), ("GET", "/admin/config"),
+              ("GET", "/admin/models/echo/batching"), ("GET", "/admin/models/echo/cache"),
+              ("GET", "/admin/models/echo/rollout"), ("POST", "/admin/models/nope/pin"),
+              ("POST", "/v2/repository/models/nope/unload")]
+    for credentials in (BRAVO, {"Authorization": f"Bearer {APART['bravo']}"}):
+        for method, path in routes:
+            answer = httpx.request(method, apart.url + path, headers=credentials, timeout=10)
+            assert answer.status_code == 403, (path, answer.status_code, answer.text[:300])
+            assert "acme" not in answer.text and "tenant 'bravo'" in answer.text
+    health = httpx.get(apart.url + "/healthz", headers=BRAVO, timeout=10).text  # open: holds no tenant data
+    assert "acme" not in health and "bravo" not in health
+    with triton_grpc.InferenceServerClient(apart.grpc_url) as client:
+        with pytest.raises(InferenceServerException) as refused:
+            client.unload_model("nope", headers={"x-api-key": APART["bravo"]})
+        assert refused.value.status() == "StatusCode.PERMISSION_DENIED", refused.value
+        with pytest.raises(InferenceServerException) as passed:  # the operator key gets past the rule
+            client.unload_model("nope", headers={"authorization": f"Bearer {APART['ops']}"})
+        assert passed.value.status() == "StatusCode.NOT_FOUND", passed.value
+
+
+def test_an_operator_key_and_a_trusted_loopback_client_see_the_whole_server(apart: ServerProcess) -> None:
+    for credentials in ({"X-API-Key": APART["ops"]}, {"Authorization": f"Bearer {APART['ops']}"}, {}):
+        doc = httpx.get(apart.url + STATE, params={"tenant": "acme"}, headers=credentials, timeout=10).json()
+        assert doc["server"]["admin"] is True and doc["server"]["tenant"] is None
+        ids = {r["request_id"] for r in doc["recent"] + doc["refusals"]["recent"]}
+        assert set(ACME_IDS) <= ids and {r["client"] for r in doc["recent"]} == {"acme-key"}
+        assert {t["tenant"] for t in doc["tenants"]} >= {"acme", "bravo"}
+        assert scraped_total(apart.url, "servewell_tenant_requests_total", headers=credentials,
+                             tenant="acme", result="admitted") == 2  # the two that reached the model
+        assert httpx.get(apart.url + "/admin/tenants", headers=credentials, timeout=10).status_code == 200
+        assert httpx.post(apart.url + "/v2/repository/models/nope/unload", headers=credentials,
+                          timeout=10).status_code == 404  # past the rule: the model is unknown
+    assert httpx.get(apart.url + STATE, headers={"X-API-Key": "not-a-key-of-this-server"},
+                     timeout=10).status_code == 401

@@ -98,13 +98,16 @@ def panels() -> list[dict[str, Any]]:
     return [p for p in dashboard()["panels"] if p["type"] != "row"]
 
 
-def scraped_total(url: str, name: str, **labels: str) -> float:
-    """The sum of the samples of `name` with these labels in `url`/metrics (0 when there is none)."""
+def scraped_total(url: str, name: str, headers: dict[str, str] | None = None, **labels: str) -> float:
+    """The sum of the samples of `name` with these labels in `url`/metrics (0 when there is none);
+    `headers`: the scrape's credentials (with API keys configured, /metrics is an operator's)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
+    response = httpx.get(url + "/metrics", headers=headers, timeout=10)
+    response.raise_for_status()
     total = 0.0
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+    for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value

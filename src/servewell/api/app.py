@@ -19,6 +19,7 @@ from servewell.api import (
     routes_tenants,
     routes_v2,
 )
+from servewell.api.access import access_rule
 from servewell.api.errors import install_error_handlers
 from servewell.api.head_requests import HeadAsGetMiddleware
 from servewell.api.hot_routes import HotRoute, HotRouteDispatcher, HotRouteTable
@@ -83,7 +84,8 @@ def create_app(
     # turned into GET inside both, so logs and metrics still say HEAD.
     app.add_middleware(HeadAsGetMiddleware)
     # Added last runs first: the request context (id, metrics, logs) wraps the key check.
-    app.add_middleware(ApiKeyMiddleware, access=state.access, knobs=state.knobs)
+    app.add_middleware(ApiKeyMiddleware, access=state.access, knobs=state.knobs,
+                       rule=lambda: access_rule(state.settings, state.access))
     app.add_middleware(RequestContextMiddleware, knobs=state.knobs, metrics=state.metrics, tracing=tracing,
                        recent=state.console.recent)
     return app

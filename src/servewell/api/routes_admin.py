@@ -1,5 +1,6 @@
 """Operator endpoints: live batching settings per model, profiling, the active configuration, and
-the repository extension's load/unload. Guarded by `admin_token` (api/access.py)."""
+the repository extension's load/unload. Guarded by the access rule (api/access.py): the admin
+token, an operator key, or a trusted loopback client; a tenant's key never opens them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
-from servewell.api.access import came_through_proxy, check_admin
+from servewell.api.access import Caller, access_rule, came_through_proxy
 from servewell.api.body import read_json_patch
 from servewell.api.openapi import error_responses
 from servewell.api.state import AppState, state_dependency
@@ -24,16 +25,22 @@ repository_router = APIRouter(prefix="/v2/repository", tags=["Open Inference Pro
 _ADMIN_ERRORS = (401, 403, 404)
 
 
+def caller_of(request: Request, state: AppState) -> Caller:
+    """Who `request` is by the access rule (api/access.py), with the keys in force now."""
+    headers = request.headers
+    return access_rule(state.settings, state.access).caller(headers.get("authorization"), headers.get("x-api-key"),
+                       request.client.host if request.client is not None else None,
+                       proxied=came_through_proxy(headers.keys()))
+
+
 async def require_admin(request: Request, state: AppState = Depends(state_dependency)) -> AppState:
-    """401 without the configured bearer token; with no token configured, loopback clients that
-    did not come through a proxy only (api/access.py)."""
+    """The operator part of the access rule (api/access.py): 401 without the configured bearer
+    token or an operator key; 403 for a tenant's key, and, with no token configured, for a client
+    that is not on loopback or came through a proxy."""
     name = request.path_params.get("name")
     if isinstance(name, str):
         state.plane.note_model(name)  # model label and log field, for names of this server only
-    check_admin(state.settings.admin_token, request.headers.get("authorization"),
-                request.client.host if request.client is not None else None,
-                proxied=came_through_proxy(request.headers.keys()),
-                trust_loopback=state.settings.trust_loopback_admin)
+    caller_of(request, state).require_operator()
     return state
 
 

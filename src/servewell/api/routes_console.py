@@ -1,14 +1,17 @@
 """The live console: the page at `/`, its static assets, and the JSON it polls.
 
-Access follows the server's rules (the README's "Console" section):
+Access follows the server's one rule (api/access.py; the README's "Console" section):
 - the page and its assets hold no data and are open, like the docs;
-- `GET /console/api/state` follows the inference rule: with API keys configured it needs one
-  (`X-API-Key` or `Authorization: Bearer`), like `/predict`; it shows what `/healthz` and
-  `/metrics` show (model states, instances, queues, the charts);
-- the per-request records (recent slow and failed requests: request ids, key ids, error codes)
-  and the batching settings are operator data, so they follow the admin rule: the admin token
-  as `Authorization: Bearer`, or a loopback client when no token is set. Without it the JSON
-  leaves them out and says why, rather than refusing the whole document.
+- `GET /console/api/state` answers an operator (the admin token, an operator key, or a trusted
+  loopback client) without more, and anyone else only with an API key when keys are configured,
+  like `/predict`; it shows what `/healthz` shows (model states, instances, queues, the charts);
+- the per-request records (recent slow and failed requests and refusals: request ids, key ids,
+  error codes), the tenants' weights, quotas and counts, and the batching settings follow the
+  rule: an operator sees the whole server's (and may filter the records by `?tenant=`); a
+  tenant's key sees its own tenant's records and its own tenant's row only (`?tenant=` of another
+  tenant: 403, whether it exists or not), never another tenant's nor another's key ids; anyone
+  else sees none. Withheld parts are null and `server.admin_reason` says why, rather than the
+  whole document being refused.
 """
 
 from __future__ import annotations
@@ -24,14 +27,15 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 import servewell
-from servewell.api.access import came_through_proxy, check_admin
+from servewell.api.access import Caller
 from servewell.api.openapi import error_responses
 from servewell.api.public_text import public_rollout
+from servewell.api.routes_admin import caller_of
 from servewell.api.routes_pool import pool_fields, pool_report
 from servewell.api.state import AppState, app_state
 from servewell.engine.protocol import ModelView
-from servewell.engine.tenants import Tenants
-from servewell.errors import NotFound, ServeError
+from servewell.engine.tenants import Tenants, tenant_label
+from servewell.errors import Forbidden, NotFound, ServeError
 from servewell.observability.console_feed import ALL_MODELS, ConsoleFeed
 from servewell.observability.latency_reading import latency_split
 from servewell.observability.process import rss_bytes
@@ -95,33 +99,32 @@ async def console_asset(name: str) -> Response:
 
 
 @router.get("/console/api/state", summary="Everything the console shows",
-            responses=error_responses(401, 404, 422, 429))
+            responses=error_responses(401, 403, 404, 422, 429))
 async def console_state(
     request: Request,
     model: str = Query(ALL_MODELS, max_length=200, description="Whose chart series: a model name, or * for all."),
     recent: int = Query(50, ge=0, le=_RECENT_LIMIT, description="How many recent slow/failed requests."),
     tenant: str | None = Query(None, max_length=64, description="Only this tenant's recent requests (a tenant of "
-                               "the keys file, or - for requests without a key)."),
+                               "the keys file, or - for requests without a key); a tenant's key: its own only."),
 ) -> Response:
     """Server facts (with `/healthz`'s status and reason), every model (state, reason, instances
     and their memory, queue per lane, effective max batch size, its `rollout` (state, weights and the
     reason of a rollback) when it splits traffic between versions, `signals` over the last 30 s and
     `latency_split` of its p99 with a reading, its place in the model pool: residency, pinned, last
     use, estimated memory), the pool's summary, the server's active alerts, the chart series of
-    `model` over the last minutes, and (admin only) the recent slow and failed requests and each
-    model's batching settings, and the tenants (weights, quotas, in progress, refusals by reason;
-    `tenant` filters the recent requests to one). Needs an API key when keys are configured."""
+    `model` over the last minutes; for an operator, the recent slow and failed requests and refusals,
+    each model's batching settings and the tenants (weights, quotas, in progress, refusals by
+    reason; `tenant` filters the recent requests to one); for a tenant's key, its own tenant's
+    recent requests, refusals and row (`tenant` of another: 403). Needs an API key when keys are
+    configured, unless the caller is an operator (api/access.py)."""
     state = app_state(request)
     if model != ALL_MODELS and not state.engine.knows(model):
         raise NotFound("unknown model; use * or one of this server's models")
-    try:
-        check_admin(state.settings.admin_token, request.headers.get("authorization"),
-                    request.client.host if request.client is not None else None,
-                    proxied=came_through_proxy(request.headers.keys()),
-                    trust_loopback=state.settings.trust_loopback_admin)
-        admin, admin_reason = True, None
-    except ServeError as exc:
-        admin, admin_reason = False, exc.message
+    caller = caller_of(request, state)
+    admin = caller.operator
+    admin_reason = caller.denial.message if caller.denial is not None else None
+    clients = _recent_clients(state, caller, tenant)  # whose records: None = everyone's (an operator's view)
+    sees_records = admin or caller.tenant is not None
     feed = state.console
     await feed.view.refresh()  # ingress processes' metrics and recent requests (bounded wait)
     total, reserved = state.engine.memory_budget
@@ -141,12 +144,13 @@ async def console_state(
             "slow_request_ms": round(state.knobs.slow_request_s * 1000, 3),
             "admin": admin,
             "admin_reason": admin_reason,
+            "tenant": caller.tenant,  # a tenant's key: the tenant whose part the records and tenants show
         },
         "models": [_model(view, state if admin else None) for view in state.engine.models()],
         "series": {**feed.series(model), "models": feed.models()},
-        "recent": feed.recent.to_json(recent, _tenant_keys(state, tenant)) if admin else None,
-        "tenants": _tenants_report(state) if admin else None,
-        "recent_recorded": feed.recent.recorded if admin else None,
+        "recent": feed.recent.to_json(recent, clients) if sees_records else None,
+        "tenants": _tenants_report(state, caller),
+        "recent_recorded": feed.recent.recorded if admin else None,  # the whole server's count
         "config": state.config_status(),  # rejected config files (live_config.py), shown as a banner
         "alerts": feed.alerts.to_json(),
         "alerts_evaluated_at": feed.alerts.evaluated_at,
@@ -157,7 +161,7 @@ async def console_state(
     for entry in doc["models"]:
         entry["compute_by_batch_size"] = feed.compute_by_batch_size(entry["name"])
         _add_golden_signals(entry, feed)
-    doc["refusals"] = feed.recent.refusals_json(recent) if admin else None
+    doc["refusals"] = feed.recent.refusals_json(recent, clients) if sees_records else None
     return Response(orjson.dumps(doc), media_type="application/json", headers={"Cache-Control": "no-store"})
 
 
@@ -201,17 +205,44 @@ def _add_golden_signals(entry: dict[str, Any], feed: ConsoleFeed) -> None:
     entry["latency_split"] = latency_split(summary, entry.get("compute_by_batch_size")).to_json()
 
 
+def _tenants(state: AppState) -> Tenants | None:
+    tenants = getattr(state.engine, "tenants", None)
+    return tenants if isinstance(tenants, Tenants) else None
+
+
+def _recent_clients(state: AppState, caller: Caller, tenant: str | None) -> frozenset[str] | None:
+    """The key ids whose records `caller` is shown (None: every record). An operator: all, or
+    `tenant`'s (404 for a tenant the keys in force do not name). A tenant's key: its own tenant's,
+    and 403 for `tenant` naming any other, known or not (a 404 would tell which tenants exist)."""
+    own = caller.tenant
+    if own is None:
+        return _tenant_keys(state, tenant) if caller.operator else None
+    if tenant is not None and tenant != own:
+        raise Forbidden(f"this API key belongs to tenant '{own}', which sees its own requests only: another "
+                        "tenant's need the admin token or an operator key (role=operator)")
+    tenants = _tenants(state)
+    keys = tenants.keys_of(own) if tenants is not None else frozenset()
+    return keys or frozenset((caller.key.id,) if caller.key is not None else ())
+
+
 def _tenant_keys(state: AppState, tenant: str | None) -> frozenset[str] | None:
     """The key ids of `tenant` (None: no filter); 404 for a tenant the keys in force do not name."""
     if tenant is None:
         return None
-    tenants = getattr(state.engine, "tenants", None)
-    keys = tenants.keys_of(tenant) if isinstance(tenants, Tenants) else frozenset()
+    tenants = _tenants(state)
+    keys = tenants.keys_of(tenant) if tenants is not None else frozenset()
     if not keys:
         raise NotFound("unknown tenant; use one of the keys file's tenants, or - for requests without a key")
     return keys
 
 
-def _tenants_report(state: AppState) -> list[dict[str, Any]] | None:
-    tenants = getattr(state.engine, "tenants", None)
-    return tenants.report() if isinstance(tenants, Tenants) else None
+def _tenants_report(state: AppState, caller: Caller) -> list[dict[str, Any]] | None:
+    """Every tenant's row for an operator, the caller's own tenant's row for a tenant's key, None otherwise."""
+    tenants = _tenants(state)
+    if tenants is None or not (caller.operator or caller.tenant is not None):
+        return None
+    report = tenants.report()
+    if caller.operator:
+        return report
+    own = tenant_label(caller.tenant or "")
+    return [row for row in report if row["tenant"] == own]

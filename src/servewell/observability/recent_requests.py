@@ -266,8 +266,12 @@ class RecentRequests:
             return [r.to_json() for r in self.latest(limit)]
         return [r.to_json() for r in self.latest(None) if r.client in clients][:limit]
 
-    def refusals_json(self, limit: int | None = None) -> dict[str, Any]:
+    def refusals_json(self, limit: int | None = None, clients: frozenset[str] | None = None) -> dict[str, Any]:
         """`{"counts": {code: n}, "recent": [record, ...]}`: every refusal since start by code, and
-        the newest `limit` kept, newest first."""
-        return {"counts": dict(sorted(self.refusal_counts.items())),
-                "recent": [r.to_json() for r in self.latest_refusals(limit)]}
+        the newest `limit` kept, newest first. With `clients` (a tenant's key ids): only their
+        records, and no counts (those are the whole server's, every caller's together)."""
+        if clients is None:
+            return {"counts": dict(sorted(self.refusal_counts.items())),
+                    "recent": [r.to_json() for r in self.latest_refusals(limit)]}
+        own = [r.to_json() for r in self.latest_refusals(None) if r.client in clients]
+        return {"counts": None, "recent": own[:limit]}

@@ -92,10 +92,10 @@ def test_a_slow_request_s_record_names_its_batch_and_a_refusal_is_kept_apart():
 
 
 def test_the_page_is_open_and_its_data_needs_a_key():
-    assert not needs_key("/", False)
-    assert not needs_key("/console/assets/console.js", False)
-    assert needs_key("/console/api/state", False)
-    assert needs_key("/console/other", False)
+    assert not needs_key("/")
+    assert not needs_key("/console/assets/console.js")
+    assert needs_key("/console/api/state")
+    assert needs_key("/console/other")
 
 
 def test_the_page_refers_only_to_shipped_assets():

@@ -124,8 +124,9 @@
   function pollNow() { clearTimeout(pollTimer); poll(); }
 
   async function poll() {
-    if (waitingForKey || (keysRequired && !auth.key)) {
-      // Asking without a key would only earn a 401 (and a console error) every 2 s.
+    if (waitingForKey || (keysRequired && !auth.key && !auth.admin)) {
+      // Asking without a key would only earn a 401 (and a console error) every 2 s. The admin token
+      // alone is enough: an operator needs no tenant's key (api/access.py).
       waitingForKey = true;
       showAuth("This server needs an API key for its data, as for inference.");
       setLive(false, "needs an API key");
@@ -139,8 +140,9 @@
         waitingForKey = response.status === 401;
         showAuth(await errorMessage(response));
         setLive(false, response.status === 401 ? "API key refused" : "rate limited");
-      } else if (response.status === 404 && (chartModel !== "*" || recentTenant)) {
-        chartModel = "*"; // the model (or the tenant) went away
+      } else if ((response.status === 404 && (chartModel !== "*" || recentTenant)) ||
+                 (response.status === 403 && recentTenant)) {
+        chartModel = "*"; // the model (or the tenant) went away, or the key no longer sees that tenant
         recentTenant = "";
       } else if (!response.ok) {
         setLive(false, await errorMessage(response));
@@ -597,8 +599,12 @@
         (doc.server.admin_reason || "") + " (enter the admin token under Keys).";
       return;
     }
-    note.textContent = `${doc.recent_recorded} recorded since the server started (slow: over ` +
-      `${doc.server.slow_request_ms} ms; failed: any 4xx/5xx); newest first; no payloads are kept.`;
+    const slowFailed = `(slow: over ${doc.server.slow_request_ms} ms; failed: any 4xx/5xx); newest first; ` +
+      "no payloads are kept.";
+    note.textContent = doc.server.tenant
+      ? `Tenant ${doc.server.tenant}'s own requests only ${slowFailed} Other tenants' and the whole ` +
+        "server's are operator data (the admin token or an operator key)."
+      : `${doc.recent_recorded} recorded since the server started ${slowFailed}`;
     const filter = $("recent-filter").value.trim().toLowerCase();
     for (const r of doc.recent) {
       const haystack = [r.request_id, r.route, r.model, r.code, String(r.status), r.batch_id || ""].join(" ").toLowerCase();

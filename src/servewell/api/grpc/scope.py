@@ -100,6 +100,11 @@ class RpcScope:
         # 503s and the refusals a client causes at will: one line per model, code and second, with a count
         self._refusals = RefusalDigest(log)
 
+    @property
+    def access(self) -> InferenceAccess:
+        """The API keys in force (the admin calls' access rule reads them: api/access.py)."""
+        return self._access
+
     async def unimplemented(self, context: RpcContext) -> None:
         """Answer a call servewell does not serve: UNIMPLEMENTED after the key check, logged only in
         the refusal digest (its method name, chosen by the client, goes into no log or label)."""

@@ -21,7 +21,7 @@ import asyncio
 from tritonclient.grpc import service_pb2 as pb
 
 import servewell
-from servewell.api.access import came_through_proxy, check_admin, grpc_peer_host
+from servewell.api.access import AccessRule, came_through_proxy, grpc_peer_host
 from servewell.api.dataplane import DataPlane, select_outputs
 from servewell.api.grpc.codec import config_message, decode_request, metadata_message, metadata_value, response_steps
 from servewell.api.grpc.incoming import IncomingMessage
@@ -155,6 +155,8 @@ class InferenceServicer:
 
     def _require_admin(self, context: RpcContext) -> None:
         metadata = context.invocation_metadata() or ()
-        check_admin(self._admin_token, metadata_value(metadata, "authorization"), grpc_peer_host(context.peer()),
-                    proxied=came_through_proxy(key for key, _ in metadata),
-                    trust_loopback=self._trust_loopback_admin)
+        # The HTTP admin routes' rule (api/access.py): the token, an operator key, a trusted loopback peer.
+        rule = AccessRule(self._admin_token, self._trust_loopback_admin, self._scope.access.ring)
+        rule.caller(metadata_value(metadata, "authorization"), metadata_value(metadata, "x-api-key"),
+                    grpc_peer_host(context.peer()),
+                    proxied=came_through_proxy(key for key, _ in metadata)).require_operator()
