@@ -9,6 +9,7 @@ only in what each scenario makes them do:
 * `errors`: version 1, and versions/2 failing 20 % of its batches, at weight 90/10;
 * `latency`: version 1 sleeping 3 ms a batch, and versions/2 sleeping 9 ms (3x), at 90/10;
   both with model.yaml's default rules (30 s window, 20 requests, +5 points of errors, 2x p99);
+* `identical`: version 1 and versions/2 byte-identical (both sleeping 3 ms a batch), at 90/10;
 * `plain` (version 1 alone) and `shadowed` (version 1 serving, versions/2 shadowing 100 %).
 
 Rollback (once per round, each scenario): a closed loop of 8 clients until the rollout's state is
@@ -17,11 +18,18 @@ clients saw: the first 5xx (only the canary fails) or the first answer of the sl
 requests failed in that time are counted at the clients and by the server's
 servewell_rollout_requests_total{outcome="error"}.
 
+False rollbacks (issue 45 W10: a byte-identical canary was rolled back on a busy host): after the
+rounds, `--identical-runs` runs (default 20) of the same closed loop against `identical` for
+`--identical-seconds` each (default 45: past one 30 s window), with `--hog` processes spinning on
+the CPU meanwhile (default: one per CPU, a busy host); the rollout is reset before each run. Goal:
+no run rolled back.
+
 Shadow cost (per round, alternating order): `plain` against `shadowed`, at an open-loop rate with
 spare capacity (`--rate`, default 100/s) and at saturation (closed loop, 32 clients): the
 primary's p99 and throughput, and how many shadow copies were compared or shed.
 
-Goals: rollback within 30 s of the first bad answer, for both canaries (the worst round); shadow
+Goals: rollback within 30 s of the first bad answer, for both canaries (the worst round), and no
+rollback of the identical canary in any run; shadow
 p99 / plain p99 <= 1.05 with spare capacity, and at saturation shadowed throughput >= 0.95x plain
 (the shadow is shed first; medians over the rounds).
 """
@@ -30,7 +38,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
+import subprocess
 import sys
 import textwrap
 import time
@@ -98,6 +108,8 @@ def build_repository(root: Path) -> Path:
     _model(repository / "errors" / "versions" / "2", "2", {"fail_rate": 0.2}, warmup=False)  # would fail its warm-up
     _model(repository / "latency", "1", {"delay_ms": 3}, **split)
     _model(repository / "latency" / "versions" / "2", "2", {"delay_ms": 9})
+    _model(repository / "identical", "1", {"delay_ms": 3}, **split)
+    _model(repository / "identical" / "versions" / "2", "2", {"delay_ms": 3})
     _model(repository / "plain", "1", {})
     _model(repository / "shadowed", "1", {}, rollout={"shadow": {"version": "2", "percent": 100}})
     _model(repository / "shadowed" / "versions" / "2", "2", {})
@@ -180,6 +192,60 @@ async def _until_rolled_back(port: int, model: str) -> dict[str, Any]:
     }
 
 
+async def _identical_run(port: int, seconds: float) -> dict[str, Any]:
+    """A closed loop against `identical` for `seconds`: whether (and why) its canary was rolled back."""
+    stop = asyncio.Event()
+    answered = {"1": 0, "2": 0, "failed": 0}
+    payload = _request(port, "identical", np.linspace(0, 1, WIDTH, dtype=np.float32).tolist())
+
+    async def client() -> None:
+        connection = HttpConnection("127.0.0.1", port)
+        try:
+            while not stop.is_set():
+                reply = await connection.request(payload)
+                version = orjson.loads(reply.body).get("model_version", "") if reply.status == 200 else ""
+                key = version if version in answered else "failed"
+                answered[key] += 1
+        finally:
+            connection.close()
+
+    clients = [asyncio.ensure_future(client()) for _ in range(ROLLBACK_CLIENTS)]
+    started, verdict = time.time(), None
+    try:
+        while time.time() - started < seconds:
+            await asyncio.sleep(0.5)
+            doc = await asyncio.to_thread(_rollout, port, "identical")
+            if doc["state"] == "rolled_back":
+                verdict = doc
+                break
+    finally:
+        stop.set()
+        await asyncio.gather(*clients, return_exceptions=True)
+    return {"rolled_back": verdict is not None, "after_s": None if verdict is None else time.time() - started,
+            "reason": None if verdict is None else verdict["reason"], "answered": answered}
+
+
+def _hogs(count: int) -> list[subprocess.Popen[bytes]]:
+    """`count` processes spinning on the CPU: a busy host, as the server meets one beside other work."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def false_rollbacks(port: int, runs: int, seconds: float, hogs: int) -> list[dict[str, Any]]:
+    """`runs` runs of the identical canary under load, each after a reset (see the module doc)."""
+    results = []
+    spinning = _hogs(hogs)
+    try:
+        for run in range(runs):
+            _reset(port, "identical")
+            results.append(result := asyncio.run(_identical_run(port, seconds)))
+            print(f"identical run {run + 1}: {result}", flush=True)
+    finally:
+        for process in spinning:
+            process.kill()
+            process.wait()
+    return results
+
+
 def _reset(port: int, model: str) -> None:
     status, doc = http_json(port, "PATCH", f"/admin/models/{model}/rollout", {"traffic": None})
     if status != 200:
@@ -217,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=100.0)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--shadow-only", action="store_true", help="skip the rollback scenarios (a quick look)")
+    parser.add_argument("--identical-runs", type=int, default=20, help="runs of the identical canary (0: none)")
+    parser.add_argument("--identical-seconds", type=float, default=45.0)
+    parser.add_argument("--hog", type=int, default=os.cpu_count() or 1,
+                        help="processes spinning on the CPU during the identical runs (a busy host)")
     parser.add_argument("--out", type=Path, default=RESULTS / "rollout.json")
     args = parser.parse_args(argv)
     (RESULTS / "logs").mkdir(parents=True, exist_ok=True)
@@ -247,9 +317,15 @@ def main(argv: list[str] | None = None) -> int:
                           f"{result['latency_ms']['p50']:.2f} ms, p99 {result['latency_ms']['p99']:.2f} ms, "
                           f"{result['errors']} errors, shadow {result['shadow']}", flush=True)
             rounds.append(row)
+        identical = [] if args.shadow_only else false_rollbacks(port, args.identical_runs, args.identical_seconds,
+                                                                args.hog)
     finally:
         server.stop()
-    finish_rounds(summarize(rounds), rounds, print_table, args.out)
+    report = summarize(rounds)
+    report["identical"] = {"runs": len(identical), "rolled_back": sum(r["rolled_back"] for r in identical),
+                           "hog_processes": args.hog, "seconds_per_run": args.identical_seconds,
+                           "reasons": [r["reason"] for r in identical if r["rolled_back"]], "each": identical}
+    finish_rounds(report, rounds, print_table, args.out)
     return 0
 
 
@@ -294,6 +370,10 @@ def print_table(report: dict[str, Any]) -> None:
         ("saturation: ok/s shadowed / plain", report["saturated_ok_ratio"], "x",
          f">= {GOAL_SATURATED_RATIO:g}x", report["saturated_ok_ratio"] >= GOAL_SATURATED_RATIO),
     ]
+    identical = report.get("identical", {})
+    if identical.get("runs"):
+        rows.append((f"identical canary rolled back (runs of {identical['runs']}, {identical['hog_processes']} hogs)",
+                     float(identical["rolled_back"]), "", "0", identical["rolled_back"] == 0))
     rows = [row for row in rows if row[1] is not None]
     width = max(len(r[0]) for r in rows)
     print(f"{'figure':<{width}}  {'value':>9}  {'goal':<9} verdict")

@@ -230,7 +230,10 @@ class Rollout:
         error = future.exception()
         bad = judged_error(error)
         now = time.monotonic()
-        self.judge.request_done(version, now, now - started, bad)
+        # The batch's compute time too (not for an answer the response cache gave: nothing ran for it).
+        result = None if error is not None else future.result()
+        compute_s = None if result is None or result.cache else result.compute_s
+        self.judge.request_done(version, now, now - started, bad, compute_s)
         if self._metrics is not None:
             self._metrics.rollout_requests.labels(self.name, version, "error" if bad else "success").inc()
 

@@ -109,11 +109,12 @@ class Verdict:
 
 
 class _Bucket:
-    __slots__ = ("errors", "latency_bins", "matches", "requests", "rows")
+    __slots__ = ("compute_bins", "errors", "latency_bins", "matches", "requests", "rows")
 
     def __init__(self) -> None:
         self.requests = self.errors = self.rows = self.matches = 0
         self.latency_bins: dict[int, int] = {}
+        self.compute_bins: dict[int, int] = {}
 
 
 class _BucketRing:
@@ -147,31 +148,40 @@ class VersionWindow:
     def __init__(self, span_s: float = 30.0) -> None:
         self._ring = _BucketRing(span_s)
 
-    def add(self, now: float, latency_s: float, error: bool) -> None:
-        """Count a request that finished at `now` after `latency_s`."""
+    def add(self, now: float, latency_s: float, error: bool, compute_s: float | None = None) -> None:
+        """Count a request that finished at `now` after `latency_s`, `compute_s` of it its batch's
+        compute (None: not computed for it, as a cache hit)."""
         if (bucket := self._ring.at(now)) is None:
             return
         bucket.requests += 1
         bucket.errors += bool(error)
-        low, high = LATENCY_RANGE_S
-        clamped = min(max(latency_s, low), high) if latency_s == latency_s else high  # nan: worst
-        key = math.floor(math.log(clamped) / _LOG_GROWTH)
+        key = _bin_of(latency_s)
         bucket.latency_bins[key] = bucket.latency_bins.get(key, 0) + 1
+        if compute_s is not None:
+            key = _bin_of(compute_s)
+            bucket.compute_bins[key] = bucket.compute_bins.get(key, 0) + 1
 
     def stats(self, now: float, window_s: float) -> WindowStats:
         """Requests, errors and p99 over the last `window_s` (at most the span it was made with)."""
-        return self.stats_and_histogram(now, window_s)[0]
+        return self.measure(now, window_s).stats
 
-    def stats_and_histogram(self, now: float, window_s: float) -> tuple[WindowStats, Counter[int]]:
-        """`stats`, and the window's latency histogram (bin key -> requests; `latency_of_bin`)."""
-        buckets, bins = self._ring.recent(now, window_s), Counter[int]()
+    def measure(self, now: float, window_s: float) -> Measured:
+        """`stats`, and the window's latency and compute histograms."""
+        buckets, latency, compute = self._ring.recent(now, window_s), Counter[int](), Counter[int]()
         for bucket in buckets:
-            bins.update(bucket.latency_bins)
+            latency.update(bucket.latency_bins)
+            compute.update(bucket.compute_bins)
         requests, errors = sum(b.requests for b in buckets), sum(b.errors for b in buckets)
         if not requests:
-            return WindowStats(0, 0, 0.0, None), bins
-        key = histogram_quantile_key(bins, requests, 0.99)
-        return WindowStats(requests, errors, errors / requests, latency_of_bin(key)), bins
+            return Measured(WindowStats(0, 0, 0.0, None), latency, compute)
+        p99 = latency_of_bin(histogram_quantile_key(latency, requests, 0.99))
+        return Measured(WindowStats(requests, errors, errors / requests, p99), latency, compute)
+
+
+def _bin_of(seconds: float) -> int:
+    low, high = LATENCY_RANGE_S
+    clamped = min(max(seconds, low), high) if seconds == seconds else high  # nan: worst
+    return math.floor(math.log(clamped) / _LOG_GROWTH)
 
 
 def latency_of_bin(key: int) -> float:
@@ -189,11 +199,13 @@ class RolloutJudge:
         self._shadows: dict[str, _BucketRing] = {}  # a bucket's requests are comparisons here
         self._totals: dict[str, int] = {}
 
-    def request_done(self, version: str, now: float, latency_s: float, error: bool) -> None:
-        """A request of `version` finished; `error` only for failures that count against a version."""
+    def request_done(self, version: str, now: float, latency_s: float, error: bool,
+                     compute_s: float | None = None) -> None:
+        """A request of `version` finished; `error` only for failures that count against a version;
+        `compute_s`: its batch's compute time (None when it was not computed for it)."""
         if (window := self._windows.get(version)) is None:
             window = self._windows[version] = VersionWindow(self.rules.window_s)
-        window.add(now, latency_s, error)
+        window.add(now, latency_s, error, compute_s)
         self._totals[version] = self._totals.get(version, 0) + 1
 
     def shadow_compared(self, version: str, now: float, rows: int, top1_matches: int) -> None:
@@ -253,8 +265,8 @@ class RolloutJudge:
     def _measured(self, version: str, now: float) -> Measured:
         window = self._windows.get(version)
         if window is None:
-            return Measured(WindowStats(0, 0, 0.0, None), Counter())
-        return Measured(*window.stats_and_histogram(now, self.rules.window_s))
+            return Measured(WindowStats(0, 0, 0.0, None), Counter(), Counter())
+        return window.measure(now, self.rules.window_s)
 
     def _canary_rollback(self, canary: str, c: Measured, s: Measured, window: str) -> Verdict | None:
         rules = self.rules
@@ -297,44 +309,51 @@ class RolloutJudge:
                           evidence: dict[str, float | int | str]) -> Verdict | None:
         rules, stable = self.rules, self.stable
         most, least_s = rules.max_p99_ratio, rules.min_p99_increase_s
-        n_c, n_s = c.stats.requests, s.stats.requests
-        if most is None or not n_c or not n_s:
+        if most is None:
             return None
-        # The tail (p99, or the highest quantile with TAIL_SAMPLES canary answers above it), and the
-        # median too: a canary slower throughout is plain at the median, where a host's bursts of
-        # slowness (which fill the tail of both versions) hide little (at the tail alone, a 3x slower
-        # canary was missed in 1 of 50 busy-host runs).
-        for quantile in dict.fromkeys((compared_quantile(0.99, min(n_c, n_s)), LOWEST_QUANTILE)):
-            c_q, s_q = c.latency(quantile), s.latency(quantile)
-            if c_q / s_q <= most or c_q - s_q < least_s:
+        # Latency as the clients see it, and the compute time of the batches: a canary with a tenth of
+        # the traffic queues less than the stable version, which hides a slower model in its latency
+        # (bench.rollout's 3x slower canary measured less than 2x the stable's latency on a busy host)
+        # but not in its compute time, which is what it will cost once it takes all the traffic.
+        for what, c_bins, s_bins in (("latency", c.latency_bins, s.latency_bins),
+                                     ("compute time", c.compute_bins, s.compute_bins)):
+            n_c, n_s = sum(c_bins.values()), sum(s_bins.values())
+            if n_c < rules.min_requests or n_s < rules.min_requests:
                 continue
-            # Both versions' answers together: does the canary hold more than its share of those in or
-            # above the bin of their common quantile? Exact under "no worse" whatever the latencies'
-            # shape (the bin is chosen from both together, so any answer is as likely the canary's).
-            threshold = histogram_quantile_key(c.bins + s.bins, n_c + n_s, quantile)
-            c_above, s_above = count_from(c.bins, threshold), count_from(s.bins, threshold)
-            p_value = hypergeometric_upper_tail(c_above, n_c, c_above + s_above, n_c + n_s)
-            if p_value >= SIGNIFICANCE:
-                continue
-            name = quantile_label(quantile)
-            return Verdict("rollback", canary, "p99", (
-                f"canary version '{canary}' answered with a {name} of {c_q * 1000:.1f} ms over {n_c} requests "
-                f"{window}, {c_q / s_q:.1f}x the {s_q * 1000:.1f} ms of stable version '{stable}' over {n_s} "
-                f"(allowed up to {most:g}x, or up to {least_s * 1000:g} ms more; {c_above} of the canary's answers "
-                f"and {s_above} of the stable's at or above both's {name}: p = {p_value:.1g})"), evidence | {
-                "quantile": quantile, "canary_quantile_s": c_q, "stable_quantile_s": s_q,
-                "quantile_ratio": c_q / s_q, "max_p99_ratio": most, "min_p99_increase_s": least_s,
-                "canary_above": c_above, "stable_above": s_above, "p_value": p_value})
+            # The tail (p99, or the highest quantile with TAIL_SAMPLES canary answers above it), and
+            # the median too: a canary slower throughout is plain at the median, where a host's bursts
+            # of slowness (which fill the tail of both versions) hide little (at the tail alone, a 3x
+            # slower canary was missed in 1 of 50 busy-host runs).
+            for quantile in dict.fromkeys((compared_quantile(0.99, min(n_c, n_s)), LOWEST_QUANTILE)):
+                c_q = latency_of_bin(histogram_quantile_key(c_bins, n_c, quantile))
+                s_q = latency_of_bin(histogram_quantile_key(s_bins, n_s, quantile))
+                if c_q / s_q <= most or c_q - s_q < least_s:
+                    continue
+                # Both versions' answers together: does the canary hold more than its share of those in
+                # or above the bin of their common quantile? Exact under "no worse" whatever the shape
+                # (the bin is chosen from both together, so any answer is as likely the canary's).
+                threshold = histogram_quantile_key(c_bins + s_bins, n_c + n_s, quantile)
+                c_above, s_above = count_from(c_bins, threshold), count_from(s_bins, threshold)
+                p_value = hypergeometric_upper_tail(c_above, n_c, c_above + s_above, n_c + n_s)
+                if p_value >= SIGNIFICANCE:
+                    continue
+                name = quantile_label(quantile)
+                return Verdict("rollback", canary, "p99", (
+                    f"canary version '{canary}' answered with a {name} {what} of {c_q * 1000:.1f} ms over {n_c} "
+                    f"requests {window}, {c_q / s_q:.1f}x the {s_q * 1000:.1f} ms of stable version '{stable}' over "
+                    f"{n_s} (allowed up to {most:g}x, or up to {least_s * 1000:g} ms more; {c_above} of the canary's "
+                    f"and {s_above} of the stable's at or above both's {name}: p = {p_value:.1g})"), evidence | {
+                    "measure": what, "quantile": quantile, "canary_quantile_s": c_q, "stable_quantile_s": s_q,
+                    "quantile_ratio": c_q / s_q, "max_p99_ratio": most, "min_p99_increase_s": least_s,
+                    "canary_above": c_above, "stable_above": s_above, "p_value": p_value})
         return None
 
 
 @dataclass(frozen=True, slots=True)
 class Measured:
-    """One version's window: its counts and its latency histogram."""
+    """One version's window: its counts, and its latency and compute-time histograms (bin key ->
+    requests; `latency_of_bin`)."""
 
     stats: WindowStats
-    bins: Counter[int]
-
-    def latency(self, quantile: float) -> float:
-        """The nearest-rank `quantile` of the window's latencies (within ±1 %), in seconds."""
-        return latency_of_bin(histogram_quantile_key(self.bins, self.stats.requests, quantile))
+    latency_bins: Counter[int]
+    compute_bins: Counter[int]
