@@ -340,6 +340,10 @@ def test_service_pdb_autoscaler_and_monitor_select_the_deployment(overlay: str):
     assert ports["http"]["targetPort"] in {p["name"] for p in container(deployment, "servewell")["ports"]}
     # alerts.yml's ServewellTargetDown matches job="servewell": the job comes from this Service label.
     assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "servewell"
+    # With API keys, /metrics is an operator's (issue 45): the scrape presents the pod's admin token.
+    admin = {e["name"]: e for e in container(deployment, "servewell")["env"]}["SERVEWELL_ADMIN_TOKEN"]
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["authorization"] == {"type": "Bearer", "credentials": admin["valueFrom"]["secretKeyRef"]}
 
 
 def test_prometheus_rule_is_generated_from_alerts_yml():
@@ -450,6 +454,9 @@ def test_inference_service_uses_the_runtime_and_drains_like_the_deployment():
     assert {e["port"] for e in podmonitor["spec"]["podMetricsEndpoints"]} == {
         p["name"] for p in container(runtime, "kserve-container")["ports"]
     }
+    admin = {e["name"]: e for e in container(runtime, "kserve-container")["env"]}["SERVEWELL_ADMIN_TOKEN"]
+    for endpoint in podmonitor["spec"]["podMetricsEndpoints"]:  # /metrics with keys: an operator's (issue 45)
+        assert endpoint["authorization"] == {"type": "Bearer", "credentials": admin["valueFrom"]["secretKeyRef"]}
 
 
 # --- the image ------------------------------------------------------------------------------------
