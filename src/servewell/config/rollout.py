@@ -60,7 +60,8 @@ class RollbackConfig(StrictModel):
         2.0, ge=1, le=1000, description="Roll back when the canary's p99 latency is more than this many times the "
         "stable version's; null: rule off. With fewer than 1,000 requests of either version in the window, the highest "
         "quantile with 10 of the canary's requests above it is compared instead (p90 for 100, the median for 20: never "
-        "the slowest answer), and the median always is too.")
+        "the slowest answer), and the median always is too; the batches' compute time is compared the same way (a "
+        "canary with a small share of the traffic queues less, which hides a slower model in its latency).")
     min_p99_increase_ms: float = Field(
         5.0, ge=0, le=3_600_000, description="The p99 rule also needs the canary's p99 to exceed the stable "
         "version's by at least this many milliseconds: on a busy host a sub-millisecond model's slow requests wait a "

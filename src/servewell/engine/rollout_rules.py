@@ -13,10 +13,11 @@ version. A sample leaves a window between window_s and window_s + one bucket aft
 A rule fires only on a difference that is both large (its margin) and unlikely by chance
 (engine/rollout_stats.py): the error rule tests the two versions' error counts (Fisher's exact
 test); the latency rule compares a quantile that has at least TAIL_SAMPLES canary answers above it
-(p99 from 1,000 answers, p90 from 100, the median from 20: never the slowest answer) and tests
-whether the canary holds more than its share of the answers above that quantile of both versions
-together. Measured before (issue 45 W10): a byte-identical canary was rolled back on a busy host,
-its p99 over 92 requests being its slowest answer (86.7 ms against 17.4 ms over 839).
+(p99 from 1,000 answers, p90 from 100, the median from 20: never the slowest answer), and the
+median, of the latency and of the batches' compute time, and tests whether the canary holds more
+than its share of the answers above that quantile of both versions together. Measured before
+(issue 45 W10): a byte-identical canary was rolled back on a busy host, its p99 over 92 requests
+being its slowest answer (86.7 ms against 17.4 ms over 839).
 """
 
 from __future__ import annotations
