@@ -9,7 +9,9 @@ bounded, to 127.0.0.1 only, stopping by themselves.
   50 per second per connection.
 
 `LegitGrpcCalls` is the legitimate gRPC client measured beside them: one `tritonclient.grpc`
-channel, opened before the attack, calling ModelInfer at a fixed rate.
+channel, opened before the attack, calling ModelInfer at a fixed rate. New clients during a flood
+of 3,000 idle connections (each needing a place under the cap) are the `grpc_idle_flood` case
+(bench/hostile_grpc_flood.py, issue 45 H18).
 """
 
 from __future__ import annotations
