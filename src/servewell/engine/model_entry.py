@@ -145,7 +145,8 @@ class ModelEntry:
     def _new_cache(self, config: ModelConfig) -> ResponseCache | None:
         if config.cache is None or not config.deterministic:
             return None
-        return ResponseCache(self.name, config.cache, self._services.metrics, version=config.version)
+        return ResponseCache(self.name, config.cache, self._services.metrics, self._services.clock,
+                             version=config.version)
 
     def submit(self, inputs: dict[str, np.ndarray], rows: int, lane: int, deadline: float | None, request_id: str,
                arrived_at: float | None) -> asyncio.Future[RequestResult]:
@@ -180,7 +181,7 @@ class ModelEntry:
             start = arrived_at if arrived_at is not None else time.monotonic()
             deadline = start + self.scheduler.batching.default_timeout_ms / 1000.0
         compute = partial(self.scheduler.submit, inputs, rows, lane, deadline, request_id, arrived_at, tenant, coalesce)
-        return cache.serve(inputs, deadline, compute, partial(self._telemetry.count, lane, "success"))
+        return cache.serve(inputs, deadline, compute, partial(self._telemetry.count, lane), tenant)
 
     def update_batching(self, changes: Mapping[str, Any]) -> dict[str, Any]:
         """An admin's live change of batching settings (all or nothing); a None value returns that

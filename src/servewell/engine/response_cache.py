@@ -1,22 +1,29 @@
-"""The response cache of one model version (`cache:` in model.yaml, issue 22).
+"""The response cache of one model version (`cache:` in model.yaml, issues 22 and 45).
 
 It lives in the engine process, one per model version for the whole server: every ingress's
 requests reach the same cache, and a reload (a new version or a changed model.yaml) builds a new
-entry with an empty cache. Answers are keyed on a 128-bit BLAKE2b hash of the input tensors
-(name, dtype, shape and bytes; `BYTES` elements by their bytes); nothing else a request carries
-changes a model's answer in the engine: output selection, encodings and labels are applied by
-the ingress afterwards, lanes and deadlines only decide when it runs.
+entry with an empty cache. Answers are keyed on a 128-bit BLAKE2b hash of the tenant and the input
+tensors (name, dtype, shape and bytes; `BYTES` elements by their bytes); nothing else a request
+carries changes a model's answer in the engine: output selection, encodings and labels are applied
+by the ingress afterwards, lanes and deadlines only decide when it runs.
 
-* A hit is answered at once, with the stored copy of the outputs (read-only arrays), without
-  queueing, batching or a worker.
+* Tenants are kept apart: a tenant's answers and computations are its own, since a hit (its
+  `Server-Timing`, its speed) would tell another tenant what this one sent. `shared_across_tenants`
+  lifts that for a model whose inputs are not private (the tenant is then left out of the key).
+* A hit is answered at once, with the stored answer (read-only arrays), without queueing,
+  batching or a worker.
 * A miss computes as before; when it succeeds its outputs are copied (a request's rows are views
-  of its whole batch) and kept, least recently used dropped first past `max_bytes`. An answer
-  larger than a quarter of `max_bytes` is not kept: one answer never empties the cache.
-* Identical requests that arrive while the first is computing wait for its answer instead of
-  computing again (coalesced), each up to its own deadline. When the first fails or is cancelled
-  (its client left) each waiting one computes for itself: an error is never shared, since it
-  may be the first request's own (its deadline, its cancel).
-* An answer older than `ttl_s` is not served (dropped when found).
+  of its whole batch) and kept, least recently used dropped first past `max_bytes`, which counts
+  what an answer really holds in the engine (`entry_bytes`). An answer larger than a quarter of
+  `max_bytes` is not kept: one answer never empties the cache.
+* Identical requests that arrive while one is computing wait for that computation instead of
+  computing again (coalesced), each up to its own deadline (`shared_computation.py`). The
+  computation is the cache's, not its first request's: when that request leaves (its client went
+  away) the others still get the answer; only when every request waiting for it is gone is it
+  dropped (before compute, if it has not started). An error is never shared, since it may be the
+  first request's own (its deadline): the requests still waiting share one new computation.
+* An answer older than `ttl_s` is never served, and is dropped when its time comes (it is not
+  counted in `entries` or `bytes` after that).
 
 Costs on a miss: one hash of the inputs (about 1 GB/s) and one copy of the outputs.
 """
@@ -24,36 +31,50 @@ Costs on a miss: one hash of the inputs (about 1 GB/s) and one copy of the outpu
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
+import heapq
 import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
 
 from servewell.config.cache import ResponseCacheConfig
+from servewell.engine.clock import Clock, TimerHandle
 from servewell.engine.protocol import RequestResult
-from servewell.errors import DeadlineExceeded
+from servewell.engine.shared_computation import Count, SharedComputations, Submit, uncounted
 from servewell.observability.metrics import ServeMetrics
 
-#: Bytes counted per kept answer beyond its arrays (the key, the dict entries, the array headers).
-ENTRY_OVERHEAD_BYTES = 256
+#: What one kept answer holds beyond its key and its arrays, measured with tracemalloc on CPython
+#: 3.11 (64-bit): its record (56 B), the answer a hit returns (88 B), its outputs dict (184 B with
+#: one output), its expiry time and size (56 B), its place in the LRU table (the dict's entry and
+#: index, the ordered dict's node: about 100 B, twice that just after the table grew) and in the
+#: expiry heap (a 56 B tuple and its slot, twice that while stale slots wait to be dropped).
+#: Counted high rather than low: `max_bytes` bounds the engine's memory, not the arrays' bytes.
+ENTRY_OVERHEAD_BYTES = 640
+#: What one kept array holds beyond `sys.getsizeof` (its header and owned data): its shape and
+#: strides, allocated apart, and the allocator's headers of that block and of its data.
+ARRAY_OVERHEAD_BYTES = 48
 #: A kept answer may take at most this share of `max_bytes`.
 LARGEST_SHARE = 4
+#: An answer's key (`input_key`): named apart, as the cache's `bytes` property hides the builtin in its class.
+Key = bytes
 CACHE_RESULTS = ("hit", "miss", "coalesced")
 EVICTION_REASONS = ("size", "ttl")
 
-Submit = Callable[[], "asyncio.Future[RequestResult]"]
+__all__ = ["CACHE_RESULTS", "EVICTION_REASONS", "ResponseCache", "entry_bytes", "input_key"]
 
 
-def input_key(inputs: dict[str, np.ndarray]) -> bytes:
-    """The hash that identifies a request's inputs (order of the names does not matter)."""
+def input_key(inputs: dict[str, np.ndarray], scope: str = "") -> bytes:
+    """The hash that identifies a request's inputs within `scope` (a tenant's id; "" when the
+    answers are shared); the order of the names does not matter."""
     digest = hashlib.blake2b(digest_size=16)
+    scoped = scope.encode()
+    digest.update(len(scoped).to_bytes(4, "little"))  # length first: no scope is a prefix of another
+    digest.update(scoped)
     for name in sorted(inputs):
         array = inputs[name]
         digest.update(f"{len(name)}:{name}{array.dtype.str}{array.shape}".encode())
@@ -68,39 +89,64 @@ def input_key(inputs: dict[str, np.ndarray]) -> bytes:
     return digest.digest()
 
 
-def _kept_copy(outputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
-    """Outputs copied into memory of their own (read-only), and the bytes they hold."""
+
+def entry_bytes(key: bytes, outputs: dict[str, np.ndarray]) -> int:
+    """The engine memory one kept answer takes: its key, its arrays (headers, shapes, data, the
+    objects of `BYTES` elements) and the cache's records around them (`ENTRY_OVERHEAD_BYTES`)."""
+    size = ENTRY_OVERHEAD_BYTES + sys.getsizeof(key)
+    for array in outputs.values():
+        size += sys.getsizeof(array) + ARRAY_OVERHEAD_BYTES
+        if array.dtype.hasobject:
+            size += sum(sys.getsizeof(x) for x in array.flat)
+    return size
+
+
+def _kept_answer(outputs: dict[str, np.ndarray], version: str) -> RequestResult:
+    """Outputs copied into memory of their own (read-only), as the answer every hit returns."""
     kept: dict[str, np.ndarray] = {}
-    size = ENTRY_OVERHEAD_BYTES
     for name, array in outputs.items():
         copy = np.array(array, copy=True)
         copy.flags.writeable = False
-        kept[name] = copy
-        size += copy.nbytes + (sum(sys.getsizeof(x) for x in copy.flat) if copy.dtype.hasobject else 0)
-    return kept, size
+        kept[sys.intern(name)] = copy  # every answer of the model shares one string per output name
+    return RequestResult(kept, 0.0, 0.0, 0, cache="hit", version=version)
 
 
 @dataclass(slots=True)
 class _Kept:
-    outputs: dict[str, np.ndarray]
+    answer: RequestResult
     size: int
     expires_at: float
+
+
+class _MonotonicClock:
+    """The deadline clock (`time.monotonic()`, the loop's `time()`) readable outside the loop too:
+    the cache's counts are read by the metrics scrape."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
+        return asyncio.get_running_loop().call_at(when, callback)
 
 
 class ResponseCache:
     """Kept answers and computations in flight of one model version."""
 
     def __init__(self, model: str, config: ResponseCacheConfig, metrics: ServeMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic, version: str = "") -> None:
+                 clock: Clock | None = None, version: str = "") -> None:
         self.model = model
         self.version = version  # the version whose answers it keeps (a hit says so)
         self.config = config  # model.yaml's bounds (an admin's change returns to them with null)
         self.max_bytes = config.max_bytes
         self.ttl_s = config.ttl_s
-        self._clock = clock
-        self._kept: OrderedDict[bytes, _Kept] = OrderedDict()
-        self._inflight: dict[bytes, asyncio.Future[RequestResult]] = {}
-        self.bytes = 0
+        self.shared_across_tenants = config.shared_across_tenants
+        self._clock: Clock = clock or _MonotonicClock()
+        self._kept: OrderedDict[Key, _Kept] = OrderedDict()
+        #: (expires_at, key) of kept answers, soonest first; a key dropped or kept again since leaves
+        #: a stale pair, skipped when it comes up (and the heap rebuilt when they pile up).
+        self._expiry: list[tuple[float, Key]] = []
+        self._computing = SharedComputations(self._clock, self._keep, lambda: self._count("miss"))
+        self._bytes = 0
         self.counts = dict.fromkeys(CACHE_RESULTS + tuple(f"evicted_{r}" for r in EVICTION_REASONS), 0)
         self._metrics = metrics
         if metrics is not None:  # series exist from the start, so increase() sees the first event
@@ -111,87 +157,67 @@ class ResponseCache:
 
     @property
     def entries(self) -> int:
-        """Answers kept now."""
+        """Answers kept now (those past `ttl_s` are dropped first)."""
+        self._drop_expired(self._clock.now())
         return len(self._kept)
 
-    def serve(self, inputs: dict[str, np.ndarray], deadline_at: float, submit: Submit,
-              served: Callable[[], None] = lambda: None) -> asyncio.Future[RequestResult]:
-        """The answer to `inputs`: kept, shared with an identical request in flight, or computed by
-        `submit()` (whose errors, such as a full queue, are raised as they are). `served()` is
-        called for each answer that did not compute (the scheduler counts the ones that did)."""
-        key = input_key(inputs)
-        leader = self._inflight.get(key)
-        if leader is not None and leader.done():
-            self._landed(key, leader)  # answered in this loop turn, its callback not run yet: keep it now
-            leader = None
-        kept = self._lookup(key)
-        if kept is not None:
-            self._count("hit")
-            served()
-            future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
-            future.set_result(RequestResult(kept.outputs, 0.0, 0.0, 0, cache="hit", version=self.version))
-            return future
-        if leader is not None:
-            self._count("coalesced")
-            return asyncio.ensure_future(self._follow(key, leader, deadline_at, submit, served))
-        return self._lead(key, submit)
+    @property
+    def bytes(self) -> int:
+        """Engine memory the answers kept now take (`entry_bytes`; those past `ttl_s` dropped first)."""
+        self._drop_expired(self._clock.now())
+        return self._bytes
 
-    def _lead(self, key: bytes, submit: Submit) -> asyncio.Future[RequestResult]:
-        future = submit()
-        self._count("miss")
-        self._inflight[key] = future
-        future.add_done_callback(partial(self._landed, key))
-        return future
-
-    async def _follow(self, key: bytes, leader: asyncio.Future[RequestResult], deadline_at: float, submit: Submit,
-                      served: Callable[[], None]) -> RequestResult:
-        try:
-            result = await asyncio.wait_for(asyncio.shield(leader), max(0.0, deadline_at - self._clock()))
-        except TimeoutError:
-            raise DeadlineExceeded("the request's deadline passed while it waited for the answer of an identical "
-                                   "request being computed") from None
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if not leader.cancelled() or (task is not None and task.cancelling()):
-                raise  # this request's own cancel (its client left)
-        except Exception:  # the first request's error may be its own (its deadline): compute this one
-            pass
-        else:
-            served()
-            return dataclasses.replace(result, cache="coalesced")
-        return await self._lead(key, submit)
-
-    def _landed(self, key: bytes, future: asyncio.Future[RequestResult]) -> None:
-        if self._inflight.get(key) is not future:
-            return  # taken already (`serve` found it done), or a newer computation of the same inputs leads
-        del self._inflight[key]
-        if future.cancelled() or future.exception() is not None:
-            return
-        self._keep(key, future.result().outputs)
-
-    def _lookup(self, key: bytes) -> _Kept | None:
+    def serve(self, inputs: dict[str, np.ndarray], deadline_at: float, submit: Submit, count: Count = uncounted,
+              tenant: str = "") -> asyncio.Future[RequestResult]:
+        """The answer to `inputs` for `tenant`: kept, shared with an identical request in flight, or
+        computed by `submit()` (whose errors, such as a full queue, are raised as they are).
+        `count(outcome)` counts the outcome of each request whose computation's own outcome the
+        scheduler does not count (hits, requests that shared a computation)."""
+        key = input_key(inputs, "" if self.shared_across_tenants else tenant)
+        self._drop_expired(self._clock.now())
+        self._computing.settle(key)  # a computation answered in this loop turn keeps its answer now
         kept = self._kept.get(key)
-        if kept is None:
-            return None
-        if kept.expires_at <= self._clock():
-            self._drop(key, "ttl")
-            return None
-        self._kept.move_to_end(key)
-        return kept
+        if kept is not None:
+            self._kept.move_to_end(key)
+            self._count("hit")
+            count("success")
+            future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
+            future.set_result(kept.answer)
+            return future
+        if self._computing.has(key):
+            self._count("coalesced")
+            return self._computing.join(key, deadline_at, submit, count)
+        return self._computing.lead(key, submit, deadline_at, count)
 
-    def _keep(self, key: bytes, outputs: dict[str, np.ndarray]) -> None:
-        copies, size = _kept_copy(outputs)
+    def _keep(self, key: Key, computed: RequestResult) -> None:
+        if sum(a.nbytes for a in computed.outputs.values()) * LARGEST_SHARE > self.max_bytes:
+            return  # too large whatever its overhead: not even copied
+        answer = _kept_answer(computed.outputs, self.version)
+        size = entry_bytes(key, answer.outputs)  # of the copies: a row of a batch is a view, its bytes not its own
         if size * LARGEST_SHARE > self.max_bytes:
             return
         if key in self._kept:
             self._drop(key, None)
-        self._kept[key] = _Kept(copies, size, self._clock() + self.ttl_s)
-        self.bytes += size
-        while self.bytes > self.max_bytes and self._kept:
+        expires_at = self._clock.now() + self.ttl_s
+        self._kept[key] = _Kept(answer, size, expires_at)
+        heapq.heappush(self._expiry, (expires_at, key))
+        self._bytes += size
+        while self._bytes > self.max_bytes and self._kept:
             self._drop(next(iter(self._kept)), "size")
+        if len(self._expiry) > len(self._kept) + (len(self._kept) >> 2) + 64:  # stale pairs: O(1) amortized
+            self._expiry = [(kept.expires_at, k) for k, kept in self._kept.items()]
+            heapq.heapify(self._expiry)
 
-    def _drop(self, key: bytes, reason: str | None) -> None:
-        self.bytes -= self._kept.pop(key).size
+    def _drop_expired(self, now: float) -> None:
+        expiry = self._expiry
+        while expiry and expiry[0][0] <= now:
+            _, key = heapq.heappop(expiry)
+            kept = self._kept.get(key)
+            if kept is not None and kept.expires_at <= now:
+                self._drop(key, "ttl")
+
+    def _drop(self, key: Key, reason: str | None) -> None:
+        self._bytes -= self._kept.pop(key).size
         if reason is not None:
             self.counts[f"evicted_{reason}"] += 1
             if self._metrics is not None:
@@ -209,17 +235,19 @@ class ResponseCache:
             self.ttl_s = ttl_s
         if max_bytes is not None:
             self.max_bytes = max_bytes
-            while self.bytes > self.max_bytes and self._kept:
+            while self._bytes > self.max_bytes and self._kept:
                 self._drop(next(iter(self._kept)), "size")
 
     def clear(self) -> int:
         """Drop every kept answer (computations in flight still answer their requests); how many."""
+        self._drop_expired(self._clock.now())
         dropped = len(self._kept)
-        self._kept.clear()
-        self.bytes = 0
+        self._kept = OrderedDict()  # a new table: clear() would keep the old one's size
+        self._expiry = []
+        self._bytes = 0
         return dropped
 
     def report(self) -> dict[str, Any]:
         """Settings, what it holds and its counts, for the admin API and the model's report."""
-        return {"max_bytes": self.max_bytes, "ttl_s": self.ttl_s, "bytes": self.bytes, "entries": len(self._kept),
-                "in_flight": len(self._inflight), **self.counts}
+        return {"max_bytes": self.max_bytes, "ttl_s": self.ttl_s, "shared_across_tenants": self.shared_across_tenants,
+                "bytes": self.bytes, "entries": self.entries, "in_flight": self._computing.in_flight, **self.counts}

@@ -1,5 +1,6 @@
 """The response cache (engine/response_cache.py) with a submit that counts its computations:
-hits, in-flight sharing, errors never shared, deadlines, byte bound, TTL and the key."""
+hits, in-flight sharing, errors never shared, deadlines, byte bound, TTL and the key. Tenants,
+a leader that leaves and what an answer really costs: test_response_cache.py."""
 
 from __future__ import annotations
 
@@ -10,33 +11,17 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from fake_clock import FakeClock
+from held_computations import HeldComputations as Model
 from servewell.config.cache import ResponseCacheConfig
 from servewell.config.model import ModelConfig
 from servewell.engine.protocol import RequestResult
-from servewell.engine.response_cache import ENTRY_OVERHEAD_BYTES, ResponseCache, input_key
+from servewell.engine.response_cache import ResponseCache, entry_bytes, input_key
 from servewell.errors import DeadlineExceeded, Overloaded
 
 
-class Model:
-    """A submit whose computations the test finishes by hand."""
-
-    def __init__(self) -> None:
-        self.calls: list[asyncio.Future[RequestResult]] = []
-
-    def submit(self) -> asyncio.Future[RequestResult]:
-        future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
-        self.calls.append(future)
-        return future
-
-    def answer(self, index: int, value: float, rows: int = 1) -> np.ndarray:
-        batch = np.full((rows + 1, 4), value, dtype=np.float32)  # the request's rows are a view of a batch
-        self.calls[index].set_result(RequestResult({"y": batch[:rows]}, 0.001, 0.002, rows + 1))
-        return batch
-
-
 def _cache(max_bytes: int = 1 << 20, ttl_s: float = 60.0, clock: Any = None) -> ResponseCache:
-    config = ResponseCacheConfig(max_bytes=max_bytes, ttl_s=ttl_s)
-    return ResponseCache("m", config) if clock is None else ResponseCache("m", config, clock=clock)
+    return ResponseCache("m", ResponseCacheConfig(max_bytes=max_bytes, ttl_s=ttl_s), clock=clock)
 
 
 def _inputs(value: float) -> dict[str, np.ndarray]:
@@ -49,14 +34,13 @@ FAR = 1e18  # a deadline that never passes
 def test_a_repeat_is_answered_from_the_cache_with_a_copy_of_its_own() -> None:
     async def run() -> None:
         cache, model = _cache(), Model()
-        served: list[int] = []
-        first = cache.serve(_inputs(1.0), FAR, model.submit, lambda: served.append(1))
+        first = cache.serve(_inputs(1.0), FAR, model.submit, model.count)
         batch = model.answer(0, 7.0)
         assert (await first).cache == ""
         await asyncio.sleep(0)  # the cache's done callback runs
         batch[:] = -1.0  # the batch's memory is reused or changed later: the kept answer is a copy
-        again = await cache.serve(_inputs(1.0), FAR, model.submit, lambda: served.append(1))
-        assert again.cache == "hit" and len(model.calls) == 1 and served == [1]
+        again = await cache.serve(_inputs(1.0), FAR, model.submit, model.count)
+        assert again.cache == "hit" and len(model.calls) == 1 and model.outcomes == {"success": 1}
         assert again.outputs["y"].tolist() == [[7.0] * 4]
         assert not again.outputs["y"].flags.writeable
         other = cache.serve(_inputs(2.0), FAR, model.submit)
@@ -84,22 +68,18 @@ def test_identical_requests_in_flight_share_one_computation() -> None:
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("ending", ["cancelled", "failed"])
-def test_an_error_of_the_first_request_is_not_shared(ending: str) -> None:
+def test_an_error_of_the_first_request_is_its_own_and_the_others_share_one_new_computation() -> None:
     async def run() -> None:
         cache, model = _cache(), Model()
         first = cache.serve(_inputs(1.0), FAR, model.submit)
-        second = cache.serve(_inputs(1.0), FAR, model.submit)
+        others = [cache.serve(_inputs(1.0), FAR, model.submit) for _ in range(3)]
         await asyncio.sleep(0)
-        if ending == "cancelled":
-            first.cancel()  # its client left
-        else:
-            model.calls[0].set_exception(DeadlineExceeded("the first request's own deadline"))
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert len(model.calls) == 2  # the waiting request computes for itself
+        model.calls[0].set_exception(DeadlineExceeded("the first request's own deadline"))
+        with pytest.raises(DeadlineExceeded):
+            await first
+        assert len(model.calls) == 2  # one new computation for the three still waiting, not one each
         model.answer(1, 5.0)
-        assert (await second).outputs["y"].tolist() == [[5.0] * 4]
+        assert [r.outputs["y"].tolist() for r in await asyncio.gather(*others)] == [[[5.0] * 4]] * 3
         assert cache.entries == 1
 
     asyncio.run(run())
@@ -123,13 +103,16 @@ def test_a_waiting_request_that_is_cancelled_leaves_the_first_computing() -> Non
 
 def test_a_waiting_request_ends_at_its_own_deadline() -> None:
     async def run() -> None:
-        cache, model = _cache(), Model()
-        cache.serve(_inputs(1.0), FAR, model.submit)
-        loop = asyncio.get_running_loop()
-        waiting = cache.serve(_inputs(1.0), loop.time() + 0.05, model.submit)
+        clock = FakeClock()
+        cache, model = _cache(clock=clock), Model()
+        first = cache.serve(_inputs(1.0), FAR, model.submit, model.count)
+        waiting = cache.serve(_inputs(1.0), clock.now() + 0.05, model.submit, model.count)
+        clock.advance(0.049)
+        assert not waiting.done()
+        clock.advance(0.002)
         with pytest.raises(DeadlineExceeded):
             await waiting
-        assert len(model.calls) == 1
+        assert len(model.calls) == 1 and not first.done() and model.outcomes == {"deadline_exceeded": 1}
 
     asyncio.run(run())
 
@@ -149,7 +132,7 @@ def test_a_full_queue_is_raised_and_nothing_is_left_in_flight() -> None:
 
 
 def test_bytes_stay_under_max_bytes_least_recently_used_first() -> None:
-    size = 16 + ENTRY_OVERHEAD_BYTES  # one row of 4 float32, plus the overhead
+    size = entry_bytes(input_key(_inputs(0.0)), {"y": np.zeros((1, 4), np.float32)})  # one row of 4 float32
 
     async def run() -> None:
         cache, model = _cache(max_bytes=4 * size + 10), Model()
@@ -181,16 +164,16 @@ def test_an_answer_larger_than_a_quarter_of_the_cache_is_not_kept() -> None:
 
 
 def test_an_answer_older_than_the_ttl_is_computed_again() -> None:
-    now = [100.0]
+    clock = FakeClock()
 
     async def run() -> None:
-        cache, model = _cache(ttl_s=10.0, clock=lambda: now[0]), Model()
+        cache, model = _cache(ttl_s=10.0, clock=clock), Model()
         cache.serve(_inputs(1.0), FAR, model.submit)
         model.answer(0, 1.0)
         await asyncio.sleep(0)
-        now[0] += 9.0
+        clock.advance(9.0)
         assert cache.serve(_inputs(1.0), FAR, model.submit).done()
-        now[0] += 2.0
+        clock.advance(2.0)
         assert not cache.serve(_inputs(1.0), FAR, model.submit).done()
         assert cache.counts["evicted_ttl"] == 1 and cache.bytes == 0
 
