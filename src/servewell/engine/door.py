@@ -70,6 +70,7 @@ from servewell.observability.context import (
     request_id_var,
     route_key_var,
 )
+from servewell.workers.shm import COPIES, OFF_LOOP_BYTES
 
 log = logging.getLogger("servewell.engine")
 
@@ -155,6 +156,7 @@ class EngineDoor:
         self._asks: dict[int, asyncio.Future[Any]] = {}
         self._ask_ids = itertools.count(1)
         self._control_tasks: set[asyncio.Future[Any]] = set()  # control calls being awaited (strong refs)
+        self._copies: set[asyncio.Future[SharedTensors | None]] = set()  # large results being written (strong refs)
 
     async def start(self) -> None:
         """Listen (the socket file is the owner's only)."""
@@ -342,7 +344,11 @@ class EngineDoor:
         if error is None:
             result = future.result()
             shared = None
-            if ingress.outputs is not None and tensor_bytes(result.outputs) >= max(1, self._shared_min):
+            size = tensor_bytes(result.outputs)
+            if ingress.outputs is not None and size >= max(1, self._shared_min):
+                if size >= OFF_LOOP_BYTES:  # a large result is copied on the copy thread (issue 45 H1)
+                    self._answer_off_loop(ingress, call_id, placement, result, ingress.outputs)
+                    return
                 shared = ingress.outputs.put(result.outputs)
                 if shared is not None:
                     result = dataclasses.replace(result, outputs={})
@@ -351,6 +357,24 @@ class EngineDoor:
             ingress.writer.send(Outcome(call_id, error=error, placement=placement))
         else:
             ingress.writer.send(Outcome(call_id, error=ModelError(f"the request failed: {error}"), placement=placement))
+
+    def _answer_off_loop(self, ingress: _Ingress, call_id: int, placement: BatchPlacement, result: RequestResult,
+                         store: TensorStore) -> None:
+        """`result`'s outputs written into the ingress's shared memory on the copy thread, then its
+        outcome sent (inline when they found no room there)."""
+        copying = asyncio.ensure_future(COPIES.run(partial(store.put, result.outputs)))
+        self._copies.add(copying)
+
+        def written(task: asyncio.Future[SharedTensors | None]) -> None:
+            self._copies.discard(task)
+            shared = None if task.cancelled() or task.exception() is not None else task.result()
+            if ingress.closed:
+                store.abandon()  # abandoned meanwhile, perhaps before this block: no segment is left behind
+                return
+            answer = result if shared is None else dataclasses.replace(result, outputs={})
+            ingress.writer.send(Outcome(call_id, result=answer, placement=placement, shared=shared))
+
+        copying.add_done_callback(written)
 
     def _on_lost(self, ingress: _Ingress, exc: BaseException | None) -> None:
         if ingress.closed:

@@ -17,10 +17,13 @@ owner dies), only inside the segment, only numeric and BOOL dtypes whose shape m
 Anything else is refused with `ValueError`, and the block is still released.
 
 Blocks come in power-of-two size classes carved from segments of `segment_bytes` and reused
-through one free list per class; a block larger than a segment gets a segment of its own,
-unlinked when it is released. With no block in use, 30 s or more after it last grew, a store
-keeps one segment and unlinks the rest (checked at each release and every few seconds by its
-owner), so a burst does not hold its peak of /dev/shm, which a pod pays as memory. It never holds
+through one free list per class; a block larger than a segment gets a segment of its own, kept
+when it is released for the next large block (making and unlinking one per 60 MB result cost the
+engine's loop about 100 ms each). With no block in use, 30 s or more after it last grew, a store
+keeps one segment and unlinks the rest, kept own segments included (checked at each release and
+every few seconds by its owner), so a burst does not hold its peak of /dev/shm, which a pod pays
+as memory. `put` may run on another thread than the rest (the engine writes a large result on
+its copy thread, `workers/shm.py` COPIES): the bookkeeping is under a lock, the copy outside it. It never holds
 more than `limit_bytes` of segments, and takes a new one only while half of /dev/shm stays free
 (a container's is often 64-256 MiB, and the workers' batch arenas need it); past either, `put`
 returns None and the message carries its tensors inline, as small ones always do. Segments get
@@ -118,11 +121,18 @@ class TensorStore:
         self._names = itertools.count()
         self._ids = itertools.count(1)
         self._segments: list[Segment] = []  # the shared ones blocks are carved from
+        # Own segments (a block larger than a segment) released and kept for the next large block:
+        # making one reserves its memory (60 MB: about 15 ms of page clearing) and unlinking it
+        # gives the memory back (more again), both for every large result without these.
+        self._spares: list[Segment] = []
         self._current: Segment | None = None
         self._bump = 0  # first free byte of `_current`
         self._free: dict[int, list[tuple[Segment, int]]] = {}  # size class -> free blocks
         self._blocks: dict[int, tuple[int, Segment, int]] = {}  # id -> (size class or 0: own segment, segment, offset)
         self._mapped = 0  # bytes of every segment mapped now
+        # `put` may run on a copy thread (a large result, engine/door.py) while the loop releases:
+        # the bookkeeping is done under this lock, the copy into a block (owned by its put) outside it.
+        self._lock = threading.Lock()
 
     @property
     def blocks_in_use(self) -> int:
@@ -140,12 +150,13 @@ class TensorStore:
         if not arrays or any(a.dtype.kind not in _DTYPE_KINDS for a in arrays.values()):
             return None
         need = tensor_bytes(arrays)
-        place = self._allocate(need)
-        if place is None:
-            return None
-        size_class, segment, start = place
-        block = next(self._ids)
-        self._blocks[block] = (size_class, segment, start)
+        with self._lock:
+            place = self._allocate(need)
+            if place is None:
+                return None
+            size_class, segment, start = place
+            block = next(self._ids)
+            self._blocks[block] = (size_class, segment, start)
         tensors: list[SharedTensor] = []
         offset = start
         for name, array in arrays.items():
@@ -157,23 +168,27 @@ class TensorStore:
 
     def release(self, blocks: tuple[int, ...]) -> None:
         """The reader is done with `blocks` (ids it does not know are ignored: an abandoned generation)."""
-        for block in blocks:
-            place = self._blocks.pop(block, None)
-            if place is None:
-                continue
-            size_class, segment, offset = place
-            if size_class == 0:
-                self._mapped -= segment.size
-                segment.close()
-                segment.unlink()
-            else:
-                self._free.setdefault(size_class, []).append((segment, offset))
-        self.trim_if_idle()
+        with self._lock:
+            for block in blocks:
+                place = self._blocks.pop(block, None)
+                if place is None:
+                    continue
+                size_class, segment, offset = place
+                if size_class == 0:
+                    self._spares.append(segment)
+                else:
+                    self._free.setdefault(size_class, []).append((segment, offset))
+            self._trim_if_idle()
 
     def trim_if_idle(self) -> None:
         """With no block in use, `trim_after_s` or more after the store last grew: keep one segment
         and unlink the rest (called at every release and by its owner's periodic check)."""
-        if not self._blocks and len(self._segments) > 1 and time.monotonic() - self._grown_at >= self._trim_after_s:
+        with self._lock:
+            self._trim_if_idle()
+
+    def _trim_if_idle(self) -> None:
+        if (not self._blocks and (len(self._segments) > 1 or self._spares)
+                and time.monotonic() - self._grown_at >= self._trim_after_s):
             self._trim()
 
     def _trim(self) -> None:
@@ -186,23 +201,26 @@ class TensorStore:
                 segment.close()
                 segment.unlink()
         self._segments = [keep] if keep is not None else []
+        self._drop_spares(len(self._spares))
         self._free = {size: kept for size, blocks in self._free.items()
                       if (kept := [block for block in blocks if block[0] is keep])}
 
     def abandon(self) -> None:
         """The reader is gone: unlink every segment (a reader that still maps one keeps its
         memory until its arrays go) and start afresh, so no block it may still read is reused."""
-        for size_class, segment, _ in self._blocks.values():
-            if size_class == 0:  # an own segment
+        with self._lock:
+            for size_class, segment, _ in self._blocks.values():
+                if size_class == 0:  # an own segment
+                    segment.close()
+                    segment.unlink()
+            for segment in self._segments + self._spares:
                 segment.close()
                 segment.unlink()
-        for segment in self._segments:
-            segment.close()
-            segment.unlink()
-        self._segments.clear()
-        self._blocks.clear()
-        self._free.clear()
-        self._current, self._bump, self._mapped = None, 0, 0
+            self._segments.clear()
+            self._spares.clear()
+            self._blocks.clear()
+            self._free.clear()
+            self._current, self._bump, self._mapped = None, 0, 0
 
     close = abandon
 
@@ -210,10 +228,20 @@ class TensorStore:
         size_class = max(_SMALLEST_BLOCK, 1 << (need - 1).bit_length())
         if size_class > self._segment_bytes:
             size = _aligned(need)
+            fits = [spare for spare in self._spares if spare.size >= size]
+            if fits:
+                spare = min(fits, key=lambda segment: segment.size)
+                self._spares.remove(spare)
+                return 0, spare, 0
+            while self._spares and self._mapped + size > self._limit:
+                self._drop_spares(1)
             if self._mapped + size > self._limit:
                 return None
             segment = self._new_segment(size)
-            return (0, segment, 0) if segment is not None else None
+            if segment is None:
+                return None
+            self._grown_at = time.monotonic()
+            return 0, segment, 0
         free = self._free.get(size_class)
         if free:
             segment, offset = free.pop()
@@ -230,6 +258,15 @@ class TensorStore:
         offset = self._bump
         self._bump += size_class
         return size_class, self._current, offset
+
+    def _drop_spares(self, count: int) -> None:
+        """Unlink `count` spare own segments, largest first."""
+        self._spares.sort(key=lambda segment: segment.size)
+        for _ in range(count):
+            segment = self._spares.pop()
+            self._mapped -= segment.size
+            segment.close()
+            segment.unlink()
 
     def _new_segment(self, size: int) -> Segment | None:
         if shm_free_fraction(size) < KEEP_FREE_FRACTION:

@@ -20,6 +20,7 @@ import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -55,9 +56,12 @@ from servewell.workers.messages import (
 from servewell.workers.output_cap import OutputLimits
 from servewell.workers.process_start import end_group, find_jemalloc, output_pipe, spawn, watch_exit
 from servewell.workers.shm import (
+    COPIES,
+    OFF_LOOP_BYTES,
     HeartbeatCell,
     SegmentReader,
     SharedArena,
+    copies_of,
     new_prefix,
     remove_segments,
     shm_directory,
@@ -159,6 +163,7 @@ class WorkerHandle:
         self.segment_prefix = new_prefix()
         self._arena: SharedArena | None = None
         self._reader = SegmentReader()
+        self._copies: set[asyncio.Future[dict[str, np.ndarray]]] = set()  # large outputs being copied out
         self._heartbeat: HeartbeatCell | None = None
         self._beat = 0
         self._beat_at = 0.0
@@ -401,8 +406,12 @@ class WorkerHandle:
             self.rss_bytes = message.rss_bytes
             self.rows_computed = message.rows_computed
             if future is not None and not future.done():
-                outputs = self._reader.arrays(message.segment, message.outputs, copy=True) if message.outputs else {}
-                future.set_result(BatchOutcome(outputs, message.compute_s, message.steps, message.skipped))
+                if sum(ref.nbytes for ref in message.outputs) >= OFF_LOOP_BYTES:
+                    self._deliver_off_loop(future, message)
+                else:
+                    outputs = self._reader.arrays(message.segment, message.outputs, copy=True) \
+                        if message.outputs else {}
+                    future.set_result(BatchOutcome(outputs, message.compute_s, message.steps, message.skipped))
             if self._on_batch_done is not None:
                 self._on_batch_done(self, message)
         elif isinstance(message, ProfileDone):
@@ -417,6 +426,25 @@ class WorkerHandle:
                     future.set_exception(WorkerLost(f"the device failed and the worker restarts: {message.message}"))
                 else:
                     future.set_exception(ModelError(f"model failed on the batch: {message.message}"))
+
+    def _deliver_off_loop(self, future: asyncio.Future[BatchOutcome], done: BatchDone) -> None:
+        """Copy a large batch's outputs out of the worker's arena on the copy thread, then resolve
+        `future`: the worker writes its arena again only for a batch sent after that (the runner
+        is busy until the future resolves), and the event loop serves meanwhile (issue 45 H1)."""
+        views = self._reader.arrays(done.segment, done.outputs, copy=False)
+        copying = asyncio.ensure_future(COPIES.run(partial(copies_of, views)))
+        self._copies.add(copying)
+
+        def delivered(task: asyncio.Future[dict[str, np.ndarray]]) -> None:
+            self._copies.discard(task)
+            if future.done():
+                return
+            if task.cancelled() or task.exception() is not None:
+                future.set_exception(WorkerLost(f"the batch's outputs could not be read: {task!r}"))
+            else:
+                future.set_result(BatchOutcome(task.result(), done.compute_s, done.steps, done.skipped))
+
+        copying.add_done_callback(delivered)
 
     def _gone_error(self, why: str) -> ServeError:
         if self.hung_reason is not None:

@@ -15,6 +15,7 @@ frontend sweeps by prefix, so nothing needs a tracker.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import itertools
 import math
@@ -22,8 +23,11 @@ import mmap
 import os
 import struct
 import tempfile
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -276,6 +280,40 @@ class SegmentReader:
         for shm in self._attached.values():
             shm.close()
         self._attached.clear()
+
+
+#: Copies of this many bytes or more are made on `COPIES`' thread, off the event loop: below it the
+#: hand-over (tens of microseconds) costs more than the copy.
+OFF_LOOP_BYTES = 1 << 20
+
+T = TypeVar("T")
+
+
+class CopyThread:
+    """One thread for the large copies of an event-loop process (a batch's outputs out of a worker's
+    arena, a result into an ingress's shared memory), started at its first use. numpy gives up the
+    GIL while it copies, so the loop runs on meanwhile: a 60 MB answer's copies held the engine's
+    loop, which every model's requests pass through, about 80 ms each (issue 45 H1)."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    async def run(self, work: Callable[[], T]) -> T:
+        """`work()` on the copy thread; its result."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="servewell-copy")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+
+
+#: The process's copy thread.
+COPIES = CopyThread()
+
+
+def copies_of(views: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each array copied (numpy releases the GIL for the copy)."""
+    return {name: view.copy() for name, view in views.items()}
 
 
 _BEAT = struct.Struct("<Q")

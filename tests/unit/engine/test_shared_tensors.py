@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -87,19 +88,60 @@ def test_a_released_block_is_reused_and_one_in_use_never_is(store: TensorStore) 
     assert store.blocks_in_use == 2
 
 
-def test_a_block_larger_than_a_segment_has_its_own_and_it_is_unlinked_at_release(store: TensorStore) -> None:
-    big = np.zeros((3 << 20) // 4, np.float32)  # 3 MiB against 1 MiB segments
-    shared = store.put({"big": big})
-    assert shared is not None and shared.own_segment
-    path = shm_directory() / shared.segment
-    assert path.stat().st_size >= big.nbytes
-    released: list[int] = []
-    arrays = TensorLeases(PID, released.append).arrays(shared)
-    assert arrays["big"].shape == big.shape
-    del arrays
-    store.release(tuple(released))
-    assert not path.exists()
-    assert store.mapped_bytes == 0
+def test_a_block_larger_than_a_segment_has_its_own_kept_for_the_next_one_until_the_store_is_idle() -> None:
+    """A large result's own segment is kept at release and carries the next large one (making and
+    unlinking one per result cost the engine's loop ~100 ms each at 60 MB, issue 45 H1); the
+    store's idle trim unlinks it."""
+    store = TensorStore(limit_bytes=64 << 20, segment_bytes=1 << 20, trim_after_s=3600)
+    try:
+        big = np.zeros((3 << 20) // 4, np.float32)  # 3 MiB against 1 MiB segments
+        shared = store.put({"big": big})
+        assert shared is not None and shared.own_segment
+        path = shm_directory() / shared.segment
+        assert path.stat().st_size >= big.nbytes
+        released: list[int] = []
+        arrays = TensorLeases(PID, released.append).arrays(shared)
+        assert arrays["big"].shape == big.shape
+        del arrays
+        store.release(tuple(released))
+        assert path.exists() and store.blocks_in_use == 0  # kept, not in use
+
+        smaller = np.ones((2 << 20) // 4, np.float32)
+        again = store.put({"big": smaller})
+        assert again is not None and again.own_segment and again.segment == shared.segment  # reused
+        read = TensorLeases(PID, lambda block: None).arrays(again)
+        assert np.array_equal(read["big"], smaller)
+        del read
+        store.release((again.block,))
+    finally:
+        store.close()
+    assert not path.exists() and store.mapped_bytes == 0
+
+
+def test_an_idle_store_unlinks_its_kept_own_segments() -> None:
+    store = TensorStore(limit_bytes=64 << 20, segment_bytes=1 << 20, trim_after_s=0)
+    try:
+        shared = store.put({"big": np.zeros((3 << 20) // 4, np.float32)})
+        assert shared is not None
+        store.release((shared.block,))  # idle now, and trim_after_s has passed
+        assert not (shm_directory() / shared.segment).exists()
+        assert store.mapped_bytes == 0
+    finally:
+        store.close()
+
+
+def test_kept_own_segments_give_way_to_a_larger_block_under_the_limit() -> None:
+    store = TensorStore(limit_bytes=6 << 20, segment_bytes=1 << 20, trim_after_s=3600)
+    try:
+        first = store.put({"big": np.zeros((3 << 20) // 4, np.float32)})
+        assert first is not None
+        store.release((first.block,))
+        second = store.put({"big": np.zeros((5 << 20) // 4, np.float32)})  # 3 + 5 MiB would pass 6 MiB
+        assert second is not None and second.segment != first.segment
+        assert not (shm_directory() / first.segment).exists()
+        assert store.mapped_bytes <= 6 << 20
+    finally:
+        store.close()
 
 
 def test_past_its_limit_or_for_objects_the_store_says_inline() -> None:
@@ -300,3 +342,30 @@ def test_the_reader_forgets_segments_its_owner_unlinked_but_arrays_over_them_sta
     second = store.put({"x": data})
     assert second is not None
     assert np.array_equal(leases.arrays(second)["x"], data) and leases.attached == 1
+
+
+def test_puts_on_a_copy_thread_and_releases_on_the_loop_keep_the_books_straight() -> None:
+    """The door writes a large result into the store on its copy thread while the event loop
+    releases others: every block is handed out once, and the store ends with none in use."""
+    store = TensorStore(limit_bytes=32 << 20, segment_bytes=1 << 20, trim_after_s=3600)
+    handed: queue.Queue[SharedTensors | None] = queue.Queue()
+
+    def writer() -> None:
+        for i in range(100):
+            handed.put(store.put({"x": np.full(20_000 if i % 2 else 400_000, i, np.float32)}))
+        handed.put(None)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    blocks: list[int] = []
+    while (shared := handed.get(timeout=10)) is not None:
+        blocks.append(shared.block)
+        store.release((shared.block,))
+    thread.join()
+    try:
+        assert len(set(blocks)) == len(blocks) == 100
+        assert store.blocks_in_use == 0
+        assert store.mapped_bytes <= 32 << 20
+    finally:
+        store.close()
+    assert store.mapped_bytes == 0
