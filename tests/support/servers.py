@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +16,15 @@ from waiting import eventually
 class ServerProcess(ChildProcess):
     """One running servewell, its base URL and its captured log."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 wrapper: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.grpc_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.grpc_url = f"127.0.0.1:{self.grpc_port}"
         super().__init__(
-            [sys.executable, "-m", "servewell", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+            # `wrapper`: a command that ends by exec'ing the rest (the pid stays the server's).
+            [*wrapper, sys.executable, "-m", "servewell", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "--grpc-port", str(self.grpc_port), *args],
             # Tests stop servers with SIGTERM: no load balancer needs the delay (a test that checks it sets it).
             # One ingress process unless a test asks for more (tests/e2e/test_split.py): the split
@@ -63,9 +66,11 @@ class ServerFactory:
         self._log_dir = log_dir
         self._started: list[ServerProcess] = []
 
-    def __call__(self, args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
-        """Start `servewell serve ARGS` (returns at once; see `wait_live` and `wait_ready`)."""
-        server = ServerProcess(args, self._log_dir / f"server{len(self._started)}.log", env)
+    def __call__(self, args: list[str], env: dict[str, str] | None = None,
+                 wrapper: Sequence[str] = ()) -> ServerProcess:
+        """Start `servewell serve ARGS` (returns at once; see `wait_live` and `wait_ready`), run
+        through `wrapper` when given (a command that execs the rest)."""
+        server = ServerProcess(args, self._log_dir / f"server{len(self._started)}.log", env, wrapper)
         self._started.append(server)
         return server
 
