@@ -179,11 +179,12 @@ class ConfigReloader:
         return path.name
 
     def _reject(self, path: Path, problems: list[tuple[str, str]], kept: str) -> None:
-        self.rejected.reject(path, self._label(path), problems)
+        kind = "config file" if path == self._source.file else "model.yaml" if path in self._models else "keys file"
+        # The keys file's reasons name key ids and tenants: /healthz (open) shows that it was refused only.
+        self.rejected.reject(path, self._label(path), problems, private=kind == "keys file")
         self._metrics.outcomes["rejected"] += 1
         reasons = "; ".join(reason if field == TOP_LEVEL else f"field '{field}': {reason}"
                             for field, reason in problems)
-        kind = "config file" if path == self._source.file else "model.yaml" if path in self._models else "keys file"
         log.error("%s rejected, %s: %s: %s", kind, kept, path, cut(reasons, 1000), extra={"file": str(path)})
 
     def _applied(self, path: Path) -> None:

@@ -213,8 +213,9 @@ def apart(tmp_path_factory: pytest.TempPathFactory, start_module_server: ServerF
     keys_file = tmp_path_factory.mktemp("apart-keys") / "keys.txt"
     keys_file.write_text(APART_FILE)
     started = start_module_server(["--model-repository", str(root), "--api-keys-file", str(keys_file),
-                                   "--slow-request-ms", "1"])
+                                   "--slow-request-ms", "1", "--config-poll-s", "0.3"])
     started.wait_ready()
+    started.keys_file = keys_file  # type: ignore[attr-defined]
     with httpx.Client(base_url=started.url, headers={"X-API-Key": APART["acme"]}, timeout=30) as acme:
         for request_id, path, body, status in (
                 ("acme-private-0", "/v2/models/echo/infer", infer_body(1.0), 200),
@@ -287,3 +288,30 @@ def test_an_operator_key_and_a_trusted_loopback_client_see_the_whole_server(apar
                           timeout=10).status_code == 404  # past the rule: the model is unknown
     assert httpx.get(apart.url + STATE, headers={"X-API-Key": "not-a-key-of-this-server"},
                      timeout=10).status_code == 401
+
+
+def test_a_keys_file_with_one_key_twice_is_refused_and_healthz_names_no_key(apart: ServerProcess) -> None:
+    # Issue 45 H7: bravo's key under a second id of tenant acme was accepted silently (the later won:
+    # bravo's requests became acme's). Refused now, the keys in force kept; the reason names ids and
+    # tenants, so the open /healthz says only that the file was refused.
+    keys_file: Path = apart.keys_file  # type: ignore[attr-defined]
+    keys_file.write_text(APART_FILE + f"acme-extra:{APART['bravo']} tenant=acme\n")
+    eventually(lambda: apart.health()["config"]["rejected"], 20, "the keys file refused")
+    health = apart.health()
+    assert health["status"] == "degraded" and health["ready"] is True
+    assert "acme" not in json.dumps(health) and "bravo" not in json.dumps(health)
+    report = httpx.get(apart.url + "/admin/config", timeout=10).json()  # loopback, no token: an operator
+    (reason,) = [r["reason"] for r in report["config"]["rejected"]]
+    assert "the same key as" in reason and "'bravo-key' and 'acme-extra'" in reason and APART["bravo"] not in reason
+    def admitted() -> dict[str, int]:
+        doc = httpx.get(apart.url + "/admin/tenants", timeout=10).json()
+        return {t["tenant"]: t["admitted"] for t in doc["tenants"]}
+
+    before = admitted()
+    answer = httpx.post(apart.url + "/v2/models/echo/infer", json=infer_body(1.0), timeout=30,
+                        headers={**BRAVO, "X-Request-ID": "bravo-after-refused-file"})
+    assert answer.status_code == 200
+    after = admitted()  # still bravo's request, not acme's
+    assert (after["bravo"] - before["bravo"], after["acme"] - before["acme"]) == (1, 0)
+    keys_file.write_text(APART_FILE)
+    eventually(lambda: apart.health()["status"] == "ok", 20, "the good keys file applied again")

@@ -19,6 +19,9 @@ from servewell.config.bounded_yaml import cut
 #: Problems kept per file (each cut to `MAX_REASON_CHARS`): unauthenticated /healthz shows them.
 MAX_PROBLEMS_PER_FILE = 5
 MAX_REASON_CHARS = 300
+#: What /healthz and the console say instead of a private file's reasons (the keys file's name key
+#: ids and tenants: an operator's data, issue 45).
+PRIVATE_REASON = "refused; the reason names keys or tenants: see GET /admin/config or the server log"
 
 
 @dataclass(slots=True, frozen=True)
@@ -30,6 +33,7 @@ class Rejection:
     field: str
     reason: str
     at: float  # Unix seconds
+    private: bool = False  # the reason is shown with `full_paths` only (the admin report)
 
 
 class RejectedFiles:
@@ -41,10 +45,11 @@ class RejectedFiles:
         self._clock = clock
         self._on_change = on_change
 
-    def reject(self, path: Path, label: str, problems: list[tuple[str, str]]) -> None:
-        """Record that the latest version of `path` was refused, for each (field, reason)."""
+    def reject(self, path: Path, label: str, problems: list[tuple[str, str]], private: bool = False) -> None:
+        """Record that the latest version of `path` was refused, for each (field, reason); `private`:
+        the reasons are an operator's (the keys file's), left out of what /healthz shows."""
         at = self._clock()
-        self._by_file[path] = [Rejection(path, label, cut(field, 120), cut(reason, MAX_REASON_CHARS), at)
+        self._by_file[path] = [Rejection(path, label, cut(field, 120), cut(reason, MAX_REASON_CHARS), at, private)
                                for field, reason in problems[:MAX_PROBLEMS_PER_FILE]]
         self._changed()
 
@@ -58,11 +63,13 @@ class RejectedFiles:
 
     def status(self, full_paths: bool = False) -> dict[str, Any]:
         """`{"status": "ok" | "degraded", "rejected": [{"file", "field", "reason", "at"}]}`; the full
-        path of each file only with `full_paths` (for the admin report, never for /healthz)."""
+        path of each file, and a private file's reasons, only with `full_paths` (for the admin
+        report, never for /healthz)."""
         rejected = []
         for entries in self._by_file.values():
             for entry in entries:
-                item: dict[str, Any] = {"file": entry.label, "field": entry.field, "reason": entry.reason,
+                reason = PRIVATE_REASON if entry.private and not full_paths else entry.reason
+                item: dict[str, Any] = {"file": entry.label, "field": entry.field, "reason": reason,
                                         "at": round(entry.at, 3)}
                 if full_paths:
                     item["path"] = str(entry.path)
