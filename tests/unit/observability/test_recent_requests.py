@@ -68,3 +68,15 @@ def test_a_flood_of_refusals_does_not_evict_a_real_failure():
 ])
 def test_which_requests_are_refusals(status, model, refusal):
     assert is_refusal(status, model) is refusal
+
+
+def test_a_tenants_view_holds_its_own_records_and_refusals_and_no_server_counts():
+    # Issue 45, H2: the console shows a tenant's key its own tenant's records only (clients: its key ids).
+    ring = RecentRequests()
+    for i, (client, status) in enumerate((("a-key", 503), ("b-key", 503), ("a-key", 429), ("b-key", 401))):
+        ring.record(RequestRecord(f"id-{i}", "http", "/predict", "digits", status, "x", 1.0, False, client=client,
+                                  at=1000.0 + i))
+    assert [r["request_id"] for r in ring.to_json(10, frozenset({"b-key"}))] == ["id-1"]
+    own = ring.refusals_json(10, frozenset({"b-key"}))
+    assert own["counts"] is None and [r["request_id"] for r in own["recent"]] == ["id-3"]
+    assert ring.refusals_json(10)["counts"] == {"x": 2}  # the operator's: every caller's
