@@ -4,12 +4,12 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.servewell-installed
-# Every runtime, the built-in models, and what the tests, benchmarks and `make lint` use.
-EXTRAS ?= all,test,bench,dev
+# Every runtime, the built-in models, and what the tests, benchmarks, `make lint` and the docs site use.
+EXTRAS ?= all,test,bench,dev,docs
 # Machines of this kind keep the CPU build of torch in /opt/wheels; elsewhere pip's index serves it.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: install serve test test-deps lint fuzz bench chaos clean replicas
+.PHONY: install serve test test-deps lint fuzz bench chaos clean replicas docs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,13 @@ TEST_PROCESSES ?= 2
 test: install test-deps
 	$(VENV)/bin/pytest -q -n $(TEST_PROCESSES) --dist loadfile -m "not serial" --durations=25
 	$(VENV)/bin/pytest -q -m serial --durations=10
+
+# The documentation site with live reload (mkdocs.yml; the reference pages are generated from the code at
+# each build). `make test` builds it with --strict (tests/integration/test_docs_site.py). Port 8001 is
+# servewell's gRPC default: DOCS_ADDR=127.0.0.1:8002 beside a running server.
+DOCS_ADDR ?= 127.0.0.1:8001
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr $(DOCS_ADDR)
 
 # ruff (lint rules in pyproject.toml) and mypy (strict on the serving path).
 lint: install
@@ -66,4 +73,4 @@ replicas: install
 		-- --log-format console
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build/site

@@ -2,17 +2,18 @@
 
 One source for each fact, so the reference cannot drift from the code:
 
-| page | source |
-|---|---|
-| reference/server-settings.md | `ServerConfig` (config/server.py) and its nested sections: each field's description, type, bounds and default; flags from `servewell serve`'s own parser; `LIVE_FIELDS` |
-| reference/model-yaml.md | `ModelConfig` (config/model.py) and every section under it |
-| reference/cli.md | `servewell.cli.build_parser()`: every subcommand and flag (bench, tune and plan included) |
-| reference/http-api.md | the OpenAPI document the app builds (`create_app(...).openapi()`) |
-| reference/grpc.md | the `GRPCInferenceService` descriptor servewell serves (tritonclient's generated code) and the servicer's methods |
-| reference/errors.md | the `ServeError` classes of errors.py, the HTTP layer's own refusals (api/http_limits.py), gRPC status mapping |
-| reference/metrics.md | every metric family constructed in src/servewell (name, type, labels, help text) |
-| operations/alerts.md | deploy/prometheus/alerts.yml (severity, for, summary, description, action) |
-| reference/extras.md | pyproject.toml's optional dependencies |
+- reference/server-settings.md: `ServerConfig` (config/server.py) and its nested sections: each
+  field's description, type, bounds and default; its flag from `servewell serve`'s own parser; `LIVE_FIELDS`;
+- reference/model-yaml.md: `ModelConfig` (config/model.py) and every section under it;
+- reference/cli.md: `servewell.cli.build_parser()`: every subcommand and flag (bench, tune, plan too);
+- reference/http-api.md: the OpenAPI document the app builds (`create_app(...).openapi()`);
+- reference/grpc.md: the `GRPCInferenceService` descriptor servewell serves (tritonclient's generated
+  code) and the servicer's methods;
+- reference/errors.md: the `ServeError` classes, the HTTP layer's own refusals (api/http_limits.py),
+  the gRPC status mapping;
+- reference/metrics.md: every metric family constructed in src/servewell (name, type, labels, help);
+- operations/alerts.md: deploy/prometheus/alerts.yml (severity, for, summary, description, action);
+- reference/extras.md: pyproject.toml's optional dependencies.
 
 It is also an MkDocs hook (`hooks:` in mkdocs.yml): `on_files` adds the pages to every build, so
 `mkdocs build` and `mkdocs serve` always show the code as it is, and a setting added with a
@@ -96,7 +97,25 @@ def _is_mapping(annotation: object) -> bool:
 
 def undocumented(model: type[BaseModel]) -> list[str]:
     """Paths of the fields under `model` that carry no description (each must: it is their documentation)."""
-    return [row.path for row in walk_settings(model) if not (row.field.description or "").strip()]
+    return [row.path for row in walk_settings(model) if not description(row.field).strip()]
+
+
+def _inner_field_infos(annotation: object) -> list[FieldInfo]:
+    """The `Field(...)`s of the Annotated types inside an annotation: `Annotated[float, Field(...)] | None`
+    keeps its description and bounds there, not on the field."""
+    found: list[FieldInfo] = []
+    if typing.get_origin(annotation) is typing.Annotated:
+        found.extend(item for item in typing.get_args(annotation)[1:] if isinstance(item, FieldInfo))
+    for arg in typing.get_args(annotation):
+        found.extend(_inner_field_infos(arg))
+    return found
+
+
+def description(field: FieldInfo) -> str:
+    """A field's description: its own, else that of the annotated type it is declared with."""
+    if field.description:
+        return field.description
+    return next((info.description for info in _inner_field_infos(field.annotation) if info.description), "")
 
 
 def type_text(annotation: object) -> str:
@@ -128,7 +147,8 @@ def type_text(annotation: object) -> str:
 def bounds_text(field: FieldInfo) -> str:
     """The field's numeric and length bounds, as pydantic enforces them (`>= 1, <= 65535`)."""
     parts = []
-    for item in field.metadata:
+    metadata = [*field.metadata, *(item for info in _inner_field_infos(field.annotation) for item in info.metadata)]
+    for item in metadata:
         for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
             value = getattr(item, attr, None)
             if value is not None:
@@ -179,7 +199,7 @@ def _cell(text: str) -> str:
 
 
 def _description(field: FieldInfo) -> str:
-    return _cell(field.description or "")
+    return _cell(description(field))
 
 
 def serve_flags() -> dict[str, str]:
@@ -362,7 +382,8 @@ def http_api_page() -> str:
     out.append("| method | path | what |\n|---|---|---|\n")
     for path, operations in spec["paths"].items():
         for method, op in operations.items():
-            out.append(f"| `{method.upper()}` | [`{path}`](#{_op_anchor(method, path)}) | {_cell(op.get('summary', ''))} |\n")
+            link = f"[`{path}`](#{_op_anchor(method, path)})"
+            out.append(f"| `{method.upper()}` | {link} | {_cell(op.get('summary', ''))} |\n")
     for path, operations in spec["paths"].items():
         for method, op in operations.items():
             out.append(f"\n### <a id=\"{_op_anchor(method, path)}\"></a>`{method.upper()} {path}`\n\n")
@@ -462,7 +483,7 @@ def protocol_codes() -> dict[str, int]:
 
 def serve_errors() -> list[type[Any]]:
     """Every `ServeError` class of servewell.errors (and anywhere else loaded), one per code."""
-    import servewell.api.app  # noqa: F401 (the API's own error classes: gRPC's among them)
+    import servewell.api.app
     import servewell.api.grpc.servicer  # noqa: F401
     import servewell.errors as errors
 

@@ -5,13 +5,13 @@ every shell or Python block is run by `tests/e2e/test_docs_examples.py` against 
 order, in one working directory per page, unless it is marked otherwise. A mark is an HTML comment
 on the line right before the block (invisible on the site):
 
-| mark | the block is |
-|---|---|
-| (none) | run (`bash -euo pipefail`, or `python`); it must succeed within `BLOCK_TIMEOUT_S` |
-| `<!-- expect: TEXT -->` | run, and its output must contain TEXT |
-| `<!-- server -->` | a command that starts `servewell serve`: run in the background until the page's server is ready, stopped (SIGTERM to its process group) after the page's last block |
-| `<!-- file: PATH -->` | a file's content (any language): written to PATH in the page's working directory |
-| `<!-- illustrative: REASON -->` | not run; REASON says why (it installs packages, needs a cluster, runs for minutes, ...) |
+- no mark: run (`bash -euo pipefail`, or `python`); it must succeed within `BLOCK_TIMEOUT_S`;
+- `<!-- expect: TEXT -->`: run, and its output must contain TEXT;
+- `<!-- server -->`: a command that starts `servewell serve`: run in the background until the page's
+  server is ready, stopped (SIGTERM to its process group) after the page's last block;
+- `<!-- file: PATH -->`: a file's content (any language), written to PATH in the page's working directory;
+- `<!-- illustrative: REASON -->`: not run; REASON says why (it installs packages, needs a cluster,
+  runs for minutes, ...).
 
 The pages say 127.0.0.1:8000 (HTTP) and 8001 (gRPC), servewell's defaults; the test gives each
 page free ports instead: it sets `SERVEWELL_PORT` and `SERVEWELL_GRPC_PORT` (a `servewell serve`

@@ -1,7 +1,8 @@
 """What the docs and the image promise, checked against the code that owns each fact, without a
 container engine: the Dockerfile's install line brings every runtime (its extras resolved against
 pyproject.toml), its command and the documented run commands are flags `servewell serve` accepts,
-and the README's Kubernetes table states the probe values, grace period and ports of the manifests.
+and the docs' Kubernetes table (docs/operations/shutdown.md) states the probe values, grace period and
+ports of the manifests.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from servewell.config.server import ServerConfig
 ROOT = Path(__file__).resolve().parents[3]
 DOCKERFILE = ROOT / "deploy" / "container" / "Dockerfile"
 DEPLOYMENT = ROOT / "deploy" / "kubernetes" / "base" / "deployment.yaml"
+#: The pages that show `docker run` / `podman run` commands and the Kubernetes table.
+DOC_PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "deploy" / "README.md")
+SHUTDOWN_PAGE = ROOT / "docs" / "operations" / "shutdown.md"
 #: The import each runtime needs in its worker, and the built-in digits model's build
 #: (servewell.examples.digits: trained with scikit-learn, exported with torch to ONNX).
 RUNTIME_PACKAGES = {"onnxruntime": "onnx", "torch": "torchscript, pytorch", "safetensors": "pytorch (.safetensors)",
@@ -34,13 +38,29 @@ def dockerfile_lines() -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
+#: The image's install of servewell: the wheel it built from the checkout, with extras.
+WHEEL_INSTALL = re.compile(r"pip install [^&]*?\"\$\(ls /dist/servewell-\*\.whl\)(?:\[([^\]]*)\])?\"")
+
+
 def installed_extras() -> set[str]:
-    """The extras of the `pip install ... /src[...]` that installs servewell in the image."""
+    """The extras of the `pip install "$(ls /dist/servewell-*.whl)[...]"` that installs servewell in the image."""
     for line in dockerfile_lines():
-        match = re.search(r"pip install [^&]*?\"?/src(?:\[([^\]]*)\])?\"?(?:\s|$)", line)
+        match = WHEEL_INSTALL.search(line)
         if match:
             return {extra.strip() for extra in (match.group(1) or "").split(",") if extra.strip()}
-    raise AssertionError("no `pip install /src...` line in the Dockerfile")
+    raise AssertionError("no `pip install \"$(ls /dist/servewell-*.whl)[...]\"` line in the Dockerfile")
+
+
+def test_the_image_installs_the_wheel_it_builds_from_the_checkout():
+    # The image is what a user's `pip install servewell-*.whl` gives: built from the copied sources
+    # into /dist, then installed from there (not `pip install /src`, which would not prove the wheel).
+    lines = dockerfile_lines()
+    copies = " ".join(line for line in lines if line.startswith("COPY"))
+    for needed in ("pyproject.toml", "README.md", "LICENSE", "src"):  # what building the wheel reads
+        assert needed in copies, f"the Dockerfile does not copy {needed} for the wheel's build"
+    build = next((line for line in lines if "pip wheel" in line), "")
+    assert "--wheel-dir /dist /src" in build, build
+    assert not any(re.search(r"pip install [^&]*\"?/src[\[\"\s]", line) for line in lines)
 
 
 def resolve_extras(extras: set[str]) -> set[str]:
@@ -105,7 +125,7 @@ def test_the_image_command_and_ports_are_what_the_manifests_expose():
 def documented_serve_commands() -> list[list[str]]:
     """The arguments after the image name of every `docker run`/`podman run` of the image in the docs."""
     commands = []
-    for doc in (ROOT / "README.md", ROOT / "deploy" / "README.md", DOCKERFILE):
+    for doc in (*DOC_PAGES, DOCKERFILE):
         text = re.sub(r"\\\n\s*", " ", doc.read_text())
         for line in text.splitlines():
             line = line.lstrip("# ").split("  # ")[0]
@@ -126,7 +146,7 @@ def test_every_documented_run_command_passes_flags_serve_accepts():
 
 def test_documented_host_network_runs_do_not_take_the_default_grpc_port():
     # With --network host, every port servewell binds is the host's: 8001 may be taken there.
-    for doc in (ROOT / "README.md", ROOT / "deploy" / "README.md"):
+    for doc in DOC_PAGES:
         text = re.sub(r"\\\n\s*", " ", doc.read_text())
         for line in text.splitlines():
             if re.match(r"\s*podman (\S+ )*?run .*--network host", line):
@@ -134,8 +154,8 @@ def test_documented_host_network_runs_do_not_take_the_default_grpc_port():
 
 
 def readme_kubernetes_table() -> dict[str, str]:
-    """The README's Kubernetes table under Operations: setting -> its value and why, as one string."""
-    text = (ROOT / "README.md").read_text()
+    """The docs' Kubernetes table (Signals and shutdown): setting -> its value and why, as one string."""
+    text = SHUTDOWN_PAGE.read_text()
     section = text[text.index("**Kubernetes** (the values of"):]
     rows: dict[str, str] = {}
     for line in section.splitlines()[2:]:
