@@ -11,12 +11,11 @@ import pytest
 from pydantic import BaseModel, Field
 
 from doc_examples import blocks, example_pages, mark_problems
-
 from servewell.config.model import ModelConfig
 from servewell.config.server import ServerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import docs_reference  # noqa: E402 (scripts/ is not a package: the site's build loads it as a hook)
+import docs_reference
 
 
 @pytest.mark.parametrize("tree", [ServerConfig, ModelConfig], ids=lambda tree: tree.__name__)
