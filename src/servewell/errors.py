@@ -24,6 +24,9 @@ class ServeError(Exception):
 
     status: int = 500
     code: str = "internal"
+    #: The model version that answered with this error where a traffic split drew it: the answer
+    #: says which (`X-Model-Version`, gRPC `x-model-version`), as a success does ("": not known).
+    model_version: str = ""
 
     def __init__(self, message: str, *, retry_after_s: float | None = None, tenant: str | None = None) -> None:
         super().__init__(message)
@@ -34,8 +37,8 @@ class ServeError(Exception):
 
     @property
     def headers(self) -> dict[str, str]:
-        """Extra response headers this error carries (a challenge, ...)."""
-        return {}
+        """Extra response headers this error carries (a challenge, the version that answered, ...)."""
+        return {"X-Model-Version": self.model_version} if self.model_version else {}
 
 
 class BadRequest(ServeError):

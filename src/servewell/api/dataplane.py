@@ -37,7 +37,7 @@ from servewell.api.decode_scheduler import DecodeScheduler
 from servewell.config.model import ModelConfig
 from servewell.engine.protocol import RequestResult, ServedModel, ServingEngine
 from servewell.errors import ClientClosed, InvalidInput, Overloaded, quote
-from servewell.observability.context import model_var, request_id_var, stages_var
+from servewell.observability.context import model_var, oip_id_var, request_id_var, stages_var
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.tracing import Tracing
 
@@ -234,19 +234,25 @@ class InferenceCall:
         return inputs
 
     async def infer(self, inputs: dict[str, np.ndarray], *, priority: object = None, timeout_ms: float | None = None,
-                    disconnected: Awaitable[None] | None = None, not_after: float | None = None) -> RequestResult:
+                    disconnected: Awaitable[None] | None = None, not_after: float | None = None,
+                    oip_id: str | None = None) -> RequestResult:
         """Queue the request and wait for its result. `priority` (OIP) picks the lane unless the
         request's urgency already did; `timeout_ms` (the client's, counted from arrival; None: the
         model's default) becomes the request's one absolute deadline here, bounded by `not_after`
         (absolute, same clock: a gRPC caller's own deadline); `disconnected` completes when the
-        client goes away, which drops a request that has not run yet (`ClientClosed`)."""
+        client goes away, which drops a request that has not run yet (`ClientClosed`); `oip_id`:
+        the client's OIP request id, which the payload log keeps beside the request id."""
         model = self.model
         lane = self._lane if priority is None or self._urgency else model.resolve_lane(None, priority)
         deadline = self.arrived_at + timeout_ms / 1000.0 if timeout_ms is not None else None
         if not_after is not None:
             deadline = min(deadline, not_after) if deadline is not None else not_after
-        future = model.infer(inputs, lane=lane, deadline=deadline, request_id=request_id_var.get(),
-                             arrived_at=self.arrived_at)
+        oip_token = oip_id_var.set(oip_id)
+        try:
+            future = model.infer(inputs, lane=lane, deadline=deadline, request_id=request_id_var.get(),
+                                 arrived_at=self.arrived_at)
+        finally:
+            oip_id_var.reset(oip_token)
         if disconnected is None:
             return await future
         watcher = asyncio.ensure_future(disconnected)

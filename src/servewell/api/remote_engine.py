@@ -60,6 +60,7 @@ from servewell.errors import EngineUnavailable, ModelNotReady, NotFound, ServeEr
 from servewell.observability.context import (
     BatchPlacement,
     client_var,
+    oip_id_var,
     placement_var,
     request_trace_var,
     route_key_var,
@@ -291,7 +292,8 @@ class RemoteEngine:
             shared = self._inputs.put(inputs)  # None: inline after all (objects, or the store is full)
         writer.send(Envelope(call_id, model, version, lane, deadline, arrived_at, request_id,
                              inputs if shared is None else {}, tenant=client_var.get() or None,
-                             traceparent=traceparent, route_key=route_key_var.get(), shared=shared))
+                             traceparent=traceparent, route_key=route_key_var.get(), shared=shared,
+                             oip_id=oip_id_var.get()))
         future.add_done_callback(lambda f: self._cancelled(call_id) if f.cancelled() else None)
         return future
 

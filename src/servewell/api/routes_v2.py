@@ -161,7 +161,7 @@ async def infer(name: str, request: Request, version: str | None = None) -> Resp
     result = await call.infer(
         inputs, priority=parsed.parameters.get("priority"),
         timeout_ms=header_timeout if header_timeout is not None else _timeout_ms(parsed.parameters),
-        disconnected=disconnected(request),
+        disconnected=disconnected(request), oip_id=parsed.id,
     )
     outputs = select_outputs(name, result.outputs, parsed.requested_outputs)
     binary = set(outputs) if parsed.all_binary else parsed.binary_outputs

@@ -66,6 +66,7 @@ from servewell.errors import ModelError, ServeError, quote
 from servewell.observability.context import (
     BatchPlacement,
     client_var,
+    oip_id_var,
     placement_var,
     request_id_var,
     route_key_var,
@@ -296,6 +297,7 @@ class EngineDoor:
         token = request_id_var.set(envelope.request_id)
         client_token = client_var.set(envelope.tenant or "")
         route_token = route_key_var.set(envelope.route_key)
+        oip_token = oip_id_var.set(envelope.oip_id)
         placement = BatchPlacement()  # filled by the scheduler's telemetry; goes back with the outcome
         placement_token = placement_var.set(placement)
         trace_token = None
@@ -320,6 +322,7 @@ class EngineDoor:
             request_id_var.reset(token)
             client_var.reset(client_token)
             route_key_var.reset(route_token)
+            oip_id_var.reset(oip_token)
         ingress.pending[envelope.call_id] = future
         future.add_done_callback(partial(self._answer, ingress, envelope.call_id, placement))
 

@@ -63,6 +63,7 @@ class Envelope:
     traceparent: str | None = None  # W3C trace context of the request's span in the ingress
     route_key: str = ""  # the client's X-Route-Key: keeps it on one version of a traffic split
     shared: SharedTensors | None = None  # the inputs in the ingress's shared memory (then `inputs` is empty)
+    oip_id: str | None = None  # the client's OIP request id: the payload log keeps it beside request_id
 
 
 @dataclass(slots=True)

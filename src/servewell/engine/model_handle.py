@@ -17,8 +17,8 @@ from servewell.engine.lanes import resolve_lane
 from servewell.engine.model_pool import ModelSlot
 from servewell.engine.protocol import RequestResult
 from servewell.engine.validation import check_inputs
-from servewell.errors import ShuttingDown
-from servewell.observability.context import client_var
+from servewell.errors import ServeError, ShuttingDown
+from servewell.observability.context import client_var, oip_id_var
 
 if TYPE_CHECKING:
     from servewell.engine.engine import InferenceEngine
@@ -81,11 +81,34 @@ class ServedModelHandle:
         rollout = slot.rollout
         if rollout is not None:
             entry = rollout.choose(entry, self._version)
-        rows = check_inputs(entry.config, inputs)
-        future = entry.submit(inputs, rows, lane, deadline, request_id, arrived_at)
+        try:
+            rows = check_inputs(entry.config, inputs)
+            future = entry.submit(inputs, rows, lane, deadline, request_id, arrived_at)
+        except ServeError as exc:
+            if rollout is not None:
+                answered_by(entry.version, exc)
+            raise
         if rollout is not None:
+            # A split's error answers say which version answered, as its successes do (issue 45 H10):
+            # named before any waiter reads the error (callbacks run in the order they were added).
+            if future.done():
+                error_answered_by(entry.version, future)
+            else:
+                future.add_done_callback(partial(error_answered_by, entry.version))
             rollout.submitted(entry, future, inputs, rows, request_id)
         return future, entry.version
+
+
+def answered_by(version: str, error: BaseException) -> None:
+    """Name `version` as the one that answered with `error` (the first version named stays)."""
+    if isinstance(error, ServeError) and not error.model_version:
+        error.model_version = version
+
+
+def error_answered_by(version: str, future: asyncio.Future[RequestResult]) -> None:
+    """A done callback: the error `future` failed with, if any, names `version` (`answered_by`)."""
+    if not future.cancelled() and (error := future.exception()) is not None:
+        answered_by(version, error)
 
 
 def ready_entry_or_refusal(entry: Entry) -> ModelEntry:
@@ -108,7 +131,7 @@ def log_payload(payload: PayloadSink, model: str, version: str, inputs: dict[str
     payload.record(model=model, version=(result.version or version) if result is not None else version,
                    tenant=client_var.get() or None, request_id=request_id, inputs=inputs,
                    outputs=result.outputs if result is not None else None,
-                   latency_s=time.monotonic() - started, error=error)
+                   latency_s=time.monotonic() - started, error=error, oip_id=oip_id_var.get())
 
 
 class PayloadSink(Protocol):
@@ -120,8 +143,8 @@ class PayloadSink(Protocol):
 
     def record(self, *, model: str, version: str, tenant: str | None, request_id: str,
                inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray] | None, latency_s: float,
-               error: BaseException | None) -> None:
-        """Take one finished request (never blocks, never raises)."""
+               error: BaseException | None, oip_id: str | None = None) -> None:
+        """Take one finished request (never blocks, never raises); `oip_id`: the client's OIP id."""
         ...
 
     def apply(self, settings: PayloadLogConfig) -> None:

@@ -14,6 +14,9 @@ client_var: ContextVar[str] = ContextVar("servewell_client", default="")
 route_key_var: ContextVar[str] = ContextVar("servewell_route_key", default="")
 #: Longest route key kept: the rest is cut (it is only hashed, never echoed nor logged).
 MAX_ROUTE_KEY_CHARS = 256
+#: The `id` the client gave its OIP request (None: it gave none): the payload log keeps it beside
+#: the server's request id.
+oip_id_var: ContextVar[str | None] = ContextVar("servewell_oip_id", default=None)
 #: Model the current request is for ("" when unknown).
 model_var: ContextVar[str] = ContextVar("servewell_model", default="")
 

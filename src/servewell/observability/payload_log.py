@@ -201,9 +201,10 @@ class PayloadLog:
 
     def record(self, *, model: str, version: str, tenant: str | None, request_id: str,
                inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray] | None, latency_s: float,
-               error: BaseException | None) -> None:
+               error: BaseException | None, oip_id: str | None = None) -> None:
         """Take one finished request the log wanted: copy what is kept, queue it, return. Never
-        blocks and never raises (a full queue counts the record as dropped)."""
+        blocks and never raises (a full queue counts the record as dropped). `oip_id`: the `id` the
+        client gave its OIP request, kept beside the server's `request_id`."""
         try:
             stage = self._records
             if stage is None:
@@ -221,7 +222,7 @@ class PayloadLog:
                 code = str(getattr(error, "code", "internal"))
                 message = str(getattr(error, "message", None) or error)[:MAX_MESSAGE_CHARS]
             record = PayloadRecord(time.time(), model, version, tenant, request_id, latency_s, status, code, message,
-                                   kept_inputs, kept_outputs, held)
+                                   kept_inputs, kept_outputs, held, oip_id)
             if not stage.offer(record, held):
                 self._dropped(self._sinks(), "queue_full")
         except Exception:  # the log must never fail a request

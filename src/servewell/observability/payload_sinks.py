@@ -142,6 +142,7 @@ class PayloadRecord:
     inputs: dict[str, TensorCapture]
     outputs: dict[str, TensorCapture] | None
     nbytes: int
+    oip_id: str | None = None  # the `id` the client gave its OIP request (None: none)
 
 
 @dataclass(slots=True)
@@ -219,14 +220,16 @@ def encode(record: PayloadRecord, for_http: bool) -> EncodedRecord:
     latency_ms = round(record.latency_s * 1000.0, 3)
     line = orjson.dumps({
         "time": rfc3339(record.time_s), "model": record.model, "version": record.version, "tenant": record.tenant,
-        "request_id": record.request_id, "latency_ms": latency_ms, "status": record.status, "error": error,
+        "request_id": record.request_id, "id": record.oip_id, "latency_ms": latency_ms, "status": record.status,
+        "error": error,
         "inputs": {name: orjson.Fragment(doc) for name, doc in inputs.items()},
         "outputs": None if outputs is None else {name: orjson.Fragment(doc) for name, doc in outputs.items()}},
         option=orjson.OPT_APPEND_NEWLINE)
     if not for_http:
         return EncodedRecord(line, b"", b"", record)
-    request = orjson.dumps({"id": record.request_id, "inputs": _oip_list(inputs)})
-    response: dict[str, Any] = {"model_name": record.model, "model_version": record.version, "id": record.request_id}
+    oip_id = record.oip_id if record.oip_id is not None else record.request_id  # as the client sent it and got it
+    request = orjson.dumps({"id": oip_id, "inputs": _oip_list(inputs)})
+    response: dict[str, Any] = {"model_name": record.model, "model_version": record.version, "id": oip_id}
     if outputs is not None:
         response["outputs"] = _oip_list(outputs)
     if error is not None:

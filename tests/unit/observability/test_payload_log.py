@@ -153,6 +153,28 @@ def test_the_http_sink_gets_kserve_cloudevents_in_binary_mode(tmp_path):
     assert log.counts.records["http", "written"] == 1 and log.counts.records["file", "written"] == 1
 
 
+def test_the_clients_oip_id_is_kept_beside_the_servers_request_id(tmp_path):
+    """The file's record says both ids; the CloudEvents keep the server's as ce-id and carry the
+    client's in their OIP bodies, as the client sent it and got it back (issue 45)."""
+    receiver = EventReceiver()
+    try:
+        log = PayloadLog(settings(tmp_path, http={"url": receiver.url, "source": "test-server"}))
+        log.record(model="mlp", version="2", tenant=None, request_id="server-1", inputs={"x": X},
+                   outputs={"y": Y}, latency_s=0.01, error=None, oip_id="client-1")
+        record(log, "server-2")  # no OIP id: the request id stands in the bodies, as before
+        log.close()
+        requests = receiver.of_type("org.kubeflow.serving.inference.request")
+        responses = receiver.of_type("org.kubeflow.serving.inference.response")
+    finally:
+        receiver.close()
+    first, second = lines(tmp_path / "log.jsonl")
+    assert (first["request_id"], first["id"]) == ("server-1", "client-1")
+    assert (second["request_id"], second["id"]) == ("server-2", None)
+    for events in (requests, responses):
+        by_ce_id = {event.headers["ce-id"]: event.json()["id"] for event in events}
+        assert by_ce_id == {"server-1": "client-1", "server-2": "server-2"}
+
+
 def test_batch_mode_sends_many_structured_events_per_post(tmp_path):
     receiver = EventReceiver()
     try:

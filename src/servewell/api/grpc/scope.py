@@ -161,6 +161,8 @@ class RpcScope:
                 level = logging.WARNING if exc.status >= 500 else logging.INFO
                 log.log(level, "request failed: %s", exc.message, extra={"status": exc.status, "code": exc.code})
             trailers = [("x-request-id", request_id), ("servewell-error-code", exc.code)]
+            if exc.model_version:  # the version a traffic split drew, as a success's trailer says
+                trailers.append(("x-model-version", exc.model_version))
             if exc.retry_after_s is not None:
                 trailers.append(("retry-after", retry_after_value(exc.retry_after_s)))
             context.set_trailing_metadata(tuple(trailers))

@@ -111,7 +111,8 @@ class InferenceServicer:
             remaining_s = context.time_remaining()
             # The caller's gRPC deadline bounds the request's own, as an absolute time on the deadline clock.
             not_after = asyncio.get_running_loop().time() + remaining_s if remaining_s is not None else None
-            result = await call.infer(inputs, priority=decoded.priority, timeout_ms=timeout_ms, not_after=not_after)
+            result = await call.infer(inputs, priority=decoded.priority, timeout_ms=timeout_ms, not_after=not_after,
+                                      oip_id=request.id or None)
             outputs = select_outputs(model.name, result.outputs, decoded.requested_outputs)
             version = result.version or model.config.version  # a traffic split may have drawn another
             # A large answer is encoded in steps, the event loop taking turns between them.
