@@ -329,32 +329,61 @@ class IdleFlood:
             sock.close()
 
 
-def test_idle_connections_at_the_cap_give_way_to_new_clients(tmp_path, start_server):
+CAPPED = 50  # the connection cap of the `capped` server (one ingress process: one cap)
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory, start_module_server):
+    """A server whose gRPC connections time out only after minutes: only making room frees places."""
+    root = tmp_path_factory.mktemp("grpc-capped")
+    slow_model(root, "slow", 1, max_batch_size=1)
+    started = start_module_server(["--model-repository", str(root), "--grpc-max-connections", str(CAPPED),
+                                   "--grpc-idle-timeout-s", "300", "--grpc-handshake-timeout-s", "120",
+                                   "--ingress-processes", "1"])
+    started.wait_ready()
+    return started
+
+
+def new_client_answers(url: str, value: float) -> bool:
+    """Whether a new tritonclient.grpc client (a connection of its own) gets an answer; False when it
+    is refused for want of a place (UNAVAILABLE)."""
+    try:
+        with triton.InferenceServerClient(url) as legit:
+            return legit.infer("slow", x_input(value)).as_numpy("y") is not None
+    except InferenceServerException as exc:
+        assert "UNAVAILABLE" in code_of(exc), exc
+        return False
+
+
+def test_idle_connections_at_the_cap_give_way_to_new_clients(capped):
     """Issue 45 H18: connections that never opened a call held every place under the cap, and a new
     tritonclient.grpc client failed at once (UNAVAILABLE "Socket closed") until the idle timeout."""
-    cap = 50
-    slow_model(tmp_path, "slow", 1, max_batch_size=1)
-    started = start_server(["--model-repository", str(tmp_path), "--grpc-max-connections", str(cap),
-                            "--grpc-idle-timeout-s", "300", "--ingress-processes", "1"])
-    started.wait_ready()
-    flood = IdleFlood(started.grpc_url)
+    flood = IdleFlood(capped.grpc_url)
     try:
-        flood.top_up(cap + 10)
+        flood.top_up(CAPPED + 10)
         first = flood.sockets[0]
         for value in range(3):  # each a new client with its own connection, the flood renewed before it
-            flood.top_up(cap + 10)
-
-            def new_client_answers(value: float = value) -> bool:
-                try:
-                    with triton.InferenceServerClient(started.grpc_url) as legit:
-                        return legit.infer("slow", x_input(value)).as_numpy("y") is not None
-                except InferenceServerException as exc:
-                    assert "UNAVAILABLE" in code_of(exc), exc  # refused at the cap: what the sweep ends
-                    return False
-
-            eventually(new_client_answers, 10.0, "a new gRPC client is refused while idle connections hold the cap")
+            flood.top_up(CAPPED + 10)
+            eventually(lambda value=value: new_client_answers(capped.grpc_url, value), 10.0,
+                       "a new gRPC client is refused while idle connections hold the cap")
         # The places were made by closing the flood's oldest connections, not by its idle timeout (300 s).
         assert first not in flood.sockets or closed_by_server(first, 5.0)
         assert flood.closed_by_server >= 10
     finally:
         flood.close()
+
+
+def test_connections_that_never_finish_their_handshake_give_way_too(capped):
+    """grpc core counts a connection against the cap from accept: ones that never send the preface
+    held the cap for the whole handshake timeout (here 120 s)."""
+    host, port = capped.grpc_url.rsplit(":", 1)
+    silent = [socket.create_connection((host, int(port)), timeout=5) for _ in range(CAPPED + 10)]
+    try:
+        eventually(lambda: new_client_answers(capped.grpc_url, 1.0), 10.0,
+                   "a new gRPC client is refused while silent connections hold the cap")
+        assert closed_by_server(silent[0], 5.0)  # the oldest made room
+        held = [sock for sock in silent if not closed_by_server(sock, 0.05)]
+        assert len(held) >= CAPPED * 3 // 4 - 3, len(held)  # but only room: three quarters of the cap are kept
+    finally:
+        for sock in silent:
+            sock.close()

@@ -6,7 +6,7 @@ from servewell.api.grpc.connection_eviction import CallPeers, OpenConnection, ev
 
 
 def conns(*ports: int) -> list[OpenConnection]:
-    return [OpenConnection(("127.0.0.1", port), order) for order, port in enumerate(ports)]
+    return [OpenConnection(("127.0.0.1", port), float(since)) for since, port in enumerate(ports)]
 
 
 def test_peer_strings_of_grpc_and_of_channelz_name_the_kernel_address():
@@ -27,7 +27,7 @@ def test_connections_that_never_called_go_first_oldest_first():
     calls = CallPeers()
     calls.started(("127.0.0.1", 1))  # the oldest has a call open: never closed
     calls.ended(("127.0.0.1", 2), 0.0)  # not started: ignored
-    connections = [OpenConnection(("127.0.0.1", 4), 9), *conns(1, 2, 3)]
+    connections = [OpenConnection(("127.0.0.1", 4), 9.0), *conns(1, 2, 3)]
     assert eviction_victims(connections, calls, keep=2, now=100.0, min_idle_s=5.0) == [
         ("127.0.0.1", 2), ("127.0.0.1", 3)]
 

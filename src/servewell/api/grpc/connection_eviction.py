@@ -8,8 +8,9 @@ at once (UNAVAILABLE "Socket closed") until the idle timeout ended them, which a
 So the listener keeps room: once more than `keep` connections are open, the surplus is closed,
 in this order:
 
-1. connections that never opened a call, oldest first (an attacker's are older than a real
-   client's, whose first call follows its SETTINGS within milliseconds);
+1. connections that never opened a call, oldest first, whether they finished their HTTP/2
+   handshake or sent nothing at all (an attacker's are older than a real client's, whose first
+   call follows its connection within milliseconds);
 2. then connections with no call open whose last call ended at least `min_idle_s` ago, the longest
    idle first (closing an idle connection is ordinary HTTP/2: the client reconnects for its next
    call);
@@ -49,11 +50,11 @@ def normal_host(host: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class OpenConnection:
-    """One connection grpc core holds open."""
+    """One connection grpc core holds open (its HTTP/2 handshake done or not)."""
 
     address: Address
-    #: Lower is older (grpc core numbers its sockets in the order it created them).
-    order: int
+    #: When it was first seen open (lower is older).
+    since: float
 
 
 class _Calls:
@@ -119,7 +120,7 @@ def eviction_victims(connections: Sequence[OpenConnection], calls: CallPeers, ke
     excess = len(connections) - keep
     if excess <= 0:
         return []
-    oldest_first = sorted(connections, key=lambda c: c.order)
+    oldest_first = sorted(connections, key=lambda c: c.since)
     victims = [c.address for c in oldest_first if not calls.has_called(c.address)][:excess]
     if len(victims) < excess:
         idle: list[tuple[float, Address]] = []

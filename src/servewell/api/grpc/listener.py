@@ -5,7 +5,7 @@ keepalive ping policy) so that the gRPC port can never take the descriptors HTTP
 Measured before these bounds: 20,000 connections that sent only the HTTP/2 preface and SETTINGS
 took the process to its open-files limit (HTTP probes reset, RSS 117 -> 414 MB). With the cap
 alone, 3,000 such connections held every place and a new client failed at once; so a sweep
-(`core_connections.py`) closes the connections that never opened a call, oldest first, to keep a
+(`connection_sweep.py`) closes the connections that never opened a call, oldest first, to keep a
 quarter of the cap free for new ones.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import grpc
 
 from servewell.api.grpc.connection_eviction import CallPeers
-from servewell.api.grpc.core_connections import ConnectionSweeper, CoreConnections, server_ids
+from servewell.api.grpc.connection_sweep import ConnectionSweeper, PortConnections
 from servewell.api.grpc.limits import CallSlots, backstop_rpcs, grpc_connection_cap, raise_open_files_limit
 from servewell.api.grpc.routing import ServiceRouter
 from servewell.api.grpc.scope import RpcScope
@@ -95,8 +95,6 @@ def channel_options(limits: GrpcLimits, connection_cap: int, reuse_port: bool = 
         ("grpc.max_connection_age_grace_ms", _ms(limits.connection_age_grace_s)),
         ("grpc.http2.min_ping_interval_without_data_ms", _ms(limits.min_ping_interval_s)),
         ("grpc.http2.max_ping_strikes", 2),
-        # grpc core's default, said here because the connection sweep reads it (core_connections.py)
-        ("grpc.enable_channelz", 1),
     ]
 
 
@@ -128,13 +126,11 @@ class GrpcListener:
             log.warning("gRPC connections capped at %d (not %d): the open-files limit is %d and HTTP and the fd "
                         "reserve keep %d", self.connection_cap, limits.max_connections, open_files,
                         limits.descriptors_kept)
-        servers_before = server_ids()
         server = grpc.aio.server(
             options=channel_options(limits, self.connection_cap, self._reuse_port),
             maximum_concurrent_rpcs=backstop_rpcs(self.connection_cap, limits.max_streams_per_connection,
                                                   limits.max_concurrent_rpcs),
         )
-        created = server_ids() - servers_before
         server.add_generic_rpc_handlers((self._router,))
         try:
             bound = server.add_insecure_port(self._address)
@@ -144,13 +140,8 @@ class GrpcListener:
             raise OSError(f"cannot listen for gRPC on {self._address} (in use?); set --grpc-port, or 0 to turn it off")
         await server.start()
         self._server = server
-        if len(created) == 1:
-            connections = CoreConnections(created.pop(), bound)
-            self._sweeper = ConnectionSweeper(connections, self._router.calls, self.connection_cap)
-            self._sweeping = asyncio.get_running_loop().create_task(self._sweeper.run())
-        else:
-            log.warning("gRPC: grpc core's connection registry (channelz) is unavailable, so idle connections at the "
-                        "cap are not closed for new ones")
+        self._sweeper = ConnectionSweeper(PortConnections(bound), self._router.calls, self.connection_cap)
+        self._sweeping = asyncio.get_running_loop().create_task(self._sweeper.run())
         log.info("gRPC (OIP v2) listening on %s (at most %d connections)", self._address, self.connection_cap)
 
     async def stop(self, grace_s: float) -> None:
