@@ -1,7 +1,15 @@
-"""Preflight: estimate a model's memory from file headers before loading, and keep a budget.
+"""Preflight: estimate a model's memory from file headers before loading, keep a budget, and
+measure what a loaded model really holds.
 
 Read without importing a framework: the safetensors header is JSON behind an 8-byte length;
 ONNX and TorchScript files are dominated by their weights, so their size is the estimate.
+
+An estimate is a guess (a python model's own imports and allocations are unknown until it loads:
+issue 45 H16 saw 1,929 MB of server processes under a 500 MiB budget), so once a model has warmed
+up, the budget counts what its workers hold, measured as their proportional set size (Pss of
+/proc/<pid>/smaps_rollup: private pages whole, pages shared with other processes split between
+them, so the figures of all processes add up to the memory they use together), whenever that is
+more than the estimate: `max(estimate, measured)`.
 """
 
 from __future__ import annotations
@@ -124,17 +132,69 @@ def _cgroup_room(root: Path) -> int | None:
 
 class MemoryBudget:
     """Host (and device) memory promised to loaded models; a load that would not fit is refused
-    up front, or (lazy mode) makes room by evicting idle models first (engine/model_pool.py)."""
+    up front, or (lazy mode) makes room by evicting idle models first (engine/model_pool.py).
+
+    A model counts its estimate until its measured host memory is known (`measure`), then the
+    larger of the two (`held_bytes`)."""
 
     def __init__(self, total_bytes: int, device_total_bytes: int | None = None) -> None:
         self.total_bytes = total_bytes
         self.device_total_bytes = device_total_bytes  # None: the device is not limited by the server
         self._reserved: dict[Hashable, MemoryEstimate] = {}
+        self._measured: dict[Hashable, int] = {}  # host bytes the owner's workers were measured to hold
 
     @property
     def used_bytes(self) -> int:
-        """Host bytes promised to models now."""
+        """Host bytes the budget counts for models now (each: its estimate, or its measurement if more)."""
+        return sum(self._charge(owner, e) for owner, e in self._reserved.items())
+
+    @property
+    def estimated_bytes(self) -> int:
+        """Host bytes the models that hold a reservation were estimated to need."""
         return sum(e.total_bytes for e in self._reserved.values())
+
+    @property
+    def measured_bytes(self) -> int:
+        """Host bytes measured of the models that hold a reservation (those measured so far)."""
+        return sum(self._measured.get(owner, 0) for owner in self._reserved)
+
+    def _charge(self, owner: Hashable, estimate: MemoryEstimate) -> int:
+        return max(estimate.total_bytes, self._measured.get(owner, 0))
+
+    def held_bytes(self, owner: object) -> int | None:
+        """Host bytes the budget counts for `owner` now (None: it holds nothing)."""
+        if not isinstance(owner, Hashable):
+            return None
+        held = self._reserved.get(owner)
+        return None if held is None else self._charge(owner, held)
+
+    def measured_by(self, owner: object) -> int | None:
+        """`owner`'s last measured host bytes (None: not measured)."""
+        return self._measured.get(owner) if isinstance(owner, Hashable) else None
+
+    def measure(self, owner: Hashable, measured_bytes: int) -> None:
+        """Record what `owner`'s workers hold (after warm-up, and again from time to time); from now
+        on it counts `max(estimate, measured)`. Given before `owner` reserves (a reload of a model
+        measured before), its reservation is checked against it too."""
+        self._measured[owner] = measured_bytes
+
+    def beyond_whole_budget(self, estimate: MemoryEstimate, label: str, measured_bytes: int = 0) -> str | None:
+        """Why `estimate` (or the measurement, when more) could never fit, even with no other model
+        loaded: it alone is more than the whole host or device budget. None: it could fit."""
+        host = max(estimate.total_bytes, measured_bytes)
+        if host > self.total_bytes:
+            measured = measured_bytes > estimate.total_bytes
+            basis = (f"was measured at {host / MiB:.0f} MiB after its last warm-up" if measured
+                     else f"needs an estimated {host / MiB:.0f} MiB ({estimate.weight_bytes / MiB:.0f} MiB of weights "
+                     f"from the {estimate.basis}, {estimate.per_instance_bytes / MiB:.0f} MiB per instance)")
+            return (f"{label} {basis}, more than the whole memory budget of {self.total_bytes / MiB:.0f} MiB: it can "
+                    "never load here; raise --memory-budget-bytes, or lower its instances or dtype")
+        device_total = self.device_total_bytes
+        if device_total is not None and estimate.device_bytes > device_total:
+            return (f"{label} needs an estimated {estimate.device_bytes / MiB:.0f} MiB of device memory, more than the "
+                    f"whole device memory budget of {device_total / MiB:.0f} MiB: it can never load here; raise "
+                    "--device-memory-budget-bytes, or lower its instances or dtype")
+        return None
 
     @property
     def device_used_bytes(self) -> int:
@@ -148,9 +208,10 @@ class MemoryBudget:
     def shortfall(self, owner: Hashable, estimate: MemoryEstimate) -> tuple[int, int]:
         """(host, device) bytes missing for `estimate` to fit besides what others hold; (0, 0) when it fits."""
         held = self._reserved.get(owner)
-        host_others = self.used_bytes - (held.total_bytes if held else 0)
+        host_others = self.used_bytes - (self._charge(owner, held) if held else 0)
         device_others = self.device_used_bytes - (held.device_bytes if held else 0)
-        host = max(0, host_others + estimate.total_bytes - self.total_bytes)
+        own = max(estimate.total_bytes, self._measured.get(owner, 0))
+        host = max(0, host_others + own - self.total_bytes)
         device = 0
         if self.device_total_bytes is not None:
             device = max(0, device_others + estimate.device_bytes - self.device_total_bytes)
@@ -160,13 +221,20 @@ class MemoryBudget:
         """Promise `estimate` to `owner` (a loaded model version; `label` names it in the error);
         `MemoryError` (with the numbers, and `hint` on what else holds memory) when it does not fit."""
         host, device = self.shortfall(owner, estimate)
+        never = self.beyond_whole_budget(estimate, label, self._measured.get(owner, 0)) if host or device else None
+        if never is not None:
+            raise MemoryError(never)  # no eviction nor wait can help: say so, not "only N MiB left"
         if host:
             held = self._reserved.get(owner)
-            others = self.used_bytes - (held.total_bytes if held else 0)
+            others = self.used_bytes - (self._charge(owner, held) if held else 0)
+            measured = self._measured.get(owner, 0)
+            needs = (f"was measured at {measured / MiB:.0f} MiB after its last warm-up"
+                     if measured > estimate.total_bytes else
+                     f"needs an estimated {estimate.total_bytes / MiB:.0f} MiB "
+                     f"({estimate.weight_bytes / MiB:.0f} MiB of weights from the {estimate.basis}, "
+                     f"{estimate.per_instance_bytes / MiB:.0f} MiB per instance)")
             raise MemoryError(
-                f"{label} needs an estimated {estimate.total_bytes / MiB:.0f} MiB "
-                f"({estimate.weight_bytes / MiB:.0f} MiB of weights from the {estimate.basis}, "
-                f"{estimate.per_instance_bytes / MiB:.0f} MiB per instance) but only "
+                f"{label} {needs} but only "
                 f"{max(0, self.total_bytes - others) / MiB:.0f} MiB of the {self.total_bytes / MiB:.0f} MiB "
                 f"memory budget is left{hint}; raise --memory-budget-bytes, lower instances or dtype, or unload a model"
             )
@@ -180,5 +248,47 @@ class MemoryBudget:
         self._reserved[owner] = estimate
 
     def release(self, owner: Hashable) -> None:
-        """Return `owner`'s share."""
+        """Return `owner`'s share (and forget its measurement)."""
         self._reserved.pop(owner, None)
+        self._measured.pop(owner, None)
+
+
+def listed_estimate(budget: MemoryBudget, name: str, directory: Path,
+                    config: ModelConfig | None) -> tuple[int | None, str | None]:
+    """A listed model's estimated host bytes (None: unknown), and why it could never load when its
+    estimate alone is more than the whole budget (None: it could): the engine lists such a model as
+    invalid, with the numbers (issue 45 W3: it was loadable and refused at each request as if an
+    eviction could help, with a Retry-After)."""
+    if config is None:
+        return None, None
+    try:
+        estimate = estimate_model_memory(config, directory)
+    except (OSError, ValueError):
+        return None, None
+    return estimate.total_bytes, budget.beyond_whole_budget(estimate, f"model '{name}' version '{config.version}'")
+
+
+def proportional_set_bytes(pid: int) -> int | None:
+    """A process's proportional set size (`Pss` of /proc/<pid>/smaps_rollup: its private pages and
+    its share of the pages it shares, /dev/shm segments included); None when it cannot be read (the
+    process is gone). About 1 ms for a process of a few hundred MB: read off the event loop."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        return None
+    return None
+
+
+def measure_processes(pids: tuple[int, ...]) -> int | None:
+    """What the processes `pids` (one model's workers) hold together; None when any cannot be read:
+    a partial figure would undercount the model."""
+    total = 0
+    for pid in pids:
+        figure = proportional_set_bytes(pid)
+        if figure is None:
+            return None
+        total += figure
+    return total
