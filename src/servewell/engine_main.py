@@ -72,12 +72,31 @@ class EngineServer(GracefulServer):
         self._plan.abort(f"a second {sig.name}")  # what still waits gets 503 shutting_down
 
 
+def seconds_since_exec() -> float | None:
+    """Seconds since this process started (the kernel's start time; None where /proc cannot say):
+    at the top of `main`, what the interpreter's start and the imports took."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime_s - started_ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def main(argv: list[str]) -> int:
     """Run the engine until the supervisor stops it."""
+    imported_s = seconds_since_exec()
     run_dir = Path(argv[1])
     die_with_parent()
     settings, source = read_settings(run_dir)
     configure_logging(settings.log_level, settings.log_format)
+    # Where a restart's time goes (issue 45 H15): this is the interpreter and the imports; the
+    # models' loads are logged each (worker_cold_start), the ingress processes' reconnects too.
+    log.info("engine process %d up: interpreter and imports took %s", os.getpid(),
+             "an unknown time" if imported_s is None else f"{imported_s:.2f} s",
+             extra={"event": "engine_up", "imports_s": None if imported_s is None else round(imported_s, 3)})
     remove_leftovers(settings)
     bound_freed_memory()
     use_private_temp_dir(run_dir / "multiprocessing")  # the spares' fork server's socket

@@ -51,21 +51,24 @@ def ingress_process_count(configured: int | None, cpus: int | None = None) -> in
 
 @dataclass(slots=True)
 class RestartBackoff:
-    """Seconds to wait before restarting a child that died: `initial_s`, doubling per death up to
-    `max_s`; a child that had run `reset_after_s` or longer before dying starts again from `initial_s`."""
+    """Seconds to wait before restarting a child that died: `first_s` after its first death (a
+    child that served and died once, an engine killed by the OOM killer, comes back at once: every
+    ingress answers 503 meanwhile), then `initial_s`, doubling per death up to `max_s`; a child
+    that had run `reset_after_s` or longer before dying starts again from `first_s`."""
 
+    first_s: float = 0.0
     initial_s: float = 0.1
     max_s: float = 5.0
     reset_after_s: float = 30.0
-    _next_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        self._next_s = self.initial_s
+    _next_s: float | None = None  # None: the next death is a first one
 
     def delay_after(self, ran_s: float) -> float:
         """The wait before the next start of a child that ran `ran_s` seconds before it died."""
         if ran_s >= self.reset_after_s:
+            self._next_s = None
+        if self._next_s is None:
             self._next_s = self.initial_s
+            return self.first_s
         delay_s = self._next_s
         self._next_s = min(self.max_s, self._next_s * 2)
         return delay_s

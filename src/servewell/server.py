@@ -154,7 +154,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     # Pre-spawned workers for fast cold starts (issue 21): started with the app, stopped after the engine.
     output = output_limits_for(settings)  # what of a worker's stdout/stderr reaches the log (issue 45)
     spares = SpareWorkers(effective_spare_workers(settings), SpareLaunch(settings.log_level, settings.log_format),
-                          output)
+                          output, fork_on_demand=settings.fork_worker_starts)
     workers = WorkerSettings(settings.worker_heartbeat_timeout_s, settings.log_level, settings.log_format,
                              tracing.settings, spares=spares, warmup_first_only=effective_warmup_first_only(settings),
                              load_cpu_policy=effective_load_cpu_policy(settings),

@@ -155,6 +155,7 @@ class Supervisor:
         self._finished: asyncio.Future[int] | None = None
         self._stop_task: asyncio.Task[None] | None = None
         self._run_dir: Path | None = None
+        self._cleanups: set[asyncio.Future[int]] = set()  # segment removals running on a thread
 
     def restart_counts(self) -> dict[str, int]:
         """Restarts so far per role (`engine`, `ingress`), for the metrics."""
@@ -253,10 +254,10 @@ class Supervisor:
         facts = {"event": EVENT_EXITED, **child.facts, **how, "ran_s": round(ran_s, 3), "expected": self._stopping}
         if not exited.done():
             exited.set_result(code)
-        _remove_stale_segments()  # what the dead process had in /dev/shm
         said = f"{how['signal']}" if code < 0 else f"exit code {code}"
         if self._stopping:
             log.info("%s (pid %d) exited (%s)", child.name, process.pid, said, extra=facts)
+            _remove_stale_segments()  # what the dead process had in /dev/shm
             return
         log.warning("%s (pid %d) exited unexpectedly (%s) after %.1f s", child.name, process.pid, said, ran_s,
                     extra=facts)
@@ -266,12 +267,23 @@ class Supervisor:
             self._begin_stop(f"{child.name} exited with {code}", FATAL_EXIT_CODE, signal.SIGTERM)
             return
         self._schedule_restart(child, child.backoff.delay_after(ran_s))
+        # What the dead process had in /dev/shm goes after its successor is on its way, and off the
+        # loop: the first time, this imports numpy, which held a killed engine's restart back by
+        # 2 s on a busy 2-core machine (issue 45 H15).
+        cleaning = asyncio.get_running_loop().run_in_executor(None, _remove_stale_segments)
+        self._cleanups.add(cleaning)
+        cleaning.add_done_callback(self._cleanups.discard)
 
     def _schedule_restart(self, child: _Child, delay_s: float) -> None:
         log.warning("restarting %s in %.1f s", child.name, delay_s,
                     extra={"event": EVENT_RESTART_SCHEDULED, "role": child.role, "index": child.index,
                            "delay_s": delay_s})
-        child.restart = asyncio.get_running_loop().call_later(delay_s, self._restart, child)
+        loop = asyncio.get_running_loop()
+        if delay_s <= 0:
+            child.restart = None
+            self._restart(child)  # now: not even one more turn of the loop
+            return
+        child.restart = loop.call_later(delay_s, self._restart, child)
 
     def _restart(self, child: _Child) -> None:
         if self._stopping:

@@ -123,19 +123,20 @@ def two_cpus() -> Iterator[None]:
 
 def test_many_python_models_with_a_short_load_timeout_all_load_and_a_timed_out_load_is_retried(
         tmp_path: Path, start_server: ServerFactory) -> None:
-    # 13 models whose loads take about 2 s of CPU each (a worker's start, a second of setup): started
-    # all at once on 2 CPUs, each one's 10 s counted the others' start-up too, and they failed (issue
-    # 45, H6). Loads now take turns, one per usable CPU, each timed from its own start; one model
-    # hangs on its first load only, and is loaded by its second attempt.
+    # 16 models whose loads took about 1.7 s of CPU each (a fresh worker's start, 0.7 s of setup):
+    # started all at once on 2 CPUs, each one's 10 s counted the others' start-up too, and they failed
+    # (issue 45, H6). Loads now take turns, one per usable CPU, each timed from its own start (and a
+    # worker is forked, not started afresh); one model hangs on its first load only, and is loaded
+    # by its second attempt.
     root = tmp_path / "models"
-    for i in range(13):
-        python_model(root, f"m{i:02d}", setup_cpu_s=1.0)
+    for i in range(16):
+        python_model(root, f"m{i:02d}", setup_cpu_s=0.7)
     python_model(root, "flaky", hang_first_load=str(tmp_path / "flaky-hung-once"))
     with two_cpus():
         server = start_server(["--model-repository", str(root), "--load-timeout-s", "10", "--config-poll-s", "0"])
     seen = wait_ready_recording_states(server, 300)
     assert "queued" in seen, seen  # the waiting is visible: instances wait for their turn as "queued"
-    for i in range(13):
+    for i in range(16):
         assert infer(server, f"m{i:02d}").status_code == 200
     flaky = server.health()["models"]["flaky"]
     # Its first load timed out (the worker was killed) and the second attempt loaded it.

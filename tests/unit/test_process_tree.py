@@ -46,12 +46,12 @@ def test_a_configured_count_wins_and_0_means_single_process():
     assert ingress_process_count(None) == min(DEFAULT_MAX_INGRESS_PROCESSES, max(1, usable_cpus()))
 
 
-def test_backoff_doubles_from_a_tenth_of_a_second_to_5_s_and_resets_after_a_long_run():
+def test_backoff_restarts_at_once_then_doubles_from_a_tenth_of_a_second_to_5_s_and_resets_after_a_long_run():
     backoff = RestartBackoff()
-    assert [backoff.delay_after(0.5) for _ in range(8)] == [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0]
+    assert [backoff.delay_after(0.5) for _ in range(9)] == [0.0, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0]
     assert backoff.delay_after(29.9) == 5.0  # short of 30 s: still a crash loop
-    assert backoff.delay_after(30.0) == 0.1  # it ran 30 s: a fresh failure
-    assert backoff.delay_after(1.0) == 0.2
+    assert backoff.delay_after(30.0) == 0.0  # it ran 30 s: a fresh failure, restarted at once
+    assert backoff.delay_after(1.0) == 0.1
 
 
 def test_command_lines_follow_the_contract(tmp_path: Path):

@@ -294,6 +294,12 @@ class ServerConfig(BaseModel):
         "taken by the next model load instead of a fresh spawn (a load skips the interpreter start and imports); "
         "default: 1 in the lazy repository mode, else 0.",
     )
+    fork_worker_starts: bool = Field(
+        True, description="A worker start that finds no idle spare forks one from the engine's fork server (which "
+        "imported the worker's modules once: about 10 ms of CPU a start) instead of starting a fresh interpreter "
+        "(about a second of CPU each, which a start of many models paid once per worker). The fork server is one "
+        "more process of the engine, started with the first worker; false: fresh spawns, as before.",
+    )
     load_cpu_policy: Literal["idle", "normal"] | None = Field(
         None, description="The CPU priority a model load and its warm-up run at; default: idle in the lazy "
         "repository mode (loads run while the resident models serve), else normal (a restart under load comes "

@@ -219,7 +219,8 @@ class WorkerHandle:
         self._life.queued()
 
     async def start(self, timeout_s: float, began_at: float | None = None) -> WorkerReady:
-        """Start the worker (a spare of `settings.spares` when one fits, else a fresh spawn) and
+        """Start the worker (a spare of `settings.spares` when one is idle or can be forked, else a
+        fresh spawn) and
         wait until its model is loaded and warmed up, at most until `began_at + timeout_s`
         (`time.monotonic()`; default: now). `WorkerLoadTimedOut` past it, `WorkerLoadCrashed` when
         the process dies, `WorkerLoadError` when the model cannot load."""
@@ -244,6 +245,14 @@ class WorkerHandle:
         )
         name = f"servewell-worker-{self.config.name}"
         spare = settings.spares.take(self.config) if settings.spares is not None else None
+        if spare is None and settings.spares is not None and settings.spares.fork_on_demand:
+            spare = await settings.spares.fork_for(self.config)
+            if spare is not None and self._life.ended:  # stopped while the spare was forked
+                spare.conn.close()  # it exits on EOF; PR_SET_PDEATHSIG covers the rest
+                if spare.output is not None:
+                    spare.output.close()
+                self._release_segments()
+                raise WorkerLoadError("the worker was stopped before it started")
         fresh_reason = ""
         if spare is not None:
             self._process, parent, self._output = spare.process, spare.conn, spare.output

@@ -145,16 +145,20 @@ def effective_load_cpu_policy(settings: ServerConfig) -> str:
 
 def why_fresh(spares: SpareWorkers | None, config: ModelConfig) -> str:
     """Why a start spawned its worker rather than taking a spare, in words."""
-    if spares is None or spares.count == 0:
+    if spares is None or (spares.count == 0 and not spares.fork_on_demand):
         return "spare_workers is 0"
-    return fresh_spawn_reason(config) or "no spare was idle"
+    return fresh_spawn_reason(config) or ("no spare could be forked" if spares.fork_on_demand else "no spare was idle")
 
 
 class SpareWorkers:
-    """Up to `count` idle worker processes with the runtime imported, for one engine."""
+    """Up to `count` idle worker processes with the runtime imported, for one engine; with
+    `fork_on_demand`, one forked for a start that finds none idle (`fork_for`)."""
 
-    def __init__(self, count: int, launch: SpareLaunch | None = None, output: OutputLimits | None = None) -> None:
+    def __init__(self, count: int, launch: SpareLaunch | None = None, output: OutputLimits | None = None,
+                 fork_on_demand: bool = False) -> None:
         self.count = max(0, count)
+        #: Whether a start that finds no idle spare gets one forked now rather than a fresh spawn.
+        self.fork_on_demand = fork_on_demand
         self._launch = launch or SpareLaunch()
         self._output_limits = output or OutputLimits()
         self._idle: list[SpareProcess] = []
@@ -179,9 +183,14 @@ class SpareWorkers:
         return tuple(s.pid for s in self._idle if s.pid is not None and s.ready is not None)
 
     def start(self) -> None:
-        """Begin filling the set (call on the engine's event loop); returns at once."""
+        """Begin filling the set (call on the engine's event loop); returns at once. With
+        `fork_on_demand` and no spares to keep, one spare is forked now all the same: the fork server
+        starts (its imports) while the engine reads its repository, and the first model takes it."""
         self._loop = asyncio.get_running_loop()
         self._refill()
+        if self.fork_on_demand and self.count == 0 and not self._spawning:
+            self._spawning += 1
+            self._spawn_task(self._spawn_one())
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Wait until `count` spares are idle and ready (tests, benchmarks); `TimeoutError` after
@@ -209,6 +218,32 @@ class SpareWorkers:
         self._unwatch(chosen)
         self.adopted += 1
         return chosen
+
+    async def fork_for(self, config: ModelConfig) -> SpareProcess | None:
+        """A spare forked now for a worker of `config` (the caller's, as from `take`), the fork
+        server started first if it is not running yet; None when the model needs a fresh spawn, the
+        set is stopping, or forking fails (the start then spawns its worker). A fork costs about
+        10 ms of CPU against 0.8 s for a fresh interpreter and its imports (`spare.py`'s doc), which
+        a start of many models paid once per worker, each taking the cores the others loaded on
+        (issue 45: 13 python models on 2 cores)."""
+        if self._stopped or self._loop is None or fresh_spawn_reason(config) is not None:
+            return None
+        if self._failed_in_a_row >= MAX_FAILED_SPARES:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            spare = await loop.run_in_executor(self._spawner, self._spawn_blocking)
+        except Exception as exc:
+            self._failed(f"could not be forked for model {config.name}: {exc}", refill=False)
+            return None
+        if self._stopped:
+            await self._end(spare, 0.0)
+            return None
+        if spare.output is not None:
+            spare.output.relabel(f"spare worker {spare.pid}", pid=spare.pid)
+            spare.output.start(loop)
+        self.adopted += 1
+        return spare
 
     def refill(self) -> None:
         """Start spares in the background until there are `count` (a load that took one is over)."""
@@ -273,14 +308,15 @@ class SpareWorkers:
             self._failed(f"process {spare.pid} exited while idle (exit code {spare.process.exitcode})")
             self._spawn_task(self._end(spare, 0.0))
 
-    def _failed(self, why: str) -> None:
+    def _failed(self, why: str, refill: bool = True) -> None:
         self._failed_in_a_row += 1
         if self._failed_in_a_row >= MAX_FAILED_SPARES:
             log.error("spare worker %s; %d in a row, so no more spares are started (loads spawn their workers)",
                       why, self._failed_in_a_row, extra={"event": "spare_failed"})
             return
-        log.warning("spare worker %s; starting another", why, extra={"event": "spare_failed"})
-        self._refill()
+        log.warning("spare worker %s%s", why, "; starting another" if refill else "", extra={"event": "spare_failed"})
+        if refill:
+            self._refill()
 
     def _unwatch(self, spare: SpareProcess) -> None:
         if spare.watched and self._loop is not None and not spare.conn.closed:

@@ -9,7 +9,6 @@ one would be: nice, CPU affinity, thread counts and the device are all applied b
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import multiprocessing
 import os
 import signal
@@ -55,6 +54,6 @@ def spare_main(conn: Connection, launch: SpareLaunch) -> None:
 
 def _parent_death_signal(sig: int) -> None:
     """Ask the kernel for `sig` when the thread that spawned this process ends (0: no signal)."""
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is not None:
-        ctypes.CDLL(libc_name, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    # The interpreter's own symbols include libc's prctl: `ctypes.util.find_library` would run
+    # ldconfig in a child process at every spare's start (tens of ms, more on a busy machine).
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)

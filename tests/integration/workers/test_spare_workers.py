@@ -222,3 +222,36 @@ def test_spares_die_with_the_process_that_owns_them(tmp_path):
         owner.kill()
         owner.wait(30)
     asyncio.run(wait_gone(pids))
+
+
+def test_with_no_spare_kept_starts_fork_theirs_from_the_fork_server(onnx_dir):
+    # Eager mode keeps no spare; each start used to spawn a fresh interpreter and import numpy and
+    # the runtime again (issue 45: 13 models on 2 cores). Now the set forks one for each start.
+    rows = np.random.default_rng(6).normal(size=(2, 4)).astype(np.float32)
+
+    async def main() -> None:
+        spares = SpareWorkers(0, fork_on_demand=True)
+        spares.start()
+        pools: list[WorkerPool] = []
+        pids: list[int | None] = []
+        try:
+            config = read_model_config(onnx_dir)
+            for _ in range(3):
+                listener = Listener()
+                pool = WorkerPool(config, onnx_dir, listener, READY_TIMEOUT_S, WorkerSettings(spares=spares))
+                pools.append(pool)
+                await pool.start()
+                (worker,) = listener.ready
+                assert pool.last_start_breakdown is not None and pool.last_start_breakdown.spare
+                outcome = await worker.run({"x": [rows]})
+                np.testing.assert_allclose(outcome.outputs["y"], expected_rows(rows), rtol=1e-5, atol=1e-6)
+            assert spares.adopted == 3 and spares.pids == ()  # nothing kept idle once taken
+            pids = [p.workers[0].pid for p in pools if p.workers[0] is not None]
+            assert len(set(pids)) == 3 and None not in pids
+        finally:
+            for pool in pools:
+                await pool.stop()
+            await spares.stop()
+        await wait_gone([pid for pid in pids if pid is not None])
+
+    asyncio.run(main())
