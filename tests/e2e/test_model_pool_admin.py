@@ -26,6 +26,7 @@ from model_dirs import onnx_mlp_model
 from servers import ServerFactory, ServerProcess
 from servewell.config.model_file import read_model_yaml
 from servewell.engine.memory_budget import estimate_model_memory
+from waiting import eventually
 
 TOKEN = "pool-admin-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -79,7 +80,8 @@ def pool(budget_bytes: tuple[Path, int], start_module_server: ServerFactory) -> 
     server = start_module_server(["--model-repository", str(root), "--repository-mode", "lazy",
                                   "--memory-budget-bytes", str(budget), "--repository-poll-s", "0",
                                   "--device-memory-budget-bytes", str(DEVICE_BUDGET), "--admin-token", TOKEN])
-    server.wait_ready()
+    server.wait_live()  # not wait_ready: "big" is listed invalid (more than the whole budget), on purpose
+    eventually(lambda: models(server)["pinned"]["residency"] == "resident", 180, "the pinned model did not load")
     return server
 
 
@@ -124,10 +126,11 @@ def test_preload_loads_a_model_that_is_not_resident(pool: ServerProcess) -> None
 def test_preload_of_a_model_that_cannot_fit_is_refused_with_the_numbers(pool: ServerProcess) -> None:
     before = residency(pool)
     refused = admin(pool, "big", "preload")
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_not_ready", refused.text
-    assert "MiB" in refused.json()["error"]["message"] and "memory budget" in refused.json()["error"]["message"]
-    assert residency(pool) == before  # nothing was evicted for it, and it stays loadable
-    assert models(pool)["big"]["loadable"] is True
+    assert refused.status_code == 422 and refused.json()["error"]["code"] == "load_failed", refused.text
+    message = refused.json()["error"]["message"]
+    assert "MiB" in message and "more than the whole memory budget" in message, message
+    assert residency(pool) == before  # nothing was evicted for it: no eviction could make room
+    assert models(pool)["big"]["loadable"] is False and models(pool)["big"]["state"] == "invalid"
 
 
 def test_evict_frees_the_model_and_its_next_request_loads_it_again(pool: ServerProcess) -> None:

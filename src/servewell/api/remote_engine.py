@@ -36,6 +36,7 @@ from opentelemetry.context import Context
 
 from servewell.config.model import ModelConfig
 from servewell.config.rollout import TrafficPatch
+from servewell.engine.entry import not_ready
 from servewell.engine.envelope import (
     Cancel,
     ControlCall,
@@ -56,7 +57,7 @@ from servewell.engine.envelope import (
 from servewell.engine.lanes import resolve_lane
 from servewell.engine.protocol import ModelView, Readiness, RequestResult
 from servewell.engine.shared_tensors import Release, TensorLeases, TensorStore, ThreadSafeReleases, tensor_bytes
-from servewell.errors import EngineUnavailable, ModelNotReady, NotFound, ServeError, ShuttingDown, quote
+from servewell.errors import EngineUnavailable, NotFound, ServeError, ShuttingDown, quote
 from servewell.observability.context import (
     BatchPlacement,
     client_var,
@@ -336,8 +337,7 @@ class RemoteEngine:
                            f"{[entry.version, *entry.versions]}")
         if (entry.state != "ready" and not entry.loadable) or entry.config is None:
             # A loadable model (lazy mode) goes to the engine, which loads it while the request waits.
-            reason = f": {entry.reason}" if entry.reason else ""
-            raise ModelNotReady(f"model '{name}' is {entry.state}{reason}")
+            raise not_ready(name, entry.state, entry.reason)  # the engine's own words and Retry-After
         return RemoteModel(self, entry, entry.config, version)
 
     async def _ask(self, name: str) -> ModelEntrySummary | None:

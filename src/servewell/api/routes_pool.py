@@ -47,7 +47,8 @@ class ModelPoolControl(Protocol):
         ...
 
     def pool_report(self) -> dict[str, Any]:
-        """The pool: mode, budgets and what they hold, counts by residency."""
+        """The pool: mode, budgets and what they hold (estimated, measured, counted), counts by
+        residency, models and versions removed from the repository."""
         ...
 
 
@@ -66,13 +67,17 @@ def pool_report(engine: ServingEngine) -> dict[str, Any] | None:
 
 def pool_fields(view: ModelView) -> dict[str, Any]:
     """A model's place in the pool: where it is, whether a request would load it, pin, last use
-    (Unix seconds), estimated host memory, lazy loads and evictions since the server started."""
+    (Unix seconds), host memory (estimated from its files; measured of its workers after warm-up,
+    kept while it is evicted; what the budget counts for it now, the larger of the two, None while
+    it holds nothing), lazy loads and evictions since the server started."""
     return {
         "residency": view.residency,
         "loadable": view.loadable,
         "pinned": view.pinned,
         "last_used_at": view.last_used_at,
         "estimated_bytes": view.estimated_bytes,
+        "measured_bytes": view.measured_bytes,
+        "budget_bytes": view.budget_bytes,
         "cold_starts": view.cold_starts,
         "evictions": view.evictions,
     }

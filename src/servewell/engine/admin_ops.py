@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from servewell.config.rollout import TrafficPatch
 from servewell.engine.model_entry import EntryServices
-from servewell.engine.model_pool import ModelPool, ModelSlot
+from servewell.engine.model_pool import ModelPool
+from servewell.engine.model_slot import ModelSlot
 from servewell.engine.protocol import ModelView
 from servewell.errors import Conflict, NotFound
 

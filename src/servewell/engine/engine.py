@@ -20,10 +20,11 @@ import numpy as np
 from servewell.config.model import ModelConfig
 from servewell.engine.admin_ops import EngineAdmin
 from servewell.engine.entry import Entry, InvalidModel
-from servewell.engine.memory_budget import MemoryBudget, estimate_model_memory, machine_memory_budget
+from servewell.engine.memory_budget import MemoryBudget, listed_estimate, machine_memory_budget
 from servewell.engine.model_entry import EntryServices, LoadProgressFn, ModelEntry
 from servewell.engine.model_handle import PayloadSink, ServedModelHandle, ready_entry_or_refusal
-from servewell.engine.model_pool import ModelPool, ModelSlot, PoolSettings
+from servewell.engine.model_pool import ModelPool, PoolSettings
+from servewell.engine.model_slot import ModelSlot
 from servewell.engine.pipeline import PipelineEntry, PipelineHandle, recheck_pipelines
 from servewell.engine.protocol import ModelView, Readiness, RequestResult
 from servewell.engine.readiness import ReadinessPolicy, evaluate_readiness
@@ -115,16 +116,13 @@ class InferenceEngine(EngineAdmin):
 
     def _add(self, source: ModelSource) -> ModelSlot:
         entry: Entry
-        if source.config is None:
-            entry = InvalidModel(source.name, source.directory, source.error or "invalid model.yaml")
+        estimated, never = listed_estimate(self.budget, source.name, source.directory, source.config)
+        if source.config is None or never is not None:
+            entry = InvalidModel(source.name, source.directory, source.error or never or "invalid model.yaml")
         else:
             entry = self._build(source.name, source.directory, source.config)
         slot = self._slots[source.name] = ModelSlot(entry)
-        if source.config is not None:
-            try:
-                slot.estimated_bytes = estimate_model_memory(source.config, source.directory).total_bytes
-            except (OSError, ValueError):
-                slot.estimated_bytes = None
+        slot.estimated_bytes = estimated
         return slot
 
     def _new_entry(self, name: str, config: ModelConfig) -> ModelEntry:
@@ -146,6 +144,9 @@ class InferenceEngine(EngineAdmin):
             slot = self._slots.get(source.name)
             if slot is None and source.config is None and not (source.directory / "model.yaml").is_file():
                 continue
+            if slot is not None and slot.entry.state == "invalid" and source.config is not None and \
+                    slot.entry.reason == listed_estimate(self.budget, source.name, source.directory, source.config)[1]:
+                continue  # still more than the whole memory budget: nothing new
             if slot is None or (slot.entry.state == "invalid" and source.config is not None):
                 self._add(source)
                 added.append(source.name)
@@ -334,9 +335,12 @@ class InferenceEngine(EngineAdmin):
         async with slot.lock:
             entry = slot.entry
             if self.pool.loadable(slot) and entry.state == "unloaded" and config.kind == "model":
-                slot.entry = self._new_entry(name, config)
+                directory = self.repository / name
+                slot.estimated_bytes, never = listed_estimate(self.budget, name, directory, config)
+                slot.entry = self._new_entry(name, config) if never is None else InvalidModel(name, directory, never)
                 await entry.release_snapshot()  # an eviction kept it for a reload of the old config
-                slot.estimated_bytes = estimate_model_memory(config, slot.entry.directory).total_bytes
+                if never is not None:
+                    return f"refused: {never}"
                 return "recorded: the model is not resident and loads with it on its next request"
             if entry.state == "unloaded":
                 return "not applied: the model was unloaded by an operator (load it through the repository API)"
@@ -428,7 +432,8 @@ class InferenceEngine(EngineAdmin):
             rollout=rollout.to_json() if rollout is not None else None,
             residency=slot.residency(), pinned=slot.pinned,
             last_used_at=slot.last_used_at, estimated_bytes=slot.estimated_bytes, loadable=self.pool.loadable(slot),
-            cold_starts=slot.cold_starts, evictions=slot.evictions)
+            cold_starts=slot.cold_starts, evictions=slot.evictions, measured_bytes=slot.measured_bytes,
+            budget_bytes=self.budget.held_bytes(entry or slot.entry))
 
     def loadable(self, name: str) -> bool:
         """Whether a request for `name` would load it now (lazy mode)."""

@@ -102,11 +102,12 @@ class Entry(Protocol):
         ...
 
 
-def not_ready(name: str, state: ModelState, reason: str | None) -> ModelNotReady:
-    """The 503 for a model that takes no requests in `state` (retry soon unless it will not recover)."""
-    retry = None if state in ("failed", "invalid", "unloaded") else 2.0
+def not_ready(name: str, state: str, reason: str | None) -> ModelNotReady:
+    """The 503 for a model that takes no requests in `state` (retry soon unless it will not recover;
+    an invalid one never does until its files change: no Retry-After)."""
+    retry = None if state == "invalid" else 5.0 if state in ("failed", "unloaded") else 2.0
     detail = f": {reason}" if reason else ""
-    return ModelNotReady(f"model '{name}' is {state}{detail}", retry_after_s=retry or 5.0)
+    return ModelNotReady(f"model '{name}' is {state}{detail}", retry_after_s=retry)
 
 
 @dataclass(slots=True, frozen=True)

@@ -14,7 +14,7 @@ from servewell.config.model import ModelConfig
 from servewell.config.payload_log import PayloadLogConfig
 from servewell.engine.entry import Entry
 from servewell.engine.lanes import resolve_lane
-from servewell.engine.model_pool import ModelSlot
+from servewell.engine.model_slot import ModelSlot
 from servewell.engine.protocol import RequestResult
 from servewell.engine.validation import check_inputs
 from servewell.errors import ServeError, ShuttingDown

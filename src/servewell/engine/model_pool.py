@@ -13,7 +13,19 @@ cost-aware policy for now: with Zipf traffic the recently used models are the ho
 cost (load time) of the models here differs by less than their reuse distance (see the note of
 issue 21 and bench/model_pool.py).
 
-The eager mode (every model loads at start) shares the budget check but never evicts.
+A request for a model that is being evicted waits for the eviction to end and then for the model's
+load, like any request for a model that is not resident (issue 45 W2: it got an immediate 503
+model_loading). A model whose estimate alone is more than the whole budget never loads (the engine
+lists it as invalid with the numbers, engine/engine.py), rather than being refused at each request
+as if eviction could help (W3).
+
+The budget counts what each loaded model really holds once measured (its workers' Pss after
+warm-up, then every `MEASURE_EVERY_S`; engine/memory_budget.py), when that is more than its estimate;
+a model measured before is admitted by that figure when it loads again (H16). When measurements show
+the loaded models over the budget, idle ones are evicted until it fits again.
+
+The eager mode (every model loads at start) shares the budget check and the measurements but never
+evicts.
 """
 
 from __future__ import annotations
@@ -25,22 +37,21 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from servewell.engine.entry import Entry
+from servewell.engine.entry import not_ready
 from servewell.engine.memory_budget import MemoryBudget, MemoryEstimate, MiB, estimate_model_memory
+from servewell.engine.memory_meter import MemoryMeter, loaded_versions
+from servewell.engine.model_slot import ModelSlot, is_pipeline
 from servewell.engine.protocol import ModelState
 from servewell.errors import Conflict, ModelLoading, ModelNotReady, ShuttingDown
 
 if TYPE_CHECKING:
     from servewell.config.model import ModelConfig
     from servewell.engine.model_entry import ModelEntry
-    from servewell.engine.rollout import Rollout
     from servewell.observability.metrics import ServeMetrics
 
 log = logging.getLogger("servewell.engine")
 
 RepositoryMode = Literal["eager", "lazy"]
-#: Where a model is, as /healthz, the repository index, the console and metrics show it.
-Residency = Literal["resident", "loading", "evicted", "not_loaded", "failed", "invalid"]
 EvictReason = Literal["memory", "idle", "operator"]
 #: Retry-After of a `model_loading` refusal before the model's load time has ever been measured.
 DEFAULT_LOAD_RETRY_S = 5.0
@@ -48,6 +59,11 @@ DEFAULT_LOAD_RETRY_S = 5.0
 IDLE_SWEEP_S = 1.0
 #: How often a lazy load that waits for busy models to go idle looks again.
 ROOM_RETRY_S = 0.05
+#: How often every loaded model's memory is measured again (engine/memory_meter.py).
+MEASURE_EVERY_S = 5.0
+#: Rounds of "wait for the load" one request makes before it gives up (each ends with a load that
+#: finished; the model evicted again before the request's turn is the only way round).
+ACQUIRE_ROUNDS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,79 +78,6 @@ class PoolSettings:
     idle_unload_s: float = 0.0
 
 
-class ModelSlot:
-    """Where one model name's current entry lives; a reload or a lazy load swaps the entry, not
-    the slot. Also what the pool knows of the name across loads: last use, pin, counts."""
-
-    __slots__ = ("entry", "lock", "profiling", "last_used_at", "pinned_by_admin", "waiting", "loader",
-                 "cold_starts", "evictions", "evicted", "unloaded_by_operator", "load_s", "estimated_bytes",
-                 "wanted_at", "rollout")
-
-    def __init__(self, entry: Entry) -> None:
-        self.entry = entry
-        self.lock = asyncio.Lock()  # one load/unload of this model at a time
-        self.profiling = False
-        self.last_used_at: float | None = None  # wall clock of the last request (None: never used)
-        self.pinned_by_admin: bool | None = None  # POST .../pin or /unpin; None: model.yaml's pinned
-        self.waiting = 0  # requests waiting for this model's lazy load
-        self.loader: asyncio.Task[None] | None = None
-        self.cold_starts = 0
-        self.evictions = 0
-        self.evicted = False  # the last unload was an eviction (memory or idle)
-        self.unloaded_by_operator = False  # the repository API unloaded it: no lazy load until it loads it
-        self.load_s: float | None = None  # the last measured load (Retry-After of model_loading)
-        self.estimated_bytes: int | None = None
-        self.wanted_at = 0.0  # monotonic time a request last asked for this model's load
-        self.rollout: Rollout | None = None  # its other versions and traffic split (engine/rollout.py)
-
-    @property
-    def name(self) -> str:
-        """The model's name."""
-        return self.entry.name
-
-    @property
-    def pinned(self) -> bool:
-        """Never evicted: an admin's pin or unpin, else model.yaml's `pinned`."""
-        if _is_pipeline(self):
-            return True  # it holds no memory: nothing to gain by evicting it
-        config = self.entry.config
-        if self.rollout is not None or (config is not None and config.other_versions):
-            return True  # a rollout in progress: its versions and verdicts live as long as the model
-        if self.pinned_by_admin is not None:
-            return self.pinned_by_admin
-        return bool(config is not None and config.pinned)
-
-    @property
-    def resident(self) -> bool:
-        """Whether the current entry takes requests now."""
-        entry = self.entry
-        return entry.state in ("ready", "restarting") and getattr(entry, "stopping", None) is None
-
-    def residency(self) -> Residency:
-        """Where the model is now."""
-        entry = self.entry
-        if entry.state == "invalid":
-            return "invalid"
-        if self.resident:
-            return "resident"
-        if entry.state == "loading" or (self.loader is not None and not self.loader.done()):
-            return "loading"
-        if entry.state == "failed":
-            return "failed"
-        return "evicted" if self.evicted else "not_loaded"
-
-    def busy(self) -> bool:
-        """Whether anything is queued, running or waiting for this model (it must not be evicted)."""
-        if self.waiting or self.profiling or self.lock.locked():
-            return True
-        scheduler = getattr(self.entry, "scheduler", None)
-        return scheduler is not None and (scheduler.queue_depth > 0 or scheduler.running_rows > 0)
-
-    def used(self) -> None:
-        """A request for this model arrived."""
-        self.last_used_at = time.time()
-
-
 class ModelPool:
     """Lazy loads, eviction and idle unloads of one engine's models (`InferenceEngine` owns it)."""
 
@@ -146,6 +89,7 @@ class ModelPool:
         self._budget = budget
         self._new_entry = new_entry  # (name, config) -> a fresh, unloaded ModelEntry
         self._metrics = metrics
+        self._meter = MemoryMeter(budget)  # what loaded models really hold, for the budget
         self._loads = asyncio.Semaphore(settings.max_concurrent_loads)
         self._room = asyncio.Lock()  # one eviction decision at a time
         self._tasks: list[asyncio.Task[None]] = []
@@ -157,11 +101,12 @@ class ModelPool:
         return self.settings.mode == "lazy"
 
     def start(self, rescan: Callable[[], Awaitable[list[str]]] | None) -> None:
-        """Start the idle sweep (lazy mode) and the repository poll (`rescan`: adds the models
-        whose directories are new, returns their names)."""
+        """Start the memory measurements, and in lazy mode the idle sweep and the repository poll
+        (`rescan`: adds the models whose directories are new, returns their names)."""
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._watch_memory()))
         if not self.lazy:
             return
-        loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._sweep_idle()))
         if rescan is not None and self.settings.poll_s > 0:
             self._tasks.append(loop.create_task(self._poll(rescan)))
@@ -189,7 +134,9 @@ class ModelPool:
         budget = self._budget
         return {
             "mode": self.settings.mode,
+            # reserved: what the budget counts, each model's estimate or its measurement when more
             "budget_bytes": budget.total_bytes, "reserved_bytes": budget.used_bytes,
+            "estimated_bytes": budget.estimated_bytes, "measured_bytes": budget.measured_bytes,
             "device_budget_bytes": budget.device_total_bytes, "device_reserved_bytes": budget.device_used_bytes,
             "resident": sum(1 for s in slots if s.resident),
             "loading": sum(1 for s in slots if s.residency() == "loading"),
@@ -201,48 +148,53 @@ class ModelPool:
 
     def count(self, slot: ModelSlot) -> None:
         """Count a request in lazy mode: a hit when its model is resident, a miss when it must load."""
-        if self._metrics is not None and self.lazy and not _is_pipeline(slot):  # a pipeline's steps count
+        if self._metrics is not None and self.lazy and not is_pipeline(slot):  # a pipeline's steps count
             self._metrics.pool_requests.labels("hit" if slot.resident else "miss").inc()
 
     def loadable(self, slot: ModelSlot) -> bool:
         """Whether a request would load this model now (lazy mode, a valid config, not unloaded by
-        an operator, not failed since its last change)."""
+        an operator, not failed since its last change); a model being evicted is: its requests wait
+        for the eviction to end, then for the load."""
         entry = slot.entry
-        return (self.lazy and entry.config is not None and not _is_pipeline(slot)
-                and entry.state in ("unloaded", "loading") and not slot.unloaded_by_operator)
+        if not self.lazy or entry.config is None or is_pipeline(slot) or slot.unloaded_by_operator:
+            return False
+        return entry.state in ("unloaded", "loading") or slot.eviction is not None
 
     # --- waiting for a load ------------------------------------------------------------------
 
     async def acquire(self, slot: ModelSlot, deadline: float | None) -> None:
-        """Return once `slot`'s model is resident, loading it if needed; `ModelLoading` when the
-        wait queue is full or the wait ran out, `ModelNotReady` when it cannot be loaded."""
-        for _ in range(3):  # an eviction between the load and this waiter's turn is retried
+        """Return once `slot`'s model is resident, loading it if needed (one being evicted: once the
+        eviction ended, loaded again), waiting at most until `deadline` (absolute `time.monotonic()`)
+        and `max_load_wait_ms`; `ModelLoading` when the wait queue is full or the wait ran out,
+        `ModelNotReady` when it cannot be loaded."""
+        started = time.monotonic()
+        until = started + self.settings.max_load_wait_s
+        if deadline is not None:
+            until = min(until, deadline)
+        for _ in range(ACQUIRE_ROUNDS):  # an eviction between the load and this waiter's turn is retried
             if slot.resident:
                 return
             if self.closed:
                 raise ShuttingDown("the server is shutting down and loads no model")
             if not self.loadable(slot):
                 entry = slot.entry
-                reason = f": {entry.reason}" if entry.reason else ""
-                raise ModelNotReady(f"model '{slot.name}' is {entry.state}{reason}")
-            slot.wanted_at = time.monotonic()
+                raise not_ready(slot.name, entry.state, entry.reason)
+            slot.wanted_at = now = time.monotonic()
             if slot.waiting >= self.settings.load_queue_per_model:
                 self._loader(slot)  # refused, but the load it asks for starts
                 raise ModelLoading(f"model '{slot.name}' is loading and {slot.waiting} requests already wait for it "
                                    f"(load_queue_per_model); retry", retry_after_s=self.retry_after_s(slot))
-            wait_s = self.settings.max_load_wait_s
-            if deadline is not None:
-                wait_s = min(wait_s, deadline - time.monotonic())
-            if wait_s <= 0:
+            if until <= now:
                 raise ModelLoading(f"model '{slot.name}' is not loaded and the request has no time left to wait "
-                                   "for its load; retry", retry_after_s=self.retry_after_s(slot))
+                                   f"for its load (it waited {now - started:.1f} s); retry",
+                                   retry_after_s=self.retry_after_s(slot))
             slot.waiting += 1
             try:
-                loader = self._loader(slot)
-                await asyncio.wait_for(asyncio.shield(loader), wait_s)
+                await asyncio.wait_for(asyncio.shield(self._loader(slot)), until - now)
             except TimeoutError:
-                raise ModelLoading(f"model '{slot.name}' is still loading after the request waited {wait_s:.1f} s; "
-                                   "retry", retry_after_s=self.retry_after_s(slot)) from None
+                raise ModelLoading(f"model '{slot.name}' is still loading after the request waited "
+                                   f"{time.monotonic() - started:.1f} s; retry",
+                                   retry_after_s=self.retry_after_s(slot)) from None
             finally:
                 slot.waiting -= 1
         if not slot.resident:
@@ -267,6 +219,9 @@ class ModelPool:
     async def _load(self, slot: ModelSlot) -> None:
         started = time.monotonic()
         waited_by = slot.waiting
+        eviction = slot.eviction
+        if eviction is not None:
+            await asyncio.shield(eviction)  # being evicted: its workers stop first, then it loads again
         async with self._loads, slot.lock:
             if slot.resident or not self.loadable(slot):
                 return
@@ -285,9 +240,18 @@ class ModelPool:
                 estimate = estimate_model_memory(config, entry.directory)
             except (OSError, ValueError) as exc:
                 raise ModelNotReady(f"model '{slot.name}' cannot be loaded: {exc}") from None
+            measured = slot.measured_bytes if slot.measured_config == config else None
+            if measured is not None:  # admitted by what it held when it last ran, not by the guess
+                self._budget.measure(entry, measured)
             # Room first, the entry swapped in after: a load that waits for room or is refused for
-            # it leaves the model as it was (loadable), not failed.
-            await self._reserve(entry, estimate, started + self.settings.max_load_wait_s)
+            # it leaves the model as it was (loadable), not failed. One that could never fit (its
+            # last measurement is more than the whole budget) goes on to fail, naming the numbers.
+            if self._budget.beyond_whole_budget(estimate, entry.label, measured or 0) is None:
+                try:
+                    await self._reserve(entry, estimate, started + self.settings.max_load_wait_s)
+                except BaseException:
+                    self._budget.release(entry)  # the measurement given above
+                    raise
             previous, slot.entry = slot.entry, entry
             try:
                 await entry.load()  # its own reservation is in place: make_room finds it fits
@@ -297,6 +261,7 @@ class ModelPool:
                 await previous.release_snapshot()  # the new snapshot has linked what it could from it
             if entry.state != "ready":
                 raise ModelNotReady(f"model '{slot.name}' failed to load: {entry.reason}")
+            await self._meter.measure([(slot, entry)])  # after warm-up: what it holds counts from now on
         seconds = time.monotonic() - started
         slot.load_s = entry.load_s or seconds
         slot.cold_starts += 1
@@ -342,12 +307,12 @@ class ModelPool:
 
     def _fits_without_busy(self, entry: ModelEntry, estimate: MemoryEstimate) -> bool:
         """Whether `estimate` would fit once every unpinned model is evicted (busy ones included)."""
-        host = estimate.total_bytes
+        host = max(estimate.total_bytes, self._budget.measured_by(entry) or 0)
         device = estimate.device_bytes
         for slot in self._slots.values():
             held = self._budget.reserved_by(slot.entry)
             if held is not None and slot.name != entry.name and slot.pinned:
-                host += held.total_bytes
+                host += self._budget.held_bytes(slot.entry) or 0
                 device += held.device_bytes
         device_total = self._budget.device_total_bytes
         return host <= self._budget.total_bytes and (device_total is None or device <= device_total)
@@ -363,9 +328,10 @@ class ModelPool:
             held = self._budget.reserved_by(slot.entry)
             if held is None:
                 continue
-            if (host > 0 and held.total_bytes) or (device > 0 and held.device_bytes):
+            held_host = self._budget.held_bytes(slot.entry) or 0  # its measurement, when more than its estimate
+            if (host > 0 and held_host) or (device > 0 and held.device_bytes):
                 chosen.append(slot)
-                host -= held.total_bytes
+                host -= held_host
                 device -= held.device_bytes
         return chosen if host <= 0 and device <= 0 else None
 
@@ -376,31 +342,38 @@ class ModelPool:
         """What holds the budget that eviction may not take, for the refusal's message."""
         pinned = busy = 0
         for slot in self._slots.values():
-            held = self._budget.reserved_by(slot.entry)
+            held = self._budget.held_bytes(slot.entry)
             if slot.name == name or held is None:
                 continue
             if slot.pinned:
-                pinned += held.total_bytes
+                pinned += held
             elif not self._evictable(slot):
-                busy += held.total_bytes
+                busy += held
         return f" ({pinned / MiB:.0f} MiB held by pinned models, {busy / MiB:.0f} MiB by models with work in flight)"
 
     async def _evict(self, slot: ModelSlot, reason: EvictReason, why: str) -> None:
         entry = slot.entry
-        held = self._budget.reserved_by(entry)
-        await entry.stop("evicting", "unloaded", f"evicted ({reason}): {why}")
-        if slot.entry is entry:  # a lazy load may have swapped in a new entry meanwhile
+        freed = self._budget.held_bytes(entry) or 0
+        # Until the workers have stopped, the model is "being evicted": a request for it waits for
+        # that, then for its load (`loadable`, `_load`), instead of a 503 (issue 45 W2).
+        ended = slot.eviction = asyncio.get_running_loop().create_future()
+        try:
+            await entry.stop("evicting", "unloaded", f"evicted ({reason}): {why}")
+        finally:
+            if slot.eviction is ended:
+                slot.eviction = None
+            ended.set_result(None)
+        if slot.entry is entry:  # a load swaps in a new entry only after this eviction ended
             slot.evicted = reason != "operator"
         slot.evictions += 1
         if self._metrics is not None:
             self._metrics.model_evictions.labels(slot.name, reason).inc()
-        freed = held.total_bytes if held is not None else 0
         log.info("evicted %s (%s): %s", slot.name, reason, why,
                  extra={"event": "model_evicted", "model": slot.name, "reason": reason, "freed_bytes": freed})
 
     async def evict(self, slot: ModelSlot) -> None:
         """An operator's eviction: `Conflict` when the model is pinned, busy or not resident."""
-        if _is_pipeline(slot):
+        if is_pipeline(slot):
             raise Conflict(f"model '{slot.name}' is a pipeline: it holds no memory (evict its step models)")
         if slot.pinned:
             raise Conflict(f"model '{slot.name}' is pinned; unpin it first")
@@ -411,6 +384,32 @@ class ModelPool:
         async with self._room:
             await self._evict(slot, "operator", "POST /admin/models/{name}/evict")
         slot.evicted = True
+
+    # --- what loaded models really hold ----------------------------------------------------
+
+    async def _settle_overcommit(self) -> None:
+        """Measurements may show the loaded models holding more than the budget, though their
+        estimates fit: evict idle models (least recently used first) until what is counted fits."""
+        async with self._room:
+            over = self._budget.used_bytes - self._budget.total_bytes
+            if over <= 0:
+                return
+            victims = self._victims("", over, 0)
+            if victims is None:
+                return  # only pinned or busy models hold it: the next loads wait or are refused instead
+            why = (f"the loaded models were measured at {self._budget.used_bytes / MiB:.0f} MiB, over the "
+                   f"{self._budget.total_bytes / MiB:.0f} MiB budget")
+            await asyncio.gather(*(self._evict(slot, "memory", why) for slot in victims))
+
+    async def _watch_memory(self) -> None:
+        while True:
+            await asyncio.sleep(MEASURE_EVERY_S)
+            try:
+                await self._meter.measure(loaded_versions(self._slots.values()))
+                if self.lazy:
+                    await self._settle_overcommit()
+            except Exception:  # never let the watch die
+                log.exception("measuring the models' memory failed")
 
     # --- background ----------------------------------------------------------------------
 
@@ -455,9 +454,3 @@ def _consume(task: asyncio.Task[None]) -> None:
     as 'never retrieved'."""
     if not task.cancelled():
         task.exception()
-
-
-def _is_pipeline(slot: ModelSlot) -> bool:
-    """Whether the slot holds a pipeline (no memory, never loaded by the pool)."""
-    config = slot.entry.config
-    return config is not None and config.kind == "pipeline"

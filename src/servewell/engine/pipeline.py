@@ -46,7 +46,7 @@ from servewell.observability.signals import ModelFacts
 if TYPE_CHECKING:
     from servewell.engine.engine import InferenceEngine
     from servewell.engine.model_entry import EntryServices, ModelEntry
-    from servewell.engine.model_pool import ModelSlot
+    from servewell.engine.model_slot import ModelSlot
 
 log = logging.getLogger("servewell.engine")
 

@@ -136,6 +136,8 @@ class ModelView:
     pinned: bool = False  # never evicted
     last_used_at: float | None = None  # wall clock of the model's last request
     estimated_bytes: int | None = None  # host memory all its instances are estimated to need
+    measured_bytes: int | None = None  # what its workers held when last measured (Pss, after warm-up; None: never)
+    budget_bytes: int | None = None  # what the memory budget counts for it now: max(estimate, measured); None: nothing
     loadable: bool = False  # lazy mode: a request would load it now
     cold_starts: int = 0  # lazy loads since the server started
     evictions: int = 0  # unloads to make room, when idle, or by an operator's evict

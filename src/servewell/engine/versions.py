@@ -18,7 +18,7 @@ from servewell.config.model_file import signature_problem
 from servewell.config.rollout import VERSIONS_DIRECTORY
 from servewell.engine.entry import StopCause
 from servewell.engine.model_entry import EntryServices, ModelEntry
-from servewell.engine.model_pool import ModelSlot
+from servewell.engine.model_slot import ModelSlot
 from servewell.engine.repository import outside_repository, read_model_config
 from servewell.engine.rollout import SHADOW_NICE, Rollout
 from servewell.observability.metrics import RolloutGauges, ServeMetrics
