@@ -11,9 +11,10 @@ server settings that need a restart (listen address and ports, repository, memor
 which are logged and listed under `pending_restart` in `GET /admin/config`.
 
 A change applies once the file stayed the same for one poll (a half-written file is never
-read as the new version); SIGHUP applies at once. Files are read in a thread, only regular files
-of at most `config_max_bytes`. Nothing a file holds can stop the watcher: every error is logged
-once per version of the file, and polling goes on.
+read as the new version); SIGHUP applies at once. A model or a version whose directory is gone is
+taken out at each check (engine/removals.py): drained, then stopped. Files are read in a thread,
+only regular files of at most `config_max_bytes`. Nothing a file holds can stop the watcher: every
+error is logged once per version of the file, and polling goes on.
 
 Keys fail closed: once keys are required, a reload that yields no key (an empty or comment-only
 file, the file or setting removed) denies every request that needs a key until a key is
@@ -150,9 +151,13 @@ class ConfigReloader:
                 await self.check()
 
     async def check(self, settle: bool = True) -> None:
-        """Apply every watched file whose change has settled (`settle=False`, for SIGHUP: at once)."""
+        """Apply every watched file whose change has settled (`settle=False`, for SIGHUP: at once),
+        after taking out the models and versions whose directories are gone (their model.yaml is no
+        longer watched: a removed model is not a rejected file)."""
         try:
             async with self._lock:
+                for name in await self._engine.remove_missing(settle):
+                    self._forget_model(name)
                 new = self._new_model_files()
                 changes = await asyncio.wait_for(asyncio.to_thread(self._look, new, settle), POLL_TIMEOUT_S)
                 for change in changes:
@@ -167,6 +172,12 @@ class ConfigReloader:
             if message != self._last_error:
                 log.error("configuration watcher: a check failed, polling goes on: %s", message)
                 self._last_error = message
+
+    def _forget_model(self, name: str) -> None:
+        path = self._engine.repository / name / "model.yaml"
+        self._models.pop(path, None)
+        self._watch.forget(path)
+        self.rejected.clear(path)
 
     def _look(self, new: list[Path], settle: bool) -> list[FileChange]:
         for path in new:  # models loaded since the last poll: their file as it is now is the baseline

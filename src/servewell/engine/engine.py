@@ -28,6 +28,7 @@ from servewell.engine.model_slot import ModelSlot
 from servewell.engine.pipeline import PipelineEntry, PipelineHandle, recheck_pipelines
 from servewell.engine.protocol import ModelView, Readiness, RequestResult
 from servewell.engine.readiness import ReadinessPolicy, evaluate_readiness
+from servewell.engine.removals import RemovalWatch
 from servewell.engine.repository import ModelSource, OutsidePolicy, read_model_config, scan_repository
 from servewell.engine.response_cache import ResponseCache
 from servewell.engine.snapshot import SnapshotStore
@@ -74,6 +75,7 @@ class InferenceEngine(EngineAdmin):
         self.budget = MemoryBudget(memory_budget_bytes or machine_memory_budget(), device_memory_budget_bytes)
         self._slots: dict[str, ModelSlot] = {}
         self.pool = ModelPool(pool or PoolSettings(), self._slots, self.budget, self._new_entry, metrics)
+        self._removals = RemovalWatch(repository, self.pool)  # models and versions whose files are gone
         self._services = EntryServices(load_timeout_s, self.budget, metrics, tracing, on_progress,
                                        workers=workers, snapshots=snapshots, repository=repository,
                                        outside_repository=models_outside_repository, make_room=self.pool.make_room,
@@ -134,9 +136,11 @@ class InferenceEngine(EngineAdmin):
         return ModelEntry(name, directory, config, self._services)
 
     async def _discover(self) -> list[str]:
-        """Add the models whose directories appeared since the last scan, and take an invalid
-        model whose model.yaml is now valid (lazy mode's poll). A new directory without a
-        model.yaml yet is left for a later poll: it may be being copied in."""
+        """Add the models whose directories appeared since the last scan, take an invalid
+        model whose model.yaml is now valid, and take out the models and versions whose directories
+        are gone (`remove_missing`) (lazy mode's poll). A new directory without a model.yaml yet is
+        left for a later poll: it may be being copied in."""
+        await self.remove_missing()
         known = {name for name, slot in self._slots.items() if slot.entry.state != "invalid"}
         sources = await asyncio.to_thread(scan_repository, self.repository, known)
         added = []
@@ -151,6 +155,13 @@ class InferenceEngine(EngineAdmin):
                 self._add(source)
                 added.append(source.name)
         return added
+
+    async def remove_missing(self, settle: bool = True) -> list[str]:
+        """Take out every model, and every version of a traffic split, whose directory left the
+        repository: no new request reaches it, those in flight finish (engine/removals.py).
+        `settle` False (SIGHUP): what is gone now, not only what was gone at an earlier check too.
+        Returns the names of the models taken out."""
+        return await self._removals.sweep(self._slots, settle)
 
     # --- the data plane's entry point -----------------------------------------------------
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 #: stops. Each has its own 503 code, so a client (and an operator reading the counts) can tell an
 #: unload or a reload from a shutdown: before, all three said `shutting_down` (issue 19.17: 382 of
 #: 3,116 predictions during unload/reload races, on a server that was not shutting down).
-StopCause = Literal["unloading", "reloading", "shutting_down", "evicting"]
+StopCause = Literal["unloading", "reloading", "shutting_down", "evicting", "removing"]
 
 
 class Entry(Protocol):

@@ -216,6 +216,9 @@ class ModelEntry:
                                   retry_after_s=RELOADING_RETRY_S)
         if self.stopping == "shutting_down":
             return ShuttingDown("the server is shutting down and accepts no new requests")
+        if self.stopping == "removing":
+            return ModelUnloading(f"{self.label}: its files were removed from the repository; it takes no new "
+                                  "requests", retry_after_s=None)
         if self.stopping == "evicting":
             return ModelLoading(f"{self.label} is being evicted to make room; it loads again on a request",
                                 retry_after_s=UNLOADING_RETRY_S)

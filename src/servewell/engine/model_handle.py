@@ -17,7 +17,7 @@ from servewell.engine.lanes import resolve_lane
 from servewell.engine.model_slot import ModelSlot
 from servewell.engine.protocol import RequestResult
 from servewell.engine.validation import check_inputs
-from servewell.errors import ServeError, ShuttingDown
+from servewell.errors import NotFound, ServeError, ShuttingDown
 from servewell.observability.context import client_var, oip_id_var
 
 if TYPE_CHECKING:
@@ -44,6 +44,8 @@ class ServedModelHandle:
 
     def _serving(self) -> ModelEntry:
         entry = self._slot.entry
+        if self._slot.removed:
+            raise NotFound(f"model '{self.name}' was removed from the repository")
         if not self._engine.accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
         return ready_entry_or_refusal(entry)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -42,7 +43,7 @@ from servewell.engine.memory_budget import MemoryBudget, MemoryEstimate, MiB, es
 from servewell.engine.memory_meter import MemoryMeter, loaded_versions
 from servewell.engine.model_slot import ModelSlot, is_pipeline
 from servewell.engine.protocol import ModelState
-from servewell.errors import Conflict, ModelLoading, ModelNotReady, ShuttingDown
+from servewell.errors import Conflict, ModelLoading, ModelNotReady, NotFound, ShuttingDown
 
 if TYPE_CHECKING:
     from servewell.config.model import ModelConfig
@@ -64,6 +65,8 @@ MEASURE_EVERY_S = 5.0
 #: Rounds of "wait for the load" one request makes before it gives up (each ends with a load that
 #: finished; the model evicted again before the request's turn is the only way round).
 ACQUIRE_ROUNDS = 8
+#: Models removed from the repository that /healthz lists (the most recent).
+REMOVED_KEPT = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,8 @@ class ModelPool:
         self._room = asyncio.Lock()  # one eviction decision at a time
         self._tasks: list[asyncio.Task[None]] = []
         self.closed = False  # shutting down: no lazy load starts
+        #: Models and versions whose directory was removed, most recent last (/healthz shows them).
+        self.removed: deque[dict[str, Any]] = deque(maxlen=REMOVED_KEPT)
 
     @property
     def lazy(self) -> bool:
@@ -102,7 +107,8 @@ class ModelPool:
 
     def start(self, rescan: Callable[[], Awaitable[list[str]]] | None) -> None:
         """Start the memory measurements, and in lazy mode the idle sweep and the repository poll
-        (`rescan`: adds the models whose directories are new, returns their names)."""
+        (`rescan`: adds the models whose directories are new and removes those whose directories
+        are gone, returns the names it added)."""
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._watch_memory()))
         if not self.lazy:
@@ -144,7 +150,12 @@ class ModelPool:
             "pinned": sum(1 for s in slots if s.pinned),
             "loads_in_flight": sum(1 for s in slots if s.loader is not None and not s.loader.done()),
             "waiting_requests": sum(s.waiting for s in slots),
+            "removed": list(self.removed),
         }
+
+    def note_removed(self, name: str, version: str | None, why: str) -> None:
+        """Record that a model (or one of its versions) was taken out because its files are gone."""
+        self.removed.append({"model": name, "version": version, "at": time.time(), "reason": why})
 
     def count(self, slot: ModelSlot) -> None:
         """Count a request in lazy mode: a hit when its model is resident, a miss when it must load."""
@@ -153,10 +164,10 @@ class ModelPool:
 
     def loadable(self, slot: ModelSlot) -> bool:
         """Whether a request would load this model now (lazy mode, a valid config, not unloaded by
-        an operator, not failed since its last change); a model being evicted is: its requests wait
-        for the eviction to end, then for the load."""
+        an operator, not failed since its last change, not removed); a model being evicted is: its
+        requests wait for the eviction to end, then for the load."""
         entry = slot.entry
-        if not self.lazy or entry.config is None or is_pipeline(slot) or slot.unloaded_by_operator:
+        if not self.lazy or entry.config is None or is_pipeline(slot) or slot.unloaded_by_operator or slot.removed:
             return False
         return entry.state in ("unloaded", "loading") or slot.eviction is not None
 
@@ -166,7 +177,7 @@ class ModelPool:
         """Return once `slot`'s model is resident, loading it if needed (one being evicted: once the
         eviction ended, loaded again), waiting at most until `deadline` (absolute `time.monotonic()`)
         and `max_load_wait_ms`; `ModelLoading` when the wait queue is full or the wait ran out,
-        `ModelNotReady` when it cannot be loaded."""
+        `ModelNotReady` when it cannot be loaded, `NotFound` once its directory was removed."""
         started = time.monotonic()
         until = started + self.settings.max_load_wait_s
         if deadline is not None:
@@ -176,6 +187,8 @@ class ModelPool:
                 return
             if self.closed:
                 raise ShuttingDown("the server is shutting down and loads no model")
+            if slot.removed:
+                raise NotFound(f"model '{slot.name}' was removed from the repository")
             if not self.loadable(slot):
                 entry = slot.entry
                 raise not_ready(slot.name, entry.state, entry.reason)

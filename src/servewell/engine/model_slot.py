@@ -25,7 +25,7 @@ class ModelSlot:
 
     __slots__ = ("entry", "lock", "profiling", "last_used_at", "pinned_by_admin", "waiting", "loader",
                  "cold_starts", "evictions", "evicted", "unloaded_by_operator", "load_s", "estimated_bytes",
-                 "wanted_at", "rollout", "eviction", "measured_bytes", "measured_config")
+                 "wanted_at", "rollout", "eviction", "removed", "measured_bytes", "measured_config")
 
     def __init__(self, entry: Entry) -> None:
         self.entry = entry
@@ -44,6 +44,7 @@ class ModelSlot:
         self.wanted_at = 0.0  # monotonic time a request last asked for this model's load
         self.rollout: Rollout | None = None  # its other versions and traffic split (engine/rollout.py)
         self.eviction: asyncio.Future[None] | None = None  # done when the eviction under way has ended
+        self.removed = False  # its directory is gone: out of the engine's table, it takes no new request
         self.measured_bytes: int | None = None  # what its workers held when last measured (kept across loads)
         self.measured_config: ModelConfig | None = None  # the config that measurement was of
 

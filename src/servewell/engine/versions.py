@@ -56,6 +56,17 @@ async def sync_versions(slot: ModelSlot, services: EntryServices, metrics: Serve
 
 async def _load_version(rollout: Rollout, stable: ModelEntry, version: str, services: EntryServices) -> None:
     directory = stable.directory / VERSIONS_DIRECTORY / version
+    if not await asyncio.to_thread(directory.is_dir):
+        # Gone (issue 45 H13: a deleted versions/2 kept its share through a reload): it takes no new
+        # request, its requests in flight finish. A version whose model.yaml is broken keeps serving.
+        rollout.failed[version] = f"its directory {directory} was removed from the repository"
+        current = rollout.candidates.pop(version, None)
+        if current is not None:
+            log.warning("model %s: version %s: its directory %s is gone; it takes no new request, its requests in "
+                        "flight finish", stable.name, version, directory,
+                        extra={"event": "version_removed", "model": stable.name, "version": version})
+            await current.stop("removing", "unloaded", rollout.failed[version])
+        return
     try:
         config = await asyncio.to_thread(read_model_config, directory, stable.name)
     except ValueError as exc:
