@@ -65,8 +65,16 @@ class ServiceRouter(grpc.GenericRpcHandler):
 def _bind(behaviour: Behaviour, request_type: type[Any], timeout_s: float,
           calls: CallPeers) -> Callable[[object, RpcContext], Awaitable[Any]]:
     async def handle(request_iterator: object, context: RpcContext) -> Any:
-        return await behaviour(IncomingMessage(context, request_type, timeout_s), context)
-    return _counted(handle, calls)
+        # Counted here rather than by wrapping (as `_counted` does): one coroutine less per call.
+        address = peer_address(context.peer())
+        if address is not None:
+            calls.started(address)
+        try:
+            return await behaviour(IncomingMessage(context, request_type, timeout_s), context)
+        finally:
+            if address is not None:
+                calls.ended(address, time.monotonic())
+    return handle
 
 
 def _counted(handle: Callable[[object, RpcContext], Awaitable[Any]],
