@@ -57,7 +57,7 @@ def post(server: ServerProcess, model: str, value: float) -> httpx.Response:
 
 
 def metric(server: ServerProcess, name: str, **labels: str) -> float:
-    return scraped_total(server.url, name, **labels)
+    return scraped_total(server.url, name, None, **labels)
 
 
 def test_a_repeat_is_answered_from_the_cache_without_compute(server: ServerProcess) -> None:

@@ -49,11 +49,13 @@ from servewell.engine.shared_computation import Count, SharedComputations, Submi
 from servewell.observability.metrics import ServeMetrics
 
 #: What one kept answer holds beyond its key and its arrays, measured with tracemalloc on CPython
-#: 3.11 (64-bit): its record (56 B), the answer a hit returns (88 B), its outputs dict (184 B with
-#: one output), its expiry time and size (56 B), its place in the LRU table (the dict's entry and
-#: index, the ordered dict's node: about 100 B, twice that just after the table grew) and in the
-#: expiry heap (a 56 B tuple and its slot, twice that while stale slots wait to be dropped).
-#: Counted high rather than low: `max_bytes` bounds the engine's memory, not the arrays' bytes.
+#: 3.11 (64-bit): its record (56 B), the answer a hit returns (88 B), its outputs dict (184 B up to
+#: five outputs), its expiry time and size (56 B), its place in the LRU table (the dict's entry and
+#: index, the ordered dict's node: 30-140 B, the most just after the table grew) and in the expiry
+#: heap (a 56 B tuple and its slot, plus up to a quarter more for stale pairs and their keys).
+#: Counted high rather than low: `max_bytes` bounds the engine's memory, not the arrays' bytes. A
+#: 4-float answer counts 881 B: 1.16x what tracemalloc sees it hold, 1.08x the engine's resident
+#: growth per answer (bench.hostile cache_memory; 256 B was counted before, about 990 B held).
 ENTRY_OVERHEAD_BYTES = 640
 #: What one kept array holds beyond `sys.getsizeof` (its header and owned data): its shape and
 #: strides, allocated apart, and the allocator's headers of that block and of its data.
@@ -87,7 +89,6 @@ def input_key(inputs: dict[str, np.ndarray], scope: str = "") -> bytes:
         else:
             digest.update(np.ascontiguousarray(array).data)
     return digest.digest()
-
 
 
 def entry_bytes(key: bytes, outputs: dict[str, np.ndarray]) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -25,6 +26,8 @@ from functools import partial
 from servewell.engine.clock import Clock, TimerHandle
 from servewell.engine.protocol import RequestResult
 from servewell.errors import DeadlineExceeded
+
+log = logging.getLogger("servewell.engine")
 
 #: Queues one computation for a request (the scheduler's submit, bound to that request).
 Submit = Callable[[], "asyncio.Future[RequestResult]"]
@@ -34,6 +37,10 @@ Count = Callable[[str], None]
 
 def uncounted(outcome: str) -> None:
     """A `Count` that counts nothing."""
+
+
+def uncounted_done(future: asyncio.Future[RequestResult]) -> None:
+    """A done callback that does nothing (a waiter's until it is registered)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -46,6 +53,7 @@ class _Waiter:
     count: Count
     computation: _Computation | None = None
     timer: TimerHandle | None = None  # its deadline, while the computation's own deadline is another's
+    on_done: Callable[[asyncio.Future[RequestResult]], None] = uncounted_done
 
 
 @dataclass(slots=True, eq=False)
@@ -88,7 +96,7 @@ class SharedComputations:
         one request; the future it gets."""
         waiter = _Waiter(asyncio.get_running_loop().create_future(), submit, deadline_at, count)
         self._start(key, waiter)
-        waiter.future.add_done_callback(partial(self._left, waiter))
+        self._watch(waiter)
         return waiter.future
 
     def join(self, key: bytes, deadline_at: float, submit: Submit, count: Count) -> asyncio.Future[RequestResult]:
@@ -98,8 +106,13 @@ class SharedComputations:
         waiter = _Waiter(asyncio.get_running_loop().create_future(), submit, deadline_at, count, computation)
         computation.waiters[waiter] = True
         waiter.timer = self._clock.call_at(deadline_at, partial(self._deadline_passed, waiter))
-        waiter.future.add_done_callback(partial(self._left, waiter))
+        self._watch(waiter)
         return waiter.future
+
+    def _watch(self, waiter: _Waiter) -> None:
+        """Learn when `waiter`'s caller cancels it (its client went away)."""
+        waiter.on_done = partial(self._left, waiter)
+        waiter.future.add_done_callback(waiter.on_done)
 
     def _start(self, key: bytes, leader: _Waiter) -> None:
         future = leader.submit()
@@ -152,8 +165,11 @@ class SharedComputations:
         future = computation.future
         if not future.cancelled() and future.exception() is None:
             result = future.result()
-            self._answered(computation.key, result)
             self._answer(computation.leader, waiting, result)
+            try:
+                self._answered(computation.key, result)
+            except Exception:  # a bug in keeping it must not cost the answers already given
+                log.exception("the response cache could not keep an answer")
             return
         leader = computation.leader
         error = None if future.cancelled() else future.exception()
@@ -163,12 +179,15 @@ class SharedComputations:
         self._regroup(computation.key, waiting)
 
     def _answer(self, leader: _Waiter | None, waiting: list[_Waiter], result: RequestResult) -> None:
-        shared = dataclasses.replace(result, cache="coalesced")
+        shared: RequestResult | None = None
         counted = leader is None  # the scheduler's count of the computation still stands for no one
         for waiter in waiting:
+            waiter.future.remove_done_callback(waiter.on_done)  # answered: nothing to do when it is done
             if waiter is leader:
                 waiter.future.set_result(result)
                 continue
+            if shared is None:
+                shared = dataclasses.replace(result, cache="coalesced")
             waiter.future.set_result(shared)
             if counted:
                 counted = False

@@ -131,6 +131,28 @@ def test_a_full_queue_is_raised_and_nothing_is_left_in_flight() -> None:
     asyncio.run(run())
 
 
+def test_a_full_queue_when_the_waiting_requests_compute_again_is_each_ones_own() -> None:
+    def full() -> asyncio.Future[RequestResult]:
+        raise Overloaded("lane full")
+
+    async def run() -> None:
+        cache, model = _cache(), Model()
+        first = cache.serve(_inputs(1.0), FAR, model.submit)
+        refused = cache.serve(_inputs(1.0), FAR, full)  # its own submit finds the lane full
+        later = cache.serve(_inputs(1.0), FAR, model.submit)
+        model.calls[0].set_exception(DeadlineExceeded("the first request's own deadline"))
+        with pytest.raises(DeadlineExceeded):
+            await first
+        with pytest.raises(Overloaded):
+            await refused
+        assert len(model.calls) == 2 and not later.done()  # the next one in line leads the new computation
+        model.answer(1, 2.0)
+        assert (await later).outputs["y"].tolist() == [[2.0] * 4]
+        assert cache.report()["in_flight"] == 0
+
+    asyncio.run(run())
+
+
 def test_bytes_stay_under_max_bytes_least_recently_used_first() -> None:
     size = entry_bytes(input_key(_inputs(0.0)), {"y": np.zeros((1, 4), np.float32)})  # one row of 4 float32
 
