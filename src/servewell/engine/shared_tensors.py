@@ -232,6 +232,7 @@ class TensorStore:
             if fits:
                 spare = min(fits, key=lambda segment: segment.size)
                 self._spares.remove(spare)
+                self._grown_at = time.monotonic()  # in use: not trimmed while large results keep coming
                 return 0, spare, 0
             while self._spares and self._mapped + size > self._limit:
                 self._drop_spares(1)
