@@ -128,7 +128,7 @@ def test_preload_of_a_model_that_cannot_fit_is_refused_with_the_numbers(pool: Se
     refused = admin(pool, "big", "preload")
     assert refused.status_code == 422 and refused.json()["error"]["code"] == "load_failed", refused.text
     message = refused.json()["error"]["message"]
-    assert "MiB" in message and "more than the whole memory budget" in message, message
+    assert "MiB" in message and "more than the whole" in message and "MiB memory budget" in message, message
     assert residency(pool) == before  # nothing was evicted for it: no eviction could make room
     assert models(pool)["big"]["loadable"] is False and models(pool)["big"]["state"] == "invalid"
 

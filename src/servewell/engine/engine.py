@@ -119,6 +119,7 @@ class InferenceEngine(EngineAdmin):
     def _add(self, source: ModelSource) -> ModelSlot:
         entry: Entry
         estimated, never = listed_estimate(self.budget, source.name, source.directory, source.config)
+        never = never if self.pool.lazy else None  # eager: its load fails, naming the same numbers
         if source.config is None or never is not None:
             entry = InvalidModel(source.name, source.directory, source.error or never or "invalid model.yaml")
         else:

@@ -187,12 +187,12 @@ class MemoryBudget:
             basis = (f"was measured at {host / MiB:.0f} MiB after its last warm-up" if measured
                      else f"needs an estimated {host / MiB:.0f} MiB ({estimate.weight_bytes / MiB:.0f} MiB of weights "
                      f"from the {estimate.basis}, {estimate.per_instance_bytes / MiB:.0f} MiB per instance)")
-            return (f"{label} {basis}, more than the whole memory budget of {self.total_bytes / MiB:.0f} MiB: it can "
+            return (f"{label} {basis}, more than the whole {self.total_bytes / MiB:.0f} MiB memory budget: it can "
                     "never load here; raise --memory-budget-bytes, or lower its instances or dtype")
         device_total = self.device_total_bytes
         if device_total is not None and estimate.device_bytes > device_total:
             return (f"{label} needs an estimated {estimate.device_bytes / MiB:.0f} MiB of device memory, more than the "
-                    f"whole device memory budget of {device_total / MiB:.0f} MiB: it can never load here; raise "
+                    f"whole {device_total / MiB:.0f} MiB device memory budget: it can never load here; raise "
                     "--device-memory-budget-bytes, or lower its instances or dtype")
         return None
 
@@ -256,9 +256,9 @@ class MemoryBudget:
 def listed_estimate(budget: MemoryBudget, name: str, directory: Path,
                     config: ModelConfig | None) -> tuple[int | None, str | None]:
     """A listed model's estimated host bytes (None: unknown), and why it could never load when its
-    estimate alone is more than the whole budget (None: it could): the engine lists such a model as
-    invalid, with the numbers (issue 45 W3: it was loadable and refused at each request as if an
-    eviction could help, with a Retry-After)."""
+    estimate alone is more than the whole budget (None: it could): a lazy engine lists such a model
+    as invalid, with the numbers (issue 45 W3: it was loadable and refused at each request as if an
+    eviction could help, with a Retry-After); an eager one fails its load with the same words."""
     if config is None:
         return None, None
     try:

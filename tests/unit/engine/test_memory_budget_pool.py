@@ -100,15 +100,15 @@ def test_a_model_bigger_than_the_whole_budget_is_refused_as_never_fitting() -> N
     budget.reserve("pinned", estimate(64), "pinned")
     assert budget.beyond_whole_budget(estimate(90), "model 'm'") is None  # fits once the others are gone
     never = budget.beyond_whole_budget(estimate(130), "model 'big'")
-    assert never is not None and "130 MiB" in never and "whole memory budget of 100 MiB" in never
+    assert never is not None and "130 MiB" in never and "whole 100 MiB memory budget" in never
     with pytest.raises(MemoryError) as refused:
         budget.reserve("big", estimate(130), "model 'big'", " (64 MiB held by pinned models)")
     message = str(refused.value)
-    assert "whole memory budget of 100 MiB" in message and "left" not in message and "pinned" not in message
+    assert "whole 100 MiB memory budget" in message and "left" not in message and "pinned" not in message
     measured = budget.beyond_whole_budget(estimate(20), "model 'm'", measured_bytes=120 * MiB)
     assert measured is not None and "measured at 120 MiB" in measured
     device = budget.beyond_whole_budget(estimate(10, device_mib=60), "model 'gpu'")
-    assert device is not None and "whole device memory budget of 50 MiB" in device
+    assert device is not None and "whole 50 MiB device memory budget" in device
 
 
 def test_the_proportional_set_of_a_process_counts_the_pages_it_touched() -> None:
