@@ -51,7 +51,7 @@ class RollbackConfig(StrictModel):
     window_s: float = Field(30.0, ge=1, le=3600, description="Seconds of recent requests the rules look at.")
     min_requests: int = Field(20, ge=1, le=1_000_000, description="Requests a canary (and the stable version) needs "
                               "in the window before it is judged. Either rule also needs its difference to be unlikely "
-                              "by chance (p < 0.001, an exact one-sided test), so a few requests judge only a large "
+                              "by chance (p < 0.0001, an exact one-sided test), so a few requests judge only a large "
                               "difference.")
     max_error_rate_increase: float | None = Field(
         0.05, ge=0, le=1, description="Roll back when the canary's error rate exceeds the stable version's by more "
