@@ -47,7 +47,8 @@ class ServerConfig(BaseModel):
     grpc_max_connections: int = Field(
         1000, ge=1, le=1_000_000, description="gRPC connections open at once (more are closed on accept); lowered "
         "at start so that HTTP's connections and fd_reserve always fit under the open-files limit (per process serving "
-        "gRPC: each ingress process of a split server has its own).")
+        "gRPC: each ingress process of a split server has its own). Past three quarters of it, the oldest connections "
+        "that never opened a call (then those idle longest, 5 s at least) are closed to keep room for new clients.")
     grpc_max_streams_per_connection: int = Field(
         100, ge=1, le=10_000, description="Calls one gRPC connection may have open at once (HTTP/2 "
         "MAX_CONCURRENT_STREAMS).")
