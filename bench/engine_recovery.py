@@ -2,6 +2,7 @@
 
     python -m bench.engine_recovery [--models 4] [--rounds 3] [--ingress-processes 2]
                                     [--repository DIR --model NAME] [--out bench/results/engine_recovery.json]
+                                    [-- --standby-engine true]
 
 A split server over a repository of `--models` small python models (or `--repository`), quiet: no
 load but the probe. Each round kills the engine with SIGKILL, then a probe sends one inference
@@ -11,7 +12,8 @@ the time went, as seconds from the kill:
 
     restart_scheduled  the supervisor saw the engine exit (`child_exited`) and its backoff
     engine_started     the new engine process exists (`child_started`)
-    engine_up          its interpreter and imports are done (`engine_up`)
+    engine_up          its interpreter and imports are done (`engine_up`; a standby taking over
+                       did them before the kill)
     ingress_connected  the first ingress is connected to its door again
     first_worker_ready / last_worker_ready   models' workers loaded and warmed up (`worker_cold_start`:
                        spawn, import, load, warm-up of each)
@@ -40,6 +42,7 @@ from typing import Any
 import yaml
 
 from bench.processes import ENGINE, HOST, ServerProcess, free_port, http_json, tree_roles
+from servewell.engine_standby import STANDBY_COMM
 
 PROBE_EVERY_S = 0.02
 RECOVERY_WAIT_S = 120.0
@@ -65,6 +68,14 @@ def python_repository(root: Path, count: int) -> Path:
             "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
             "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}], "max_batch_size": 4}))
     return root
+
+
+def standing_by(pid: int) -> bool:
+    """Whether engine process `pid` is a standby still waiting (`--standby-engine`)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == STANDBY_COMM
+    except OSError:
+        return False
 
 
 def log_events(path: Path, since_wall: float) -> list[dict[str, Any]]:
@@ -159,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.wait_ready(300)
         for n in range(args.rounds):
             time.sleep(args.settle_s)  # quiet again, and past the supervisor's 30 s backoff reset
-            engine = tree_roles(server.pid).get(ENGINE, [])
+            engine = [pid for pid in tree_roles(server.pid).get(ENGINE, []) if not standing_by(pid)]
             if len(engine) != 1:
                 raise RuntimeError(f"expected one engine process, found {engine}; see {log_path}")
             killed_at = time.time()

@@ -30,10 +30,11 @@ import uvicorn
 from servewell.allocator import bound_freed_memory
 from servewell.api.peer import TrustedPeerMiddleware
 from servewell.child_process import ENGINE_DOOR_SOCKET, ENGINE_HTTP_SOCKET, die_with_parent, read_settings
+from servewell.engine_standby import standby_fd, wait_to_take_over
 from servewell.observability.logging import configure_logging
 from servewell.server import build_app, remove_leftovers, remove_own_segments
 from servewell.shutdown import GracefulServer, ShutdownPlan, uvicorn_graceful_timeout_s
-from servewell.workers.spare import use_private_temp_dir
+from servewell.workers.spare import start_fork_server, use_private_temp_dir
 
 log = logging.getLogger("servewell.server")
 
@@ -90,13 +91,25 @@ def main(argv: list[str]) -> int:
     imported_s = seconds_since_exec()
     run_dir = Path(argv[1])
     die_with_parent()
+    standby = standby_fd(argv)
+    if standby is not None:  # engine_standby.py
+        if read_settings(run_dir)[0].fork_worker_starts:
+            use_private_temp_dir(run_dir / "multiprocessing")
+            start_fork_server()  # its imports too are done before the engine dies
+        if not wait_to_take_over(standby):
+            return 0  # never needed: the supervisor stopped
     settings, source = read_settings(run_dir)
     configure_logging(settings.log_level, settings.log_format)
-    # Where a restart's time goes (issue 45 H15): this is the interpreter and the imports; the
-    # models' loads are logged each (worker_cold_start), the ingress processes' reconnects too.
-    log.info("engine process %d up: interpreter and imports took %s", os.getpid(),
+    # Where a restart's time goes (issue 45 H15): this is the interpreter and the imports (none for a
+    # standby taking over: done while it waited); the models' loads are logged each
+    # (worker_cold_start), the ingress processes' reconnects too.
+    if standby is not None:
+        imported_s = 0.0
+    log.info("engine process %d up%s: interpreter and imports took %s", os.getpid(),
+             " (a standby taking over)" if standby is not None else "",
              "an unknown time" if imported_s is None else f"{imported_s:.2f} s",
-             extra={"event": "engine_up", "imports_s": None if imported_s is None else round(imported_s, 3)})
+             extra={"event": "engine_up", "imports_s": None if imported_s is None else round(imported_s, 3),
+                    "standby": standby is not None})
     remove_leftovers(settings)
     bound_freed_memory()
     use_private_temp_dir(run_dir / "multiprocessing")  # the spares' fork server's socket

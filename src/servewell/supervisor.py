@@ -11,11 +11,11 @@ Contract with the children (`process_tree` builds their command lines, `child_pr
   inherited (one log stream), stdin /dev/null, each in a process group of its own (a signal to the
   supervisor's group, from Ctrl-C, systemd or `docker stop`, reaches the supervisor alone, which
   translates it), killed by the kernel when the supervisor dies (PR_SET_PDEATHSIG, armed before exec).
-- RUN/settings.pickle holds `(ServerConfig, ConfigSource)`; the engine creates RUN/engine-http.sock
-  and RUN/engine-door.sock. RUN/restarts.json (`read_restart_counts`), rewritten at every restart,
-  holds the restarts per role (`{"engine": 0, "ingress": 2}`), for the engine's metrics. RUN is
-  removed at every exit of the supervisor; the run directories of supervisors killed with kill -9
-  are removed by the next start.
+- RUN/settings.pickle holds `(ServerConfig, ConfigSource)`; the engine creates RUN/engine-door.sock
+  (envelopes and control operations: its only socket). RUN/restarts.json (`read_restart_counts`),
+  rewritten at every restart, holds the restarts per role (`{"engine": 0, "ingress": 2}`), for the
+  engine's metrics. RUN is removed at every exit of the supervisor; the run directories of
+  supervisors killed with kill -9 are removed by the next start.
 - A child that exits with status 2 (`FATAL_EXIT_CODE`: its configuration can never work) is not
   restarted: the supervisor shuts everything down and exits 2, as the single-process server does.
 
@@ -47,6 +47,7 @@ from pathlib import Path
 from servewell.child_process import write_settings
 from servewell.config.server import ConfigSource, ServerConfig
 from servewell.cpu_limit import affinity_cpus, cpu_quota
+from servewell.engine_standby import STANDBY_AFTER_S, StandbyEngine
 from servewell.process_tree import (
     DEFAULT_MAX_INGRESS_PROCESSES,
     ENGINE_MODULE_ARGV,
@@ -92,6 +93,7 @@ EVENT_SHUTDOWN_BEGUN = "shutdown_begun"
 EVENT_SHUTDOWN_FORCED = "shutdown_forced"
 EVENT_SHUTDOWN_FINISHED = "shutdown_finished"
 EVENT_SIGNAL_FORWARDED = "signal_forwarded"
+EVENT_STANDBY_STARTED = "standby_started"
 
 
 @dataclass(eq=False)
@@ -136,7 +138,8 @@ class Supervisor:
     def __init__(self, settings: ServerConfig, source: ConfigSource, *, ingress_processes: int,
                  engine_argv: Sequence[str] = ENGINE_MODULE_ARGV, ingress_argv: Sequence[str] = INGRESS_MODULE_ARGV,
                  python: str = sys.executable, run_parent: Path | None = None,
-                 backoff: Callable[[], RestartBackoff] = RestartBackoff) -> None:
+                 backoff: Callable[[], RestartBackoff] = RestartBackoff,
+                 standby_after_s: float = STANDBY_AFTER_S) -> None:
         if ingress_processes < 1:
             raise ValueError("a supervisor needs at least one ingress process")
         self._settings = settings
@@ -156,6 +159,9 @@ class Supervisor:
         self._stop_task: asyncio.Task[None] | None = None
         self._run_dir: Path | None = None
         self._cleanups: set[asyncio.Future[int]] = set()  # segment removals running on a thread
+        self._standby: StandbyEngine | None = None  # --standby-engine: engine_standby.py
+        self._standby_after_s = standby_after_s
+        self._standby_timer: asyncio.TimerHandle | None = None
 
     def restart_counts(self) -> dict[str, int]:
         """Restarts so far per role (`engine`, `ingress`), for the metrics."""
@@ -208,6 +214,9 @@ class Supervisor:
             loop.add_signal_handler(signal.SIGHUP, self._on_hangup)
             for child in self._children:
                 self._start(child)
+            if settings.standby_engine:
+                self._standby = StandbyEngine(self._children[0].command)
+                self._schedule_standby()
             log.info("servewell listening on http://%s:%d (an engine and %d ingress processes)", settings.host,
                      settings.port, self._ingress_processes)
             return await self._finished
@@ -266,13 +275,59 @@ class Supervisor:
                       child.name, code, extra={"event": EVENT_FATAL, **child.facts})
             self._begin_stop(f"{child.name} exited with {code}", FATAL_EXIT_CODE, signal.SIGTERM)
             return
-        self._schedule_restart(child, child.backoff.delay_after(ran_s))
+        if not (child.role == ENGINE and self._promote_standby(child, ran_s)):
+            self._schedule_restart(child, child.backoff.delay_after(ran_s))
         # What the dead process had in /dev/shm goes after its successor is on its way, and off the
         # loop: the first time, this imports numpy, which held a killed engine's restart back by
         # 2 s on a busy 2-core machine (issue 45 H15).
         cleaning = asyncio.get_running_loop().run_in_executor(None, _remove_stale_segments)
         self._cleanups.add(cleaning)
         cleaning.add_done_callback(self._cleanups.discard)
+
+    def _schedule_standby(self) -> None:
+        """Start a standby engine `standby_after_s` from now (not while an engine starts)."""
+        if self._standby is None or self._stopping:
+            return
+        if self._standby_timer is not None:
+            self._standby_timer.cancel()
+        self._standby_timer = asyncio.get_running_loop().call_later(self._standby_after_s, self._start_standby)
+
+    def _start_standby(self) -> None:
+        self._standby_timer = None
+        if self._standby is None or self._stopping or self._standby.pid is not None:
+            return
+        try:
+            pid = self._standby.start()
+        except OSError as exc:
+            log.error("the standby engine could not be started: %s", exc, extra={"event": EVENT_START_FAILED,
+                                                                                 "role": "standby"})
+            return
+        log.info("standby engine started (pid %d): it takes over when the engine dies", pid,
+                 extra={"event": EVENT_STANDBY_STARTED, "role": "standby", "pid": pid})
+
+    def _promote_standby(self, engine: _Child, ran_s: float) -> bool:
+        """The engine died: its standby, if one waits, takes over now (instead of a new engine's start,
+        imports included). Whether one did."""
+        if self._standby is None:
+            return False
+        process = self._standby.promote()
+        if process is None:
+            return False
+        engine.backoff.delay_after(ran_s)  # a crash loop still backs off once no standby is left
+        self._restarts[ENGINE] += 1
+        if self._run_dir is not None:
+            write_restart_counts(self._run_dir, self._restarts)
+        loop = asyncio.get_running_loop()
+        engine.restart = None
+        engine.process = process
+        engine.started_at = loop.time()
+        engine.exited = loop.create_future()
+        engine.facts = {"role": engine.role, "index": engine.index, "pid": process.pid, "standby": True}
+        self._watch(engine, process, engine.exited)
+        log.info("engine started (pid %d): the standby took over", process.pid,
+                 extra={"event": EVENT_STARTED, **engine.facts})
+        self._schedule_standby()
+        return True
 
     def _schedule_restart(self, child: _Child, delay_s: float) -> None:
         log.warning("restarting %s in %.1f s", child.name, delay_s,
@@ -297,6 +352,9 @@ class Supervisor:
             log.error("%s could not be started: %s", child.name, exc,
                       extra={"event": EVENT_START_FAILED, "role": child.role, "index": child.index})
             self._schedule_restart(child, child.backoff.delay_after(0.0))
+            return
+        if child.role == ENGINE:
+            self._schedule_standby()
 
     def _on_hangup(self) -> None:
         engine = self._children[0]
@@ -328,6 +386,11 @@ class Supervisor:
     def _begin_stop(self, why: str, exit_code: int, ingress_signal: signal.Signals) -> None:
         self._stopping = True
         self._exit_code = exit_code
+        if self._standby_timer is not None:
+            self._standby_timer.cancel()
+            self._standby_timer = None
+        if self._standby is not None:
+            self._standby.release()  # it exits on its own; `_leave_nothing_behind` reaps it
         for child in self._children:
             if child.restart is not None:
                 child.restart.cancel()
@@ -370,6 +433,10 @@ class Supervisor:
 
     def _leave_nothing_behind(self, loop: asyncio.AbstractEventLoop, run_dir: Path) -> None:
         """Every exit, errors included: no child, socket, segment or run directory stays."""
+        if self._standby_timer is not None:
+            self._standby_timer.cancel()
+        if self._standby is not None:
+            self._standby.end()
         for child in self._children:
             if child.restart is not None:
                 child.restart.cancel()

@@ -35,6 +35,13 @@ def note(role, text):
 ENGINE = _COMMON + """
 from servewell.child_process import read_settings
 run = Path(sys.argv[1])
+if "--standby" in sys.argv:  # engine_standby.py's contract: wait for one byte on the descriptor
+    fd = int(sys.argv[sys.argv.index("--standby") + 1])
+    note("standby", "waiting")
+    if os.read(fd, 1) != b"\\x01":
+        note("standby", "released")
+        sys.exit(0)
+    note("standby", "takes over")
 settings, _ = read_settings(run)
 if settings.default_model == "fatal":
     sys.exit(2)  # "this configuration can never work"
@@ -71,17 +78,19 @@ while True:
 """
 
 DRIVER = """
-import asyncio, sys
+import asyncio, os, sys
 from pathlib import Path
 from servewell.config.server import ConfigSource, ServerConfig
 from servewell.observability.logging import configure_logging
 from servewell.supervisor import Supervisor
 configure_logging("info", "json")
 port, default_model, timeout_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+standby_after_s = os.environ.get("STAND_IN_STANDBY_AFTER_S")
 settings = ServerConfig(port=port, shutdown_delay_s=0.2, shutdown_timeout_s=timeout_s, grpc_port=0,
-                        default_model=default_model)
+                        default_model=default_model, standby_engine=standby_after_s is not None)
 supervisor = Supervisor(settings, ConfigSource(None, {{}}), ingress_processes=2, engine_argv=[{engine!r}],
-                        ingress_argv=[{ingress!r}], run_parent=Path({runs!r}))
+                        ingress_argv=[{ingress!r}], run_parent=Path({runs!r}),
+                        standby_after_s=float(standby_after_s or 10))
 code = asyncio.run(supervisor.serve())
 print("restarts", supervisor.restart_counts())
 sys.exit(code)
@@ -261,3 +270,30 @@ def test_a_second_sigterm_kills_the_children_that_would_still_drain(tmp_path: Pa
     assert "SIGTERM again: stopping now" in log and '"event":"shutdown_forced"' in log
     assert all(dead(pid) for pid in tree.pids("engine") + tree.pids("ingress"))
     assert list(tree.runs.iterdir()) == []
+
+
+def test_a_standby_engine_takes_over_when_the_engine_dies_and_another_stands_by(tmp_path: Path):
+    # Issue 45 H15: most of a killed engine's recovery went to the new engine's imports; a standby
+    # has done them and takes over at once.
+    tree = start_tree(tmp_path, env={"STAND_IN_STANDBY_AFTER_S": "0.3"})
+    try:
+        tree.wait_started()
+        standbys = lambda: [int(w[1]) for w in tree.lines() if w[0] == "standby" and w[2] == "waiting"]  # noqa: E731
+        eventually(standbys, 10, lambda: f"no standby: {tree.lines()}\n{tree.log()[-3000:]}", 0.02)
+        first_standby = standbys()[0]
+        engine = tree.pids("engine")[0]
+        assert first_standby != engine
+        os.kill(engine, signal.SIGKILL)
+        eventually(lambda: len(tree.pids("engine")) == 2, 10, lambda: f"no engine again: {tree.lines()}", 0.02)
+        assert tree.pids("engine")[1] == first_standby  # the standby took over: no new process was started
+        assert ["standby", str(first_standby), "takes", "over"] in tree.lines()
+        assert f'"event":"child_started","role":"engine","index":0,"pid":{first_standby},"standby":true' in tree.log()
+        eventually(lambda: len(standbys()) == 2, 10, lambda: f"no second standby: {tree.lines()}", 0.02)
+        second_standby = standbys()[1]
+        assert second_standby not in (engine, first_standby)
+        os.killpg(tree.proc.pid, signal.SIGTERM)
+        assert tree.proc.wait(20) == 0, tree.log()[-3000:]
+    finally:
+        stop(tree)
+    assert dead(second_standby) and dead(first_standby)  # nothing stays behind, the standby neither
+    assert ["standby", str(second_standby), "released"] in tree.lines()

@@ -50,7 +50,7 @@ class ServerProcess(ChildProcess):
             response = httpx.get(self.url + "/healthz", timeout=5)
             if response.status_code == 200:
                 return True
-            models = response.json()["models"]
+            models = response.json().get("models", {})  # none yet: the ingress has not reached the engine
             broken = {n: m["reason"] for n, m in models.items() if m["state"] in ("failed", "invalid")}
             if broken:
                 raise RuntimeError(f"models failed to load: {broken}\n{self.log()[-3000:]}")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -91,6 +92,14 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
     assert isinstance(context, multiprocessing.context.ForkServerContext)
     context.set_forkserver_preload(fork_server_preload())
     return context
+
+
+def start_fork_server() -> None:
+    """Start this process's fork server now (its imports done once) rather than at the first spare: a
+    standby engine does it while it waits (engine_standby.py), so its first worker after taking over
+    is a fork."""
+    _fork_server()
+    multiprocessing.forkserver.ensure_running()
 
 
 @dataclass(slots=True, eq=False)

@@ -37,7 +37,7 @@ def _write_all(fd: int, data: bytes) -> None:
         try:
             written = os.write(fd, view)
         except BlockingIOError:
-            continue  # a non-blocking stderr that is full: the same wait a blocking write would have
+            return  # a non-blocking stderr that is full: dropped rather than spin the engine's loop
         except OSError:
             return  # nowhere to write (stderr closed): the lines are lost, as a print's would be
         view = view[written:]
