@@ -4,8 +4,9 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.servewell-installed
-# Every runtime, the built-in models, and what the tests, benchmarks, `make lint` and the docs site use.
-EXTRAS ?= all,test,bench,dev,docs
+# Every runtime, the built-in models, the fleet planner (`servewell plan`), and what the tests, benchmarks,
+# `make lint` and the docs site use.
+EXTRAS ?= all,plan,test,bench,dev,docs
 # Machines of this kind keep the CPU build of torch in /opt/wheels; elsewhere pip's index serves it.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
@@ -28,7 +29,8 @@ test-deps:
 
 # Two processes share the test files (a file's tests stay together, with its module's servers):
 # a serial run left half of 2 cores idle (tests wait on servers, clients and timeouts). Tests
-# marked `serial` run alone afterwards.
+# marked `serial` run alone afterwards. tests/ holds the fleet planner's suite too (tests/plan, its slow fits
+# included), which `pytest tests/unit` leaves out.
 TEST_PROCESSES ?= 2
 test: install test-deps
 	$(VENV)/bin/pytest -q -n $(TEST_PROCESSES) --dist loadfile -m "not serial" --durations=25

@@ -26,13 +26,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from servewell.plan import traces
-from servewell.plan.command import outcomes_table, plan_from_curve, summary
-from servewell.plan.curve import read_curves
-from servewell.plan.fleet_run import POLICIES, FleetOutcome, run_policy
-from servewell.plan.model import BalancerPolicy, Trace
-from servewell.plan.plots import plot_outcomes
-from servewell.plan.sizing import Plan, PlanInputs, make_plan
+from servewell_plan import traces
+from servewell_plan.command import outcomes_table, plan_from_curve, summary
+from servewell_plan.curve import read_curves
+from servewell_plan.fleet_run import POLICIES, FleetOutcome, run_policy
+from servewell_plan.model import BalancerPolicy, Trace
+from servewell_plan.plots import plot_outcomes
+from servewell_plan.sizing import Plan, PlanInputs, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

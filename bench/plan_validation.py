@@ -45,7 +45,7 @@ from bench.scaling import Fleet, repository_for
 from bench.workspace import RESULTS, WORK
 
 if TYPE_CHECKING:
-    from servewell.plan.fit import FitResult
+    from servewell_plan.fit import FitResult
 
 THROUGHPUT_GOAL = 0.20
 P99_GOAL = 0.30
@@ -178,8 +178,8 @@ def run_round(name: str, work: Workload, fleets: dict[int, Fleet], bodies: list[
 
 def predict(fit: FitResult, run: dict[str, Any], window_s: float, seed: int) -> dict[str, float]:
     """The simulator's figures for one measured run."""
-    from servewell.plan.des import ClosedLoad, OpenLoad, simulate
-    from servewell.plan.model import BalancerPolicy, FleetSpec, Trace
+    from servewell_plan.des import ClosedLoad, OpenLoad, simulate
+    from servewell_plan.model import BalancerPolicy, FleetSpec, Trace
     node = (os.cpu_count() or 2)
     replica = fit.replica
     fleet = FleetSpec(replica, run["replicas"], balancer=BalancerPolicy.LEAST_CONNECTIONS, node_cores=node,
@@ -201,8 +201,8 @@ def analyse(name: str, work: Workload, rounds: list[dict[str, Any]], logs: Path,
     """Fit each round's curve, predict its runs; one row per (replicas, shape) with medians.
     `worker_nice` models the workers at that niceness whatever the curve says (0: the simulator's
     plain processor sharing, for comparing the models on the same rounds)."""
-    from servewell.plan.curve import read_curves
-    from servewell.plan.fit import NodeContext, fit_replica
+    from servewell_plan.curve import read_curves
+    from servewell_plan.fit import NodeContext, fit_replica
     per_key: dict[tuple[int, str], list[tuple[dict[str, Any], dict[str, float]]]] = {}
     fits = []
     for r in rounds:

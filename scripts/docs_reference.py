@@ -661,6 +661,9 @@ EXTRA_PURPOSES = {
             "headless Chromium through Selenium, property tests and fuzzing (hypothesis, schemathesis), offline "
             "Kubernetes schema validation.",
     "bench": "`servewell bench --out` and `servewell tune`'s plots, and the benchmarks' (matplotlib).",
+    "plan": "`servewell plan`, the fleet planner (the `servewell_plan` package, in the same distribution): the "
+            "simulator's arrays (numpy) and the simulation's plots (matplotlib). Without it, `servewell plan` "
+            "names the extra and exits 2.",
     "dev": "`make lint`: ruff, mypy and the type stubs its configuration was written against.",
     "docs": "this site (`make docs`, `mkdocs build --strict` in `make test`) and `python -m build` for the wheel "
             "test.",

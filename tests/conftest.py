@@ -1,4 +1,5 @@
-"""Markers come from the folder a test lives in: tests/unit, tests/integration, tests/e2e."""
+"""Markers come from the folder a test lives in: tests/unit, tests/integration, tests/e2e; the fleet
+planner's own suite, tests/plan (marker `plan`), has unit/, slow/ (marker `slow`) and e2e/ below it."""
 
 from __future__ import annotations
 
@@ -17,5 +18,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if "support" in Path(item.fspath).parts:
             continue
         parts = Path(item.fspath).relative_to(_ROOT).parts
-        if parts and parts[0] in ("unit", "integration", "e2e"):
+        if parts and parts[0] == "plan":  # its own package's suite: plan, then unit, slow or e2e
+            item.add_marker("plan")
+            parts = parts[1:]
+        if parts and parts[0] in ("unit", "integration", "e2e", "slow"):
             item.add_marker(parts[0])

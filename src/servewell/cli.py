@@ -14,7 +14,6 @@ from servewell import __version__
 from servewell.config.fields import list_item_type, split_items, strip_optional
 from servewell.config.server import ConfigFileError, ConfigSource, ServerConfig
 from servewell.perf.commands import add_perf_parsers
-from servewell.plan.commands import add_plan_parser
 from servewell.workers.backends import ORT_TELEMETRY_SWITCH
 
 #: Settings that only a --config file (or the environment) sets: nested ones, and secrets that
@@ -173,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--id", default="client", help="the key's id (appears in logs and metrics; default: client)")
     keys.set_defaults(run=_cmd_keys)
     add_perf_parsers(sub)
+    # The fleet planner is its own package (servewell_plan, usable with the `plan` extra): only its
+    # argparse module is imported here, its simulator when `servewell plan` runs, and the server never.
+    from servewell_plan.commands import add_plan_parser
+
     add_plan_parser(sub)
     return parser
 

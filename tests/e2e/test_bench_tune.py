@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from model_dirs import factory_model, slow_model
 from servewell.config.model import ModelConfig
 from servewell.perf.local_server import free_port
-from servewell.plan.curve import read_curves
+from servewell_plan.curve import read_curves
 from waiting import eventually
 
 EXAMPLE_IMAGE = Path(__file__).parents[2] / "src/servewell/examples/images/digit-3-200px.jpg"

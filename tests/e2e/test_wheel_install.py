@@ -75,6 +75,12 @@ def test_the_built_wheel_installs_in_a_fresh_environment_and_serves_the_built_in
     assert where.strip().startswith(str(venv)) and str(ROOT) not in where, where
     version = run([str(venv / "bin" / "servewell"), "--version"], work, 60)
     assert version.strip() == f"servewell {servewell.__version__}", version
+    # The fleet planner ships in the wheel but is usable only with its own extra, which this install lacks:
+    # `servewell plan` names the extra and exits 2.
+    assert "servewell_plan/command.py" in names
+    refused = subprocess.run([str(venv / "bin" / "servewell"), "plan", "curve.json", "--slo-p99-ms", "100", "--rps",
+                              "10"], cwd=work, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "pip install 'servewell[plan]'" in refused.stderr, refused.stderr
 
     port, grpc_port = free_port(), free_port()
     server = ChildProcess([str(venv / "bin" / "servewell"), "serve", "--port", str(port), "--grpc-port",
