@@ -16,9 +16,7 @@ from servewell.config.server import ConfigSource, ServerConfig
 
 #: The settings file in the run directory (pickled `(ServerConfig, ConfigSource)`).
 SETTINGS_FILE = "settings.pickle"
-#: The engine's private HTTP app (admin, health, metadata, metrics, console, docs).
-ENGINE_HTTP_SOCKET = "engine-http.sock"
-#: The engine's door for envelopes (engine/door.py).
+#: The engine's door: envelopes and control operations (engine/door.py), its only socket.
 ENGINE_DOOR_SOCKET = "engine-door.sock"
 
 _PR_SET_PDEATHSIG = 1

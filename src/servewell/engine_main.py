@@ -1,11 +1,11 @@
 """The engine process of a split server: `python -m servewell.engine_main RUN_DIR`.
 
 It runs what one servewell process ran before the split (model registry, schedulers, worker
-pools, live config, console feed, alerting, metrics), minus the public listeners (the ingress
-processes serve HTTP and gRPC; gRPC's model views and repository calls come back here as control
-calls over the door): its HTTP app listens on the private unix socket RUN_DIR/engine-http.sock,
-where the ingress processes forward every request that is not an inference request, and
-inference arrives as envelopes at RUN_DIR/engine-door.sock (engine/door.py).
+pools, live config, console feed, alerting, metrics), minus the listeners: the ingress processes
+serve every HTTP and gRPC route, and everything reaches the engine at one private unix socket,
+RUN_DIR/engine-door.sock (engine/door.py): inference as envelopes, every admin, repository,
+metadata and view operation as one typed control operation (engine/control.py). It has no HTTP
+app.
 
 Signals (from the supervisor): SIGUSR1 begins the shutdown (readiness false, everything is still
 served while the ingress processes drain); SIGTERM then drains what is queued and exits (no
@@ -16,44 +16,60 @@ configuration files.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import uvicorn
-
 from servewell.allocator import bound_freed_memory
-from servewell.api.peer import TrustedPeerMiddleware
-from servewell.child_process import ENGINE_DOOR_SOCKET, ENGINE_HTTP_SOCKET, die_with_parent, read_settings
+from servewell.child_process import ENGINE_DOOR_SOCKET, die_with_parent, read_settings
 from servewell.engine_standby import standby_fd, wait_to_take_over
 from servewell.observability.logging import configure_logging
-from servewell.server import build_app, remove_leftovers, remove_own_segments
-from servewell.shutdown import GracefulServer, ShutdownPlan, uvicorn_graceful_timeout_s
+from servewell.server import EngineSide, build_engine, remove_leftovers, remove_own_segments
 from servewell.workers.spare import start_fork_server, use_private_temp_dir
 
 log = logging.getLogger("servewell.server")
 
 
-class EngineServer(GracefulServer):
-    """uvicorn on the private socket with the engine's signals (see the module doc)."""
+class EngineRunner:
+    """Runs the engine side until the supervisor stops it (see the module doc for the signals):
+    startup, serve until told to exit, then the drain and the shutdown within the plan's timeout."""
 
-    def __init__(self, config: uvicorn.Config, plan: ShutdownPlan) -> None:
-        super().__init__(config, plan)
+    def __init__(self, side: EngineSide) -> None:
+        self._side = side
+        self._plan = side.plan
         self._begun = False
+        self._exit: asyncio.Event | None = None
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        """SIGUSR1 begins the shutdown; SIGINT/SIGTERM drain and exit."""
+    def run(self) -> None:
+        """Serve on a fresh event loop (uvloop's, as uvicorn ran the engine before) until it exits."""
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(self._serve())
+
+    async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
+        self._exit = asyncio.Event()
         loop.add_signal_handler(signal.SIGUSR1, self._begin)
-        with super().capture_signals():
-            yield
-        loop.remove_signal_handler(signal.SIGUSR1)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            await self._side.startup()
+            await self._exit.wait()
+        finally:
+            # The drain: what is queued is answered (503 shutting_down for what is still waiting
+            # after --shutdown-timeout-s), then the workers stop.
+            deadline = loop.call_later(self._plan.timeout_s, self._plan.abort,
+                                       f"the drain took longer than --shutdown-timeout-s ({self._plan.timeout_s:g} s)")
+            self._plan.listeners_closed()
+            try:
+                await self._side.shutdown()
+            finally:
+                deadline.cancel()
+                for sig in (signal.SIGUSR1, signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
 
     def _begin(self) -> None:
         if not self._begun:
@@ -61,16 +77,25 @@ class EngineServer(GracefulServer):
             self._plan.begin("SIGUSR1", self._plan.delay_s)
 
     def _on_signal(self, sig: signal.Signals) -> None:
+        assert self._exit is not None
         if not self._begun:
             self._begun = True
             self._plan.begin(sig.name, 0.0)
-            self.should_exit = True
+            self._exit.set()
             return
-        if not self.should_exit:
-            self.should_exit = True  # the drain starts now
+        if not self._exit.is_set():
+            self._exit.set()  # the drain starts now
             return
         log.warning("%s again: stopping now", sig.name)
         self._plan.abort(f"a second {sig.name}")  # what still waits gets 503 shutting_down
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:  # uvicorn[standard] brings it on Linux; plain asyncio elsewhere
+        return None
+    return uvloop.new_event_loop
 
 
 def seconds_since_exec() -> float | None:
@@ -113,16 +138,10 @@ def main(argv: list[str]) -> int:
     remove_leftovers(settings)
     bound_freed_memory()
     use_private_temp_dir(run_dir / "multiprocessing")  # the spares' fork server's socket
-    app, plan = build_app(settings, source, door_path=str(run_dir / ENGINE_DOOR_SOCKET))
-    http_socket = str(run_dir / ENGINE_HTTP_SOCKET)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(http_socket)
-    config = uvicorn.Config(TrustedPeerMiddleware(app), uds=http_socket, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=uvicorn_graceful_timeout_s(plan), lifespan="on",
-                            timeout_keep_alive=300)
+    side = build_engine(settings, source, door_path=str(run_dir / ENGINE_DOOR_SOCKET))
     started = time.monotonic()
     try:
-        EngineServer(config, plan).run()
+        EngineRunner(side).run()
     finally:
         remove_own_segments()
         log.info("engine process exits after %.1f s", time.monotonic() - started)

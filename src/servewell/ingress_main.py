@@ -2,13 +2,15 @@
 
 It accepts HTTP connections on the listening socket FD (inherited from the supervisor; every
 ingress process accepts from the same socket, so the kernel spreads connections across them and
-a restarted one takes up where the dead one stopped) and does the per-request work that scales
-with processes: HTTP parsing and its limits, request ids, API keys and rate limits, body limits,
-JSON/binary/image decoding, validation, encoding, metrics and logs of the request. Inference goes
-to the engine as envelopes (api/remote_engine.py); every other request (health, metadata, admin,
-metrics, console, docs) is forwarded as it came to the engine's own HTTP app (api/forward.py),
-so those answers are the engine's, whichever ingress a client reached. gRPC (OIP v2) is served
-here too, on the gRPC port every ingress binds with SO_REUSEPORT (`IngressGrpc`).
+a restarted one takes up where the dead one stopped) and serves every route itself, doing the
+per-request work that scales with processes: HTTP parsing and its limits, request ids, API keys
+and rate limits, the access rule, body limits, JSON/binary/image decoding, validation, encoding,
+metrics and logs of the request. Inference goes to the engine as envelopes
+(api/remote_engine.py); every admin, repository, metadata and view operation (health, /metrics,
+the console's state) as one typed control operation over the same door (engine/control.py,
+api/control_plane.py), answered by the engine, so those answers are the engine's whichever
+ingress a client reached; docs, the console page and liveness are answered here. gRPC (OIP v2) is
+served here too, on the gRPC port every ingress binds with SO_REUSEPORT (`IngressGrpc`).
 
 SIGTERM: readiness false for shutdown_delay_s (the engine, told at the same moment, says so on
 every health route), then the listener closes and what was accepted drains; SIGINT skips the delay.
@@ -24,22 +26,20 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
-from servewell.api import routes_simple, routes_v2
 from servewell.api.app import create_app
 from servewell.api.codecs.image import ImageLimits
+from servewell.api.control_plane import DoorControlPlane
 from servewell.api.dataplane import DataPlane
-from servewell.api.forward import EngineForwarder
 from servewell.api.grpc.listener import GrpcListener, build_grpc_listener, call_slots
 from servewell.api.grpc.scope import RpcScope
 from servewell.api.grpc.servicer import InferenceServicer
-from servewell.api.hot_routes import HotRouteTable
 from servewell.api.http_limits import uvicorn_limit_options
 from servewell.api.keys import InferenceAccess, KeyFormatError
 from servewell.api.remote_engine import RemoteEngine
 from servewell.api.state import AppState, LiveKnobs
-from servewell.child_process import ENGINE_DOOR_SOCKET, ENGINE_HTTP_SOCKET, die_with_parent, read_settings
+from servewell.child_process import ENGINE_DOOR_SOCKET, die_with_parent, read_settings
 from servewell.config.server import ConfigFileError, ServerConfig
 from servewell.engine.envelope import LiveSettings
 from servewell.errors import ShuttingDown
@@ -52,21 +52,6 @@ from servewell.server import build_decoder, tune_garbage_collector
 from servewell.shutdown import GracefulServer, ShutdownPlan, uvicorn_graceful_timeout_s
 
 log = logging.getLogger("servewell.ingress")
-
-
-class IngressApp:
-    """Inference requests to this process's app; everything else forwarded to the engine's."""
-
-    def __init__(self, app: ASGIApp, table: HotRouteTable, forward: ASGIApp) -> None:
-        self._app = app
-        self._table = table
-        self._forward = forward
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self._table.match(scope["method"], scope["path"]) is None:
-            await self._forward(scope, receive, send)
-        else:
-            await self._app(scope, receive, send)
 
 
 class IngressShutdown:
@@ -127,7 +112,7 @@ def build_ingress(settings: ServerConfig, run_dir: Path, index: int) -> tuple[AS
                       decides_roots=True)
     access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
     knobs = LiveKnobs(settings.slow_request_ms / 1000.0, settings.metrics_require_key)
-    console = ConsoleFeed(metrics)  # only its ring of recent slow/failed requests is filled here
+    console = ConsoleFeed(metrics)  # only its ring of recent requests is filled here; the engine reads it
     console.recent.slow_log.lines_per_window = settings.slow_request_lines_per_model
 
     def apply_live(live: LiveSettings) -> None:
@@ -145,8 +130,9 @@ def build_ingress(settings: ServerConfig, run_dir: Path, index: int) -> tuple[AS
     plane = DataPlane(engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side), metrics,
                       tracing)
     plan = ShutdownPlan(IngressShutdown(engine), settings.shutdown_delay_s, settings.shutdown_timeout_s)
+    control = DoorControlPlane(engine)
     scope = RpcScope(metrics, tracing, access, knobs, console.recent, call_slots(settings))
-    servicer = InferenceServicer(engine, plane, scope, settings.admin_token,
+    servicer = InferenceServicer(engine, control, plane, scope, settings.admin_token,
                                  trust_loopback_admin=settings.trust_loopback_admin)
     grpc_share = IngressGrpc(settings, plan, servicer, scope)
     stop = asyncio.Event()
@@ -166,11 +152,8 @@ def build_ingress(settings: ServerConfig, run_dir: Path, index: int) -> tuple[AS
             pool.shutdown(wait=False)
         await asyncio.to_thread(tracing.shutdown)
 
-    state = AppState(engine, plane, settings, metrics, access, knobs, lambda: {}, console)
-    app = create_app(state, startup, shutdown, tracing)
-    table = HotRouteTable([*routes_simple.hot_routes(), *routes_v2.hot_routes()])
-    forward = EngineForwarder(str(run_dir / ENGINE_HTTP_SOCKET))
-    return IngressApp(app, table, forward), plan
+    state = AppState(engine, plane, control, settings, metrics, access, knobs, console)
+    return create_app(state, startup, shutdown, tracing), plan
 
 
 def main(argv: list[str]) -> int:

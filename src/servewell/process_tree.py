@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from servewell.child_process import ENGINE_DOOR_SOCKET, ENGINE_HTTP_SOCKET
+from servewell.child_process import ENGINE_DOOR_SOCKET
 from servewell.cpu_limit import usable_cpus
 
 #: Most ingress processes chosen by default: past 8, one engine's event loop (envelopes in and
@@ -96,7 +96,7 @@ def make_run_dir(parent: Path | None = None) -> Path:
     """A fresh private directory (mode 0700) named after this process, under `parent`, else
     $XDG_RUNTIME_DIR, else the system temp dir (the first whose socket paths fit)."""
     candidates = [parent] if parent is not None else _run_parent_candidates()
-    longest = max(len(ENGINE_HTTP_SOCKET), len(ENGINE_DOOR_SOCKET)) + len(_RUN_PREFIX) + 20
+    longest = len(ENGINE_DOOR_SOCKET) + len(_RUN_PREFIX) + 20
     for where in candidates:
         if parent is not None or len(str(where)) + longest <= _MAX_SOCKET_PATH:
             return Path(tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}-", dir=where))

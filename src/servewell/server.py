@@ -1,4 +1,8 @@
-"""Composition root: settings -> repository -> engine -> app -> uvicorn."""
+"""Composition root: settings -> repository -> engine (+ its control table) -> app -> uvicorn.
+
+`build_engine` composes the engine side (what a split server's engine process runs, engine_main.py:
+no HTTP app, only the door); `build_app` adds the HTTP app and gRPC on top of it for the
+single-process server (`--ingress-processes 0`, `serve`)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
@@ -19,8 +25,11 @@ from fastapi import FastAPI
 from servewell.allocator import bound_freed_memory
 from servewell.api.app import create_app
 from servewell.api.codecs.image import ImageLimits
+from servewell.api.control_handlers import control_table
+from servewell.api.control_plane import LocalControlPlane
 from servewell.api.dataplane import DataPlane
 from servewell.api.decode_scheduler import DecodeScheduler
+from servewell.api.engine_parts import EngineParts
 from servewell.api.grpc.listener import build_grpc_listener, call_slots
 from servewell.api.grpc.scope import RpcScope
 from servewell.api.grpc.servicer import InferenceServicer
@@ -28,6 +37,7 @@ from servewell.api.http_limits import uvicorn_limit_options
 from servewell.api.keys import InferenceAccess, KeyFormatError
 from servewell.api.state import AppState, LiveKnobs
 from servewell.config.server import ConfigFileError, ConfigSource, ServerConfig
+from servewell.engine.control import ControlDispatch
 from servewell.engine.door import EngineDoor
 from servewell.engine.engine import InferenceEngine
 from servewell.engine.envelope import LiveSettings
@@ -134,14 +144,34 @@ def snapshot_store(settings: ServerConfig) -> SnapshotStore | None:
     return SnapshotStore(settings.cache_dir / "snapshots", max_bytes=settings.snapshot_max_bytes)
 
 
-def build_app(settings: ServerConfig, source: ConfigSource | None = None,
-              door_path: str | None = None) -> tuple[FastAPI, ShutdownPlan]:
-    """The app for `settings` and the shutdown it follows (signals, delay, drain: `shutdown`);
-    models load in the background once it starts, so liveness answers at once and readiness tells
-    the truth while they load. `source` (where the settings came from) is watched for changes;
-    without it, only model.yaml files are. `door_path`: this is the engine process of a split
-    server, and ingress processes hand in their requests at that unix socket (engine/door.py);
-    they also serve gRPC, so this process does not listen on the gRPC port."""
+@dataclass(frozen=True, slots=True)
+class EngineSide:
+    """The engine and what runs beside it in the process that holds it (the single-process server,
+    or a split server's engine process): registry, workers, live config, console feed, alerting,
+    metrics, and the control plane's one table (`control`)."""
+
+    engine: InferenceEngine
+    access: InferenceAccess
+    knobs: LiveKnobs
+    metrics: ServeMetrics | None
+    tracing: Tracing
+    console: ConsoleFeed
+    #: The one dispatch table of the control plane (engine/control.py, api/control_handlers.py).
+    control: ControlDispatch
+    #: The shutdown it follows (signals, delay, drain: `shutdown.py`).
+    plan: ShutdownPlan
+    #: Start serving: models load in the background, so liveness answers at once.
+    startup: Callable[[], Awaitable[None]]
+    #: After the drain: stop the workers, the door, the exporters.
+    shutdown: Callable[[], Awaitable[None]]
+
+
+def build_engine(settings: ServerConfig, source: ConfigSource | None = None,
+                 door_path: str | None = None) -> EngineSide:
+    """The engine side of a server for `settings`. `source` (where the settings came from) is
+    watched for changes; without it, only model.yaml files are. `door_path`: this is the engine
+    process of a split server, and its ingress processes hand in their requests and control
+    operations at that unix socket (engine/door.py)."""
     try:
         keys = load_keys(settings)
     except (KeyFormatError, OSError) as exc:
@@ -185,45 +215,27 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
                                                  lambda: engine.memory_budget, lambda: engine.ready,
                                                  lambda: (engine.budget.device_total_bytes,
                                                           engine.budget.device_used_bytes)))
-    decoder, pools = build_decoder(settings)
-    plane = DataPlane(engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side), metrics,
-                      tracing)
     knobs = LiveKnobs(settings.slow_request_ms / 1000.0, settings.metrics_require_key)
     console = ConsoleFeed(metrics)  # the console's chart series and recent slow/failed requests
     console.recent.slow_log.lines_per_window = settings.slow_request_lines_per_model
     reloader = ConfigReloader(source or ConfigSource(None, {}), settings, engine, access, tracing, knobs,
                               metrics.registry if metrics is not None else None)
-    grpc_listener = None
-    if settings.grpc_port and door_path is None:  # a split server's gRPC is served by its ingress processes
-        scope = RpcScope(metrics, tracing, access, knobs, console.recent, call_slots(settings))
-        servicer = InferenceServicer(engine, plane, scope, settings.admin_token,
-                                     trust_loopback_admin=settings.trust_loopback_admin)
-        grpc_listener = build_grpc_listener(settings, servicer, scope)
+    control = control_table(EngineParts(engine, settings, access, knobs, console, metrics, reloader.report,
+                                        reloader.status))
     door = None
     if door_path is not None:
         door = EngineDoor(engine, door_path,
                           live=lambda: LiveSettings(reloader.settings, access.ring, access.default_rate_per_s),
                           absorb=console.view.absorb, retire=console.view.retire,
                           shared_min_bytes=settings.shared_tensor_min_bytes,
-                          shared_limit_bytes=settings.shared_tensor_limit_bytes)
+                          shared_limit_bytes=settings.shared_tensor_limit_bytes, control=control)
         console.view.set_refresher(door.pull_views)  # /metrics, the console and alerts see every ingress
         if metrics is not None:
             run_dir = Path(door_path).parent
             metrics.registry.register(ProcessRestartsCollector(lambda: read_restart_counts(run_dir)))
     background: list[asyncio.Task[None]] = []
     stop = asyncio.Event()
-    shutdown_plan = ShutdownPlan(engine, settings.shutdown_delay_s, settings.shutdown_timeout_s)
-    grpc_stopping: list[asyncio.Task[None]] = []
-
-    def stop_grpc() -> None:
-        # From readiness false on: GOAWAY to every connection, new ones refused (clients go to another
-        # replica); calls in flight finish within the delay and the drain.
-        if grpc_listener is not None and not grpc_stopping:
-            grace_s = shutdown_plan.delay_s + shutdown_plan.timeout_s
-            grpc_stopping.append(asyncio.get_running_loop().create_task(grpc_listener.stop(grace_s)))
-
-    shutdown_plan.on_begin(stop_grpc)
-    shutdown_plan.on_listeners_closed(stop_grpc)
+    plan = ShutdownPlan(engine, settings.shutdown_delay_s, settings.shutdown_timeout_s)
 
     async def start_engine_then_watch() -> None:
         await engine.start()
@@ -232,8 +244,6 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
     async def startup() -> None:
         loop = asyncio.get_running_loop()
         tune_garbage_collector()
-        if grpc_listener is not None:
-            await grpc_listener.start()
         if door is not None:
             await door.start()  # ingress processes connect now and see the models load
         spares.start()
@@ -248,23 +258,63 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None,
                                                             active=console.alerts, refresh=console.view.refresh)))
 
     async def shutdown() -> None:
-        stop_grpc()
-        await asyncio.gather(*grpc_stopping)  # gRPC calls in flight finish on a still-serving engine
         stop.set()
         for task in background:
             if not task.done():
                 task.cancel()
-        await run_after_drain(shutdown_plan, lambda worker_stop_s: engine.stop(worker_stop_s))
+        await run_after_drain(plan, lambda worker_stop_s: engine.stop(worker_stop_s))
         await spares.stop()
         if door is not None:
             await door.stop()
-        for pool in pools:
-            pool.shutdown(wait=False)
         await asyncio.to_thread(payload_log.close)  # every request is answered: bounded (CLOSE_TIMEOUT_S)
         await asyncio.to_thread(tracing.shutdown)  # bounded (SHUTDOWN_FLUSH_S)
 
-    state = AppState(engine, plane, settings, metrics, access, knobs, reloader.report, console, reloader.status)
-    return create_app(state, startup, shutdown, tracing), shutdown_plan
+    return EngineSide(engine, access, knobs, metrics, tracing, console, control, plan, startup, shutdown)
+
+
+def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tuple[FastAPI, ShutdownPlan]:
+    """The single-process server's app for `settings` (`--ingress-processes 0`: the engine, the HTTP
+    app and gRPC in this one process) and the shutdown it follows (signals, delay, drain: `shutdown`);
+    models load in the background once it starts, so liveness answers at once and readiness tells
+    the truth while they load."""
+    side = build_engine(settings, source)
+    decoder, pools = build_decoder(settings)
+    plane = DataPlane(side.engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side),
+                      side.metrics, side.tracing)
+    control = LocalControlPlane(side.control)
+    grpc_listener = None
+    if settings.grpc_port:
+        scope = RpcScope(side.metrics, side.tracing, side.access, side.knobs, side.console.recent, call_slots(settings))
+        servicer = InferenceServicer(side.engine, control, plane, scope, settings.admin_token,
+                                     trust_loopback_admin=settings.trust_loopback_admin)
+        grpc_listener = build_grpc_listener(settings, servicer, scope)
+    shutdown_plan = side.plan
+    grpc_stopping: list[asyncio.Task[None]] = []
+
+    def stop_grpc() -> None:
+        # From readiness false on: GOAWAY to every connection, new ones refused (clients go to another
+        # replica); calls in flight finish within the delay and the drain.
+        if grpc_listener is not None and not grpc_stopping:
+            grace_s = shutdown_plan.delay_s + shutdown_plan.timeout_s
+            grpc_stopping.append(asyncio.get_running_loop().create_task(grpc_listener.stop(grace_s)))
+
+    shutdown_plan.on_begin(stop_grpc)
+    shutdown_plan.on_listeners_closed(stop_grpc)
+
+    async def startup() -> None:
+        await side.startup()
+        if grpc_listener is not None:
+            await grpc_listener.start()
+
+    async def shutdown() -> None:
+        stop_grpc()
+        await asyncio.gather(*grpc_stopping)  # gRPC calls in flight finish on a still-serving engine
+        await side.shutdown()
+        for pool in pools:
+            pool.shutdown(wait=False)
+
+    state = AppState(side.engine, plane, control, settings, side.metrics, side.access, side.knobs, side.console)
+    return create_app(state, startup, shutdown, side.tracing), shutdown_plan
 
 
 def serve(settings: ServerConfig, source: ConfigSource | None = None) -> None:

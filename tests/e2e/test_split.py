@@ -94,6 +94,30 @@ def test_every_request_is_served_and_metrics_count_them_all_whichever_ingress(sp
     assert after.count("# TYPE servewell_preprocess_seconds histogram") == 1
 
 
+def test_every_admin_and_metadata_request_is_counted_once_whichever_ingress(split_server: ServerProcess) -> None:
+    # Served by the ingress that accepted it (the engine has no HTTP app: the route's engine part is a
+    # control operation), so recorded by that ingress alone and summed by the engine once.
+    def counts() -> tuple[float, float]:
+        text = httpx.get(split_server.url + "/metrics", timeout=10).text
+        return (counter(text, "servewell_request_duration_seconds_count", route="/v2/models/{name}",
+                        status_class="2xx"),
+                counter(text, "servewell_request_duration_seconds_count",
+                        route="/v2/models/{name}/versions/{version}", status_class="4xx"))
+
+    before = counts()
+    ids = [f"count-once-{os.getpid()}-{i}" for i in range(12)]
+    for request_id in ids:  # each on its own connection: both ingress processes get some
+        with httpx.Client(base_url=split_server.url, timeout=10) as client:
+            assert client.get("/v2/models/digits").status_code == 200
+            missing = client.get("/v2/models/digits/versions/9", headers={"X-Request-ID": request_id})
+            assert missing.status_code == 404 and missing.headers["x-request-id"] == request_id
+    after = counts()
+    assert (after[0] - before[0], after[1] - before[1]) == (12, 12)
+    console = httpx.get(split_server.url + "/console/api/state", params={"recent": 200}, timeout=10).json()
+    listed = [r["request_id"] for r in console["recent"] if r["request_id"] in ids]
+    assert sorted(listed) == sorted(ids)  # each failed request listed once
+
+
 def test_kill_9_of_an_ingress_leaves_the_other_serving_and_it_comes_back(split_server: ServerProcess) -> None:
     supervisor = split_server.proc.pid
     victim = roles(supervisor)["ingress"][0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +12,11 @@ import httpx
 
 from processes import ChildProcess, free_port
 from waiting import eventually
+
+#: Ingress processes of the servers tests start when a test does not choose (`--ingress-processes`
+#: on a test's command line wins): 1 by default, `SERVEWELL_TEST_INGRESS_PROCESSES` to run a file's
+#: tests against another shape, e.g. 0 for the single-process server.
+TEST_INGRESS_PROCESSES = os.environ.get("SERVEWELL_TEST_INGRESS_PROCESSES", "1")
 
 
 class ServerProcess(ChildProcess):
@@ -29,7 +35,9 @@ class ServerProcess(ChildProcess):
             # Tests stop servers with SIGTERM: no load balancer needs the delay (a test that checks it sets it).
             # One ingress process unless a test asks for more (tests/e2e/test_split.py): the split
             # path is the same, and each further process costs every server start its imports.
-            log_path, {"SERVEWELL_SHUTDOWN_DELAY_S": "0", "SERVEWELL_INGRESS_PROCESSES": "1", **(env or {})},
+            # SERVEWELL_TEST_INGRESS_PROCESSES=0 runs a test file against the single-process server.
+            log_path, {"SERVEWELL_SHUTDOWN_DELAY_S": "0", "SERVEWELL_INGRESS_PROCESSES": TEST_INGRESS_PROCESSES,
+                       **(env or {})},
         )
 
     def health(self) -> dict[str, Any]:

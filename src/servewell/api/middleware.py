@@ -23,12 +23,10 @@ from servewell.errors import quote
 from servewell.observability.context import (
     MAX_ROUTE_KEY_CHARS,
     BatchPlacement,
-    RecordedElsewhere,
     client_var,
     error_code_var,
     model_var,
     placement_var,
-    recorded_elsewhere_var,
     request_id_var,
     request_trace_var,
     route_key_var,
@@ -79,10 +77,8 @@ class RequestContextMiddleware:
             elif key == b"x-route-key":
                 route_key = value[:MAX_ROUTE_KEY_CHARS].decode("latin-1")
         request_id = request_id or uuid.uuid4().hex
-        elsewhere = RecordedElsewhere()
         tokens = (request_id_var.set(request_id), model_var.set(""), stages_var.set({}),
-                  placement_var.set(BatchPlacement()), recorded_elsewhere_var.set(elsewhere), client_var.set(""),
-                  route_key_var.set(route_key))
+                  placement_var.set(BatchPlacement()), client_var.set(""), route_key_var.set(route_key))
         span = otel_token = trace_token = None
         if self.tracing is not None:
             span, span_context = begin_server_span(
@@ -121,7 +117,7 @@ class RequestContextMiddleware:
                                           path=scope.get("path", ""))
                 await response(scope, receive, send_with_headers)
         finally:
-            self._finish(scope, status, time.perf_counter() - started, span, elsewhere.marked)
+            self._finish(scope, status, time.perf_counter() - started, span)
             if trace_token is not None:
                 request_trace_var.reset(trace_token)
             if otel_token is not None:
@@ -130,16 +126,16 @@ class RequestContextMiddleware:
             model_var.reset(tokens[1])
             stages_var.reset(tokens[2])
             placement_var.reset(tokens[3])
-            recorded_elsewhere_var.reset(tokens[4])
-            client_var.reset(tokens[5])  # the key check sets it inside; the record in `_finish` names it
-            route_key_var.reset(tokens[6])
+            client_var.reset(tokens[4])  # the key check sets it inside; the record in `_finish` names it
+            route_key_var.reset(tokens[5])
 
-    def _finish(self, scope: Scope, status: int, elapsed: float, span: Span | None, elsewhere: bool) -> None:
+    def _finish(self, scope: Scope, status: int, elapsed: float, span: Span | None) -> None:
         route = scope.get("route")
         template = getattr(route, "path", None) or "unmatched"
         record_outcome(protocol="http", route=template, status=status, error_code=error_code_var.get(),
                        elapsed_s=elapsed, span=span,
                        span_attributes={"http.route": template, "http.response.status_code": status},
-                       # A request relayed to the engine is counted there (`mark_recorded_elsewhere`).
-                       counted=template not in _PLUMBING and not elsewhere, metrics=self.metrics,
+                       # Every route is served in the process that accepted the request, so every request is
+                       # recorded once, here; the engine sums every process's records into one view.
+                       counted=template not in _PLUMBING, metrics=self.metrics,
                        slow_after_s=self.knobs.slow_request_s, recent=self.recent)

@@ -11,12 +11,11 @@ When the engine process is gone (killed, restarting), every request waiting on i
 at once with 503 `engine_unavailable`, readiness is false, and the door is dialled again every
 `RECONNECT_S` until the new engine listens.
 
-Only the data plane's calls are served here; the control plane (load, unload, batching,
-profiles, model views) is reached over HTTP, forwarded to the engine's own app
-(`api/forward.py`), so its sync methods are never called in an ingress process. The gRPC
-servicer, which answers its control calls itself, uses the async ones (`models_async`,
-`model_async`, `load_model`, `unload_model`): each is one `ControlCall` to the engine, bounded in
-time, and answered with 503 `engine_unavailable` when the engine is gone or does not answer.
+The control plane (load, unload, batching, profiles, model views, /healthz, /metrics, the
+console: engine/control.py) crosses the same connection: `control(op)` sends one typed
+`ControlCall`, bounded in time by the operation (`ControlOp.wait_s`), and raises 503
+`engine_unavailable` when the engine is gone, is lost while the call waits, or does not answer
+(api/control_plane.py puts the HTTP routes and the gRPC servicer behind it).
 """
 
 from __future__ import annotations
@@ -27,15 +26,16 @@ import dataclasses
 import itertools
 import logging
 import os
-from collections.abc import Callable, Mapping
-from typing import Any
+import pickle
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 from opentelemetry import trace
 from opentelemetry.context import Context
 
 from servewell.config.model import ModelConfig
-from servewell.config.rollout import TrafficPatch
+from servewell.engine.control import ControlOp, GetReadiness
 from servewell.engine.entry import not_ready
 from servewell.engine.envelope import (
     Cancel,
@@ -55,7 +55,7 @@ from servewell.engine.envelope import (
     ViewReply,
 )
 from servewell.engine.lanes import resolve_lane
-from servewell.engine.protocol import ModelView, Readiness, RequestResult
+from servewell.engine.protocol import Readiness, RequestResult
 from servewell.engine.shared_tensors import Release, TensorLeases, TensorStore, ThreadSafeReleases, tensor_bytes
 from servewell.errors import EngineUnavailable, NotFound, ServeError, ShuttingDown, quote
 from servewell.observability.context import (
@@ -63,6 +63,7 @@ from servewell.observability.context import (
     client_var,
     oip_id_var,
     placement_var,
+    request_id_var,
     request_trace_var,
     route_key_var,
 )
@@ -76,11 +77,8 @@ RECONNECT_S = 0.1
 TRIM_CHECK_S = 5.0
 #: Longest a `Resolve` waits for the engine.
 RESOLVE_TIMEOUT_S = 2.0
-#: Longest a control call that only reads (a model's view, the model list) waits for the engine.
-CONTROL_VIEW_TIMEOUT_S = 5.0
-#: Longest a load or unload waits for the engine: the engine bounds a load by the load timeout
-#: and an unload by its drain; this only makes sure a lost answer cannot hold a call for ever.
-CONTROL_CHANGE_TIMEOUT_S = 900.0
+
+R = TypeVar("R")
 
 _NO_ENGINE = "the engine process is not reachable (restarting); retry"
 
@@ -239,7 +237,7 @@ class RemoteEngine:
                 if message.error is not None:
                     ask.set_exception(message.error)
                 else:
-                    ask.set_result(message.result)
+                    ask.set_result(message.result)  # pickled: read by the caller (`control`), off this dispatch
 
     def _shared_outputs(self, outcome: Outcome) -> RequestResult | None:
         """The outcome's result with its outputs read in place from the engine's shared memory
@@ -391,92 +389,33 @@ class RemoteEngine:
         if local.ready or local.shutting_down or self._writer is None or self._table is None:
             return local
         try:
-            fresh: Readiness = await self.control("readiness", (), CONTROL_VIEW_TIMEOUT_S)
+            fresh = await self.control(GetReadiness())
         except EngineUnavailable:
             return local
         return fresh if not self.shutting_down else self.readiness()
 
-    @property
-    def readiness_policy(self) -> str:
-        """Not known here (the engine's /healthz says it)."""
-        return "engine"
+    # --- the control plane (engine/control.py) -------------------------------------------------
 
-    # --- the control plane lives in the engine's app (forwarded) ------------------------------
-
-    def models(self) -> list[ModelView]:
-        """Not served by an ingress (forwarded to the engine)."""
-        raise _control_plane()
-
-    def model(self, name: str, version: str | None = None) -> ModelView:
-        """Not served by an ingress (forwarded to the engine)."""
-        raise _control_plane()
-
-    def batching(self, name: str) -> dict[str, Any]:
-        """Not served by an ingress (forwarded to the engine)."""
-        raise _control_plane()
-
-    def update_batching(self, name: str, changes: Mapping[str, Any]) -> dict[str, Any]:
-        """Not served by an ingress (forwarded to the engine)."""
-        raise _control_plane()
-
-    def rollout(self, name: str) -> dict[str, Any]:
-        """Not served by an ingress (forwarded to the engine)."""
-        raise _control_plane()
-
-    def update_rollout(self, name: str, patch: TrafficPatch) -> dict[str, Any]:
-        """Not served by an ingress (forwarded to the engine)."""
-        raise _control_plane()
-
-    async def load_model(self, name: str) -> ModelView:
-        """(Re)load a model, done by the engine (a control call)."""
-        view: ModelView = await self.control("load_model", (name,), CONTROL_CHANGE_TIMEOUT_S)
-        return view
-
-    async def unload_model(self, name: str) -> ModelView:
-        """Unload a model, done by the engine (a control call)."""
-        view: ModelView = await self.control("unload_model", (name,), CONTROL_CHANGE_TIMEOUT_S)
-        return view
-
-    async def models_async(self) -> list[ModelView]:
-        """Every model of the engine (a control call)."""
-        views: list[ModelView] = await self.control("models", (), CONTROL_VIEW_TIMEOUT_S)
-        return views
-
-    async def model_async(self, name: str, version: str | None = None) -> ModelView:
-        """One model's view from the engine (a control call; `NotFound` as the engine says it)."""
-        view: ModelView = await self.control("model", (name, version), CONTROL_VIEW_TIMEOUT_S)
-        return view
-
-    async def control(self, method: str, args: tuple[Any, ...], timeout_s: float) -> Any:
-        """Call the engine's control-plane `method` (one of the door's CONTROL_METHODS) and return
-        its result, or raise the `ServeError` it raised; `EngineUnavailable` when the engine is
-        gone, is lost while the call waits, or does not answer within `timeout_s` seconds."""
+    async def control(self, op: ControlOp[R]) -> R:
+        """`op` answered by the engine's control plane: its result, or the `ServeError` its handler
+        raised; `EngineUnavailable` when the engine is gone, is lost while the call waits, or does
+        not answer within `op.wait_s()` seconds."""
         writer = self._writer
         if writer is None:
             raise EngineUnavailable(_NO_ENGINE)
         ask_id = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._asks[ask_id] = future
-        writer.send(ControlCall(ask_id, method, args))
+        writer.send(ControlCall(ask_id, op, request_id_var.get()))
+        wait_s = op.wait_s()
         try:
-            return await asyncio.wait_for(future, timeout_s)
+            pickled = await asyncio.wait_for(future, wait_s)
         except TimeoutError:
-            raise EngineUnavailable(f"the engine did not answer in {timeout_s:g} s; retry") from None
+            raise EngineUnavailable(f"the engine did not answer in {wait_s:g} s; retry") from None
         finally:
             self._asks.pop(ask_id, None)
-
-    async def profile(self, name: str, instance: int, seconds: float) -> bytes:
-        """Not served by an ingress (forwarded to the engine)."""
-        raise _control_plane()
-
-    @property
-    def memory_budget(self) -> tuple[int, int]:
-        """Not served by an ingress (forwarded to the engine)."""
-        raise _control_plane()
-
-
-def _control_plane() -> ServeError:
-    return ServeError("an ingress process does not serve the control plane; the request should have been forwarded")
+        result: R = pickle.loads(pickled)
+        return result
 
 
 async def _wait(stop: asyncio.Event, seconds: float) -> None:

@@ -16,6 +16,16 @@ from servewell.api.openapi import error_responses
 from servewell.api.state import AppState, state_dependency
 from servewell.config.batching import BatchingPatch
 from servewell.config.rollout import TrafficPatch
+from servewell.engine.control import (
+    GetBatching,
+    GetConfigReport,
+    GetRollout,
+    LoadModel,
+    ProfileModel,
+    UnloadModel,
+    UpdateBatching,
+    UpdateRollout,
+)
 from servewell.engine.protocol import ModelView
 
 router = APIRouter(prefix="/admin", tags=["admin"])
@@ -48,14 +58,14 @@ async def require_admin(request: Request, state: AppState = Depends(state_depend
 async def active_config(state: AppState = Depends(require_admin)) -> Response:
     """The server settings, API key ids and every model's config in force, when each was loaded
     (Unix time), admin overrides, and file changes that wait for a restart. Secrets are left out."""
-    return Response(orjson.dumps(state.config_report()), media_type="application/json")
+    return Response(orjson.dumps(await state.control.run(GetConfigReport())), media_type="application/json")
 
 
 @router.get("/models/{name}/batching", summary="Live batching settings",
             responses=error_responses(*_ADMIN_ERRORS, 503))
 async def get_batching(name: str, state: AppState = Depends(require_admin)) -> Response:
     """The model's current batching settings."""
-    return Response(orjson.dumps(state.engine.batching(name)), media_type="application/json")
+    return Response(orjson.dumps(await state.control.run(GetBatching(name))), media_type="application/json")
 
 
 @router.patch(
@@ -71,7 +81,8 @@ async def patch_batching(name: str, request: Request, state: AppState = Depends(
     naming the field and the bound). 409 when the model is unloaded, failed or being unloaded. The
     change lasts until the model's model.yaml next changes or the server restarts."""
     patch = await read_json_patch(request, state.settings.max_body_bytes, BatchingPatch)
-    return Response(orjson.dumps(state.engine.update_batching(name, patch.changes())), media_type="application/json")
+    changed = await state.control.run(UpdateBatching(name, patch.changes()))
+    return Response(orjson.dumps(changed), media_type="application/json")
 
 
 @router.get("/models/{name}/rollout", summary="A model's traffic split, shadow and rollback state",
@@ -80,7 +91,7 @@ async def get_rollout(name: str, state: AppState = Depends(require_admin)) -> Re
     """Weights in force and in model.yaml, each version's state, the shadow's agreement, the rules'
     window per version (requests, error rate, p99) and the last verdict with its evidence. 404 when
     the model splits no traffic."""
-    return Response(orjson.dumps(state.engine.rollout(name)), media_type="application/json")
+    return Response(orjson.dumps(await state.control.run(GetRollout(name))), media_type="application/json")
 
 
 @router.patch(
@@ -96,7 +107,7 @@ async def patch_rollout(name: str, request: Request, state: AppState = Depends(r
     model's model.yaml changes its traffic or the server restarts. 404 for a version that is not
     loaded; 409 when the model splits no traffic."""
     patch = await read_json_patch(request, state.settings.max_body_bytes, TrafficPatch)
-    return Response(orjson.dumps(state.engine.update_rollout(name, patch)), media_type="application/json")
+    return Response(orjson.dumps(await state.control.run(UpdateRollout(name, patch))), media_type="application/json")
 
 
 @router.post("/models/{name}/profile", summary="Profile a model worker (Chrome/Perfetto trace)",
@@ -107,7 +118,7 @@ async def profile(name: str, seconds: Annotated[float, Query(gt=0, le=60)] = 5.0
     onnxruntime's, plus the worker's Python stack sampled at 100 Hz (a track of its own, named
     by function); returns a trace file that chrome://tracing and ui.perfetto.dev open. The model
     keeps serving meanwhile. One capture per model and two across models at a time (409 beyond)."""
-    trace = await state.engine.profile(name, instance, seconds)
+    trace = await state.control.run(ProfileModel(name, instance, seconds))
     return Response(trace, media_type="application/json",
                     headers={"Content-Disposition": f'attachment; filename="{name}-{instance}-profile.json"'})
 
@@ -120,7 +131,7 @@ def _state(view: ModelView) -> dict[str, Any]:
                         responses=error_responses(*_ADMIN_ERRORS, 422, oip=True))
 async def load_model(name: str, state: AppState = Depends(require_admin)) -> Response:
     """Read the model's directory again and load it; the new version warms up before traffic moves."""
-    view = await state.engine.load_model(name)
+    view = await state.control.run(LoadModel(name))
     return Response(orjson.dumps(_state(view)), media_type="application/json")
 
 
@@ -128,5 +139,5 @@ async def load_model(name: str, state: AppState = Depends(require_admin)) -> Res
                         responses=error_responses(*_ADMIN_ERRORS, oip=True))
 async def unload_model(name: str, state: AppState = Depends(require_admin)) -> Response:
     """Finish the model's queued and running requests, then stop its workers."""
-    view = await state.engine.unload_model(name)
+    view = await state.control.run(UnloadModel(name))
     return Response(orjson.dumps(_state(view)), media_type="application/json")

@@ -1,47 +1,30 @@
 """The response cache's admin API (engine/response_cache.py): what a model's cache holds and its
 counts, new bounds while serving, and emptying it (after fixing data the model reads, say).
 
-Guarded like every /admin route (`require_admin`); in a split server an ingress forwards them to
-the engine's app (api/forward.py), where the one cache of each model lives.
+Guarded like every /admin route (`require_admin`); each is an operation of the engine's control
+plane (engine/control.py, answered in api/control_handlers.py), where the one cache of each model
+lives, whichever process the request reached.
 """
 
 from __future__ import annotations
 
-import asyncio
-from typing import Annotated, Protocol, runtime_checkable
+from typing import Annotated
 
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import Field
 
-from servewell.allocator import give_back_freed_memory
 from servewell.api.body import read_json_patch
 from servewell.api.openapi import error_responses
 from servewell.api.routes_admin import require_admin
 from servewell.api.state import AppState
 from servewell.config.cache import MAX_CACHE_BYTES, MAX_TTL_S
 from servewell.config.strict import StrictModel
-from servewell.engine.protocol import ServingEngine
-from servewell.engine.response_cache import ResponseCache
-from servewell.errors import Conflict, InvalidInput, ServeError
+from servewell.engine.control import ClearCache, GetCache, UpdateCache
+from servewell.errors import InvalidInput
 
 router = APIRouter(prefix="/admin", tags=["admin"])
-
-
-@runtime_checkable
-class CacheOwner(Protocol):
-    """An engine whose models' caches live in this process (InferenceEngine)."""
-
-    def response_cache(self, name: str) -> ResponseCache | None:
-        """The cache of the version serving `name` (None: the model has no `cache:`)."""
-        ...
-
-
-def _cache(engine: ServingEngine, name: str) -> ResponseCache | None:
-    if isinstance(engine, CacheOwner):
-        return engine.response_cache(name)
-    raise ServeError("this process has no response cache; the request should have been forwarded to the engine")
 
 
 @router.get("/models/{name}/cache", summary="A model's response cache", responses=error_responses(401, 403, 404))
@@ -51,9 +34,7 @@ async def get_cache(name: str, state: AppState = Depends(require_admin)) -> Resp
     (`entries`; answers past `ttl_s` are not counted), computations in flight, and counts since the
     version loaded (hit, miss, coalesced, evicted_size, evicted_ttl); `cache` is null for a model
     without `cache:` in its model.yaml."""
-    cache = _cache(state.engine, name)
-    return Response(orjson.dumps({"model": name, "cache": cache.report() if cache is not None else None}),
-                    media_type="application/json")
+    return Response(orjson.dumps(await state.control.run(GetCache(name))), media_type="application/json")
 
 
 class CachePatch(StrictModel, json_schema_extra={"minProperties": 1}):
@@ -75,12 +56,7 @@ async def patch_cache(name: str, request: Request, state: AppState = Depends(req
     given = (await read_json_patch(request, state.settings.max_body_bytes, CachePatch)).model_dump(exclude_unset=True)
     if not given:
         raise InvalidInput("name max_bytes, ttl_s or both")
-    cache = _cache(state.engine, name)
-    if cache is None:
-        raise Conflict(f"model {name!r} has no response cache (no cache: in its model.yaml)")
-    bounds = {field: getattr(cache.config, field) if value is None else value for field, value in given.items()}
-    cache.resize(**bounds)
-    return Response(orjson.dumps({"model": name, "cache": cache.report()}), media_type="application/json")
+    return Response(orjson.dumps(await state.control.run(UpdateCache(name, given))), media_type="application/json")
 
 
 @router.delete("/models/{name}/cache", summary="Empty a model's response cache",
@@ -89,12 +65,4 @@ async def clear_cache(name: str, state: AppState = Depends(require_admin)) -> Re
     """Drop every kept answer of the model (requests being computed still get theirs) and hand the
     memory they held back to the system; answers how many were dropped and the cache as it is now.
     409 when the model has no cache."""
-    cache = _cache(state.engine, name)
-    if cache is None:
-        raise Conflict(f"model {name!r} has no response cache (no cache: in its model.yaml)")
-    dropped = cache.clear()
-    # Small answers freed in bulk stay in the C heap, resident, until reused (hostile case
-    # cache_memory: none of 12 MB came back); a trim returns their pages. Off the loop: it walks the heap.
-    await asyncio.to_thread(give_back_freed_memory)
-    return Response(orjson.dumps({"model": name, "dropped": dropped, "cache": cache.report()}),
-                    media_type="application/json")
+    return Response(orjson.dumps(await state.control.run(ClearCache(name))), media_type="application/json")

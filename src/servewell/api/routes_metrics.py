@@ -16,8 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from servewell.api.openapi import error_responses
 from servewell.api.routes_admin import caller_of
 from servewell.api.state import AppState, state_dependency
+from servewell.engine.control import GetMetricsText
 from servewell.errors import NotFound
-from servewell.observability.exposition import render_text
 
 router = APIRouter(tags=["observability"])
 
@@ -31,8 +31,7 @@ async def prometheus_metrics(request: Request, state: AppState = Depends(state_d
     without one, 403 for a tenant's key (the series name every tenant and key)."""
     if state.access.enabled:
         caller_of(request, state).require_operator()
-    if state.metrics is None:
+    if state.metrics is None:  # the same setting in every process
         raise NotFound("metrics are turned off on this server (--metrics-enabled false)")
-    await state.console.view.refresh()  # ingress processes' series, summed in (bounded wait)
-    # in slices, the loop served between them (35,000 lines with 200 models: observability/exposition.py)
-    return Response(await render_text(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    # Rendered where the engine runs, every ingress process's series summed in (api/control_handlers.py).
+    return Response(await state.control.run(GetMetricsText()), media_type=CONTENT_TYPE_LATEST)

@@ -2,13 +2,13 @@
 the pool's facts as /healthz, the repository index and the console show them.
 
 The routes are guarded like every /admin route (`require_admin`: the admin token, or a loopback
-client when none is set). In a split server an ingress forwards them to the engine's app
-(api/forward.py), so they always run beside the real `InferenceEngine`.
+client when none is set); each operation is answered by the engine (engine/control.py), in this
+process or over the door.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends
@@ -17,52 +17,12 @@ from fastapi.responses import Response
 from servewell.api.openapi import error_responses
 from servewell.api.routes_admin import require_admin
 from servewell.api.state import AppState
-from servewell.engine.protocol import ModelView, ServingEngine
-from servewell.errors import ServeError
+from servewell.engine.control import EvictModel, PinModel, PreloadModel, UnpinModel
+from servewell.engine.protocol import ModelView
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
 _ERRORS = (401, 403, 404)
-
-
-@runtime_checkable
-class ModelPoolControl(Protocol):
-    """What an engine that owns a model pool offers beyond `ServingEngine` (InferenceEngine does;
-    an ingress's RemoteEngine does not: it forwards these routes to the engine process)."""
-
-    async def pin(self, name: str) -> ModelView:
-        """Never evict `name`."""
-        ...
-
-    async def unpin(self, name: str) -> ModelView:
-        """Let `name` be evicted again."""
-        ...
-
-    async def preload(self, name: str) -> ModelView:
-        """Load `name` now if it is not resident."""
-        ...
-
-    async def evict(self, name: str) -> ModelView:
-        """Unload `name` now (`Conflict` when pinned, busy or not resident)."""
-        ...
-
-    def pool_report(self) -> dict[str, Any]:
-        """The pool: mode, budgets and what they hold (estimated, measured, counted), counts by
-        residency, models and versions removed from the repository."""
-        ...
-
-
-def pool_control(engine: ServingEngine) -> ModelPoolControl:
-    """`engine` as the model pool's controller; a 500 when this process has no pool (a route that
-    should have been forwarded to the engine's app was not)."""
-    if isinstance(engine, ModelPoolControl):
-        return engine
-    raise ServeError("this process has no model pool; the request should have been forwarded to the engine")
-
-
-def pool_report(engine: ServingEngine) -> dict[str, Any] | None:
-    """The pool's summary for /healthz and the console (None where the engine has no pool)."""
-    return engine.pool_report() if isinstance(engine, ModelPoolControl) else None
 
 
 def pool_fields(view: ModelView) -> dict[str, Any]:
@@ -93,13 +53,13 @@ def _answer(view: ModelView) -> Response:
 async def pin(name: str, state: AppState = Depends(require_admin)) -> Response:
     """The model is never evicted, neither to make room nor when idle, until it is unpinned or the
     server restarts (then model.yaml's `pinned` holds again). Does not load it: see preload."""
-    return _answer(await pool_control(state.engine).pin(name))
+    return _answer(await state.control.run(PinModel(name)))
 
 
 @router.post("/models/{name}/unpin", summary="Unpin a model", responses=error_responses(*_ERRORS))
 async def unpin(name: str, state: AppState = Depends(require_admin)) -> Response:
     """The model may be evicted again, whatever its model.yaml says, until the server restarts."""
-    return _answer(await pool_control(state.engine).unpin(name))
+    return _answer(await state.control.run(UnpinModel(name)))
 
 
 @router.post("/models/{name}/preload", summary="Load a model now",
@@ -108,7 +68,7 @@ async def preload(name: str, state: AppState = Depends(require_admin)) -> Respon
     """Load the model now if it is not resident (evicting idle models to make room, as its first
     request would); answers once it is resident. Nothing happens to a resident model. 503
     model_loading or model_not_ready when it cannot be loaded now (the message has the numbers)."""
-    return _answer(await pool_control(state.engine).preload(name))
+    return _answer(await state.control.run(PreloadModel(name)))
 
 
 @router.post("/models/{name}/evict", summary="Evict a model now",
@@ -116,4 +76,4 @@ async def preload(name: str, state: AppState = Depends(require_admin)) -> Respon
 async def evict(name: str, state: AppState = Depends(require_admin)) -> Response:
     """Unload the model now to free its memory (counted as reason `operator`); in lazy mode its
     next request loads it again. 409 when it is pinned, has work in flight or is not resident."""
-    return _answer(await pool_control(state.engine).evict(name))
+    return _answer(await state.control.run(EvictModel(name)))

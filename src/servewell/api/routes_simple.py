@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict
 from typing import Any, Literal
 
 import numpy as np
@@ -17,15 +16,11 @@ from servewell.api.codecs.image import BASE64_PATTERN, decode_base64
 from servewell.api.hot_routes import HotRoute
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
 from servewell.api.openapi import INFERENCE_HEADERS, error_responses, not_ready_response
-from servewell.api.public_text import public_rollout, without_paths
-from servewell.api.routes_pool import pool_fields, pool_report
 from servewell.api.state import AppState, app_state, state_dependency
 from servewell.config.model import ModelConfig
-from servewell.engine.protocol import SchedulingFacts
+from servewell.engine.control import GetHealth
 from servewell.errors import BadRequest, InvalidInput, quote
 from servewell.observability.context import request_id_var
-from servewell.observability.payload_log import PayloadLog
-from servewell.observability.process import rss_bytes
 
 router = APIRouter()
 
@@ -134,65 +129,6 @@ def interpret(config: ModelConfig, outputs: dict[str, np.ndarray]) -> dict[str, 
 async def healthz(state: AppState = Depends(state_dependency)) -> Response:
     """200 when the server is ready (by its readiness policy), 503 otherwise; always with the reason,
     per-model state and readiness, the last worker failure, and memory."""
-    models = {}
-    roots = (state.settings.model_repository, state.settings.cache_dir)  # open to anyone: no absolute paths
-    for view in state.engine.models():
-        models[view.name] = {
-            "state": view.state,
-            "ready": view.state == "ready",
-            "version": view.version,
-            "reason": without_paths(view.reason, roots),
-            "last_failure": without_paths(view.last_failure, roots),
-            "serving_dtype": view.serving_dtype,
-            "queue_depth": view.queue_depth,
-            "load_s": round(view.load_s, 3) if view.load_s is not None else None,
-            "restarts": view.restarts,
-            "recycles": view.recycles,
-            "instances": [asdict(i) for i in view.instances],
-            "rss_bytes": sum(i.rss_bytes for i in view.instances),
-            "lanes": view.scheduling.lane_depths if view.scheduling else {},
-            "max_batch_size": view.scheduling.max_batch_size if view.scheduling else None,
-            "scheduler": _scheduler_counts(view.scheduling),
-            **pool_fields(view),  # the model pool (engine/model_pool.py): where the model is
-            "last_start": view.last_start,  # spawn, import, load, warm-up of its last worker start
-            "versions": list(view.versions) or [view.version],
-            "rollout": public_rollout(view.rollout, roots),  # full detail: GET /admin/models/{name}/rollout
-        }
-    readiness = state.engine.readiness()
-    total, reserved = state.engine.memory_budget
-    doc = {
-        "status": readiness.status,
-        "ready": readiness.ready,
-        "readiness": {"policy": state.engine.readiness_policy, "reason": without_paths(readiness.reason, roots)},
-        "frontend_rss_bytes": rss_bytes(),
-        "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
-        # The model pool: repository mode, host and device budgets and what loaded models reserve of
-        # them, how many models are resident or loading (api/routes_pool.py).
-        "pool": pool_report(state.engine),
-        "models": models,
-        "alerts": _active_alerts(state),
-    }
-    # A rejected config file is degraded configuration, not unreadiness: "ready" stays as it is.
-    config = doc["config"] = state.config_status()
-    if config["rejected"] and doc["status"] == "ok":
-        doc["status"] = "degraded"
-    payload_log = getattr(state.engine, "payload_log", None)  # the engine's (observability/payload_log.py)
-    if isinstance(payload_log, PayloadLog):  # a failing sink (a full disk) loses records: degraded, still ready
-        payload = doc["payload_log"] = payload_log.health()
-        if payload["status"] == "failing" and doc["status"] == "ok":
-            doc["status"] = "degraded"
-    ready = readiness.ready
-    return _json(doc, 200 if ready else 503, None if ready else {"Retry-After": "2"})
-
-
-def _scheduler_counts(facts: SchedulingFacts | None) -> dict[str, int] | None:
-    if facts is None:
-        return None
-    return {"batches": facts.batches, "rows": facts.rows, "expired": facts.expired, "cancelled": facts.cancelled,
-            "rejected": facts.rejected, "isolated_batches": facts.isolated_batches}
-
-
-def _active_alerts(state: AppState) -> list[dict[str, Any]]:
-    # The server's own golden-signal alerts (observability/alerting.py): informative, they never
-    # change readiness (a load balancer must not drain a slow server and overload the rest).
-    return state.console.alerts.to_json()
+    report = await state.control.run(GetHealth())  # built where the engine runs: api/health_document.py
+    ready = report.ready
+    return _json(report.document, 200 if ready else 503, None if ready else {"Retry-After": "2"})

@@ -1,8 +1,9 @@
 """The tenants' admin API (engine/tenants.py): every tenant's weight, quotas, requests in progress
 and counts, and a live change of a tenant's weight or quotas.
 
-Guarded like every /admin route (`require_admin`); in a split server an ingress forwards them to
-the engine's app (api/forward.py), where the one `Tenants` of the server lives.
+Guarded like every /admin route (`require_admin`); each is an operation of the engine's control
+plane (engine/control.py), where the one `Tenants` of the server lives, whichever process the
+request reached.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from servewell.api.openapi import error_responses
 from servewell.api.routes_admin import require_admin
 from servewell.api.state import AppState
 from servewell.config.strict import StrictModel
-from servewell.engine.tenants import Tenants
-from servewell.errors import InvalidInput, ServeError
+from servewell.engine.control import ListTenants, UpdateTenant
+from servewell.errors import InvalidInput
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
@@ -38,19 +39,12 @@ class TenantPatch(StrictModel, json_schema_extra={"minProperties": 1}):
     max_queued: Annotated[Quota, Field(description="Requests queued per model.")] | None = None
 
 
-def _tenants(state: AppState) -> Tenants:
-    tenants = getattr(state.engine, "tenants", None)
-    if isinstance(tenants, Tenants):
-        return tenants
-    raise ServeError("this process has no tenants; the request should have been forwarded to the engine")
-
-
 @router.get("/tenants", summary="Tenants: weights, quotas and counts", responses=error_responses(401, 403))
 async def get_tenants(state: AppState = Depends(require_admin)) -> Response:
     """Each tenant of the keys in force ("-": requests without a key): weight, quotas (null: none),
     admin overrides in force, requests in progress, and requests by result since the server
     started (admitted, over_rate, over_concurrency, over_queue)."""
-    return Response(orjson.dumps({"tenants": _tenants(state).report()}), media_type="application/json")
+    return Response(orjson.dumps({"tenants": await state.control.run(ListTenants())}), media_type="application/json")
 
 
 @router.patch("/tenants/{tenant}", summary="Change a tenant's weight or quotas while serving",
@@ -65,4 +59,4 @@ async def patch_tenant(tenant: str, request: Request, state: AppState = Depends(
     changes = patch.model_dump(exclude_unset=True)
     if not changes:
         raise InvalidInput("name at least one of weight, rate_per_s, max_concurrent, max_queued")
-    return Response(orjson.dumps(_tenants(state).update(tenant, changes)), media_type="application/json")
+    return Response(orjson.dumps(await state.control.run(UpdateTenant(tenant, changes))), media_type="application/json")

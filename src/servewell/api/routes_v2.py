@@ -22,6 +22,7 @@ from servewell.api.openapi import INFER_REQUEST_BODY, INFERENCE_HEADERS, error_r
 from servewell.api.response_writes import parts_response
 from servewell.api.routes_pool import pool_fields
 from servewell.api.state import AppState, app_state, state_dependency
+from servewell.engine.control import CheckLive, DescribeModel, GetReadiness, ListModels
 from servewell.engine.protocol import ModelView
 from servewell.errors import BadRequest, PayloadTooLarge, quote
 
@@ -44,8 +45,11 @@ async def server_metadata() -> Response:
 
 
 @router.get("/health/live", summary="Liveness")
-async def health_live() -> Response:
+async def health_live(state: AppState = Depends(state_dependency)) -> Response:
     """200 while the server process answers."""
+    # A split server is live while its engine answers: 503 engine_unavailable when it is gone, as
+    # the route answered when it was relayed to the engine.
+    await state.control.run(CheckLive())
     return _json({"live": True})
 
 
@@ -53,7 +57,7 @@ async def health_live() -> Response:
 async def health_ready(state: AppState = Depends(state_dependency)) -> Response:
     """200 when the server should receive traffic (by its readiness policy: --readiness), 503 (with
     Retry-After) otherwise."""
-    ready = state.engine.ready
+    ready = (await state.control.run(GetReadiness())).ready
     return _json({"ready": ready}, 200 if ready else 503, None if ready else {"Retry-After": "2"})
 
 
@@ -83,7 +87,7 @@ async def model_metadata(name: str, version: str | None = None,
                          state: AppState = Depends(state_dependency)) -> Response:
     """Inputs, outputs, platform and versions of a model."""
     state.plane.note_model(name)
-    return _json(_metadata(state.engine.model(name, version)))
+    return _json(_metadata(await state.control.run(DescribeModel(name, version))))
 
 
 _MODEL_READY_RESPONSES = {**error_responses(404, oip=True),
@@ -98,7 +102,7 @@ async def model_ready(name: str, version: str | None = None, state: AppState = D
     """200 when the model is ready, or (lazy mode) loadable: its first request loads it; 503
     otherwise. `residency` says which (resident, loading, evicted, not_loaded...)."""
     state.plane.note_model(name)
-    view = state.engine.model(name, version)
+    view = await state.control.run(DescribeModel(name, version))
     ready = view.state == "ready" or view.loadable
     doc = {"name": name, "ready": ready, "state": view.state, "residency": view.residency, "loadable": view.loadable}
     if view.reason:
@@ -114,7 +118,7 @@ async def model_config(name: str, version: str | None = None, state: AppState = 
     """The model's configuration in Triton's field names, as `tritonclient.get_model_config` expects: the
     same fields and values as gRPC's ModelConfig (model_document.py)."""
     state.plane.note_model(name)
-    return _json(config_json(model_document(state.engine.model(name, version))))
+    return _json(config_json(model_document(await state.control.run(DescribeModel(name, version)))))
 
 
 @router.post("/repository/index", summary="Repository index")
@@ -124,7 +128,7 @@ async def repository_index(state: AppState = Depends(state_dependency)) -> Respo
     not_loaded, failed, invalid), loadable, pinned, last_used_at, estimated_bytes, cold_starts and
     evictions."""
     entries = []
-    for view in state.engine.models():
+    for view in await state.control.run(ListModels()):
         entry: dict[str, Any] = {"name": view.name, "version": view.version,
                                  "state": TRITON_STATES.get(view.state, "UNAVAILABLE")}
         if view.reason:

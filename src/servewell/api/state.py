@@ -1,13 +1,12 @@
-"""What the HTTP routes share, kept on the app: the engine, the data plane and the settings."""
+"""What the HTTP routes share, kept on the app: the engine's data plane, its control plane and the settings."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import Request
 
+from servewell.api.control_plane import ControlPlane
 from servewell.api.dataplane import DataPlane
 from servewell.api.keys import InferenceAccess
 from servewell.config.server import ServerConfig
@@ -30,15 +29,15 @@ class AppState:
 
     engine: ServingEngine
     plane: DataPlane
+    #: Every admin, repository, metadata and view operation (engine/control.py) goes here.
+    control: ControlPlane
     settings: ServerConfig
     metrics: ServeMetrics | None
     access: InferenceAccess
     knobs: LiveKnobs
-    config_report: Callable[[], dict[str, Any]]
-    #: The console's chart series and recent slow/failed requests (see api/routes_console.py).
+    #: This process's recent slow/failed requests (the middleware fills it) and, where the engine
+    #: runs, the console's chart series and every ingress's share (observability/view_sources.py).
     console: ConsoleFeed = field(default_factory=ConsoleFeed)
-    #: Rejected configuration files: `{"status": "ok" | "degraded", "rejected": [...]}` (live_config.py).
-    config_status: Callable[[], dict[str, Any]] = lambda: {"status": "ok", "rejected": []}
 
 
 def app_state(request: Request) -> AppState:

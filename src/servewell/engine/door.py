@@ -12,9 +12,10 @@ and on every change; a change is noticed within `TABLE_POLL_S`, and an ingress t
 model its table lacks asks with `Resolve`), and pulls the ingress processes' share of the
 metrics and console records when a view is read (`pull_views`).
 
-An ingress's gRPC servicer reaches the engine's control plane with `ControlCall`: the door calls
-the named engine method, if it is one of `CONTROL_METHODS` (and only then), awaits it when it is
-a coroutine, and answers `ControlReply` with the result or the `ServeError` it raised.
+Every admin, repository, metadata and view operation an ingress serves (HTTP or gRPC) arrives as
+one `ControlCall` carrying a typed operation (engine/control.py); the door runs it through the
+engine's one dispatch table (`ControlDispatch`: a type it does not hold is refused) and answers
+`ControlReply` with the result or the `ServeError` the handler raised.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import inspect
 import itertools
 import logging
 import os
@@ -34,6 +34,7 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry.propagate import extract
 
+from servewell.engine.control import ControlDispatch, ControlOp
 from servewell.engine.engine import InferenceEngine
 from servewell.engine.entry import Entry
 from servewell.engine.envelope import (
@@ -81,8 +82,6 @@ TABLE_POLL_S = 0.05
 VIEW_PULL_TIMEOUT_S = 1.0
 #: Every this many table polls (about 5 s) the door forgets its mappings of segments an ingress unlinked.
 _PRUNE_EVERY_TICKS = 100
-#: The engine methods an ingress may call with `ControlCall`: what its gRPC servicer needs, no more.
-CONTROL_METHODS = frozenset(("models", "model", "load_model", "unload_model", "readiness"))
 
 
 def summarize(entry: Entry, loadable: bool = False, versions: tuple[str, ...] = ()) -> ModelEntrySummary:
@@ -139,8 +138,9 @@ class EngineDoor:
     def __init__(self, engine: InferenceEngine, path: str, live: Callable[[], LiveSettings],
                  absorb: Callable[[str, Any], object] | None = None,
                  retire: Callable[[str], None] | None = None, *, shared_min_bytes: int = 32768,
-                 shared_limit_bytes: int = 0) -> None:
+                 shared_limit_bytes: int = 0, control: ControlDispatch | None = None) -> None:
         self._engine = engine
+        self._control = control  # the engine's control-plane table (None: every ControlCall is refused)
         self._shared_min = shared_min_bytes
         self._shared_limit = shared_limit_bytes
         self._path = path
@@ -255,27 +255,24 @@ class EngineDoor:
             log.warning("ignored an unknown message from an ingress: %s", type(message).__name__)
 
     def _on_control(self, ingress: _Ingress, call: ControlCall) -> None:
-        if not isinstance(call.method, str) or call.method not in CONTROL_METHODS:
-            log.warning("refused a control call of %s from an ingress", quote(call.method))
+        op = call.op
+        if self._control is None or not isinstance(op, ControlOp):
+            log.warning("refused a control call of %s from an ingress", quote(type(op).__name__))
             ingress.writer.send(ControlReply(call.ask_id, error=ServeError(
-                f"the engine does not serve {quote(call.method)} to an ingress process")))
+                f"the engine answers no control operation {quote(type(op).__name__)}")))
             return
+        token = request_id_var.set(call.request_id)  # the handler's task copies it: its log lines name the request
         try:
-            result = getattr(self._engine, call.method)(*call.args)
-        except Exception as exc:
-            self._reply_control(ingress, call, None, exc)
-            return
-        if not inspect.isawaitable(result):
-            self._reply_control(ingress, call, result, None)
-            return
-        task = asyncio.ensure_future(result)
+            task = asyncio.ensure_future(self._control.run(op))
+        finally:
+            request_id_var.reset(token)
         self._control_tasks.add(task)
         task.add_done_callback(partial(self._control_done, ingress, call))
 
     def _control_done(self, ingress: _Ingress, call: ControlCall, task: asyncio.Future[Any]) -> None:
         self._control_tasks.discard(task)
         if task.cancelled():
-            self._reply_control(ingress, call, None, ServeError("the engine stopped before the call finished"))
+            self._reply_control(ingress, call, None, ServeError("the engine stopped before the operation finished"))
         else:
             error = task.exception()
             self._reply_control(ingress, call, task.result() if error is None else None, error)
@@ -283,15 +280,18 @@ class EngineDoor:
     def _reply_control(self, ingress: _Ingress, call: ControlCall, result: Any, error: BaseException | None) -> None:
         if ingress.closed:
             return
+        pickled = None
         if error is None:
-            try:  # one unpicklable result must not take the frame (and other requests' outcomes) with it
-                pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+            # Pickled here, once (the frame then copies the bytes): an unpicklable result must not take
+            # the frame, and other requests' outcomes, with it.
+            try:
+                pickled = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:
                 error = exc
         if error is not None and not isinstance(error, ServeError):
-            log.error("control call %s failed: %r", call.method, error)
+            log.error("control operation %s failed: %r", type(call.op).__name__, error)
             error = ServeError(f"the engine failed: {error}")
-        ingress.writer.send(ControlReply(call.ask_id, result=result if error is None else None, error=error))
+        ingress.writer.send(ControlReply(call.ask_id, result=pickled if error is None else None, error=error))
 
     def _on_envelope(self, ingress: _Ingress, envelope: Envelope) -> None:
         token = request_id_var.set(envelope.request_id)

@@ -452,14 +452,6 @@ class InferenceEngine(EngineAdmin):
         slot = self._slots.get(name)
         return slot is not None and self.pool.loadable(slot)
 
-    async def models_async(self) -> list[ModelView]:
-        """`models` (the gRPC servicer awaits it: an ingress's engine asks the engine process)."""
-        return self.models()
-
-    async def model_async(self, name: str, version: str | None = None) -> ModelView:
-        """`model` (the gRPC servicer awaits it: an ingress's engine asks the engine process)."""
-        return self.model(name, version)
-
     def table_key(self) -> tuple[Any, ...]:
         """What the door's model table reads (`engine/door.py`), cheaply: equal keys, equal tables,
         so its 50 ms poll builds no summaries nor readiness verdict while nothing changes."""

@@ -5,8 +5,9 @@ an absolute deadline, the trace context and the input tensors; the engine answer
 `Outcome` (the request's own output rows and timings, or the `ServeError` that refused it).
 Around them: the engine pushes its model table (`ModelTable`) and live settings
 (`LiveSettings`), pulls each ingress's share of the metrics and console records (`ViewAsk` /
-`ViewReply`), an ingress asks about a model it does not know yet (`Resolve`), and the gRPC
-servicer of an ingress calls the engine's control plane (`ControlCall` / `ControlReply`).
+`ViewReply`), an ingress asks about a model it does not know yet (`Resolve`), and every admin,
+repository, metadata and view operation an ingress serves crosses as one typed `ControlCall`
+(engine/control.py) answered by a `ControlReply`.
 
 Deadlines and arrival times are absolute `time.monotonic()` seconds (the event loop's clock):
 CLOCK_MONOTONIC is one clock for every process of the machine, so the number means the same
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from servewell.config.model import ModelConfig
+from servewell.engine.control import ControlOp
 from servewell.engine.protocol import Readiness, RequestResult
 from servewell.engine.shared_tensors import SharedTensors
 from servewell.errors import ServeError
@@ -173,20 +175,20 @@ class Hello:
 
 @dataclass(slots=True, frozen=True)
 class ControlCall:
-    """An ingress calls one of the engine's control-plane methods (`engine/door.py` CONTROL_METHODS:
-    what the gRPC servicer needs, e.g. a model's view or a load); the engine answers `ControlReply`."""
+    """An ingress asks the engine's control plane: one typed operation (engine/control.py), whichever
+    protocol asked for it; the engine answers `ControlReply`."""
 
     ask_id: int
-    method: str
-    args: tuple[Any, ...] = ()
+    op: ControlOp[Any]
+    request_id: str = ""  # the asking request's id: the engine's log lines about it carry it
 
 
 @dataclass(slots=True)
 class ControlReply:
-    """The engine's answer to `ControlCall`: the method's result, or the `ServeError` it raised."""
+    """The engine's answer to `ControlCall`: the operation's result, or the `ServeError` it raised."""
 
     ask_id: int
-    result: Any = None
+    result: bytes | None = None  # the result, pickled by the engine (`pickle.loads` reads it)
     error: ServeError | None = None
 
 

@@ -1,8 +1,9 @@
 """The engine as the API layer sees it: a small typed boundary (`ServingEngine`, `ServedModel`).
 
 Protocols (HTTP today, gRPC next) resolve a model once per request and then talk only to the
-handle they got: admit, infer. Control-plane calls (load, unload, batching, profile) and the
-read-only views for health, metadata and metrics are on the engine. Nothing here knows about
+handle they got: admit, infer. Control-plane operations (load, unload, batching, profile, the
+views for health, metadata and metrics) are typed messages of their own (engine/control.py),
+answered by the engine's dispatch table, not methods of this boundary. Nothing here knows about
 schedulers or worker processes, so the engine can be replaced by a fake in tests or moved
 behind another transport.
 """
@@ -10,14 +11,12 @@ behind another transport.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from servewell.config.model import ModelConfig, TensorSpec
-from servewell.config.rollout import TrafficPatch
 
 ModelState = Literal["loading", "ready", "restarting", "failed", "invalid", "unloaded"]
 
@@ -207,11 +206,6 @@ class ServingEngine(Protocol):
         """`readiness`, allowed to ask an engine in another process (gRPC ServerReady uses it)."""
         ...
 
-    @property
-    def readiness_policy(self) -> str:
-        """The readiness policy in force (`engine/readiness.py`)."""
-        ...
-
     def resolve(self, name: str, version: str | None = None) -> ServedModel:
         """The ready model `name` (`NotFound` for an unknown name or version, `ModelNotReady`,
         `ShuttingDown`)."""
@@ -227,53 +221,4 @@ class ServingEngine(Protocol):
 
     def knows(self, name: str) -> bool:
         """Whether `name` is a model of this server (valid or not): only such names become metric labels."""
-        ...
-
-    def models(self) -> list[ModelView]:
-        """Every model of the repository, valid or not."""
-        ...
-
-    def model(self, name: str, version: str | None = None) -> ModelView:
-        """One model's view (`NotFound` for an unknown name or version)."""
-        ...
-
-    async def models_async(self) -> list[ModelView]:
-        """`models`, allowed to ask an engine in another process (the gRPC servicer uses it)."""
-        ...
-
-    async def model_async(self, name: str, version: str | None = None) -> ModelView:
-        """`model`, allowed to ask an engine in another process (the gRPC servicer uses it)."""
-        ...
-
-    def batching(self, name: str) -> dict[str, Any]:
-        """A model's live batching settings."""
-        ...
-
-    def update_batching(self, name: str, changes: Mapping[str, Any]) -> dict[str, Any]:
-        """Change a model's batching settings while it serves (all or nothing)."""
-        ...
-
-    def rollout(self, name: str) -> dict[str, Any]:
-        """A model's traffic split (engine/rollout.py)."""
-        ...
-
-    def update_rollout(self, name: str, patch: TrafficPatch) -> dict[str, Any]:
-        """An admin's traffic weights and/or shadow share."""
-        ...
-
-    async def load_model(self, name: str) -> ModelView:
-        """(Re)load a model from its directory with zero failed requests."""
-        ...
-
-    async def unload_model(self, name: str) -> ModelView:
-        """Stop serving a model after its queued and running requests finish."""
-        ...
-
-    async def profile(self, name: str, instance: int, seconds: float) -> bytes:
-        """A Chrome/Perfetto trace of one instance's batches over `seconds`."""
-        ...
-
-    @property
-    def memory_budget(self) -> tuple[int, int]:
-        """(total, reserved) bytes of the models' memory budget."""
         ...

@@ -60,28 +60,3 @@ class BatchPlacement:
 
 #: The current request's `BatchPlacement` (None outside a request).
 placement_var: ContextVar[BatchPlacement | None] = ContextVar("servewell_placement", default=None)
-
-
-@dataclass(slots=True)
-class RecordedElsewhere:
-    """Whether another process records the current request (made per request by the HTTP
-    middleware; a holder, so a mark made in a copied context still reaches it)."""
-
-    marked: bool = False
-
-
-#: The current request's `RecordedElsewhere` (None outside a request).
-recorded_elsewhere_var: ContextVar[RecordedElsewhere | None] = ContextVar("servewell_recorded_elsewhere",
-                                                                          default=None)
-
-
-def mark_recorded_elsewhere() -> None:
-    """Say that the current request is recorded by the process it was relayed to: an ingress
-    calls this when the engine's answer to a forwarded request began (the engine's middleware
-    timed it, under its route template, and keeps it in its recent lists). The ingress's
-    middleware then leaves it out of its own metrics and lists (its span still ends), so the
-    engine's merged view counts it once. A request the ingress answers itself (a 503 when the
-    engine is unreachable) stays unmarked and is recorded where it was answered."""
-    mark = recorded_elsewhere_var.get()
-    if mark is not None:
-        mark.marked = True

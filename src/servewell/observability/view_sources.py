@@ -2,7 +2,8 @@
 
 An ingress process records the HTTP side (request latency, preprocess/postprocess, outcomes
 refused before the scheduler, API keys, auth failures, fast-path counts, the console's recent
-slow/failed requests and refusals); the engine serves `/metrics`, the console and alerting. Each
+slow/failed requests and refusals); the engine computes `/metrics`, the console's state and
+alerting (an ingress's route asks for them as control operations, engine/control.py). Each
 process's `ConsoleFeed` has a `ViewSources` (`feed.view`):
 
 - in an ingress, `view.snapshot()` is a `ViewSnapshot` of its own data (picklable);
@@ -24,11 +25,10 @@ but a name per pid also keeps the two apart in logs. Requests an ingress served 
 absorbed snapshot and before it died are not counted (a pull model: ask a draining ingress for
 one last snapshot before it exits to close that gap).
 
-Each request must be recorded by one process only: a request an ingress forwards to the engine
-is timed and listed by the engine's middleware, so the forwarder calls
-`observability.context.mark_recorded_elsewhere()` once the engine's answer began, and the
-ingress's middleware leaves it out (0.6 us per request for the holder; a 503 the ingress answers
-itself, engine unreachable, is recorded by the ingress).
+Each request is recorded by one process only: the ingress process that accepted it serves every
+route itself (the engine has no HTTP app: admin and view routes reach it as control operations,
+engine/control.py), so its middleware records it, and the engine records none; in the
+single-process server that one process does.
 
 Figures (this machine, 2 shared cores, best of 5; `MEASURE=1 pytest -s tests/unit/observability/
 test_view_sources.py -k pickle` prints a rougher set): an ingress with 3 models x 3 lanes x 5

@@ -11,7 +11,7 @@ from servewell.api.key_middleware import needs_key
 from servewell.api.middleware import RequestContextMiddleware
 from servewell.api.routes_console import ASSETS, asset
 from servewell.api.state import LiveKnobs
-from servewell.observability.context import mark_recorded_elsewhere, placement_var, stages_var
+from servewell.observability.context import placement_var, stages_var
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.recent_requests import RecentRequests
 
@@ -57,23 +57,6 @@ def test_a_fast_success_costs_the_ring_nothing_and_a_slow_one_is_kept():
     (record,) = _call(fine, 0.0, "req-3").latest()
     assert record.slow and record.status == 200 and record.code == ""
     assert set(record.stages_ms) == {"preprocess", "queue", "compute", "postprocess"}
-
-
-async def relayed(scope, receive, send):
-    # An ingress's forwarder once the engine's answer began: the engine's middleware recorded it.
-    async def mark() -> None:
-        mark_recorded_elsewhere()
-
-    await asyncio.create_task(mark())  # a task runs in a copy of the context: the mark still counts
-    await error_response(503, "overloaded", "the lane is full")(scope, receive, send)
-
-
-def test_a_request_recorded_by_the_engine_is_not_counted_again_by_the_ingress():
-    metrics = ServeMetrics()
-    assert not _call(relayed, 0.0, "req-7", metrics).latest()
-    assert metrics.request_latency.snapshot() == []
-    assert _call(overloaded, 0.0, "req-8", metrics).latest()  # answered here: recorded here
-    assert [labels for labels, _, _ in metrics.request_latency.snapshot()] == [("-", "unmatched", "5xx")]
 
 
 async def batched(scope, receive, send):

@@ -11,6 +11,7 @@ import asyncio
 import os
 import pickle
 import timeit
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -19,9 +20,14 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from servewell.api.app import create_app
+from servewell.api.control_handlers import control_table
+from servewell.api.control_plane import LocalControlPlane
+from servewell.api.engine_parts import EngineParts
 from servewell.api.keys import InferenceAccess, KeyRing
 from servewell.api.state import LiveKnobs
 from servewell.config.alerting import AlertingConfig
+from servewell.config.server import ServerConfig
+from servewell.engine.engine import InferenceEngine
 from servewell.observability.alerting import SignalSnapshot, run_alerting
 from servewell.observability.console_feed import ConsoleFeed, read_metrics
 from servewell.observability.metrics import ServeMetrics
@@ -299,9 +305,13 @@ def test_a_snapshot_round_trips_through_pickle_and_is_bounded():
               f"{one_process * 1e3:.2f} ms); absorb+generate_latest {absorb_collect * 1e3:.2f} ms")
 
 
-async def _refreshed_metrics_text(engine: ServeMetrics, feed: ConsoleFeed) -> str:
+async def _refreshed_metrics_text(engine: ServeMetrics, feed: ConsoleFeed, repository: Path) -> str:
+    # /metrics is rendered where the engine runs (its control table); here, in this one process.
+    access, knobs = InferenceAccess(KeyRing()), LiveKnobs(0.3, False)
+    table = control_table(EngineParts(InferenceEngine(repository, load_timeout_s=5.0), ServerConfig(), access, knobs,
+                                      feed, engine, dict, dict))
     state = SimpleNamespace(metrics=engine, console=feed, settings=SimpleNamespace(slow_request_ms=300.0),
-                            access=InferenceAccess(KeyRing()), knobs=LiveKnobs(0.3, False))
+                            access=access, knobs=knobs, control=LocalControlPlane(table))
     app = create_app(state)  # type: ignore[arg-type]
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
         response = await client.get("/metrics")
@@ -309,7 +319,7 @@ async def _refreshed_metrics_text(engine: ServeMetrics, feed: ConsoleFeed) -> st
         return response.text
 
 
-def test_get_metrics_refreshes_before_it_reads():
+def test_get_metrics_refreshes_before_it_reads(tmp_path: Path):
     engine, ingress = ServeMetrics(), ServeMetrics()
     feed, ingress_view = ConsoleFeed(engine), view_of(ingress)
     calls = 0
@@ -321,7 +331,7 @@ def test_get_metrics_refreshes_before_it_reads():
         feed.view.absorb("ingress-0-1", over_the_wire(ingress_view))
 
     feed.view.set_refresher(ask_every_ingress)
-    text = asyncio.run(_refreshed_metrics_text(engine, feed))
+    text = asyncio.run(_refreshed_metrics_text(engine, feed, tmp_path))
     assert calls == 1
     assert 'servewell_auth_failures_total{reason="invalid"} 1.0' in text
 

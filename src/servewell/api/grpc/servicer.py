@@ -9,8 +9,9 @@ UNIMPLEMENTED after the key check (`routing.ServiceRouter`). ModelReady needs a 
 model call; only ServerLive and ServerReady are probes.
 
 In a split server every ingress process serves this (its engine is `RemoteEngine`): inference
-goes as envelopes, model views and repository calls as control calls to the engine process, so
-the servicer only awaits the engine's async methods; ServerReady answers from the ingress's own
+goes as envelopes; model views and repository calls are control operations (engine/control.py)
+on the control plane (api/control_plane.py), the same ones the HTTP routes send, answered by the
+engine's one table in this process or over the door; ServerReady answers from the ingress's own
 readiness (the engine's verdict as last pushed, false while this ingress stops or has lost it).
 """
 
@@ -22,11 +23,13 @@ from tritonclient.grpc import service_pb2 as pb
 
 import servewell
 from servewell.api.access import AccessRule, came_through_proxy, grpc_peer_host
+from servewell.api.control_plane import ControlPlane
 from servewell.api.dataplane import DataPlane, select_outputs
 from servewell.api.grpc.codec import config_message, decode_request, metadata_message, metadata_value, response_steps
 from servewell.api.grpc.incoming import IncomingMessage
 from servewell.api.grpc.scope import RpcContext, RpcScope
 from servewell.api.model_document import TRITON_STATES, model_document
+from servewell.engine.control import DescribeModel, ListModels, LoadModel, UnloadModel
 from servewell.engine.protocol import ServingEngine
 from servewell.errors import NotFound, quote
 from servewell.observability.context import request_id_var
@@ -38,9 +41,10 @@ class InferenceServicer:
     """Every call runs inside `RpcScope` (key, message, call slot, request id, trace, metrics, errors
     as statuses); `routing.ServiceRouter` serves each method defined here, and only those."""
 
-    def __init__(self, engine: ServingEngine, plane: DataPlane, scope: RpcScope, admin_token: str | None, *,
-                 trust_loopback_admin: bool) -> None:
+    def __init__(self, engine: ServingEngine, control: ControlPlane, plane: DataPlane, scope: RpcScope,
+                 admin_token: str | None, *, trust_loopback_admin: bool) -> None:
         self._engine = engine
+        self._control = control
         self._plane = plane
         self._scope = scope
         self._admin_token = admin_token
@@ -65,7 +69,7 @@ class InferenceServicer:
         async def handle(request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
             self._plane.note_model(request.name)
             try:
-                view = await self._engine.model_async(request.name, request.version or None)
+                view = await self._control.run(DescribeModel(request.name, request.version or None))
             except NotFound:  # say no more than the name asked for: the engine's message lists models
                 asked = f"{quote(request.name)} version {quote(request.version)}" if request.version else quote(
                     request.name)
@@ -83,7 +87,7 @@ class InferenceServicer:
                             context: RpcContext) -> pb.ModelMetadataResponse:
         async def handle(request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
             self._plane.note_model(request.name)
-            view = await self._engine.model_async(request.name, request.version or None)
+            view = await self._control.run(DescribeModel(request.name, request.version or None))
             return metadata_message(model_document(view))
         return await self._scope.run("ModelMetadata", context, incoming, handle)
 
@@ -91,7 +95,7 @@ class InferenceServicer:
                           context: RpcContext) -> pb.ModelConfigResponse:
         async def handle(request: pb.ModelConfigRequest) -> pb.ModelConfigResponse:
             self._plane.note_model(request.name)
-            view = await self._engine.model_async(request.name, request.version or None)
+            view = await self._control.run(DescribeModel(request.name, request.version or None))
             return pb.ModelConfigResponse(config=config_message(model_document(view)))
         return await self._scope.run("ModelConfig", context, incoming, handle)
 
@@ -128,7 +132,7 @@ class InferenceServicer:
                               context: RpcContext) -> pb.RepositoryIndexResponse:
         async def handle(request: pb.RepositoryIndexRequest) -> pb.RepositoryIndexResponse:
             response = pb.RepositoryIndexResponse()
-            for view in await self._engine.models_async():
+            for view in await self._control.run(ListModels()):
                 if request.ready and view.state != "ready":
                     continue
                 response.models.add(name=view.name, version=view.version,
@@ -141,7 +145,7 @@ class InferenceServicer:
         async def handle(request: pb.RepositoryModelLoadRequest) -> pb.RepositoryModelLoadResponse:
             self._require_admin(context)
             self._plane.note_model(request.model_name)
-            await self._engine.load_model(request.model_name)
+            await self._control.run(LoadModel(request.model_name))
             return pb.RepositoryModelLoadResponse()
         return await self._scope.run("RepositoryModelLoad", context, incoming, handle, admin=True)
 
@@ -150,7 +154,7 @@ class InferenceServicer:
         async def handle(request: pb.RepositoryModelUnloadRequest) -> pb.RepositoryModelUnloadResponse:
             self._require_admin(context)
             self._plane.note_model(request.model_name)
-            await self._engine.unload_model(request.model_name)
+            await self._control.run(UnloadModel(request.model_name))
             return pb.RepositoryModelUnloadResponse()
         return await self._scope.run("RepositoryModelUnload", context, incoming, handle, admin=True)
 

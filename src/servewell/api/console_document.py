@@ -1,0 +1,136 @@
+"""The console's document (`GET /console/api/state`), built where the engine runs (the
+`GetConsoleState` control operation), for the caller's access scope as the ingress's access rule
+decided it (api/access.py; the rule for what each caller sees is in api/routes_console.py's
+docstring): every ingress process's counters and recent requests are pulled and summed in first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import servewell
+from servewell.api.engine_parts import EngineParts
+from servewell.api.public_text import public_rollout
+from servewell.api.routes_pool import pool_fields
+from servewell.engine.control import AccessScope, GetConsoleState
+from servewell.engine.engine import InferenceEngine
+from servewell.engine.protocol import ModelView
+from servewell.engine.tenants import tenant_label
+from servewell.errors import NotFound, ServeError
+from servewell.observability.console_feed import ConsoleFeed
+from servewell.observability.latency_reading import latency_split
+from servewell.observability.process import rss_bytes
+
+
+async def console_document(parts: EngineParts, op: GetConsoleState) -> dict[str, Any]:
+    """Everything the console shows to `op.scope` (see `routes_console.console_state`)."""
+    engine, scope = parts.engine, op.scope
+    clients = _recent_clients(engine, scope, op.tenant)  # whose records: None = everyone's (an operator's view)
+    sees_records = scope.operator or scope.tenant is not None
+    feed = parts.console
+    await feed.view.refresh()  # ingress processes' metrics and recent requests (bounded wait)
+    total, reserved = engine.memory_budget
+    readiness = engine.readiness()
+    doc: dict[str, Any] = {
+        "server": {
+            "version": servewell.__version__,
+            "ready": readiness.ready,
+            "status": readiness.status,  # /healthz's word: ok, degraded, not_ready, shutting_down
+            "status_reason": readiness.reason,
+            "started_at": feed.started_at,
+            "frontend_rss_bytes": rss_bytes() + feed.view.absorbed_rss_bytes(),  # with ingress processes
+            "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
+            "pool": engine.pool_report(),  # repository mode, budgets, resident and loading counts
+            "keys_required": parts.access.enabled,
+            "max_body_bytes": parts.settings.max_body_bytes,
+            "slow_request_ms": round(parts.knobs.slow_request_s * 1000, 3),
+            "admin": scope.operator,
+            "admin_reason": scope.denial,
+            "tenant": scope.tenant,  # a tenant's key: the tenant whose part the records and tenants show
+        },
+        "models": [_model(view, engine if scope.operator else None) for view in engine.models()],
+        "series": {**feed.series(op.model), "models": feed.models()},
+        "recent": feed.recent.to_json(op.recent, clients) if sees_records else None,
+        "tenants": _tenants_report(engine, scope),
+        "recent_recorded": feed.recent.recorded if scope.operator else None,  # the whole server's count
+        "config": parts.config_status(),  # rejected config files (live_config.py), shown as a banner
+        "alerts": feed.alerts.to_json(),
+        "alerts_evaluated_at": feed.alerts.evaluated_at,
+    }
+    # Each model's compute time by batch size (aggregates, like /metrics), then its golden signals and
+    # p99 split (which read it). `recent` records carry batch_id, batch_size, instance, queue_position;
+    # refusals (401/403/429, 4xx naming no model: `observability/recent_requests.py`) are kept apart.
+    for entry in doc["models"]:
+        entry["compute_by_batch_size"] = feed.compute_by_batch_size(entry["name"])
+        _add_golden_signals(entry, feed)
+    doc["refusals"] = feed.recent.refusals_json(op.recent, clients) if sees_records else None
+    return doc
+
+
+def _model(view: ModelView, admin_engine: InferenceEngine | None) -> dict[str, Any]:
+    config, facts = view.config, view.scheduling
+    doc: dict[str, Any] = {
+        "name": view.name,
+        "version": view.version,
+        "state": view.state,
+        "reason": view.reason,
+        "load_s": round(view.load_s, 3) if view.load_s is not None else None,
+        "restarts": view.restarts,
+        "recycles": view.recycles,
+        "instances": [{"instance": i.instance, "pid": i.pid, "alive": i.alive, "rss_bytes": i.rss_bytes,
+                       "rows_computed": i.rows_computed} for i in view.instances],
+        "lanes": dict(facts.lane_depths) if facts else {},
+        "queue_depth": view.queue_depth,
+        "running_rows": facts.running_rows if facts else 0,
+        "max_batch_size": facts.max_batch_size if facts else None,
+        "configured_max_batch_size": config.max_batch_size if config else None,
+        "scheduler": ({"batches": facts.batches, "rows": facts.rows, "expired": facts.expired,
+                       "cancelled": facts.cancelled, "rejected": facts.rejected} if facts else None),
+        "takes_images": bool(config and config.preprocess is not None and config.image_input is not None),
+        "runtime": config.runtime if config else None,
+        **pool_fields(view),  # residency, loadable, pinned, last_used_at, estimated_bytes, cold_starts, evictions
+        "rollout": public_rollout(view.rollout, ()),  # the console shows reasons as they are
+    }
+    if admin_engine is not None and config is not None:
+        try:
+            doc["batching"] = admin_engine.batching(view.name)
+        except ServeError:
+            doc["batching"] = None  # unloaded or being replaced right now
+    return doc
+
+
+def _add_golden_signals(entry: dict[str, Any], feed: ConsoleFeed) -> None:
+    # The models table's per-model req/s, latency and error ratio, and the split of its p99 (uses
+    # the model's compute_by_batch_size when the entry carries one).
+    summary = feed.summary(entry["name"])
+    entry["signals"] = summary
+    entry["latency_split"] = latency_split(summary, entry.get("compute_by_batch_size")).to_json()
+
+
+def _recent_clients(engine: InferenceEngine, scope: AccessScope, tenant: str | None) -> frozenset[str] | None:
+    """The key ids whose records `scope` is shown (None: every record). An operator: all, or
+    `tenant`'s (404 for a tenant the keys in force do not name). A tenant's key: its own tenant's
+    (the ingress refused `tenant` naming any other: api/routes_console.py)."""
+    own = scope.tenant
+    tenants = engine.tenants
+    if own is None:
+        if not scope.operator or tenant is None:
+            return None
+        keys = tenants.keys_of(tenant) if tenants is not None else frozenset()
+        if not keys:
+            raise NotFound("unknown tenant; use one of the keys file's tenants, or - for requests without a key")
+        return keys
+    keys = tenants.keys_of(own) if tenants is not None else frozenset()
+    return keys or frozenset((scope.key_id,) if scope.key_id is not None else ())
+
+
+def _tenants_report(engine: InferenceEngine, scope: AccessScope) -> list[dict[str, Any]] | None:
+    """Every tenant's row for an operator, the caller's own tenant's row for a tenant's key, None otherwise."""
+    tenants = engine.tenants
+    if tenants is None or not (scope.operator or scope.tenant is not None):
+        return None
+    report = tenants.report()
+    if scope.operator:
+        return report
+    own = tenant_label(scope.tenant or "")
+    return [row for row in report if row["tenant"] == own]
