@@ -32,6 +32,7 @@ from servewell.api.app import create_app
 from servewell.api.codecs.image import ImageLimits
 from servewell.api.control_plane import DoorControlPlane
 from servewell.api.dataplane import DataPlane
+from servewell.api.early_refusal import EarlyRefusal
 from servewell.api.grpc.listener import GrpcListener, build_grpc_listener, call_slots
 from servewell.api.grpc.scope import RpcScope
 from servewell.api.grpc.servicer import InferenceServicer
@@ -128,7 +129,7 @@ def build_ingress(settings: ServerConfig, run_dir: Path, index: int) -> tuple[AS
                           shared_limit_bytes=settings.shared_tensor_limit_bytes)
     decoder, pools = build_decoder(settings)
     plane = DataPlane(engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side), metrics,
-                      tracing)
+                      tracing, access.tenant_of)
     plan = ShutdownPlan(IngressShutdown(engine), settings.shutdown_delay_s, settings.shutdown_timeout_s)
     control = DoorControlPlane(engine)
     scope = RpcScope(metrics, tracing, access, knobs, console.recent, call_slots(settings))
@@ -164,7 +165,7 @@ def main(argv: list[str]) -> int:
     configure_logging(settings.log_level, settings.log_format)
     listener = socket.socket(fileno=fd)
     app, plan = build_ingress(settings, run_dir, index)
-    options: dict[str, Any] = uvicorn_limit_options(settings)
+    options: dict[str, Any] = uvicorn_limit_options(settings, EarlyRefusal.of(app))
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=uvicorn_graceful_timeout_s(plan), **options)
     GracefulServer(config, plan).run(sockets=[listener])

@@ -29,6 +29,7 @@ from servewell.api.control_handlers import control_table
 from servewell.api.control_plane import LocalControlPlane
 from servewell.api.dataplane import DataPlane
 from servewell.api.decode_scheduler import DecodeScheduler
+from servewell.api.early_refusal import EarlyRefusal
 from servewell.api.engine_parts import EngineParts
 from servewell.api.grpc.listener import build_grpc_listener, call_slots
 from servewell.api.grpc.scope import RpcScope
@@ -191,7 +192,8 @@ def build_engine(settings: ServerConfig, source: ConfigSource | None = None,
                              max_output_bytes=settings.max_output_bytes, load_slots=load_slots_for(settings),
                              load_retry=load_retry_for(settings), output=output)
     access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
-    tenants = Tenants(lambda: access.ring if access.enabled else None, metrics)
+    tenants = Tenants(lambda: access.ring if access.enabled else None, metrics,
+                      default_rate=lambda: access.default_rate_per_s)
     engine = InferenceEngine(Path(repository), settings.load_timeout_s, _log_progress, settings.memory_budget_bytes,
                              metrics, tracing, default_model, workers=workers, snapshots=snapshot_store(settings),
                              readiness=settings.readiness, required_models=settings.required_models,
@@ -280,7 +282,7 @@ def build_app(settings: ServerConfig, source: ConfigSource | None = None) -> tup
     side = build_engine(settings, source)
     decoder, pools = build_decoder(settings)
     plane = DataPlane(side.engine, decoder, ImageLimits(settings.max_image_pixels, settings.max_image_side),
-                      side.metrics, side.tracing)
+                      side.metrics, side.tracing, side.access.tenant_of)
     control = LocalControlPlane(side.control)
     grpc_listener = None
     if settings.grpc_port:
@@ -326,7 +328,8 @@ def serve(settings: ServerConfig, source: ConfigSource | None = None) -> None:
     app, plan = build_app(settings, source)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-        timeout_graceful_shutdown=uvicorn_graceful_timeout_s(plan), lifespan="on", **uvicorn_limit_options(settings),
+        timeout_graceful_shutdown=uvicorn_graceful_timeout_s(plan), lifespan="on",
+        **uvicorn_limit_options(settings, EarlyRefusal.of(app)),
     )
     log.info("servewell listening on http://%s:%d", settings.host, settings.port)
     try:

@@ -76,15 +76,17 @@ def test_an_api_key_never_opens_admin_and_the_admin_token_never_opens_inference(
     assert predict(keyed, {"Authorization": f"Bearer {ADMIN}"}).status_code == 401
 
 
-def test_a_rate_limited_key_gets_429_with_retry_after(keyed):
+def test_a_key_over_its_rate_gets_429_over_quota_with_retry_after(keyed):
+    # A key's rate= is its tenant's (its own here): one bucket for the whole server, one 429 code.
     answers = [predict(keyed, {"X-API-Key": TEAM_B}) for _ in range(6)]
     codes = [r.status_code for r in answers]
     assert 200 in codes and 429 in codes, codes
     limited = next(r for r in answers if r.status_code == 429)
-    assert error_code(limited) == "rate_limited" and int(limited.headers["retry-after"]) >= 1
+    assert error_code(limited) == "over_quota" and int(limited.headers["retry-after"]) >= 1
+    assert "over its rate of 2 requests per second" in limited.json()["error"]["message"]
     assert predict(keyed, {"X-API-Key": TEAM_A}).status_code == 200  # other keys are not affected
     metrics = httpx.get(keyed.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
-    assert 'servewell_api_key_requests_total{key="team-b",result="rate_limited"}' in metrics
+    assert 'servewell_tenant_requests_total{result="over_rate",tenant="team-b"}' in metrics
 
 
 def test_keys_never_reach_the_log_but_their_ids_do(keyed):

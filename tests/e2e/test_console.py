@@ -271,7 +271,7 @@ def test_unauthenticated_requests_do_not_evict_a_real_failure(keyed):
     assert failure_id in [r["request_id"] for r in state["recent"]]  # 250 refusals; the ring holds 200
     assert not [r for r in state["recent"] if r["status"] in (401, 429)]
     counts = state["refusals"]["counts"]
-    refused = sum(counts.get(code, 0) - before.get(code, 0) for code in ("unauthorized", "rate_limited"))
+    refused = sum(counts.get(code, 0) - before.get(code, 0) for code in ("unauthorized", "over_quota"))
     assert refused == 250
     assert state["refusals"]["recent"][0]["request_id"] == "anon-249"  # newest first
     assert len(state["refusals"]["recent"]) == DEFAULT_REFUSAL_CAPACITY  # bounded: 250 came

@@ -1,6 +1,7 @@
 """Fair admission (issue 46) through a real split server: a tenant that floods a model fills its
 lane, and a tenant within its share is still admitted (the flooder's newest request is pushed out
-and answered 503 `overloaded`, its tenant named), over HTTP from both ingress processes.
+and answered 503 `overloaded`, its tenant named), over HTTP from both ingress processes; every
+refusal is counted for its tenant in /metrics and /admin/tenants and named in the log.
 
 `slow` echoes its input after 100 ms per batch, one row a batch, and queues at most 8 requests
 per lane, so a burst of 30 fills the lane many times over."""
@@ -14,10 +15,13 @@ import pytest
 
 from error_bodies import error_code
 from model_dirs import infer_body, slow_model
+from monitoring import scraped_total
 from servers import ServerFactory, ServerProcess
+from waiting import eventually
 
 KEYS = {name: f"{name}-secret-0123456789abcdef" for name in ("flood", "light")}
 KEYS_FILE = "".join(f"{name}:{secret} tenant={name}\n" for name, secret in KEYS.items())
+ADMIN = {"Authorization": "Bearer fair-admin-token-0123456789"}
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +31,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, start_module_server: Server
     keys_file = tmp_path_factory.mktemp("fair-keys") / "keys.txt"
     keys_file.write_text(KEYS_FILE)
     started = start_module_server(["--model-repository", str(root), "--ingress-processes", "2",
-                                   "--api-keys-file", str(keys_file)])
+                                   "--api-keys-file", str(keys_file), "--admin-token", ADMIN["Authorization"][7:]])
     started.wait_ready()
     return started
 
@@ -55,3 +59,50 @@ def test_a_tenant_within_its_share_is_admitted_while_another_floods_the_lane(ser
     assert refused and all(error_code(r) == "overloaded" for r in refused)
     assert all("tenant 'flood'" in r.json()["error"] for r in refused), refused[0].text
     assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+
+
+def test_every_refusal_is_counted_for_its_tenant_and_named_in_the_log(server: ServerProcess) -> None:
+    flood, light = asyncio.run(flood_and_light(server))
+    refused = sum(1 for r in flood if r.status_code == 503)
+    assert refused and all(r.status_code == 200 for r in light)
+
+    def counted() -> bool:
+        return scraped_total(server.url, "servewell_refusals_total", ADMIN, model="slow", tenant="flood",
+                             reason="overloaded") >= refused
+    eventually(counted, 10, "the flood's refusals counted for tenant flood")
+    assert scraped_total(server.url, "servewell_refusals_total", ADMIN, tenant="light") == 0
+    tenants = {t["tenant"]: t for t in httpx.get(server.url + "/admin/tenants", headers=ADMIN, timeout=10)
+               .json()["tenants"]}
+    assert tenants["flood"]["refused"] >= refused and tenants["light"]["refused"] == 0
+    eventually(lambda: "tenant flood" in server.log(), 10, "a refusal log line naming tenant flood")
+
+
+async def headers_only(server: ServerProcess, key: str) -> bytes:
+    """A request whose body never comes: only a refusal decided before reading it can answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        writer.write((f"POST /v2/models/slow/infer HTTP/1.1\r\nHost: x\r\nX-API-Key: {key}\r\n"
+                      "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n").encode())
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(4096), 2.0)
+    except TimeoutError:
+        return b""
+    finally:
+        writer.close()
+
+
+def test_a_full_lane_refuses_its_holder_before_the_body_is_read(server: ServerProcess) -> None:
+    async def main() -> tuple[bytes, bytes]:
+        flood = [asyncio.ensure_future(one(server, KEYS["flood"], 1.0)) for _ in range(30)]
+        refused = 0
+        while refused == 0:
+            done, _ = await asyncio.wait(flood, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+            refused = sum(1 for f in done if f.result().status_code == 503)
+        answer = await headers_only(server, KEYS["flood"])
+        light = await headers_only(server, KEYS["light"])  # within its share: its body is waited for
+        await asyncio.gather(*flood)
+        return answer, light
+
+    answer, light = asyncio.run(main())
+    assert answer.startswith(b"HTTP/1.1 503") and b"overloaded" in answer and b"tenant 'flood'" in answer, answer
+    assert not light.startswith(b"HTTP/1.1 503"), light  # its body was waited for (408 once it did not come)

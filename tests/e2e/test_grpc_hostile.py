@@ -200,23 +200,17 @@ def test_calls_over_the_slots_get_resource_exhausted_with_retry_after(server):
     assert trailers["servewell-error-code"] == "too_many_calls" and trailers["retry-after"] == "1"
 
 
-def test_a_rate_limited_call_carries_retry_after(server):
-    # Both calls on one channel (one connection, so one ingress process: a key's rate is kept per
-    # ingress process, README "Processes").
+def test_a_call_over_its_tenants_rate_carries_retry_after(server):
+    # One bucket per tenant for the whole server (engine/tenants.py), whichever connection or
+    # ingress process the calls come through; the same 429 code as over HTTP.
     headers = {"authorization": f"Bearer {SLOW_KEY}"}
-    channel = grpc.insecure_channel(server.grpc_url)
-    metadata = channel.unary_unary("/inference.GRPCInferenceService/ServerMetadata",
-                                   request_serializer=pb.ServerMetadataRequest.SerializeToString,
-                                   response_deserializer=pb.ServerMetadataResponse.FromString)
-    try:
-        metadata(pb.ServerMetadataRequest(), metadata=tuple(headers.items()), timeout=10)
-        with pytest.raises(grpc.RpcError) as limited:
-            metadata(pb.ServerMetadataRequest(), metadata=tuple(headers.items()), timeout=10)
-    finally:
-        channel.close()
-    assert limited.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    trailers = dict(limited.value.trailing_metadata())
-    assert trailers["servewell-error-code"] == "rate_limited" and int(trailers["retry-after"]) >= 1
+    with triton.InferenceServerClient(server.grpc_url) as client:
+        tensor = triton.InferInput("x", [1, 1], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 1), np.float32))
+        client.infer("slow", [tensor], headers=headers)
+        with pytest.raises(InferenceServerException) as limited:
+            client.infer("slow", [tensor], headers=headers)
+    assert "over its rate" in str(limited.value) and "RESOURCE_EXHAUSTED" in str(limited.value.status())
 
 
 def test_unimplemented_calls_check_the_key_and_log_no_traceback(server):

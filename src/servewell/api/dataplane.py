@@ -25,21 +25,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 import numpy as np
 from opentelemetry import trace
+from opentelemetry.context import Context
 
 from servewell.api.codecs.image import ImageLimits, decode_base64, decode_planned, plan_decode
 from servewell.api.codecs.tensors import DecodedTensor
 from servewell.api.decode_scheduler import DecodeScheduler
 from servewell.config.model import ModelConfig
 from servewell.engine.protocol import RequestResult, ServedModel, ServingEngine
-from servewell.errors import ClientClosed, InvalidInput, Overloaded, quote
-from servewell.observability.context import model_var, oip_id_var, request_id_var, stages_var
+from servewell.engine.request import InferenceRequest
+from servewell.errors import ClientClosed, InvalidInput, Overloaded, ServeError, quote
+from servewell.observability.context import (
+    client_var,
+    model_var,
+    request_id_var,
+    request_trace_var,
+    route_key_var,
+    stages_var,
+)
 from servewell.observability.metrics import ServeMetrics
-from servewell.observability.tracing import Tracing
+from servewell.observability.tracing import Tracing, traceparent_of
 
 T = TypeVar("T")
 
@@ -52,12 +61,14 @@ class DataPlane:
     """Shared by every protocol of one server."""
 
     def __init__(self, engine: ServingEngine, decoder: DecodeScheduler, image_limits: ImageLimits,
-                 metrics: ServeMetrics | None, tracing: Tracing) -> None:
+                 metrics: ServeMetrics | None, tracing: Tracing,
+                 tenant_of: Callable[[str], str] = lambda key_id: "") -> None:
         self.engine = engine
         self._decoder = decoder
         self._image_limits = image_limits
         self._metrics = metrics
         self._tracing = tracing
+        self.tenant_of = tenant_of  # an API key id's tenant (api/keys.py), read per request: keys change live
 
     def call(self) -> InferenceCall:
         """Start one inference request (call it first: its clocks start now)."""
@@ -93,6 +104,30 @@ class DataPlane:
             lanes = model.config.batching.lanes
             self._metrics.count(model.name, lanes[lane] if lane < len(lanes) else str(lane), outcome)
 
+    def would_refuse(self, name: str, version: str | None, urgency: str | None, tenant: str) -> bool:
+        """Whether `InferenceCall.open` will refuse this request (its model known to this process
+        now, without asking another): the check `api/early_refusal.py` runs on a request's head."""
+        try:
+            model = self.engine.resolve_now(name, version)
+            if model is None:
+                return False
+            model.admit(model.resolve_lane(urgency), tenant)
+        except ServeError:
+            return True
+        return False
+
+    def refused(self, model: ServedModel, lane: int, tenant: str, error: ServeError) -> None:
+        """Count a refusal (429, 503) of `tenant`'s request before it reached the engine, as the
+        engine counts its own (`servewell_refusals_total`), and name the tenant on its error."""
+        if error.status not in (429, 503):
+            return
+        if error.tenant is None:
+            error.tenant = tenant
+        if self._metrics is not None:
+            lanes = model.config.batching.lanes
+            self._metrics.count_refusal(model.name, lanes[lane] if lane < len(lanes) else str(lane), tenant,
+                                        error.code)
+
     def record(self, model: str, result: RequestResult, preprocess_s: float, postprocess_s: float) -> None:
         """Per-request stage durations: into the histograms, and for the slow-request log."""
         if self._metrics is not None:
@@ -115,7 +150,8 @@ class DataPlane:
 class InferenceCall:
     """One request on its way through the data plane."""
 
-    __slots__ = ("_plane", "_started", "arrived_at", "_model", "_urgency", "_lane", "preprocess_s", "postprocess_s")
+    __slots__ = ("_plane", "_started", "arrived_at", "_model", "_version", "_urgency", "_lane", "_key_id", "_tenant",
+                 "preprocess_s", "postprocess_s")
 
     def __init__(self, plane: DataPlane) -> None:
         self._plane = plane
@@ -123,8 +159,11 @@ class InferenceCall:
         #: The one deadline clock: `loop.time()` == `time.monotonic()` seconds (uvloop: in whole ms).
         self.arrived_at = asyncio.get_running_loop().time()
         self._model: ServedModel | None = None
+        self._version: str | None = None
         self._urgency: str | None = None
         self._lane = 0
+        self._key_id = ""
+        self._tenant = ""
         self.preprocess_s = 0.0
         self.postprocess_s = 0.0
 
@@ -136,12 +175,20 @@ class InferenceCall:
         return self._model
 
     async def open(self, name: str, version: str | None = None, urgency: str | None = None) -> ServedModel:
-        """Resolve the model, choose the lane from `urgency`, and admit (or refuse at once)."""
+        """Resolve the model, choose the lane from `urgency`, and run the admission checks that can
+        refuse before the body is read (the model taking no requests, a full lane its tenant holds
+        most of beyond its share, the server shutting down)."""
         self._plane.note_model(name)
         model = await self._plane.engine.resolve_async(name, version)
-        self._model, self._urgency = model, urgency
+        self._model, self._version, self._urgency = model, version or None, urgency
+        self._key_id = client_var.get()
+        self._tenant = self._plane.tenant_of(self._key_id)
         self._lane = model.resolve_lane(urgency)
-        model.admit(self._lane)
+        try:
+            model.admit(self._lane, self._tenant)
+        except ServeError as error:  # refused before the body was read: counted here, for its tenant
+            self._plane.refused(model, self._lane, self._tenant, error)
+            raise
         return model
 
     @contextlib.contextmanager
@@ -244,15 +291,12 @@ class InferenceCall:
         the client's OIP request id, which the payload log keeps beside the request id."""
         model = self.model
         lane = self._lane if priority is None or self._urgency else model.resolve_lane(None, priority)
-        deadline = self.arrived_at + timeout_ms / 1000.0 if timeout_ms is not None else None
+        deadline = self.arrived_at + (timeout_ms / 1000.0 if timeout_ms is not None else model.default_timeout_s)
         if not_after is not None:
-            deadline = min(deadline, not_after) if deadline is not None else not_after
-        oip_token = oip_id_var.set(oip_id)
-        try:
-            future = model.infer(inputs, lane=lane, deadline=deadline, request_id=request_id_var.get(),
-                                 arrived_at=self.arrived_at)
-        finally:
-            oip_id_var.reset(oip_token)
+            deadline = min(deadline, not_after)
+        request = InferenceRequest(request_id_var.get(), model.name, self._version, lane, deadline, self.arrived_at,
+                                   inputs, self._tenant, self._key_id, route_key_var.get(), _traceparent(), oip_id)
+        future = self._plane.engine.submit(request)
         if disconnected is None:
             return await future
         watcher = asyncio.ensure_future(disconnected)
@@ -278,6 +322,15 @@ class InferenceCall:
         if result.steps:  # a pipeline: one entry per step (step names are tokens: letters, digits, - and _)
             timing += "".join(f", step.{s.step};dur={s.total_s * 1000:.3f};desc={s.outcome}" for s in result.steps)
         return f"{timing}, cache;desc={result.cache}" if result.cache else timing
+
+
+def _traceparent() -> str | None:
+    """The W3C trace context of the current request's span, when it is sampled (it goes with the
+    request to the engine, whose batch span links to it)."""
+    request_trace = request_trace_var.get()  # the request's own span (the middleware keeps it there)
+    span_context = trace.get_current_span(request_trace if isinstance(request_trace, Context) else None) \
+        .get_span_context()
+    return traceparent_of(span_context) if span_context.is_valid and span_context.trace_flags.sampled else None
 
 
 def select_outputs(model: str, outputs: dict[str, np.ndarray],

@@ -58,7 +58,7 @@ def serve_error_response(exc: ServeError, refusals: RefusalDigest | None = None,
     """Response for a `ServeError` to a request for `path`, logged once (4xx at info, 5xx at warning); refusals (503)
     go to `refusals`, which logs them per model, code and second with a count."""
     if refusals is not None and isinstance(exc, Unavailable):
-        refusals.refused(model_var.get(), exc.code, exc.status, exc.message)
+        refusals.refused(model_var.get(), exc.code, exc.status, exc.message, exc.tenant)
     else:
         level = logging.WARNING if exc.status >= 500 else logging.INFO
         log.log(level, "request failed: %s", exc.message, extra={"status": exc.status, "code": exc.code})

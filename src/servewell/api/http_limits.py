@@ -39,7 +39,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import httptools
 from uvicorn.config import Config
@@ -99,6 +99,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with servewell's limits; `limited_protocol` makes the bound class."""
 
     limits: ClassVar[HttpLimits]
+    #: Whether a request (its ASGI scope) will be refused by the admission checks that need no body.
+    refused_early: ClassVar[RefusedEarly | None] = None
     slots: ClassVar[ConnectionSlots]
     events: ClassVar[LimitEventLog]
     keep_alive_policy: ClassVar[KeepAlivePolicy]
@@ -307,8 +309,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         arriving, once it is all in: a body that trickles in then costs no task, no middleware, no
         log line and no metric, just its bytes (1,100 slow bodies each running the app until its
         408 slowed every other request 10-30x). Bodies without a length, or with
-        `Expect: 100-continue` (the app's first read sends the 100), start the app at once."""
-        if cycle.more_body and not cycle.waiting_for_100_continue and self._body_fits_buffer():
+        `Expect: 100-continue` (the app's first read sends the 100), start the app at once; so does a
+        request the admission checks will refuse (`refused_early`: a full lane its tenant holds most
+        of), which is then answered before its body is read."""
+        if cycle.more_body and not cycle.waiting_for_100_continue and self._body_fits_buffer() \
+                and not (self.refused_early is not None and self.refused_early(cycle.scope)):
             self._deferred = (cycle, app)
             return
         super()._start_asgi_task(cycle, app)
@@ -463,8 +468,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
-def limited_protocol(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
-    """A protocol class for uvicorn's `http=` bound to `limits`, with its own slots and event log."""
+class RefusedEarly(Protocol):
+    """Whether a request (its ASGI scope, head only) will be refused before its body is needed."""
+
+    def __call__(self, scope: Any) -> bool: ...
+
+
+def limited_protocol(limits: HttpLimits,
+                     refused_early: RefusedEarly | None = None) -> type[LimitedHttpToolsProtocol]:
+    """A protocol class for uvicorn's `http=` bound to `limits`, with its own slots and event log;
+    `refused_early(scope)`: whether a request will be refused before its body is needed."""
     slots = ConnectionSlots(limits.max_connections, limits.reserved_connections)
     events = LimitEventLog(log, state=lambda: {"open_connections": slots.open, "reserve_in_use": slots.reserve_in_use})
 
@@ -475,15 +488,17 @@ def limited_protocol(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
     BoundLimitedHttpToolsProtocol.slots = slots
     BoundLimitedHttpToolsProtocol.events = events
     BoundLimitedHttpToolsProtocol.keep_alive_policy = KeepAlivePolicy()
+    BoundLimitedHttpToolsProtocol.refused_early = refused_early
     return BoundLimitedHttpToolsProtocol
 
 
-def uvicorn_limit_options(settings: ServerConfig) -> dict[str, Any]:
+def uvicorn_limit_options(settings: ServerConfig, refused_early: RefusedEarly | None = None) -> dict[str, Any]:
     """Keyword arguments for `uvicorn.Config` that enforce the limits in `settings` (raising the
-    open-file limit to fit them, or lowering `max_connections` to fit it)."""
+    open-file limit to fit them, or lowering `max_connections` to fit it); `refused_early`: see
+    `LimitedHttpToolsProtocol._start_asgi_task`."""
     limits, backlog = fit_to_fd_limit(HttpLimits.from_settings(settings))
     return {
-        "http": limited_protocol(limits),
+        "http": limited_protocol(limits, refused_early),
         "timeout_keep_alive": settings.keep_alive_timeout_s,  # uvicorn's own idle timer after a response
         "backlog": backlog,
         # servewell serves no WebSocket routes; an upgraded connection would leave the slot accounting.

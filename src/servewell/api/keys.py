@@ -1,4 +1,4 @@
-"""API keys for inference: who may call, and how often.
+"""API keys for inference: who may call (how often is their tenant's quota: engine/tenants.py).
 
 Keys come from a file (`--api-keys-file`, one per line) and/or `SERVEWELL_API_KEYS` (comma
 separated), in the same entry format:
@@ -6,7 +6,8 @@ separated), in the same entry format:
     <key>                          a key; its id is derived from its hash (key-1a2b3c4d)
     <id>:<key>                     a key with an id (letters, digits, '-', '_', '.')
     <id>:sha256:<64 hex digits>    only the key's SHA-256 is stored, not the key
-    ... rate=<n>                   optional: this key's request rate limit, per second
+    ... rate=<n>                   optional: the request rate of the key's tenant, per second (one
+                                   bucket per tenant for the whole server; default api_key_rate_per_s)
 
 and, for tenants (issue 22; engine/tenants.py enforces them in the engine, for the whole server):
 
@@ -37,12 +38,11 @@ import hashlib
 import hmac
 import math
 import re
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from servewell.errors import RateLimited, Unauthorized
+from servewell.errors import Unauthorized
 from servewell.observability.metrics import ServeMetrics
 
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -206,6 +206,11 @@ class KeyRing:
     def __init__(self, keys: Iterable[ApiKey] = (), required: bool = False) -> None:
         self._keys = tuple(keys)
         self._required = required
+        self._tenants = {key.id: key.tenant_id for key in self._keys}
+
+    def tenant_of(self, key_id: str) -> str:
+        """The tenant id of key `key_id` ("" for no key or an id not in force: the anonymous tenant)."""
+        return self._tenants.get(key_id, "") if key_id else ""
 
     @property
     def enabled(self) -> bool:
@@ -234,43 +239,20 @@ class KeyRing:
         return found
 
 
-class RateLimiter:
-    """A token bucket per key id: `rate` requests per second on average, bursts up to `burst`."""
-
-    def __init__(self) -> None:
-        self._buckets: dict[str, tuple[float, float]] = {}  # id -> (tokens, last refill time)
-
-    def take(self, key_id: str, rate_per_s: float, burst: float, now: float) -> float:
-        """Spend one token for `key_id`: 0.0 when allowed, else seconds until a token is available."""
-        tokens, last = self._buckets.get(key_id, (burst, now))
-        tokens = min(burst, tokens + (now - last) * rate_per_s)
-        if tokens >= 1.0:
-            self._buckets[key_id] = (tokens - 1.0, now)
-            return 0.0
-        self._buckets[key_id] = (tokens, now)
-        return (1.0 - tokens) / rate_per_s
-
-    def forget_except(self, ids: Iterable[str]) -> None:
-        """Drop the buckets of keys that are no longer configured."""
-        keep = set(ids)
-        for key_id in [k for k in self._buckets if k not in keep]:
-            del self._buckets[key_id]
-
-
 class InferenceAccess:
     """The API-key check every protocol runs before inference and model queries.
 
     `check` answers with the caller's key id, or raises `Unauthorized` (401, with the
-    `WWW-Authenticate` challenge) or `RateLimited` (429, with `Retry-After`). `replace` swaps
-    the keys and limits live (config reload); buckets of removed keys are dropped.
+    `WWW-Authenticate` challenge). Rates are not checked here: a key's `rate=` (or the server's
+    `api_key_rate_per_s`) is its tenant's, one bucket per tenant for the whole server, checked by
+    the engine's admission chain (engine/tenants.py): one limiter per quota, one 429 code
+    (`over_quota`). `replace` swaps the keys live (config reload).
     """
 
     def __init__(self, ring: KeyRing, default_rate_per_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic, metrics: ServeMetrics | None = None) -> None:
+                 metrics: ServeMetrics | None = None) -> None:
         self._ring = ring
         self._default_rate = default_rate_per_s
-        self._clock = clock
-        self._limiter = RateLimiter()
         self._metrics = metrics
 
     @property
@@ -293,10 +275,25 @@ class InferenceAccess:
         """The request rate of a key that names none."""
         return self._default_rate
 
+    def key_id_of(self, authorization: str | None, api_key: str | None) -> str:
+        """The id of the key a caller presents, or "" (none, not valid, or no keys): no counting,
+        no refusal (`check` does both when the request is served)."""
+        if not self._ring.enabled:
+            return ""
+        presented = api_key
+        if presented is None and authorization is not None:
+            scheme, _, credential = authorization.partition(" ")
+            presented = credential.strip() if scheme.lower() == "bearer" else None
+        key = self._ring.identify(presented) if presented else None
+        return key.id if key is not None else ""
+
+    def tenant_of(self, key_id: str) -> str:
+        """The tenant of the key id `check` answered ("" without keys)."""
+        return self._ring.tenant_of(key_id)
+
     def replace(self, ring: KeyRing, default_rate_per_s: float | None) -> None:
         """Use new keys and limits from now on (a removed key is refused at its next request)."""
         self._ring, self._default_rate = ring, default_rate_per_s
-        self._limiter.forget_except(ring.ids)
 
     def check(self, authorization: str | None, api_key: str | None) -> str | None:
         """The key id of a caller presenting `Authorization: Bearer <key>` or `X-API-Key: <key>`;
@@ -317,13 +314,6 @@ class InferenceAccess:
             self._count_failure("invalid")
             raise Unauthorized("the API key is not valid",
                                challenge='Bearer realm="servewell", error="invalid_token"')
-        rate = key.rate_per_s or self._default_rate
-        if rate is not None:
-            wait_s = self._limiter.take(key.id, rate, max(1.0, rate), self._clock())
-            if wait_s > 0:
-                self._count(key.id, "rate_limited")
-                raise RateLimited(f"API key '{key.id}' is over its limit of {rate:g} requests per second",
-                                  retry_after_s=wait_s)
         self._count(key.id, "allowed")
         return key.id
 

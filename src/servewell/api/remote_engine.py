@@ -30,10 +30,6 @@ import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import numpy as np
-from opentelemetry import trace
-from opentelemetry.context import Context
-
 from servewell.config.model import ModelConfig
 from servewell.engine.control import ControlOp, GetReadiness
 from servewell.engine.entry import not_ready
@@ -45,6 +41,7 @@ from servewell.engine.envelope import (
     FrameReader,
     FrameWriter,
     Hello,
+    LaneState,
     LiveSettings,
     ModelEntrySummary,
     ModelTable,
@@ -54,20 +51,17 @@ from servewell.engine.envelope import (
     ViewAsk,
     ViewReply,
 )
+from servewell.engine.full_lanes import lane_full
 from servewell.engine.lanes import resolve_lane
 from servewell.engine.protocol import Readiness, RequestResult
+from servewell.engine.request import InferenceRequest
 from servewell.engine.shared_tensors import Release, TensorLeases, TensorStore, ThreadSafeReleases, tensor_bytes
 from servewell.errors import EngineUnavailable, NotFound, ServeError, ShuttingDown, quote
 from servewell.observability.context import (
     BatchPlacement,
-    client_var,
-    oip_id_var,
     placement_var,
     request_id_var,
-    request_trace_var,
-    route_key_var,
 )
-from servewell.observability.tracing import traceparent_of
 
 log = logging.getLogger("servewell.ingress")
 
@@ -84,34 +78,32 @@ _NO_ENGINE = "the engine process is not reachable (restarting); retry"
 
 
 class RemoteModel:
-    """A ready model of the engine, resolved for one request (`ServedModel`)."""
+    """A model of the engine as its table shows it, resolved for one request (`ServedModel`)."""
 
-    __slots__ = ("_engine", "name", "config", "_lanes", "_version")
+    __slots__ = ("_engine", "name", "config", "_lanes", "default_timeout_s")
 
-    def __init__(self, engine: RemoteEngine, entry: ModelEntrySummary, config: ModelConfig,
-                 version: str | None) -> None:
+    def __init__(self, engine: RemoteEngine, entry: ModelEntrySummary, config: ModelConfig) -> None:
         self._engine = engine
         self.name = entry.name
         self.config = config
         self._lanes = tuple(config.batching.lanes)
-        # What the client asked for (None: whichever version serves when the envelope arrives, so
-        # a request resolved just before a reload is served by the new version, not refused).
-        self._version = version or None
+        timeout_ms = entry.default_timeout_ms if entry.default_timeout_ms is not None else \
+            config.batching.default_timeout_ms
+        self.default_timeout_s = timeout_ms / 1000.0  # as in force in the engine (an admin may change it live)
 
     def resolve_lane(self, urgency: str | None = None, priority: object = None) -> int:
         """Lane index for a request's urgency and/or OIP priority (engine/lanes.py)."""
         return resolve_lane(self._lanes, urgency, priority)
 
-    def admit(self, lane: int) -> None:
-        """Refuse now what the engine would refuse (gone, shutting down); a full lane is the
-        engine's to say when the envelope arrives."""
-        self._engine.check_open()
-
-    def infer(self, inputs: dict[str, np.ndarray], *, lane: int, deadline: float | None, request_id: str,
-              arrived_at: float | None) -> asyncio.Future[RequestResult]:
-        """Send the request to the engine; the future resolves with its outcome."""
-        arrived = arrived_at if arrived_at is not None else asyncio.get_running_loop().time()
-        return self._engine.send(self.name, self._version, inputs, lane, deadline, arrived, request_id)
+    def admit(self, lane: int, tenant: str = "") -> None:
+        """Refuse now what the engine would refuse at once: the engine gone, the server shutting
+        down, a full lane that `tenant` holds most of beyond its share (as the engine last said:
+        engine/full_lanes.py). The engine's admission chain decides the rest when the envelope arrives."""
+        engine = self._engine
+        engine.check_open()
+        refusal = engine.full_lane_refusal(self.name, self._lanes, lane, tenant)
+        if refusal is not None:
+            raise refusal
 
 
 class RemoteEngine:
@@ -134,6 +126,7 @@ class RemoteEngine:
         self._writer: FrameWriter | None = None
         self._table: ModelTable | None = None
         self._pending: dict[int, asyncio.Future[RequestResult]] = {}
+        self._full_lanes: dict[tuple[str, str, int], LaneState] = {}  # whom full lanes refuse (the engine's word)
         self._placements: dict[int, BatchPlacement] = {}  # the request's record, filled from its outcome
         self._asks: dict[int, asyncio.Future[Any]] = {}  # Resolve and ControlCall, failed when the door is lost
         self._ids = itertools.count(1)
@@ -175,6 +168,7 @@ class RemoteEngine:
         if self._writer is None:
             return
         self._writer, self._table = None, None
+        self._full_lanes.clear()  # the next engine says again
         if self._inputs is not None:
             self._inputs.abandon()  # the engine may still read them: unlink, never reuse
         if self._leases is not None:
@@ -231,6 +225,12 @@ class RemoteEngine:
                 ask.set_result(message.entry)
         elif isinstance(message, LiveSettings):
             self._on_live(message)
+        elif isinstance(message, LaneState):
+            key = (message.model, message.version, message.lane)
+            if message.held is None:
+                self._full_lanes.pop(key, None)
+            else:
+                self._full_lanes[key] = message
         elif isinstance(message, ControlReply):
             ask = self._asks.pop(message.ask_id, None)
             if ask is not None and not ask.done():
@@ -261,6 +261,18 @@ class RemoteEngine:
 
     # --- the data plane --------------------------------------------------------------------
 
+    def full_lane_refusal(self, model: str, lanes: tuple[str, ...], lane: int, tenant: str) -> ServeError | None:
+        """The refusal the engine's scheduler would answer `tenant`'s request to `model`'s full
+        `lane` with, as the engine last published it (None: send it on)."""
+        table = self._table
+        entry = table.models.get(model) if table is not None else None
+        if entry is None or not self._full_lanes:
+            return None
+        state = self._full_lanes.get((model, entry.version, lane))
+        if state is None or state.held is None or tenant not in state.held or entry.versions:
+            return None  # a split's versions each have their own lanes: the engine draws, then decides
+        return lane_full(model, lanes[lane], state.depth, tenant, state.held[tenant], state.retry_after_s)
+
     def check_open(self) -> None:
         """Raise what every request would get now: the engine gone, or shutting down."""
         table = self._table
@@ -269,9 +281,9 @@ class RemoteEngine:
         if not table.accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
 
-    def send(self, model: str, version: str | None, inputs: dict[str, np.ndarray], lane: int, deadline: float | None,
-             arrived_at: float, request_id: str) -> asyncio.Future[RequestResult]:
-        """One envelope to the engine; its outcome resolves the returned future."""
+    def submit(self, request: InferenceRequest) -> asyncio.Future[RequestResult]:
+        """Send `request` to the engine in one envelope; its outcome resolves the returned future
+        (cancelling it sends `Cancel`)."""
         writer = self._writer
         if writer is None:
             raise EngineUnavailable(_NO_ENGINE)
@@ -281,18 +293,12 @@ class RemoteEngine:
         placement = placement_var.get()
         if placement is not None:
             self._placements[call_id] = placement
-        request_trace = request_trace_var.get()  # the request's own span (the middleware keeps it there)
-        span_context = trace.get_current_span(request_trace if isinstance(request_trace, Context) else None) \
-            .get_span_context()
-        traceparent = traceparent_of(span_context) if span_context.is_valid and span_context.trace_flags.sampled \
-            else None
         shared = None
-        if self._inputs is not None and tensor_bytes(inputs) >= self._shared_min:
-            shared = self._inputs.put(inputs)  # None: inline after all (objects, or the store is full)
-        writer.send(Envelope(call_id, model, version, lane, deadline, arrived_at, request_id,
-                             inputs if shared is None else {}, tenant=client_var.get() or None,
-                             traceparent=traceparent, route_key=route_key_var.get(), shared=shared,
-                             oip_id=oip_id_var.get()))
+        if self._inputs is not None and tensor_bytes(request.inputs) >= self._shared_min:
+            shared = self._inputs.put(request.inputs)  # None: inline after all (objects, or the store is full)
+            if shared is not None:
+                request = dataclasses.replace(request, inputs={})
+        writer.send(Envelope(call_id, request, shared))
         future.add_done_callback(lambda f: self._cancelled(call_id) if f.cancelled() else None)
         return future
 
@@ -320,11 +326,15 @@ class RemoteEngine:
             entry = await self._ask(name)
         return self._ready(name, version, entry)
 
-    def resolve(self, name: str, version: str | None = None) -> RemoteModel:
-        """`resolve_async` from the table alone (no question to the engine)."""
+    def resolve_now(self, name: str, version: str | None = None) -> RemoteModel | None:
+        """`resolve_async` from the table alone: None when the table does not show the model
+        serving or loadable (`resolve_async` would ask the engine)."""
         self.check_open()
-        assert self._table is not None
-        return self._ready(name, version, self._table.models.get(name))
+        table = self._table
+        entry = table.models.get(name) if table is not None else None
+        if entry is None or (entry.state != "ready" and not entry.loadable):
+            return None
+        return self._ready(name, version, entry)
 
     def _ready(self, name: str, version: str | None, entry: ModelEntrySummary | None) -> RemoteModel:
         if entry is None:
@@ -336,7 +346,7 @@ class RemoteEngine:
         if (entry.state != "ready" and not entry.loadable) or entry.config is None:
             # A loadable model (lazy mode) goes to the engine, which loads it while the request waits.
             raise not_ready(name, entry.state, entry.reason)  # the engine's own words and Retry-After
-        return RemoteModel(self, entry, entry.config, version)
+        return RemoteModel(self, entry, entry.config)
 
     async def _ask(self, name: str) -> ModelEntrySummary | None:
         writer = self._writer

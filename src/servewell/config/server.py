@@ -159,8 +159,9 @@ class ServerConfig(BaseModel):
         "or the config file; never a command-line flag (it would show in ps).",
     )
     api_key_rate_per_s: float | None = Field(
-        None, gt=0, description="Requests per second each API key may make (429 + Retry-After above); a key's own "
-        "'rate=' wins. Unset: no limit.",
+        None, gt=0, description="Requests per second each tenant may make (a key without tenant= is its own "
+        "tenant), for the whole server (429 over_quota + Retry-After above); a key's own 'rate=' wins. Unset: no "
+        "limit.",
     )
     metrics_require_key: bool = Field(
         False, description="Kept for old configuration files; no effect: with API keys configured, /metrics "

@@ -21,7 +21,7 @@ class EngineAdmin:
     pool: ModelPool
     _services: EntryServices
     if TYPE_CHECKING:  # InferenceEngine's lookups, declared for the type checker only
-        def _slot(self, name: str, version: str | None) -> ModelSlot: ...
+        def slot(self, name: str, version: str | None) -> ModelSlot: ...
         def _view(self, slot: ModelSlot) -> ModelView: ...
         def load_model(self, name: str) -> Awaitable[ModelView]: ...
 
@@ -29,19 +29,19 @@ class EngineAdmin:
 
     async def pin(self, name: str) -> ModelView:
         """Never evict `name` (until unpinned or the server restarts)."""
-        slot = self._slot(name, None)
+        slot = self.slot(name, None)
         slot.pinned_by_admin = True
         return self._view(slot)
 
     async def unpin(self, name: str) -> ModelView:
         """`name` may be evicted again (whatever its model.yaml says)."""
-        slot = self._slot(name, None)
+        slot = self.slot(name, None)
         slot.pinned_by_admin = False
         return self._view(slot)
 
     async def preload(self, name: str) -> ModelView:
         """Load `name` now if it is not resident (lazy mode; evicts idle models to make room)."""
-        slot = self._slot(name, None)
+        slot = self.slot(name, None)
         if not slot.resident:
             if not self.pool.loadable(slot):
                 return await self.load_model(name)
@@ -51,7 +51,7 @@ class EngineAdmin:
     async def evict(self, name: str) -> ModelView:
         """Unload `name` now to free its memory (`Conflict` when pinned, busy or not resident); in
         lazy mode its next request loads it again."""
-        slot = self._slot(name, None)
+        slot = self.slot(name, None)
         await self.pool.evict(slot)
         return self._view(slot)
 
@@ -63,7 +63,7 @@ class EngineAdmin:
 
     def rollout(self, name: str) -> dict[str, Any]:
         """A model's traffic split as GET /admin/models/{name}/rollout shows it (`NotFound`: none)."""
-        rollout = self._slot(name, None).rollout
+        rollout = self.slot(name, None).rollout
         if rollout is None:
             raise NotFound(f"model '{name}' splits no traffic (no traffic nor rollout in its model.yaml, or it is "
                            "not loaded)")
@@ -72,7 +72,7 @@ class EngineAdmin:
     def update_rollout(self, name: str, patch: TrafficPatch) -> dict[str, Any]:
         """An admin's weights and/or shadow share, in force until model.yaml's traffic changes (the
         file then wins) or the server restarts. Clears a rollback or promotion verdict."""
-        slot = self._slot(name, None)
+        slot = self.slot(name, None)
         if slot.rollout is None:
             raise Conflict(f"model '{name}' splits no traffic: give it traffic (and versions under versions/) in "
                            "its model.yaml first")

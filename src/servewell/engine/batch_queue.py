@@ -184,6 +184,11 @@ class BatchQueue(Generic[T]):
                 best, best_excess = tenant, excess
         return best
 
+    def refused_tenants(self, lane: int) -> frozenset[str]:
+        """The tenants whose next request full `lane` would refuse (each holds the most beyond its
+        share with one more place); others' requests would push out one of theirs."""
+        return frozenset(t for t in self.places(lane) if self.holder_beyond_share(lane, t) == t)
+
     def places(self, lane: int) -> dict[str, int]:
         """Who holds `lane`'s places: queued requests per tenant (tenants with none left out)."""
         return {tenant: count for tenant, count in self._lanes[lane].live.items() if count > 0}

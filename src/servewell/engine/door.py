@@ -2,7 +2,7 @@
 
 One unix-socket connection per ingress process (`engine/envelope.py` has the messages and the
 framing). An envelope is resolved, validated and queued exactly as an in-process request is
-(`InferenceEngine.resolve(...).infer(...)`), inside the request's trace context and request id,
+(`InferenceEngine.submit(request)`, the admission chain), inside the request's trace context and id,
 so the batch span, the logs and the metrics are the same; its outcome goes back when the future
 resolves. A `Cancel` drops a request that has not run; a connection that closes (its ingress
 died or stopped) cancels everything it still had queued.
@@ -45,6 +45,7 @@ from servewell.engine.envelope import (
     FrameReader,
     FrameWriter,
     Hello,
+    LaneState,
     LiveSettings,
     ModelEntrySummary,
     ModelTable,
@@ -54,6 +55,7 @@ from servewell.engine.envelope import (
     ViewAsk,
     ViewReply,
 )
+from servewell.engine.full_lanes import BoardChange
 from servewell.engine.protocol import RequestResult
 from servewell.engine.shared_tensors import (
     Release,
@@ -64,14 +66,7 @@ from servewell.engine.shared_tensors import (
     tensor_bytes,
 )
 from servewell.errors import ModelError, ServeError, quote
-from servewell.observability.context import (
-    BatchPlacement,
-    client_var,
-    oip_id_var,
-    placement_var,
-    request_id_var,
-    route_key_var,
-)
+from servewell.observability.context import BatchPlacement, placement_var, request_id_var
 from servewell.workers.shm import COPIES, OFF_LOOP_BYTES
 
 log = logging.getLogger("servewell.engine")
@@ -88,7 +83,14 @@ def summarize(entry: Entry, loadable: bool = False, versions: tuple[str, ...] = 
     """What an ingress needs of one model (`loadable`: lazy mode, a request loads it; `versions`:
     the other versions it serves)."""
     return ModelEntrySummary(entry.name, entry.version, entry.state, entry.reason, entry.config, loadable=loadable,
-                             versions=versions)
+                             versions=versions, default_timeout_ms=live_timeout_ms(entry))
+
+
+def live_timeout_ms(entry: Entry) -> float | None:
+    """`entry`'s default request timeout as in force (its scheduler's, which an admin may change
+    live); None for an entry without a scheduler (model.yaml's then)."""
+    scheduler = getattr(entry, "scheduler", None)
+    return scheduler.batching.default_timeout_ms if scheduler is not None else None
 
 
 def model_table(engine: InferenceEngine) -> ModelTable:
@@ -103,7 +105,8 @@ def model_table(engine: InferenceEngine) -> ModelTable:
 
 
 def _fingerprint(entry: ModelEntrySummary) -> tuple[Any, ...]:
-    return (entry.version, entry.state, entry.reason, id(entry.config), entry.loadable, entry.versions)
+    return (entry.version, entry.state, entry.reason, id(entry.config), entry.loadable, entry.versions,
+            entry.default_timeout_ms)
 
 
 class _Ingress:
@@ -167,6 +170,15 @@ class EngineDoor:
         self._server = await loop.create_unix_server(self._protocol, self._path)
         os.chmod(self._path, 0o600)
         self._table_task = loop.create_task(self._watch_table())
+        self._engine.full_lanes.listeners.append(self._lane_changed)
+
+    def _lane_changed(self, change: BoardChange) -> None:
+        """A full lane now refuses other tenants (or nobody): every ingress hears it (in its next frame)."""
+        model, version, lane, refusals = change
+        state = LaneState(model, version, lane, None) if refusals is None else \
+            LaneState(model, version, lane, refusals.held, refusals.depth, refusals.retry_after_s)
+        for ingress in self._ingresses:
+            ingress.writer.send(state)
 
     async def stop(self) -> None:
         """Close the listener and every connection (their queued requests are cancelled)."""
@@ -214,6 +226,9 @@ class EngineDoor:
             ingress.writer.send(Hello("engine", -1, os.getpid()))
             ingress.writer.send(model_table(self._engine))
             ingress.writer.send(self._live())
+            for (model, version, lane), refusals in self._engine.full_lanes.lanes.items():
+                ingress.writer.send(LaneState(model, version, lane, refusals.held, refusals.depth,
+                                              refusals.retry_after_s))
 
         def received(message: Any) -> None:
             self._on_message(box[0], message)
@@ -294,25 +309,22 @@ class EngineDoor:
         ingress.writer.send(ControlReply(call.ask_id, result=pickled if error is None else None, error=error))
 
     def _on_envelope(self, ingress: _Ingress, envelope: Envelope) -> None:
-        token = request_id_var.set(envelope.request_id)
-        client_token = client_var.set(envelope.tenant or "")
-        route_token = route_key_var.set(envelope.route_key)
-        oip_token = oip_id_var.set(envelope.oip_id)
+        request = envelope.request
+        token = request_id_var.set(request.id)  # names the request in the engine's log lines
         placement = BatchPlacement()  # filled by the scheduler's telemetry; goes back with the outcome
         placement_token = placement_var.set(placement)
         trace_token = None
-        if envelope.traceparent:
-            trace_token = otel_context.attach(extract({"traceparent": envelope.traceparent}))
+        if request.traceparent:
+            trace_token = otel_context.attach(extract({"traceparent": request.traceparent}))
         try:
-            inputs = envelope.inputs if envelope.shared is None else self._shared_inputs(ingress, envelope.shared)
-            future = self._engine.submit(envelope.model, envelope.version, inputs, lane=envelope.lane,
-                                         deadline=envelope.deadline, request_id=envelope.request_id,
-                                         arrived_at=envelope.arrived_at)
+            if envelope.shared is not None:
+                request = dataclasses.replace(request, inputs=self._shared_inputs(ingress, envelope.shared))
+            future = self._engine.submit(request)
         except ServeError as exc:
             ingress.writer.send(Outcome(envelope.call_id, error=exc, placement=placement))
             return
         except Exception as exc:  # a bug must still answer the request
-            log.exception("envelope for model %s failed", envelope.model)
+            log.exception("envelope for model %s failed", request.model)
             ingress.writer.send(Outcome(envelope.call_id, error=ModelError(f"the engine failed: {exc}")))
             return
         finally:
@@ -320,9 +332,6 @@ class EngineDoor:
                 otel_context.detach(trace_token)
             placement_var.reset(placement_token)
             request_id_var.reset(token)
-            client_var.reset(client_token)
-            route_key_var.reset(route_token)
-            oip_id_var.reset(oip_token)
         ingress.pending[envelope.call_id] = future
         future.add_done_callback(partial(self._answer, ingress, envelope.call_id, placement))
 

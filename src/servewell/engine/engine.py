@@ -15,27 +15,38 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from servewell.config.model import ModelConfig
 from servewell.engine.admin_ops import EngineAdmin
-from servewell.engine.entry import Entry, InvalidModel
+from servewell.engine.admission import (
+    AdmissionChain,
+    CacheOrShare,
+    ChooseVersion,
+    Dispatch,
+    FitsDeadline,
+    LoadIfNotResident,
+    ResolveModel,
+    TenantQuota,
+    ValidateInputs,
+)
+from servewell.engine.admission_observers import PayloadObserver, PayloadSink, RolloutObserver, TenantObserver
+from servewell.engine.entry import Entry, InvalidModel, not_ready
+from servewell.engine.full_lanes import FullLaneBoard
 from servewell.engine.memory_budget import MemoryBudget, listed_estimate, machine_memory_budget
 from servewell.engine.model_entry import EntryServices, LoadProgressFn, ModelEntry
-from servewell.engine.model_handle import PayloadSink, ServedModelHandle, ready_entry_or_refusal
+from servewell.engine.model_handle import LocalModel
 from servewell.engine.model_pool import ModelPool, PoolSettings
 from servewell.engine.model_slot import ModelSlot
-from servewell.engine.pipeline import PipelineEntry, PipelineHandle, recheck_pipelines
+from servewell.engine.pipeline import PipelineEntry, recheck_pipelines
 from servewell.engine.protocol import ModelView, Readiness, RequestResult
 from servewell.engine.readiness import ReadinessPolicy, evaluate_readiness
 from servewell.engine.removals import RemovalWatch
 from servewell.engine.repository import ModelSource, OutsidePolicy, read_model_config, scan_repository
+from servewell.engine.request import InferenceRequest
 from servewell.engine.response_cache import ResponseCache
 from servewell.engine.snapshot import SnapshotStore
 from servewell.engine.tenants import Tenants
-from servewell.engine.validation import check_inputs
 from servewell.engine.versions import candidate_entries, judge_forever, stop_versions, sync_versions
-from servewell.errors import Conflict, LoadFailed, ModelNotReady, NotFound, ShuttingDown, quote
+from servewell.errors import Conflict, LoadFailed, NotFound, ShuttingDown, quote
 from servewell.observability.metrics import ModelSample, ServeMetrics
 from servewell.observability.signals import ModelFacts
 from servewell.observability.tracing import Tracing
@@ -74,12 +85,14 @@ class InferenceEngine(EngineAdmin):
         self.repository = repository
         self.budget = MemoryBudget(memory_budget_bytes or machine_memory_budget(), device_memory_budget_bytes)
         self._slots: dict[str, ModelSlot] = {}
-        self.pool = ModelPool(pool or PoolSettings(), self._slots, self.budget, self._new_entry, metrics)
+        self.pool = ModelPool(pool or PoolSettings(), self._slots, self.budget, self._new_entry, metrics,
+                              loaded=self._versions_of)
         self._removals = RemovalWatch(repository, self.pool)  # models and versions whose files are gone
+        self.full_lanes = FullLaneBoard()  # whom full lanes refuse: the door tells the ingress processes
         self._services = EntryServices(load_timeout_s, self.budget, metrics, tracing, on_progress,
                                        workers=workers, snapshots=snapshots, repository=repository,
                                        outside_repository=models_outside_repository, make_room=self.pool.make_room,
-                                       tenants=tenants)
+                                       tenants=tenants, full_lanes=self.full_lanes)
         self.tenants = tenants
         self.tracing, self.metrics = tracing, metrics  # pipelines open a span per step and count their steps
         self._default_model = default_model
@@ -89,6 +102,11 @@ class InferenceEngine(EngineAdmin):
         self.accepting = True
         self.draining = False  # shutting down: not ready, nothing restarts, requests still served
         self.payload_log: PayloadSink | None = None  # observability/payload_log.py: set by the server
+        #: Every way into a model (engine/admission.py): one order of stages, one set of observers.
+        self.chain = AdmissionChain(
+            (ResolveModel(self), LoadIfNotResident(self), ChooseVersion(), ValidateInputs(), TenantQuota(tenants),
+             CacheOrShare(), FitsDeadline(), Dispatch()),
+            (TenantObserver(tenants, metrics), RolloutObserver(self.submit), PayloadObserver(lambda: self.payload_log)))
         self._judge: asyncio.Task[None] | None = None  # applies the rollout rules (engine/versions.py)
 
     async def start(self) -> None:
@@ -114,7 +132,11 @@ class InferenceEngine(EngineAdmin):
 
     async def _sync_versions(self, slot: ModelSlot) -> None:
         async with slot.lock:
-            await sync_versions(slot, self._services, self.metrics)
+            await self._versions_of(slot)
+
+    async def _versions_of(self, slot: ModelSlot) -> None:
+        """Load the versions `slot`'s model.yaml names beside its stable one (`slot.lock` held)."""
+        await sync_versions(slot, self._services, self.metrics)
 
     def _add(self, source: ModelSource) -> ModelSlot:
         entry: Entry
@@ -166,77 +188,38 @@ class InferenceEngine(EngineAdmin):
 
     # --- the data plane's entry point -----------------------------------------------------
 
-    def resolve(self, name: str, version: str | None = None) -> ServedModelHandle | PipelineHandle:
-        """The ready model `name` (`NotFound`, `ModelNotReady`, `ShuttingDown` otherwise)."""
-        slot = self._slot(name, version)
+    def submit(self, request: InferenceRequest, *, coalesce: bool = False) -> asyncio.Future[RequestResult]:
+        """Admit `request` through the admission chain (engine/admission.py): every way into a
+        model (an ingress's envelope, the in-process data plane, a pipeline's step, a shadow copy)
+        comes here. A refusal is raised at once; the future resolves with the answer."""
+        return self.chain.submit(request, coalesce=coalesce)
+
+    async def resolve_async(self, name: str, version: str | None = None) -> LocalModel:
+        """Model `name` for a request about to be built (`NotFound` for an unknown name or version,
+        `ShuttingDown` while draining). Nothing loads here: a model that is not resident loads when
+        its request is submitted, in the chain."""
+        return self.resolve_now(name, version)
+
+    def resolve_now(self, name: str, version: str | None = None) -> LocalModel:
+        """`resolve_async` (everything is known in this process)."""
+        slot = self.slot(name, version)
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
-        if isinstance(slot.entry, PipelineEntry):
-            slot.used()
-            return PipelineHandle(slot.entry, self)
-        return ServedModelHandle(slot, self, ready_entry_or_refusal(slot.entry), version)  # its infer marks it used
+        config = slot.entry.config
+        if config is None:
+            raise not_ready(name, slot.entry.state, slot.entry.reason)
+        return LocalModel(slot, self, config)
 
-    async def resolve_async(self, name: str, version: str | None = None,
-                            deadline: float | None = None) -> ServedModelHandle | PipelineHandle:
-        """`resolve`; in lazy mode a model that is not resident is loaded first (the request waits
-        up to `deadline`, absolute `time.monotonic()`, and `max_load_wait_ms`)."""
-        slot = self._slot(name, version)
-        self.pool.count(slot)
-        if self.accepting and not slot.resident and self.pool.loadable(slot):
-            slot.used()
-            await self.pool.acquire(slot, deadline)
-        return self.resolve(name, version)
-
-    def submit(self, name: str, version: str | None, inputs: dict[str, np.ndarray], *, lane: int,
-               deadline: float | None, request_id: str, arrived_at: float | None) -> asyncio.Future[RequestResult]:
-        """Resolve, validate and queue one request (an ingress's envelope); in lazy mode a model
-        that is not resident loads first while the request waits."""
-        slot = self._slot(name, version)
-        self.pool.count(slot)
-        if self.accepting and not slot.resident and self.pool.loadable(slot):
-            slot.used()
-            assert slot.entry.config is not None
-            check_inputs(slot.entry.config, inputs)
-            return asyncio.ensure_future(self.load_then_submit(slot, inputs, lane, deadline, request_id, arrived_at))
-        return self.resolve(name, version).infer(inputs, lane=lane, deadline=deadline, request_id=request_id,
-                                                 arrived_at=arrived_at)
-
-    async def load_then_submit(self, slot: ModelSlot, inputs: dict[str, np.ndarray], lane: int,
-                               deadline: float | None, request_id: str, arrived_at: float | None) -> RequestResult:
-        """Wait for `slot`'s model to be resident (loading it), then queue the request there."""
-        await self.pool.acquire(slot, deadline)
-        if not self.accepting:
-            raise ShuttingDown("the server is shutting down and accepts no new requests")
-        entry = ready_entry_or_refusal(slot.entry)
-        rows = check_inputs(entry.config, inputs)
-        return await entry.submit(inputs, rows, lane, deadline, request_id, arrived_at)
-
-    def resident_step_entry(self, name: str, version: str | None) -> ModelEntry | None:
-        """A step's model entry if resident and serving (no coroutine); None: ask `step_entry`."""
+    def slot(self, name: str, version: str | None) -> ModelSlot:
+        """The slot of model `name`; `NotFound` for an unknown (or removed) name, or a version the
+        model does not serve."""
         slot = self._slots.get(name)
-        if slot is None or not self.accepting or not slot.resident or isinstance(slot.entry, PipelineEntry):
-            return None
-        entry = slot.entry
-        if version not in (None, entry.version) or getattr(entry, "stopping", None) is not None:
-            return None
-        slot.used()
-        self.pool.count(slot)
-        return entry.ready_entry() if slot.rollout is None else slot.rollout.choose(entry.ready_entry(), None)
-
-    async def step_entry(self, name: str, version: str | None, deadline: float) -> ModelEntry:
-        """The serving entry of a pipeline step's model, loading it first in lazy mode (the step
-        waits up to `deadline`); the same refusals as a request of the model itself."""
-        slot = self._slot(name, version)
-        if isinstance(slot.entry, PipelineEntry):
-            raise ModelNotReady(f"model '{name}' is a pipeline; a step must be a model", retry_after_s=None)
-        self.pool.count(slot)
-        if self.accepting and not slot.resident and self.pool.loadable(slot):
-            await self.pool.acquire(slot, deadline)
-        if not self.accepting:
-            raise ShuttingDown("the server is shutting down and accepts no new requests")
-        slot.used()
-        entry = ready_entry_or_refusal(slot.entry)
-        return entry if slot.rollout is None else slot.rollout.choose(entry, version)
+        if slot is None or slot.removed:
+            raise NotFound(f"unknown model {quote(name)}; this server has {sorted(self._slots)[:20]}")
+        if version not in (None, "", slot.entry.version) and version not in self.other_versions(name):
+            raise NotFound(f"model '{name}' has no version {quote(version)}; it serves "
+                           f"{[slot.entry.version, *self.other_versions(name)]}")
+        return slot
 
     @property
     def slots(self) -> Mapping[str, ModelSlot]:
@@ -297,7 +280,7 @@ class InferenceEngine(EngineAdmin):
 
     async def unload_model(self, name: str) -> ModelView:
         """Stop serving a model: queued and running requests finish, then its workers stop."""
-        slot = self._slot(name, None)
+        slot = self.slot(name, None)
         async with slot.lock:
             entry = slot.entry
             slot.unloaded_by_operator = True  # lazy mode: no request loads it again until an operator does
@@ -307,7 +290,7 @@ class InferenceEngine(EngineAdmin):
 
     async def profile(self, name: str, instance: int, seconds: float) -> bytes:
         """A Chrome/Perfetto trace of one instance's batches over `seconds` (one at a time per model)."""
-        slot = self._slot(name, None)
+        slot = self.slot(name, None)
         entry = slot.entry.ready_entry()
         if slot.profiling:
             raise Conflict(f"a profile of model '{name}' is already being captured; try again when it ends")
@@ -343,7 +326,7 @@ class InferenceEngine(EngineAdmin):
         (off the event loop): live when only batching settings changed, else through a zero-failure
         reload. Returns what happened (for the log); a failed reload raises `LoadFailed` and the
         running version keeps serving unchanged."""
-        slot = self._slot(name, None)
+        slot = self.slot(name, None)
         async with slot.lock:
             entry = slot.entry
             if self.pool.loadable(slot) and entry.state == "unloaded" and config.kind == "model":
@@ -432,7 +415,7 @@ class InferenceEngine(EngineAdmin):
 
     def model(self, name: str, version: str | None = None) -> ModelView:
         """One model; `NotFound` for an unknown name or version."""
-        return self._view(self._slot(name, version))
+        return self._view(self.slot(name, version))
 
     def _view(self, slot: ModelSlot, entry: Entry | None = None) -> ModelView:
         pool = getattr(entry or slot.entry, "pool", None)
@@ -458,13 +441,20 @@ class InferenceEngine(EngineAdmin):
         pool = self.pool
         return (self.accepting, self.draining, self._readiness_policy, self._required_models, self._default_model,
                 tuple((name, slot.entry.version, slot.entry.state, slot.entry.reason, id(slot.entry.config),
-                       pool.loadable(slot), pool.readiness_state(slot), self.other_versions(name))
+                       pool.loadable(slot), pool.readiness_state(slot), self.other_versions(name),
+                       getattr(getattr(slot.entry, "scheduler", None), "batching", None))
                       for name, slot in self._slots.items()))
 
     def other_versions(self, name: str) -> tuple[str, ...]:
-        """The versions `name` serves beside its stable one (a traffic split's), sorted."""
+        """The versions `name` serves beside its stable one (a traffic split's), sorted; for a model
+        not resident, those its model.yaml names (a request loads them with it)."""
         slot = self._slots.get(name)
-        return tuple(sorted(slot.rollout.candidates)) if slot is not None and slot.rollout is not None else ()
+        if slot is None:
+            return ()
+        if slot.rollout is not None:
+            return tuple(sorted(slot.rollout.candidates))
+        config = slot.entry.config
+        return tuple(sorted(config.other_versions)) if config is not None and not slot.resident else ()
 
     def entries(self) -> list[Entry]:
         """Every model's current entry (name, version, state, reason, config), without building
@@ -486,21 +476,12 @@ class InferenceEngine(EngineAdmin):
 
     # --- lookups ---------------------------------------------------------------------------
 
-    def _slot(self, name: str, version: str | None) -> ModelSlot:
-        slot = self._slots.get(name)
-        if slot is None:
-            raise NotFound(f"unknown model {quote(name)}; this server has {sorted(self._slots)[:20]}")
-        if version not in (None, "", slot.entry.version) and (slot.rollout is None or version not in
-                                                              slot.rollout.candidates):
-            raise NotFound(f"model '{name}' has no version {quote(version)}; it serves "
-                           f"{[slot.entry.version, *self.other_versions(name)]}")
-        return slot
-
     def _valid(self, name: str) -> ModelEntry:
-        return self._slot(name, None).entry.configurable()
+        return self.slot(name, None).entry.configurable()
 
 
 def _safe_name(name: str) -> bool:
     """A model name that can only be a directory directly under the repository (and not too long
     for a file name)."""
     return 0 < len(name) <= 200 and not name.startswith(".") and all(c.isalnum() or c in "-_." for c in name)
+

@@ -172,3 +172,13 @@ class InvalidModel:
     def report(self) -> dict[str, Any]:
         """Its state and why."""
         return {"state": "invalid", "reason": self.reason}
+
+
+def ready_entry_or_refusal(entry: Entry) -> ModelEntry:
+    """`entry` if it takes new requests; otherwise the error that says why (the model is not ready,
+    or it is being unloaded or replaced: its own 503 code, never `shutting_down`)."""
+    ready = entry.ready_entry()
+    refusal = ready.refusal()
+    if refusal is not None:
+        raise refusal
+    return ready

@@ -34,11 +34,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from servewell.config.model import ModelConfig
 from servewell.engine.control import ControlOp
 from servewell.engine.protocol import Readiness, RequestResult
+from servewell.engine.request import InferenceRequest
 from servewell.engine.shared_tensors import SharedTensors
 from servewell.errors import ServeError
 from servewell.observability.context import BatchPlacement
@@ -51,21 +50,16 @@ _HEADER = struct.Struct(">I")
 
 @dataclass(slots=True)
 class Envelope:
-    """One inference request on its way to the engine."""
+    """One inference request on its way to the engine: the request whole (engine/request.py), as
+    the ingress built it; its tensors of `shared_tensor_min_bytes` or more in the ingress's shared
+    memory (`shared`, then the request's `inputs` is empty)."""
 
     call_id: int  # unique per ingress connection; the outcome and a cancel name it
-    model: str
-    version: str | None
-    lane: int
-    deadline: float | None  # absolute monotonic seconds; None: the model's default timeout from arrived_at
-    arrived_at: float  # absolute monotonic seconds when the request reached the ingress
-    request_id: str
-    inputs: dict[str, np.ndarray]
-    tenant: str | None = None  # the API key id, when keys are required
-    traceparent: str | None = None  # W3C trace context of the request's span in the ingress
-    route_key: str = ""  # the client's X-Route-Key: keeps it on one version of a traffic split
-    shared: SharedTensors | None = None  # the inputs in the ingress's shared memory (then `inputs` is empty)
-    oip_id: str | None = None  # the client's OIP request id: the payload log keeps it beside request_id
+    request: InferenceRequest
+    shared: SharedTensors | None = None
+
+    def __reduce__(self) -> tuple[type[Envelope], tuple[object, ...]]:
+        return (Envelope, (self.call_id, self.request, self.shared))
 
 
 @dataclass(slots=True)
@@ -98,6 +92,9 @@ class ModelEntrySummary:
     lanes: tuple[str, ...] = ()
     loadable: bool = False  # lazy mode: not resident, and a request loads it (the engine waits for the load)
     versions: tuple[str, ...] = ()  # the other versions it serves beside `version` (a traffic split)
+    #: Its default request timeout as in force (an admin may change it live; None: model.yaml's):
+    #: the ingress resolves every request's absolute deadline with it.
+    default_timeout_ms: float | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -130,6 +127,20 @@ class LiveSettings:
     settings: Any  # ServerConfig as the engine's config reloader applied it
     keys: Any  # api.keys.KeyRing in force (the engine package does not import api/)
     default_rate_per_s: float | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class LaneState:
+    """Whom one model version's full lane refuses now (engine/full_lanes.py): tenant -> places it
+    holds, and the Retry-After; `held` None once the lane refuses nobody. Sent when it changes, and
+    every lane that refuses someone when an ingress connects."""
+
+    model: str
+    version: str
+    lane: int
+    held: dict[str, int] | None
+    depth: int = 0  # requests queued in the lane
+    retry_after_s: float = 1.0
 
 
 @dataclass(slots=True, frozen=True)

@@ -18,14 +18,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from servewell.config.model import ModelConfig
 from servewell.engine.clock import Clock
 from servewell.engine.entry import StopCause, not_ready
+from servewell.engine.full_lanes import FullLaneBoard
 from servewell.engine.memory_budget import MemoryBudget, MemoryEstimate, estimate_model_memory
 from servewell.engine.model_files import model_files, unlisted_files
-from servewell.engine.protocol import InstanceInfo, ModelState, ModelView, RequestResult, SchedulingFacts
+from servewell.engine.protocol import InstanceInfo, ModelState, ModelView, SchedulingFacts
 from servewell.engine.repository import OutsidePolicy, outside_refusal
 from servewell.engine.response_cache import ResponseCache
 from servewell.engine.scheduler import ModelScheduler
@@ -42,7 +41,6 @@ from servewell.errors import (
     WorkerLost,
 )
 from servewell.observability.batch_telemetry import BatchTelemetry
-from servewell.observability.context import client_var
 from servewell.observability.metrics import ModelSample, ServeMetrics, WorkerSample
 from servewell.observability.signals import ModelFacts
 from servewell.observability.tracing import Tracing
@@ -79,6 +77,9 @@ class EntryServices:
     make_room: Callable[[ModelEntry, MemoryEstimate], Awaitable[None]] | None = None
     #: The server's tenants (engine/tenants.py): quotas per request, weights in the queue.
     tenants: Tenants | None = None
+    #: Where the schedulers publish whom their full lanes refuse (engine/full_lanes.py): the door
+    #: hands it on to the ingress processes, which refuse those requests before reading them.
+    full_lanes: FullLaneBoard | None = None
 
 
 class ModelEntry:
@@ -102,8 +103,10 @@ class ModelEntry:
         telemetry = BatchTelemetry(config.name, config.version, config.batching.lanes, metrics,
                                    tracing.tracer if tracing is not None else None)
         tenants = services.tenants
+        board = services.full_lanes
         self.scheduler = ModelScheduler(config, telemetry, services.clock,
-                                        tenants.weight if tenants is not None else None)
+                                        tenants.weight if tenants is not None else None,
+                                        board.publisher(name, config.version) if board is not None else None)
         self._telemetry = telemetry
         self.cache = self._new_cache(config)
         progress = services.on_progress
@@ -148,40 +151,10 @@ class ModelEntry:
         return ResponseCache(self.name, config.cache, self._services.metrics, self._services.clock,
                              version=config.version)
 
-    def submit(self, inputs: dict[str, np.ndarray], rows: int, lane: int, deadline: float | None, request_id: str,
-               arrived_at: float | None) -> asyncio.Future[RequestResult]:
-        """Queue a request (`ModelScheduler.submit`) for its tenant (the caller's key, `client_var`),
-        within the tenant's quotas (`OverQuota` beyond: engine/tenants.py); a model with a response
-        cache answers a repeat from it, or shares an identical request's computation
-        (engine/response_cache.py)."""
-        tenants = self._services.tenants
-        if tenants is None or not tenants.enabled:
-            return self.submit_admitted(inputs, rows, lane, deadline, request_id, arrived_at, "")
-        policy = tenants.of(client_var.get())
-        tenants.admit(policy, self.scheduler.tenant_depth(policy.id), self.name)
-        started = time.monotonic()
-        try:
-            future = self.submit_admitted(inputs, rows, lane, deadline, request_id, arrived_at, policy.id)
-        except BaseException:
-            tenants.release(policy.id, started)
-            raise
-        future.add_done_callback(lambda _: tenants.release(policy.id, started))
-        return future
-
-    def submit_admitted(self, inputs: dict[str, np.ndarray], rows: int, lane: int, deadline: float | None,
-                        request_id: str, arrived_at: float | None, tenant: str,
-                        coalesce: bool = False) -> asyncio.Future[RequestResult]:
-        """`submit` for a request whose tenant's quotas were counted already (a pipeline's step:
-        the pipeline request counts once); `tenant` still orders it in the fair queue. `coalesce`:
-        see `ModelScheduler.submit`."""
-        cache = self.cache
-        if cache is None:
-            return self.scheduler.submit(inputs, rows, lane, deadline, request_id, arrived_at, tenant, coalesce)
-        if deadline is None:
-            start = arrived_at if arrived_at is not None else time.monotonic()
-            deadline = start + self.scheduler.batching.default_timeout_ms / 1000.0
-        compute = partial(self.scheduler.submit, inputs, rows, lane, deadline, request_id, arrived_at, tenant, coalesce)
-        return cache.serve(inputs, deadline, compute, partial(self._telemetry.count, lane), tenant)
+    def count_outcome(self, lane: int) -> Callable[[str], None]:
+        """Counts, per outcome, the requests of `lane` that the scheduler never sees (answered by
+        the response cache, or sharing another request's computation)."""
+        return partial(self._telemetry.count, lane)
 
     def update_batching(self, changes: Mapping[str, Any]) -> dict[str, Any]:
         """An admin's live change of batching settings (all or nothing); a None value returns that

@@ -86,8 +86,12 @@ class ModelPool:
 
     def __init__(self, settings: PoolSettings, slots: dict[str, ModelSlot], budget: MemoryBudget,
                  new_entry: Callable[[str, ModelConfig], ModelEntry],
-                 metrics: ServeMetrics | None = None) -> None:
+                 metrics: ServeMetrics | None = None,
+                 loaded: Callable[[ModelSlot], Awaitable[None]] | None = None) -> None:
         self.settings = settings
+        #: Called (with the slot's lock held) once a lazy load made the model resident: the engine
+        #: loads the versions its model.yaml names then (its traffic split, its shadow).
+        self._loaded = loaded
         self._slots = slots
         self._budget = budget
         self._new_entry = new_entry  # (name, config) -> a fresh, unloaded ModelEntry
@@ -275,6 +279,8 @@ class ModelPool:
             if entry.state != "ready":
                 raise ModelNotReady(f"model '{slot.name}' failed to load: {entry.reason}")
             await self._meter.measure([(slot, entry)])  # after warm-up: what it holds counts from now on
+            if self._loaded is not None:
+                await self._loaded(slot)  # a cold load follows the split as a load at start does
         seconds = time.monotonic() - started
         slot.load_s = entry.load_s or seconds
         slot.cold_starts += 1

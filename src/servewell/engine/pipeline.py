@@ -9,8 +9,8 @@ through an ingress. Steps whose sources are ready run together (the DAG's levels
 so a fan-out costs the slowest branch, not the sum.
 
 `PipelineEntry` is the pipeline's `Entry` in its slot (no worker, no memory; validated against its
-step models at load, and a step again whenever its model was reloaded); `PipelineHandle` is what
-a request resolves (`ServedModel`).
+step models at load, and a step again whenever its model was reloaded); `PipelineSteps` runs a
+request's steps, each one more request of the admission chain (engine/admission.py).
 """
 
 from __future__ import annotations
@@ -34,19 +34,18 @@ from servewell.config.pipeline import PipelineStep, split_source
 from servewell.config.tensors import TensorSpec
 from servewell.engine.entry import StopCause, not_ready
 from servewell.engine.lanes import resolve_lane
-from servewell.engine.model_handle import log_payload
 from servewell.engine.pipeline_check import StepConfigs, check_pipeline, check_step
 from servewell.engine.protocol import ModelState, ModelView, RequestResult, StepTiming
-from servewell.engine.validation import check_inputs
-from servewell.errors import Conflict, DeadlineExceeded, InvalidInput, ModelNotReady, ServeError, ShuttingDown
-from servewell.observability.context import client_var
+from servewell.errors import Conflict, InvalidInput, ModelNotReady, ServeError
 from servewell.observability.metrics import ModelSample
 from servewell.observability.signals import ModelFacts
 
 if TYPE_CHECKING:
+    from servewell.engine.admission import AdmissionChain
     from servewell.engine.engine import InferenceEngine
     from servewell.engine.model_entry import EntryServices, ModelEntry
     from servewell.engine.model_slot import ModelSlot
+    from servewell.engine.request import InferenceRequest
 
 log = logging.getLogger("servewell.engine")
 
@@ -84,6 +83,7 @@ class PipelineEntry:
         #: The step model config each step was last checked against (by identity: a reload makes a new one).
         self._checked: dict[str, ModelConfig] = {}
         self._inflight: set[asyncio.Future[RequestResult]] = set()
+        self._steps = PipelineSteps(self, engine)
 
     @property
     def version(self) -> str:
@@ -154,7 +154,7 @@ class PipelineEntry:
                 future.set_exception(error)
 
     def ready_entry(self) -> ModelEntry:
-        """A pipeline is served through its `PipelineHandle`, never as one model's entry."""
+        """A pipeline is served by running its steps (`run`), never as one model's entry."""
         if self.state != "ready":
             raise not_ready(self.name, self.state, self.reason)
         raise Conflict(f"{self.label} has no worker, scheduler or batching of its own; its steps' models "
@@ -181,89 +181,64 @@ class PipelineEntry:
         return {"state": self.state, "version": self.version, "file": str(self.directory / "model.yaml"),
                 "loaded_at": self.configured_at, "overrides": {}, "config": self.config.model_dump(mode="json")}
 
+    def check_open(self) -> None:
+        """Refuse now what could not run: the pipeline stopping or not ready."""
+        if self.stopping is not None or self.state != "ready":
+            raise not_ready(self.name, self.state if self.stopping is None else "unloaded", self.reason)
+
+    def run(self, chain: AdmissionChain, request: InferenceRequest, rows: int) -> asyncio.Future[RequestResult]:
+        """Run an admitted request's steps (the admission chain's last stage for a pipeline)."""
+        self.check_open()
+        return self._steps.start(chain, request, rows)
+
     def track(self, future: asyncio.Future[RequestResult]) -> None:
         """Keep a running request until it ends (drain on stop, `fail_all`)."""
         self._inflight.add(future)
         future.add_done_callback(self._inflight.discard)
 
 
-class PipelineHandle:
-    """A request's view of a ready pipeline (`ServedModel`)."""
+class PipelineSteps:
+    """Runs one pipeline's requests: each step is one more request of the admission chain (its
+    model's version, lazy load, input check, deadline, fair lane admission and observers apply),
+    with the pipeline request's tenant, deadline and ids; the tensors between steps stay here."""
 
-    __slots__ = ("_entry", "_engine", "name", "config")
+    __slots__ = ("_entry", "_engine")
 
     def __init__(self, entry: PipelineEntry, engine: InferenceEngine) -> None:
         self._entry = entry
         self._engine = engine
-        self.name = entry.name
-        self.config: ModelConfig = entry.config
 
-    def resolve_lane(self, urgency: str | None = None, priority: object = None) -> int:
-        """Lane index for a request's urgency and/or OIP priority, among the pipeline's lanes."""
-        return resolve_lane(self.config.batching.lanes, urgency, priority)
-
-    def admit(self, lane: int) -> None:
-        """Refuse now what could not run: the pipeline stopping or not ready, the server draining."""
-        self._check_open()
-
-    def _check_open(self) -> None:
-        entry = self._entry
-        if not self._engine.accepting:
-            raise ShuttingDown("the server is shutting down and accepts no new requests")
-        if entry.stopping is not None or entry.state != "ready":
-            raise not_ready(self.name, entry.state if entry.stopping is None else "unloaded", entry.reason)
-
-    def infer(self, inputs: dict[str, np.ndarray], *, lane: int, deadline: float | None, request_id: str,
-              arrived_at: float | None) -> asyncio.Future[RequestResult]:
-        """Validate the request against the pipeline's inputs and run its steps."""
-        self._check_open()
-        rows = check_inputs(self.config, inputs)
-        now = time.monotonic()
-        start = arrived_at if arrived_at is not None else now
-        deadline_at = deadline if deadline is not None else start + self.config.batching.default_timeout_ms / 1000.0
-        if deadline_at <= now:
-            raise DeadlineExceeded(f"the request's deadline passed before {self._entry.label} started")
-        tenants = self._engine.tenants
-        tenant = ""
-        if tenants is not None and tenants.enabled:  # a pipeline request counts once against its quotas
-            policy = tenants.of(client_var.get())
-            tenants.admit(policy, 0, self.name)
-            tenant = policy.id
+    def start(self, chain: AdmissionChain, request: InferenceRequest, rows: int) -> asyncio.Future[RequestResult]:
+        """Run `request`'s steps; the returned future is its answer (cancelling it drops its steps)."""
         outer: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
-        task = asyncio.ensure_future(self._run(inputs, rows, lane, deadline_at, request_id, tenant))
+        task = asyncio.ensure_future(self._run(chain, request, rows))
         task.add_done_callback(partial(_settle, outer))
         outer.add_done_callback(lambda _: task.cancel())  # answered elsewhere or cancelled: drop its steps
-        if tenants is not None and tenants.enabled:
-            outer.add_done_callback(lambda _: tenants.release(tenant, now))
         self._entry.track(outer)
-        payload = self._engine.payload_log
-        if payload is not None and payload.wants(self.name):
-            outer.add_done_callback(partial(log_payload, payload, self.name, self.config.version, inputs, request_id,
-                                            now))
         return outer
 
-    async def _run(self, inputs: dict[str, np.ndarray], rows: int, lane: int, deadline: float, request_id: str,
-                   tenant: str) -> RequestResult:
-        run = _Run(dict(inputs), set(), {})
-        lane_name = self.config.batching.lanes[min(lane, len(self.config.batching.lanes) - 1)]
+    async def _run(self, chain: AdmissionChain, request: InferenceRequest, rows: int) -> RequestResult:
+        run = _Run(dict(request.inputs), set(), {})
+        lanes = self._entry.config.batching.lanes
+        lane_name = lanes[min(request.lane, len(lanes) - 1)]
         for level in self._entry.levels:
             if len(level) == 1:
-                await self._step(level[0], run, rows, lane_name, deadline, request_id, tenant)
+                await self._step(chain, level[0], run, request, lane_name)
                 continue
-            tasks = [asyncio.ensure_future(self._step(step, run, rows, lane_name, deadline, request_id, tenant))
-                     for step in level]
+            tasks = [asyncio.ensure_future(self._step(chain, step, run, request, lane_name)) for step in level]
             try:
                 await asyncio.gather(*tasks)
             except BaseException:
                 for task in tasks:
                     task.cancel()
                 raise
-        outputs = {spec.name: self._output(spec, run) for spec in self.config.outputs}
+        config = self._entry.config
+        outputs = {spec.name: self._output(spec, run) for spec in config.outputs}
         timings = tuple(run.timings[step.name] for step in self._entry.spec.steps)
         ran = [t for t in timings if t.outcome == "success"]
         return RequestResult(outputs, sum(t.queue_s for t in ran), sum(t.compute_s for t in ran),
                              max((t.batch_size for t in ran), default=rows), steps=timings,
-                             version=self.config.version)
+                             version=config.version)
 
     def _output(self, spec: TensorSpec, run: _Run) -> np.ndarray:
         alternatives = self._entry.spec.alternatives(spec.name)
@@ -274,8 +249,8 @@ class PipelineHandle:
         raise InvalidInput(f"{self._entry.label}: no branch answered output {spec.name!r} for this request (the steps "
                            f"of {alternatives} were skipped by their conditions)")
 
-    async def _step(self, step: PipelineStep, run: _Run, rows: int, lane_name: str, deadline: float,
-                    request_id: str, tenant: str) -> None:
+    async def _step(self, chain: AdmissionChain, step: PipelineStep, run: _Run, request: InferenceRequest,
+                    lane_name: str) -> None:
         started = time.monotonic()
         if self._skipped(step, run):
             run.skipped.add(step.name)
@@ -283,27 +258,20 @@ class PipelineHandle:
             self._count(step, "skipped", None)
             return
         try:
-            entry = self._engine.resident_step_entry(step.model, step.version)
-            if entry is None:  # lazy mode, not resident: load it (the step waits up to the deadline)
-                entry = await self._engine.step_entry(step.model, step.version, deadline)
-            self._entry.step_config_checked(step, entry.config)
+            config, why = step_config_of(self._engine.slots, step.model)
+            if config is None:
+                raise ModelNotReady(why, retry_after_s=None)
+            self._entry.step_config_checked(step, config)
             inputs = {target: run.values[source] for target, source in step.inputs.items()}
-            step_rows = check_inputs(entry.config, inputs)
-            left = deadline - time.monotonic()
-            needed = entry.scheduler.predicted_compute_s(step_rows)
-            if left <= needed:
-                raise DeadlineExceeded(f"{left * 1000:.1f} ms were left of the request's deadline and a batch of "
-                                       f"model {step.model!r} takes about {needed * 1000:.1f} ms: not started")
-            lanes = entry.scheduler.lanes
-            step_lane = lanes.index(lane_name) if lane_name in lanes else resolve_lane(lanes)
+            lanes = config.batching.lanes
+            step_request = request.step(step.model, inputs, step.version,
+                                        lanes.index(lane_name) if lane_name in lanes else resolve_lane(lanes))
             if self._traced():
                 with self._span(step) as span:
-                    result = await entry.submit_admitted(inputs, step_rows, step_lane, deadline, request_id, started,
-                                                         tenant, coalesce=True)
+                    result = await chain.submit(step_request, coalesce=True)
                     span.set_attribute("servewell.batch_size", result.batch_size)
             else:
-                result = await entry.submit_admitted(inputs, step_rows, step_lane, deadline, request_id, started,
-                                                     tenant, coalesce=True)
+                result = await chain.submit(step_request, coalesce=True)
         except ServeError as exc:
             self._count(step, exc.code, None)
             raise _named(exc, self._entry.label, step) from None
@@ -333,8 +301,9 @@ class PipelineHandle:
         step model's batch span links to it); only for a traced request (`_traced`)."""
         tracing = self._engine.tracing
         assert tracing is not None
+        name = self._entry.name
         with tracing.tracer.start_as_current_span(
-                f"step {step.name}", attributes={"servewell.pipeline": self.name, "servewell.step": step.name,
+                f"step {step.name}", attributes={"servewell.pipeline": name, "servewell.step": step.name,
                                                  "servewell.model": step.model}) as span:
             yield span
 
@@ -342,9 +311,10 @@ class PipelineHandle:
         metrics = self._engine.metrics
         if metrics is None:
             return
-        metrics.pipeline_steps.labels(self.name, step.name, outcome).inc()
+        name = self._entry.name
+        metrics.pipeline_steps.labels(name, step.name, outcome).inc()
         if elapsed is not None:
-            metrics.pipeline_step_duration.labels(self.name, step.name).observe(elapsed)
+            metrics.pipeline_step_duration.labels(name, step.name).observe(elapsed)
 
 
 def step_config_of(slots: Mapping[str, ModelSlot], name: str) -> tuple[ModelConfig | None, str]:

@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from servewell.config.model import ModelConfig, TensorSpec
+from servewell.engine.request import InferenceRequest
 
 ModelState = Literal["loading", "ready", "restarting", "failed", "invalid", "unloaded"]
 
@@ -167,26 +168,14 @@ class ServedModel(Protocol):
         """The lane index for a request's urgency and/or OIP priority (`InvalidInput` if unknown)."""
         ...
 
-    def admit(self, lane: int) -> None:
-        """Refuse now (`Overloaded`, `ShuttingDown`, `ModelNotReady`) what could not be queued,
-        before the caller spends anything on decoding."""
+    @property
+    def default_timeout_s(self) -> float:
+        """The model's default request timeout as in force (what a request without its own gets)."""
         ...
 
-    def infer(
-        self,
-        inputs: dict[str, np.ndarray],
-        *,
-        lane: int,
-        deadline: float | None,
-        request_id: str,
-        arrived_at: float | None,
-    ) -> asyncio.Future[RequestResult]:
-        """Validate and queue one request; the future resolves with its result or a `ServeError`.
-        Cancelling the future drops the request if it has not run yet.
-
-        `deadline` and `arrived_at` are absolute `time.monotonic()` seconds (the one deadline unit,
-        equal to the event loop's `loop.time()`); `deadline` None means the model's default timeout
-        (`batching.default_timeout_ms`, live) counted from `arrived_at` (None: now)."""
+    def admit(self, lane: int, tenant: str = "") -> None:
+        """Refuse now (`Overloaded`, `ShuttingDown`, `ModelNotReady`) what the admission chain would
+        refuse at once, before the caller spends anything on reading or decoding the request."""
         ...
 
 
@@ -206,13 +195,19 @@ class ServingEngine(Protocol):
         """`readiness`, allowed to ask an engine in another process (gRPC ServerReady uses it)."""
         ...
 
-    def resolve(self, name: str, version: str | None = None) -> ServedModel:
-        """The ready model `name` (`NotFound` for an unknown name or version, `ModelNotReady`,
-        `ShuttingDown`)."""
+    async def resolve_async(self, name: str, version: str | None = None) -> ServedModel:
+        """Model `name` for a request about to be built (`NotFound` for an unknown name or version,
+        `ModelNotReady`, `ShuttingDown`); allowed to ask an engine in another process."""
         ...
 
-    async def resolve_async(self, name: str, version: str | None = None) -> ServedModel:
-        """`resolve`, allowed to ask an engine in another process when its own table is not sure."""
+    def resolve_now(self, name: str, version: str | None = None) -> ServedModel | None:
+        """`resolve_async` from what this process knows now (None: it would have to ask)."""
+        ...
+
+    def submit(self, request: InferenceRequest) -> asyncio.Future[RequestResult]:
+        """Admit `request` (the admission chain, engine/admission.py); a refusal is raised at once,
+        the future resolves with the answer or the `ServeError` it got. Cancelling it drops the
+        request if it has not run yet."""
         ...
 
     def default_model_name(self) -> str:

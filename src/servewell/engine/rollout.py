@@ -33,19 +33,17 @@ from functools import partial
 from types import EllipsisType
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from servewell.config.model import ModelConfig
 from servewell.config.rollout import RollbackConfig, RolloutConfig
 from servewell.engine.protocol import RequestResult
 from servewell.engine.rollout_rules import RollbackRules, RolloutJudge, Verdict
 from servewell.engine.shadow_compare import compare_outputs
 from servewell.errors import NotFound, ServeError, quote
-from servewell.observability.context import client_var, route_key_var
 from servewell.observability.metrics import RolloutGauges
 
 if TYPE_CHECKING:
     from servewell.engine.model_entry import ModelEntry
+    from servewell.engine.request import InferenceRequest
     from servewell.observability.metrics import ServeMetrics
 
 log = logging.getLogger("servewell.rollout")
@@ -185,8 +183,9 @@ class Rollout:
 
     # --- the request path ------------------------------------------------------------------
 
-    def choose(self, stable: ModelEntry, asked: str | None) -> ModelEntry:
-        """The entry that serves a request: the version it asked for, else drawn by the weights."""
+    def choose(self, stable: ModelEntry, asked: str | None, request: InferenceRequest | None = None) -> ModelEntry:
+        """The entry that serves a request: the version it asked for, else drawn by the weights
+        (sticky by `request`'s route key or tenant, per `rollout.sticky`)."""
         if asked not in (None, ""):
             if asked == stable.version:
                 return stable
@@ -198,9 +197,9 @@ class Rollout:
         if not versions or versions == [stable.version]:
             return stable
         sticky = self.settings.sticky
-        key = route_key_var.get() if sticky == "route_key" else ""
-        if not key and sticky != "none":
-            key = client_var.get()
+        key = request.route_key if sticky == "route_key" and request is not None else ""
+        if not key and sticky != "none" and request is not None:
+            key = request.tenant or request.key_id
         point = (zlib.crc32(key.encode("utf-8", "replace")) / 4294967296.0) if key else random.random()
         version = versions[min(bisect.bisect_right(self._bounds, point), len(versions) - 1)]
         if version == stable.version:
@@ -214,14 +213,11 @@ class Rollout:
         """Whether the rules have anything to judge (a canary takes traffic, or a shadow runs)."""
         return self._judging or (self.shadow_version is not None and self.shadow_percent > 0)
 
-    def submitted(self, entry: ModelEntry, future: asyncio.Future[RequestResult], inputs: dict[str, np.ndarray],
-                  rows: int, request_id: str) -> None:
-        """A request that names no version or one of ours was queued on `entry`: report its answer
-        to the judge while a canary is judged, and shadow it while a shadow runs."""
+    def submitted(self, entry: ModelEntry, future: asyncio.Future[RequestResult]) -> None:
+        """A request that names no version or one of ours was queued on `entry`: while a canary is
+        judged, its answer is reported to the judge."""
         if self._judging:
             future.add_done_callback(partial(self.report, entry.version, time.monotonic()))
-        if self.shadow_percent > 0:
-            self.shadow(entry, inputs, rows, request_id, future)
 
     def report(self, version: str, started: float, future: asyncio.Future[RequestResult]) -> None:
         """A request of `version` finished (a done callback): feed the judge and the counters."""
@@ -237,49 +233,41 @@ class Rollout:
         if self._metrics is not None:
             self._metrics.rollout_requests.labels(self.name, version, "error" if bad else "success").inc()
 
-    def shadow(self, primary: ModelEntry, inputs: dict[str, np.ndarray], rows: int, request_id: str,
-               primary_future: asyncio.Future[RequestResult]) -> None:
-        """Copy the request to the shadow version, if the dice say so, once the primary answered (its
-        engine work then never delays the primary's answer) and only on spare capacity."""
+    def shadow_for(self, primary: ModelEntry) -> str | None:
+        """The version a request served by `primary` is copied to, if the dice say so and the
+        primary has spare capacity (None: no copy; a copy shed under pressure is counted)."""
         version = self.shadow_version
-        if version is None or version == primary.version or random.random() * 100.0 >= self.shadow_percent:
-            return
+        if version is None or version == primary.version or self.shadow_percent <= 0 or \
+                random.random() * 100.0 >= self.shadow_percent:
+            return None
         scheduler = primary.scheduler
         # Pressure: the share of recent requests that found the primary computing with others waiting.
         waited = 1.0 if scheduler.running_rows and scheduler.queue_depth > 1 else 0.0
         self._pressure += SHADOW_PRESSURE_ALPHA * (waited - self._pressure)
         if self._pressure > SHADOW_PRESSURE_LIMIT or scheduler.queue_depth > max(1, scheduler.max_batch_size):
             self._shed += 1  # counted in the metrics each second (`flush_shed`): at saturation, every request
-            return
-        primary_future.add_done_callback(partial(self._primary_done, version, inputs, rows, request_id))
+            return None
+        return version
 
-    def _primary_done(self, version: str, inputs: dict[str, np.ndarray], rows: int, request_id: str,
-                      future: asyncio.Future[RequestResult]) -> None:
-        if future.cancelled() or future.exception() is not None:
-            return  # nothing to compare with (the primary's own count says why)
-        # After this loop step: the primary's answer is written back before the copy costs anything.
-        asyncio.get_running_loop().call_later(0.0, self._launch, version, inputs, rows, request_id, future.result())
-
-    def _launch(self, version: str, inputs: dict[str, np.ndarray], rows: int, request_id: str,
-                primary: RequestResult) -> None:
+    def shadow_room(self, version: str) -> ModelEntry | None:
+        """The shadow version's entry when a copy may be queued on it now: it serves and is not a
+        batch's worth behind (None: the copy is shed, and counted)."""
         entry = self.candidates.get(version)
         if entry is None or entry.state != "ready" or entry.stopping is not None or self.shadow_version != version:
-            return
+            return None
         scheduler = entry.scheduler
         if scheduler.queue_depth + scheduler.running_rows >= max(1, scheduler.max_batch_size) * entry.config.instances:
-            self._count_shadow(version, "shed")  # the shadow is behind: drop the copy rather than queue it
-            return
-        started = time.monotonic()
-        try:
-            copy = entry.submit_admitted(inputs, rows, len(scheduler.lanes) - 1, started + SHADOW_TIMEOUT_S,
-                                         request_id, started, "")
-        except ServeError:
-            self._count_shadow(version, "shed")
-            return
-        copy.add_done_callback(partial(self._compare, version, primary, entry.config.max_batch_size > 0))
+            self.shadow_shed(version)  # the shadow is behind: drop the copy rather than queue it
+            return None
+        return entry
 
-    def _compare(self, version: str, primary: RequestResult, batched: bool,
-                 copy: asyncio.Future[RequestResult]) -> None:
+    def shadow_shed(self, version: str) -> None:
+        """A copy for `version` could not be queued."""
+        self._count_shadow(version, "shed")
+
+    def compare(self, version: str, primary: RequestResult, batched: bool,
+                copy: asyncio.Future[RequestResult]) -> None:
+        """A done callback of a shadow copy: compare its answer with the primary's."""
         if copy.cancelled() or copy.exception() is not None:
             self._count_shadow(version, "failed")
             return

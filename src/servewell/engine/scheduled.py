@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import numpy as np
-
 from servewell.engine.batch_queue import QueuedItem
 from servewell.engine.protocol import RequestResult
+from servewell.engine.request import InferenceRequest
 from servewell.errors import ServeError
 from servewell.observability.batch_telemetry import TraceMark
 
@@ -19,8 +18,7 @@ class PendingRequest:
     """What a queued or running request carries; the queue's `QueuedItem` holds it with its
     lane, rows, shape and deadline, and that item is the request's one record."""
 
-    inputs: dict[str, np.ndarray]
-    request_id: str
+    request: InferenceRequest
     future: asyncio.Future[RequestResult]
     trace: TraceMark | None = None
 

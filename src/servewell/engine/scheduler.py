@@ -26,8 +26,10 @@ from servewell.engine.batch_runner import BatchOutcome, BatchRunner, split_rows
 from servewell.engine.batch_settings import validated_update
 from servewell.engine.batch_watch import BatchWatch, compute_budget_s
 from servewell.engine.clock import Clock, LoopClock
+from servewell.engine.full_lanes import FullLanes, Publish, lane_full
 from servewell.engine.protocol import RequestResult
 from servewell.engine.pump_wakeups import PumpWakeups
+from servewell.engine.request import InferenceRequest
 from servewell.engine.runner_roster import RunnerRoster
 from servewell.engine.scheduled import PendingRequest, Request, SchedulerStats, fail, failed
 from servewell.errors import (
@@ -49,7 +51,8 @@ class ModelScheduler:
     """Queues requests for one model and runs them in batches on its runners."""
 
     def __init__(self, config: ModelConfig, telemetry: BatchTelemetry | None = None,
-                 clock: Clock | None = None, weight_of: Callable[[str], float] | None = None) -> None:
+                 clock: Clock | None = None, weight_of: Callable[[str], float] | None = None,
+                 full_lanes: Publish | None = None) -> None:
         self.config = config
         self.lanes: tuple[str, ...] = tuple(config.batching.lanes)
         self.batching: BatchingConfig = config.batching
@@ -73,6 +76,7 @@ class ModelScheduler:
         self._in_flight: dict[int, list[Request]] = {}
         self._serials = itertools.count()
         self.stats = SchedulerStats()
+        self._full_lanes = FullLanes(full_lanes)  # who a full lane refuses, for the ingress processes
 
     # --- settings ------------------------------------------------------------------------
 
@@ -176,38 +180,24 @@ class ModelScheduler:
         tenant and its places), Retry-After from the predicted drain."""
         self.stats.rejected += 1
         self._telemetry.count(lane, "rejected")
-        held = self._queue.places(lane).get(tenant, 0)
-        who = f"tenant '{tenant}'" if tenant else "the anonymous tenant"
-        return Overloaded(
-            f"model '{self.config.name}' has {self._queue.depth(lane)} requests queued in lane "
-            f"'{self.lanes[lane]}', its limit; {who} holds {held} of them, the most beyond its share",
-            retry_after_s=self._predicted_drain_s(), tenant=tenant,
-        )
+        return lane_full(self.config.name, self.lanes[lane], self._queue.depth(lane), tenant,
+                         self._queue.places(lane).get(tenant, 0), self._predicted_drain_s())
 
     def predicted_compute_s(self, rows: int) -> float:
         """What a batch of `rows` is expected to take, from the batches measured so far (0 before any)."""
         latency = self._learned.latency
         return latency.predict(rows) if latency.observed else 0.0
 
-    def submit(
-        self,
-        inputs: dict[str, np.ndarray],
-        rows: int,
-        lane: int,
-        deadline: float | None,
-        request_id: str,
-        arrived_at: float | None = None,
-        tenant: str = "",
-        coalesce: bool = False,
-    ) -> asyncio.Future[RequestResult]:
-        """Queue a request in lane index `lane`; its future resolves with the result or a `ServeError`.
+    def submit(self, request: InferenceRequest, rows: int, coalesce: bool = False) -> asyncio.Future[RequestResult]:
+        """Queue `request` in its lane; its future resolves with the result or a `ServeError`.
 
-        `deadline` is absolute, in the one deadline unit: `time.monotonic()` seconds, the clock's
-        `now()` (`loop.time()`). None means the model's `default_timeout_ms` (live) counted from
-        `arrived_at` (clock time when the request reached the server; default now), so decoding time
-        is part of it. Raises `Overloaded` at once when the lane is full, `ShuttingDown` while
-        draining, `DeadlineExceeded` when the deadline has already passed. Cancelling the future
-        (the client went away) drops the request before compute.
+        `rows`: the request's rows, as the admission chain counted them (`check_inputs`).
+        The deadline is the request's (`deadline_at`, absolute `time.monotonic()` seconds, the
+        clock's `now()`); whether it can still be met was the chain's question (`FitsDeadline`), a
+        deadline that passes while queued answers 503 `deadline_exceeded` at the next pump. Raises
+        `Overloaded` at once when the lane is full and the request's tenant holds most of it beyond
+        its share (another tenant's newest request is pushed out otherwise), `ShuttingDown` while
+        draining. Cancelling the future (the client went away) drops the request before compute.
 
         A request is handed to a free runner before this returns, unless `coalesce`: then batches
         form once this event-loop step ends, with every request submitted during it. A pipeline's
@@ -215,23 +205,18 @@ class ModelScheduler:
         same loop step, and on a fast model (its instance free again by then) the first of them
         would otherwise go alone and the rest wait for it.
         """
+        lane, tenant = request.lane, request.tenant
         if not self._accepting:
             self._telemetry.count(lane, "rejected")
             raise ShuttingDown("the server is shutting down and accepts no new requests")
         if rows > self.max_batch_size and self.config.max_batch_size > 0:
             raise InvalidInput(f"a batch of {rows} exceeds the current max_batch_size {self.max_batch_size}")
         now = self._clock.now()
-        start = arrived_at if arrived_at is not None else now
-        deadline_at = deadline if deadline is not None else start + self.batching.default_timeout_ms / 1000.0
-        if deadline_at <= now:
-            self.stats.expired += 1
-            self._telemetry.count(lane, "deadline_exceeded")
-            raise DeadlineExceeded(f"the request's deadline of {(deadline_at - start) * 1000:.0f} ms passed before "
-                                   "it was queued")
         future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
+        inputs = request.inputs
         shape_key = tuple((name, a.shape[1:], a.dtype.str) for name, a in inputs.items())
         mark = self._telemetry.mark(self._queue.depth(lane))  # queue position: requests ahead in its lane
-        item = QueuedItem(PendingRequest(inputs, request_id, future, mark), lane, rows, shape_key, deadline_at, now,
+        item = QueuedItem(PendingRequest(request, future, mark), lane, rows, shape_key, request.deadline_at, now,
                           tenant=tenant)
         admission = self._queue.push(item)
         if not admission.admitted:
@@ -253,6 +238,7 @@ class ModelScheduler:
             self._telemetry.count(item.lane, "cancelled")
         self._queue.cancel(item)
         self._check_drained()
+        self._full_lanes.refresh(self._queue, len(self.lanes), self._predicted_drain_s)
 
     # --- the pump ------------------------------------------------------------------------
 
@@ -290,6 +276,7 @@ class ModelScheduler:
             wake_at = deadline
         self._wakeups.at(wake_at)
         self._check_drained()
+        self._full_lanes.refresh(self._queue, len(self.lanes), self._predicted_drain_s)
 
     def _expire(self, item: Request, why: str) -> None:
         self.stats.expired += 1
@@ -338,7 +325,7 @@ class ModelScheduler:
         """`runner.send_batch` the batch; a runner that refuses it at once gives a failed future."""
         try:
             return runner.send_batch(
-                {spec.name: [item.payload.inputs[spec.name] for item in batch] for spec in self.config.inputs},
+                {spec.name: [item.payload.request.inputs[spec.name] for item in batch] for spec in self.config.inputs},
                 traceparent_of(span.get_span_context()) if span is not None else None,
                 [item.deadline_at for item in batch],
             )
@@ -474,6 +461,7 @@ class ModelScheduler:
                 for item in batch:
                     fail(item, error)
         self._check_drained()
+        self._full_lanes.refresh(self._queue, len(self.lanes), self._predicted_drain_s)
 
     def stop_accepting(self) -> None:
         """Refuse new requests from now on (`ShuttingDown`); queued ones still run."""

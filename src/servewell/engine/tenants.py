@@ -4,7 +4,8 @@ A tenant is an API key, or the keys that name the same `tenant=` in the keys fil
 (api/keys.py); requests without a key (no keys configured) are the one anonymous tenant "".
 This lives in the engine process, one per server, so quotas hold across every ingress process:
 
-* **rate** (`rate=`): a token bucket per tenant, bursts up to one second's worth;
+* **rate** (`rate=`, else the server's `api_key_rate_per_s`): a token bucket per tenant, bursts up
+  to one second's worth; the only rate limit (an ingress process checks none of its own);
 * **concurrency** (`concurrency=`): requests admitted and not yet answered, all models together;
 * **queue** (`queue=`): requests waiting in one model's queue.
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 #: The anonymous tenant: requests that presented no key (the server has none configured).
 ANONYMOUS = ""
-TENANT_RESULTS = ("admitted", "over_rate", "over_concurrency", "over_queue")
+TENANT_RESULTS = ("admitted", "over_rate", "over_concurrency", "over_queue", "failed")
 
 
 def tenant_label(tenant: str) -> str:
@@ -57,8 +58,9 @@ class TenantPolicy:
         return self.rate_per_s is not None or self.max_concurrent is not None or self.max_queued is not None
 
 
-def policies_of(ring: KeyRing) -> dict[str, TenantPolicy]:
-    """Each key id's tenant policy (keys of one tenant share it; api/keys.py checked they agree)."""
+def policies_of(ring: KeyRing, default_rate_per_s: float | None = None) -> dict[str, TenantPolicy]:
+    """Each key id's tenant policy (keys of one tenant share it; api/keys.py checked they agree);
+    a tenant whose keys name no rate gets `default_rate_per_s`."""
     by_tenant: dict[str, dict[str, Any]] = {}
     owners: dict[str, str] = {}
     for key in ring.keys:
@@ -68,6 +70,9 @@ def policies_of(ring: KeyRing) -> dict[str, TenantPolicy]:
             if value is not None:
                 fields.setdefault(name, value)
         owners[key.id] = key.tenant_id
+    if default_rate_per_s is not None:
+        for fields in by_tenant.values():
+            fields.setdefault("rate_per_s", default_rate_per_s)
     policies = {tenant: TenantPolicy(tenant, **fields) for tenant, fields in by_tenant.items()}
     return {key_id: policies[tenant] for key_id, tenant in owners.items()}
 
@@ -76,12 +81,17 @@ class Tenants:
     """The tenants of the keys in force: quotas checked per request, counts kept per tenant."""
 
     def __init__(self, ring: Callable[[], KeyRing | None] = lambda: None, metrics: ServeMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 default_rate: Callable[[], float | None] = lambda: None) -> None:
         self._ring = ring
+        #: The rate of a tenant whose keys name none (`api_key_rate_per_s`, live).
+        self._default_rate = default_rate
+        self._rate_seen: float | None = None
         self._seen: KeyRing | None = None
         self._file: dict[str, TenantPolicy] = {}  # per key id, as the keys file says
         self._overrides: dict[str, dict[str, Any]] = {}  # per tenant, from the admin API
         self._by_key: dict[str, TenantPolicy] = {}  # per key id, the policy in force
+        self._by_tenant: dict[str, TenantPolicy] = {}  # per tenant id, the same policies
         self._weights: dict[str, float] = {}
         self._anonymous = TenantPolicy(ANONYMOUS)
         self._metrics = metrics
@@ -92,10 +102,11 @@ class Tenants:
 
     def _refresh(self) -> None:
         ring = self._ring()
-        if ring is self._seen:
+        rate = self._default_rate()
+        if ring is self._seen and rate == self._rate_seen:
             return
-        self._seen = ring
-        self._file = policies_of(ring) if ring is not None else {}
+        self._seen, self._rate_seen = ring, rate
+        self._file = policies_of(ring, rate) if ring is not None else {}
         self._overrides.clear()  # the file changed: it wins, as model.yaml does over batching changes
         self._apply()
         tenants = set(self._weights) | {ANONYMOUS}
@@ -107,6 +118,7 @@ class Tenants:
         changed = {p.id: dataclasses.replace(p, **self._overrides[p.id]) for p in self._file.values()
                    if p.id in self._overrides}
         self._by_key = {key: changed.get(p.id, p) for key, p in self._file.items()}
+        self._by_tenant = {p.id: p for p in self._by_key.values()}
         self._weights = {p.id: p.weight for p in self._by_key.values()}
 
     def update(self, tenant: str, changes: dict[str, Any]) -> dict[str, Any]:
@@ -139,6 +151,12 @@ class Tenants:
         """The policy of the tenant whose key is `key_id` ("" or an unknown id: anonymous)."""
         self._refresh()
         return self._by_key.get(key_id, self._anonymous) if key_id else self._anonymous
+
+    def policy(self, tenant: str) -> TenantPolicy:
+        """The policy of tenant `tenant` (a request carries its tenant id; "" or an unknown id:
+        the anonymous tenant's)."""
+        self._refresh()
+        return self._by_tenant.get(tenant, self._anonymous) if tenant else self._anonymous
 
     def weight(self, tenant: str) -> float:
         """A tenant's weight (1 for one not configured)."""
@@ -182,6 +200,23 @@ class Tenants:
                                 retry_after_s=(1.0 - tokens) / rate)
             self._buckets[tenant] = (tokens - 1.0, now)
 
+    def count_outcome(self, tenant: str, result: str) -> None:
+        """Count a request of `tenant` that failed (an error that is not a refusal)."""
+        self._count(tenant, result)
+
+    def refused_counts(self) -> dict[str, int]:
+        """Refusals (429, 503) per tenant id, whichever process refused them: from the merged
+        `servewell_refusals_total` (an ingress refuses a full lane's requests before the engine
+        sees them); quota refusals are counted apart (over_rate, ...) and left out here."""
+        if self._metrics is None:
+            return {}
+        totals: dict[str, int] = {}
+        for (_, _, label, reason), value in self._metrics.refusals.snapshot():
+            if reason != "over_quota":
+                tenant = ANONYMOUS if label == tenant_label(ANONYMOUS) else label
+                totals[tenant] = totals.get(tenant, 0) + int(value)
+        return totals
+
     def _count(self, tenant: str, result: str) -> None:
         counts = self.counts.get(tenant)
         if counts is None:
@@ -197,8 +232,10 @@ class Tenants:
         policies = {p.id: p for p in self._by_key.values()}
         if ANONYMOUS in self.counts:
             policies.setdefault(ANONYMOUS, self._anonymous)
+        refused = self.refused_counts()
         return [{"tenant": tenant_label(t), "weight": p.weight, "rate_per_s": p.rate_per_s,
                  "max_concurrent": p.max_concurrent, "max_queued": p.max_queued,
                  "overrides": dict(self._overrides.get(t, {})),
-                 "inflight": self.inflight.get(t, 0), **self.counts.get(t, dict.fromkeys(TENANT_RESULTS, 0))}
+                 "inflight": self.inflight.get(t, 0), **self.counts.get(t, dict.fromkeys(TENANT_RESULTS, 0)),
+                 "refused": refused.get(t, 0)}
                 for t, p in sorted(policies.items())]

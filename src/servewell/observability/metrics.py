@@ -139,8 +139,14 @@ class ServeMetrics:
             "than ttl_s).", ["model", "reason"], registry=r)
         self.tenant_requests = LoopCounter(
             "servewell_tenant_requests", "Inference requests per tenant (the keys file's tenants; '-': no key) by "
-            "result: admitted, or refused over a quota (over_rate, over_concurrency, over_queue).",
+            "result: admitted; refused over a quota (over_rate, over_concurrency, over_queue); refused (any 429 or 503 "
+            "after admission, e.g. pushed out of a full lane) or failed (any other error).",
             ["tenant", "result"], registry=r)
+        self.refusals = LoopCounter(
+            "servewell_refusals", "Inference requests refused (429, 503) by model, lane, tenant (the keys file's; '-': "
+            "no key) and reason (the error code: overloaded, over_quota, deadline_exceeded, model_loading, ...), "
+            "whichever stage refused them, a request pushed out of a full lane included.",
+            ["model", "lane", "tenant", "reason"], registry=r)
         self.tenant_duration = LoopHistogram(
             "servewell_tenant_request_duration_seconds", "Per tenant: from the engine admitting a request to its "
             "answer (queue, batch, compute; cached answers too).", ["tenant"], buckets=latency_buckets, registry=r)
@@ -242,6 +248,10 @@ class ServeMetrics:
     def count(self, model: str, lane: str, outcome: str) -> None:
         """Count one inference request by outcome."""
         self.requests.labels(model, lane, outcome).inc()
+
+    def count_refusal(self, model: str, lane: str, tenant: str, reason: str) -> None:
+        """Count one refused request (`tenant` "": requests without a key)."""
+        self.refusals.labels(model, lane, tenant or "-", reason).inc()
 
 
 ProcessReader = Callable[[int], dict[str, float]]

@@ -1,5 +1,5 @@
-"""Refusals (503: overloaded, not ready, deadline, ...) logged as one line per model, code and
-second, with a count.
+"""Refusals (503: overloaded, not ready, deadline, ...) logged as one line per model, code, tenant
+and second, with a count.
 
 Under overload every refused request used to log its own warning: 3,878 lines in one 10-second
 overload of `make bench`, flooding log pipelines exactly when they matter. The metrics
@@ -27,17 +27,18 @@ class _Window:
 
 
 class RefusalDigest:
-    """Counts refusals per (model, code) over a window and logs each window once, at its end."""
+    """Counts refusals per (model, code, tenant) over a window and logs each window once, at its end."""
 
     def __init__(self, logger: logging.Logger, window_s: float = 1.0, schedule: Scheduler | None = None) -> None:
         self._log = logger
         self.window_s = window_s
         self._schedule = schedule
-        self._open: dict[tuple[str, str], _Window] = {}
+        self._open: dict[tuple[str, str, str | None], _Window] = {}
 
-    def refused(self, model: str, code: str, status: int, message: str) -> None:
-        """Note one refusal; the first of a window schedules that window's log line."""
-        key = (model, code)
+    def refused(self, model: str, code: str, status: int, message: str, tenant: str | None = None) -> None:
+        """Note one refusal of `tenant`'s request (None: not known, "": requests without a key);
+        the first of a window schedules that window's log line."""
+        key = (model, code, tenant)
         window = self._open.get(key)
         if window is not None:
             window.count += 1
@@ -51,16 +52,17 @@ class RefusalDigest:
         for key in list(self._open):
             self._flush(key)
 
-    def _flush(self, key: tuple[str, str]) -> None:
+    def _flush(self, key: tuple[str, str, str | None]) -> None:
         window = self._open.pop(key, None)
         if window is None:
             return
-        model, code = key
+        model, code, tenant = key
+        whose = "" if tenant is None else f", tenant {tenant or '-'}"
         self._log.warning(
-            "refused %d request(s) with %s in %.0f s (model %s), e.g.: %s", window.count, code, self.window_s,
-            model or "-", window.example,
+            "refused %d request(s) with %s in %.0f s (model %s%s), e.g.: %s", window.count, code, self.window_s,
+            model or "-", whose, window.example,
             extra={"code": code, "status": window.status, "count": window.count, "window_s": self.window_s,
-                   "model": model or None},
+                   "model": model or None, "tenant": None if tenant is None else (tenant or "-")},
         )
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from fake_clock import FakeClock
+from inference_requests import FAR, request_of
 from servewell.config.model import ModelConfig
 from servewell.engine.batch_runner import BatchOutcome
 from servewell.engine.batch_watch import (
@@ -75,8 +76,9 @@ def run(test: Callable[[FakeClock], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(test(FakeClock()))
 
 
-def submit(s: ModelScheduler, value: float, deadline: float | None = None) -> asyncio.Future[Any]:
-    return s.submit({"x": np.full((1, 1), value, dtype=np.float32)}, 1, NORMAL, deadline, f"r{value}")
+def submit(s: ModelScheduler, value: float, deadline: float = FAR) -> asyncio.Future[Any]:
+    inputs = {"x": np.full((1, 1), value, dtype=np.float32)}
+    return s.submit(request_of(inputs, lane=NORMAL, deadline_at=deadline, request_id=f"r{value}"), 1)
 
 
 # --- the budget ------------------------------------------------------------------------------

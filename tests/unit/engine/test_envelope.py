@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from inference_requests import request_of
 from servewell.engine.envelope import MAX_FRAME_BYTES, Cancel, Envelope, FrameReader, FrameWriter, Outcome, encode_frame
 from servewell.engine.protocol import RequestResult, StepTiming
 from servewell.errors import Overloaded
@@ -37,14 +38,15 @@ def test_frames_split_at_every_byte_arrive_whole_and_in_order() -> None:
 
 def test_an_envelope_and_its_outcome_keep_tensors_errors_and_retry_after() -> None:
     inputs = {"x": np.arange(12, dtype=np.float32).reshape(3, 4)}
-    envelope = Envelope(7, "m", None, 1, 12.5, 12.0, "rid", inputs, tenant="key-a", traceparent=None)
+    envelope = Envelope(7, request_of(inputs, lane=1, deadline_at=12.5, arrived_at=12.0, tenant="acme",
+                                      request_id="rid"))
     refused = Outcome(8, error=Overloaded("lane full", retry_after_s=3.0))
     served = Outcome(9, result=RequestResult({"y": np.ones((3, 2), np.float32)}, 0.001, 0.002, 3))
     sink = _Sink()
     sink.reader().data_received(encode_frame([envelope, refused, served]))
     got_envelope, got_refused, got_served = sink.messages
-    assert got_envelope.deadline == 12.5 and got_envelope.tenant == "key-a"
-    np.testing.assert_array_equal(got_envelope.inputs["x"], inputs["x"])
+    assert got_envelope.request.deadline_at == 12.5 and got_envelope.request.tenant == "acme"
+    np.testing.assert_array_equal(got_envelope.request.inputs["x"], inputs["x"])
     assert isinstance(got_refused.error, Overloaded)
     assert got_refused.error.retry_after_s == 3.0 and got_refused.error.code == "overloaded"
     assert got_served.result.batch_size == 3

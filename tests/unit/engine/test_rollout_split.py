@@ -9,10 +9,10 @@ from typing import Any, cast
 
 import pytest
 
+from inference_requests import request_of
 from servewell.config.model import ModelConfig
 from servewell.engine.rollout import Rollout, judged_error
 from servewell.errors import InvalidInput, ModelError, NotFound, Overloaded, WorkerLost
-from servewell.observability.context import client_var, route_key_var
 
 BASE = {"name": "m", "runtime": "onnx", "artifact": "m.onnx",
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [3]}],
@@ -52,19 +52,13 @@ def test_a_route_key_or_tenant_keeps_a_client_on_one_version_and_spreads_clients
     split, stable = rollout(traffic={"1": 50, "2": 50})
     chosen = {}
     for user in range(200):
-        token = route_key_var.set(f"user-{user}")
-        try:
-            versions = {split.choose(stable, None).version for _ in range(5)}
-        finally:
-            route_key_var.reset(token)
+        request = request_of({}, route_key=f"user-{user}")
+        versions = {split.choose(stable, None, request).version for _ in range(5)}
         assert len(versions) == 1
         chosen[user] = versions.pop()
     assert 60 < sum(v == "2" for v in chosen.values()) < 140
-    token = client_var.set("tenant-a")  # no route key: the tenant decides
-    try:
-        assert len({split.choose(stable, None).version for _ in range(20)}) == 1
-    finally:
-        client_var.reset(token)
+    tenant_a = request_of({}, tenant="tenant-a")  # no route key: the tenant decides
+    assert len({split.choose(stable, None, tenant_a).version for _ in range(20)}) == 1
 
 
 def test_a_version_asked_for_wins_and_an_unknown_one_is_404() -> None:

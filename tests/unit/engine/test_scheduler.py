@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from fake_clock import FakeClock
+from inference_requests import FAR, request_of
 from servewell.config.model import ModelConfig
 from servewell.engine.batch_runner import BatchOutcome
 from servewell.engine.protocol import RequestResult
@@ -79,9 +80,9 @@ def row(value: float, rows: int = 1) -> dict[str, np.ndarray]:
     return {"x": np.full((rows, 2), value, dtype=np.float32)}
 
 
-def submit(s: ModelScheduler, value: float, lane: int = NORMAL, deadline: float | None = None,
+def submit(s: ModelScheduler, value: float, lane: int = NORMAL, deadline: float = FAR,
            rows: int = 1) -> asyncio.Future[RequestResult]:
-    return s.submit(row(value, rows), rows, lane, deadline, f"r{value}")
+    return s.submit(request_of(row(value, rows), lane=lane, deadline_at=deadline, request_id=f"r{value}"), rows)
 
 
 async def settle() -> None:
@@ -136,7 +137,8 @@ def test_coalesced_requests_of_one_loop_step_form_one_batch_on_a_free_runner() -
         s = ModelScheduler(config(), clock=clock)
         runner = HandOverRecorder()
         s.add_runner(runner)
-        coalesced = [s.submit(row(v), 1, NORMAL, None, f"c{v}", coalesce=True) for v in (1, 2, 3)]
+        coalesced = [s.submit(request_of(row(v), lane=NORMAL, request_id=f"c{v}"), 1, coalesce=True)
+                     for v in (1, 2, 3)]
         assert runner.handed == []  # nothing handed over before this loop step ends
         await asyncio.gather(*coalesced)
         assert runner.handed == [[1, 2, 3]]
@@ -495,28 +497,6 @@ def test_admission_refuses_a_full_lane_before_any_decoding() -> None:
         with pytest.raises(Overloaded):
             s.admit(NORMAL)
         s.admit(HIGH)  # another lane, its own bound
-    run(main)
-
-
-def test_deadline_counts_from_arrival_not_from_queueing() -> None:
-    async def main(clock: FakeClock) -> None:
-        s = ModelScheduler(config(), clock=clock)
-        arrived = clock.now() - 0.1  # decoding took 100 ms
-        with pytest.raises(DeadlineExceeded, match="deadline of 50 ms passed before it was queued"):
-            s.submit(row(1), 1, NORMAL, arrived + 0.05, "late", arrived_at=arrived)
-    run(main)
-
-
-def test_no_deadline_means_the_live_default_timeout_from_arrival() -> None:
-    async def main(clock: FakeClock) -> None:
-        s = ModelScheduler(config(default_timeout_ms=150), clock=clock)
-        s.update({"default_timeout_ms": 100})  # live: the new default counts at once
-        arrived = clock.now() - 0.1
-        with pytest.raises(DeadlineExceeded, match="deadline of 100 ms"):
-            s.submit(row(1), 1, NORMAL, None, "late", arrived_at=arrived)
-        kept = s.submit(row(2), 1, NORMAL, None, "kept", arrived_at=clock.now() - 0.05)
-        assert not kept.done()  # 50 ms of its 100 are left
-        kept.cancel()
     run(main)
 
 

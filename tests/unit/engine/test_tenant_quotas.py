@@ -57,7 +57,7 @@ def test_concurrency_and_queue_quotas() -> None:
     tenants.release("k", 0.0)
     with pytest.raises(OverQuota, match="3 requests queued for model 'm'"):
         tenants.admit(policy, 3, "m")
-    assert tenants.counts["k"] == {"admitted": 3, "over_rate": 0, "over_concurrency": 1, "over_queue": 1}
+    assert tenants.counts["k"] == {"admitted": 3, "over_rate": 0, "over_concurrency": 1, "over_queue": 1, "failed": 0}
 
 
 def test_the_rate_is_a_token_bucket_with_retry_after() -> None:

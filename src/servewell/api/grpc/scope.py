@@ -156,7 +156,7 @@ class RpcScope:
         except ServeError as exc:
             status, code = exc.status, exc.code
             if isinstance(exc, Unavailable) or exc.code in _DIGESTED:
-                self._refusals.refused(model_var.get(), exc.code, exc.status, exc.message)
+                self._refusals.refused(model_var.get(), exc.code, exc.status, exc.message, exc.tenant)
             else:
                 level = logging.WARNING if exc.status >= 500 else logging.INFO
                 log.log(level, "request failed: %s", exc.message, extra={"status": exc.status, "code": exc.code})

@@ -205,7 +205,9 @@ def test_the_byte_count_covers_what_the_answers_really_hold(shape: str) -> None:
             await _fill(cache, 600, SHAPES[shape], first=1000)
             cache.clear()
             gc.collect()
-            assert tracemalloc.get_traced_memory()[0] - before - kept_for_reuse < 0.02 * held
+            # A leak of even a tenth of each answer would leave 0.1 x held; what the interpreter keeps
+            # aside varies by a few KiB with what ran before in the process (2.5 % seen in a full run).
+            assert tracemalloc.get_traced_memory()[0] - before - kept_for_reuse < 0.05 * held
         finally:
             tracemalloc.stop()
 

@@ -1,0 +1,54 @@
+"""Whether an inference request will be refused before its body is needed (`EarlyRefusal`).
+
+The HTTP protocol defers starting the app until a body that is still arriving is all in (a slow
+body costs no task: api/http_limits.py). A request its model's full lane would refuse must not
+wait for its body though: it is answered at once (issue 46: refusals under overload took 42 ms,
+the time to read, decode and ship the body to the engine). This predicate, run on the request's
+head only, says so; the app then starts at once and the route's admission check (the same one,
+`InferenceCall.open`) refuses it with the usual error, counts and logs, before reading the body.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from servewell.api.dataplane import DataPlane
+from servewell.api.keys import InferenceAccess
+from servewell.api.state import AppState
+
+#: The OIP inference paths (a model in the path: the model is known before the body).
+_INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
+
+
+class EarlyRefusal:
+    """`refused_early(scope)` for `api/http_limits.py`: cheap, synchronous, never raises."""
+
+    __slots__ = ("_plane", "_access")
+
+    def __init__(self, plane: DataPlane, access: InferenceAccess) -> None:
+        self._plane = plane
+        self._access = access
+
+    @classmethod
+    def of(cls, app: Any) -> EarlyRefusal:
+        """The check for an app `api/app.py` built (its data plane and keys)."""
+        state: AppState = app.state.servewell
+        return cls(state.plane, state.access)
+
+    def __call__(self, scope: Any) -> bool:
+        if scope.get("method") != "POST":
+            return False
+        match = _INFER_PATH.fullmatch(scope.get("path", ""))
+        if match is None:
+            return False
+        authorization = api_key = urgency = None
+        for name, value in scope.get("headers", ()):
+            if name == b"x-api-key":
+                api_key = value.decode("latin-1")
+            elif name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"x-urgency":
+                urgency = value.decode("latin-1")
+        tenant = self._access.tenant_of(self._access.key_id_of(authorization, api_key))
+        return self._plane.would_refuse(match.group(1), match.group(2), urgency, tenant)
