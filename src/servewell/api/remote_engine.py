@@ -297,7 +297,7 @@ class RemoteEngine:
         if self._inputs is not None and tensor_bytes(request.inputs) >= self._shared_min:
             shared = self._inputs.put(request.inputs)  # None: inline after all (objects, or the store is full)
             if shared is not None:
-                request = dataclasses.replace(request, inputs={})
+                request = request._replace(inputs={})
         writer.send(Envelope(call_id, request, shared))
         future.add_done_callback(lambda f: self._cancelled(call_id) if f.cancelled() else None)
         return future

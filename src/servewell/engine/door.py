@@ -318,7 +318,7 @@ class EngineDoor:
             trace_token = otel_context.attach(extract({"traceparent": request.traceparent}))
         try:
             if envelope.shared is not None:
-                request = dataclasses.replace(request, inputs=self._shared_inputs(ingress, envelope.shared))
+                request = request._replace(inputs=self._shared_inputs(ingress, envelope.shared))
             future = self._engine.submit(request)
         except ServeError as exc:
             ingress.writer.send(Outcome(envelope.call_id, error=exc, placement=placement))

@@ -28,11 +28,14 @@ Both sides say `Hello` first, with the pid their segments are named after.
 from __future__ import annotations
 
 import asyncio
+import io
 import pickle
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from servewell.config.model import ModelConfig
 from servewell.engine.control import ControlOp
@@ -46,6 +49,7 @@ from servewell.observability.context import BatchPlacement
 #: prefix means a broken peer, and the connection is closed.
 MAX_FRAME_BYTES = 1 << 30
 _HEADER = struct.Struct(">I")
+_NO_LENGTH = bytes(_HEADER.size)  # the length prefix's place, filled in once the body is written
 
 
 @dataclass(slots=True)
@@ -71,6 +75,9 @@ class Outcome:
     error: ServeError | None = None
     placement: BatchPlacement | None = None  # the batch it ran in, for the ingress's logs and console
     shared: SharedTensors | None = None  # the result's outputs in the engine's shared memory (`outputs` empty)
+
+    def __reduce__(self) -> tuple[type[Outcome], tuple[object, ...]]:
+        return (Outcome, (self.call_id, self.result, self.error, self.placement, self.shared))
 
 
 @dataclass(slots=True, frozen=True)
@@ -205,8 +212,30 @@ class ControlReply:
 
 def encode_frame(messages: list[Any]) -> bytes:
     """One frame holding `messages`."""
-    body = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(body)) + body
+    buffer = io.BytesIO()
+    buffer.write(_NO_LENGTH)
+    _FramePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(messages)
+    frame = buffer.getbuffer()
+    _HEADER.pack_into(frame, 0, len(frame) - _HEADER.size)
+    del frame
+    return buffer.getvalue()
+
+
+class _FramePickler(pickle.Pickler):
+    """Pickles a frame's messages, a numpy array of numbers as its bytes, dtype and shape: numpy's
+    own reduce costs about 9 us per small array to write and 5 us to read, this 1 us and 1 us (a
+    request's inputs and its answer's outputs cross the door in every envelope and outcome)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is np.ndarray and not obj.dtype.hasobject:
+            array = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
+            return _array, (pickle.PickleBuffer(array.data), array.dtype.str, array.shape)
+        return NotImplemented
+
+
+def _array(data: bytes | bytearray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """An array read back from a frame (a view of the frame's bytes: read-only)."""
+    return np.frombuffer(data, dtype).reshape(shape)
 
 
 class FrameReader(asyncio.Protocol):

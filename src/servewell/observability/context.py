@@ -51,6 +51,10 @@ class BatchPlacement:
     #: Requests already waiting in the request's lane when it was queued (0: it found the lane empty).
     queue_position: int | None = None
 
+    def __reduce__(self) -> tuple[type[BatchPlacement], tuple[int | None, ...]]:
+        # It goes back with every outcome across the door: a tuple pickles several times faster.
+        return (BatchPlacement, (self.batch_id, self.batch_size, self.instance, self.queue_position))
+
     def facts(self) -> dict[str, int]:
         """The facts known, by field name (empty before the request was queued)."""
         known = {"batch_id": self.batch_id, "batch_size": self.batch_size, "instance": self.instance,
