@@ -281,7 +281,7 @@ class FitsDeadline:
             raise DeadlineExceeded(f"the request's deadline of {(request.deadline_at - request.arrived_at) * 1000:.0f}"
                                    " ms passed before it was queued", tenant=request.tenant)
         if call.entry is not None:
-            needed = call.entry.scheduler.predicted_compute_s(call.rows)
+            needed = call.entry.scheduler.limits.predicted_compute_s(call.rows)
             if left <= needed:
                 raise DeadlineExceeded(f"{left * 1000:.1f} ms were left of the request's deadline and a batch of "
                                        f"model '{request.model}' takes about {needed * 1000:.1f} ms: not started",

@@ -90,7 +90,7 @@ def live_timeout_ms(entry: Entry) -> float | None:
     """`entry`'s default request timeout as in force (its scheduler's, which an admin may change
     live); None for an entry without a scheduler (model.yaml's then)."""
     scheduler = getattr(entry, "scheduler", None)
-    return scheduler.batching.default_timeout_ms if scheduler is not None else None
+    return scheduler.limits.batching.default_timeout_ms if scheduler is not None else None
 
 
 def model_table(engine: InferenceEngine) -> ModelTable:

@@ -309,7 +309,7 @@ class InferenceEngine(EngineAdmin):
 
     def batching(self, name: str) -> dict[str, Any]:
         """Live batching settings of a model."""
-        return self._valid(name).scheduler.settings()
+        return self._valid(name).scheduler.limits.settings()
 
     def response_cache(self, name: str) -> ResponseCache | None:
         """The response cache of the version serving `name` (None: it has none)."""
@@ -442,7 +442,7 @@ class InferenceEngine(EngineAdmin):
         return (self.accepting, self.draining, self._readiness_policy, self._required_models, self._default_model,
                 tuple((name, slot.entry.version, slot.entry.state, slot.entry.reason, id(slot.entry.config),
                        pool.loadable(slot), pool.readiness_state(slot), self.other_versions(name),
-                       getattr(getattr(slot.entry, "scheduler", None), "batching", None))
+                       _live_batching(slot.entry))
                       for name, slot in self._slots.items()))
 
     def other_versions(self, name: str) -> tuple[str, ...]:
@@ -485,3 +485,8 @@ def _safe_name(name: str) -> bool:
     for a file name)."""
     return 0 < len(name) <= 200 and not name.startswith(".") and all(c.isalnum() or c in "-_." for c in name)
 
+
+def _live_batching(entry: Entry) -> object:
+    """The batching settings in force for `entry` (None without a scheduler): part of the table's key."""
+    scheduler = getattr(entry, "scheduler", None)
+    return scheduler.limits.batching if scheduler is not None else None

@@ -176,7 +176,7 @@ class ModelEntry:
     def _file_value(self, key: str) -> object:
         """What model.yaml gives a live setting (the built-in default when the file sets none)."""
         if key == "max_batch_size":
-            return min(max(1, self.config.max_batch_size), self.scheduler.proven_max_batch_size)
+            return min(max(1, self.config.max_batch_size), self.scheduler.limits.proven_max_batch_size)
         return getattr(self.config.batching, key)
 
     def refusal(self) -> Unavailable | None:
@@ -203,7 +203,7 @@ class ModelEntry:
         model pool's `pinned` and `idle_unload_s`."""
         if config.batching.lanes != self.config.batching.lanes:
             return False
-        if config.max_batch_size > self.scheduler.proven_max_batch_size or (config.max_batch_size == 0) != (
+        if config.max_batch_size > self.scheduler.limits.proven_max_batch_size or (config.max_batch_size == 0) != (
                 self.config.max_batch_size == 0):
             return False
         # The pool reads pinned and idle_unload_s per use; the cache is rebuilt by apply_batching.
@@ -230,7 +230,7 @@ class ModelEntry:
         """What the API shows of this version."""
         s = self.scheduler
         stats = s.stats
-        scheduling = SchedulingFacts(s.queue_depth, s.lane_depths(), s.running_rows, s.max_batch_size,
+        scheduling = SchedulingFacts(s.queue_depth, s.lane_depths(), s.running_rows, s.limits.max_batch_size,
                                      stats.batches, stats.rows, stats.expired, stats.cancelled, stats.rejected,
                                      stats.isolated_batches)
         return ModelView(self.name, self.version, self.state, self.reason, self.config, self.load_s,
@@ -241,14 +241,15 @@ class ModelEntry:
         """State, queues and workers for a metrics scrape."""
         s = self.scheduler
         cache = self.cache
-        return ModelSample(self.name, self.state, s.lane_depths(), s.queue_depth + s.running_rows, s.max_batch_size,
+        return ModelSample(self.name, self.state, s.lane_depths(), s.queue_depth + s.running_rows,
+                           s.limits.max_batch_size,
                            tuple(WorkerSample(self.name, i.instance, i.alive, i.pid) for i in self.instances()),
                            cache_bytes=cache.bytes if cache is not None else None,
                            cache_entries=cache.entries if cache is not None else 0)
 
     def facts(self) -> ModelFacts | None:
         """Queue fill, restarts and memory headroom, for the alert webhook."""
-        fill = max(self.scheduler.lane_depths().values(), default=0) / self.scheduler.batching.max_queue_size
+        fill = max(self.scheduler.lane_depths().values(), default=0) / self.scheduler.limits.batching.max_queue_size
         limit = self.config.host_memory_limit_bytes
         rss = max((i.rss_bytes for i in self.instances()), default=0)
         return ModelFacts(self.name, fill, self.restarts + self.recycles, 1.0 - rss / limit if limit else None)
@@ -258,7 +259,7 @@ class ModelEntry:
         return {
             "state": self.state, "version": self.version, "file": str(self.directory / "model.yaml"),
             "loaded_at": self.configured_at, "overrides": dict(self.overrides),
-            "batching": self.scheduler.settings(), "config": self.config.model_dump(mode="json"),
+            "batching": self.scheduler.limits.settings(), "config": self.config.model_dump(mode="json"),
             "cache": self.cache.report() if self.cache is not None else None,
         }
 
@@ -426,11 +427,11 @@ class ModelEntry:
 
     def max_batch_size_limited(self, size: int, why: str) -> None:
         """Warm-up or an out-of-memory split lowered the largest batch that fits."""
-        self.scheduler.limit_max_batch_size(size, why)
+        self.scheduler.limits.limit_max_batch_size(size, why)
 
     def warmed_up(self, facts: WarmupFacts) -> None:
         """A worker's warm-up latencies (the compute budget's basis) and serving dtype."""
-        self.scheduler.observe_warmup(facts.latency_by_batch)
+        self.scheduler.limits.observe_warmup(facts.latency_by_batch)
         if facts.serving_dtype:
             self.serving_dtype = facts.serving_dtype
 

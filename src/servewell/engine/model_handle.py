@@ -37,7 +37,7 @@ class LocalModel:
     def default_timeout_s(self) -> float:
         """The model's default request timeout, as in force now (an admin may have changed it live)."""
         scheduler = getattr(self._slot.entry, "scheduler", None)
-        batching = scheduler.batching if scheduler is not None else self.config.batching
+        batching = scheduler.limits.batching if scheduler is not None else self.config.batching
         return batching.default_timeout_ms / 1000.0
 
     def admit(self, lane: int, tenant: str = "") -> None:

@@ -244,7 +244,7 @@ class Rollout:
         # Pressure: the share of recent requests that found the primary computing with others waiting.
         waited = 1.0 if scheduler.running_rows and scheduler.queue_depth > 1 else 0.0
         self._pressure += SHADOW_PRESSURE_ALPHA * (waited - self._pressure)
-        if self._pressure > SHADOW_PRESSURE_LIMIT or scheduler.queue_depth > max(1, scheduler.max_batch_size):
+        if self._pressure > SHADOW_PRESSURE_LIMIT or scheduler.queue_depth > max(1, scheduler.limits.max_batch_size):
             self._shed += 1  # counted in the metrics each second (`flush_shed`): at saturation, every request
             return None
         return version
@@ -256,7 +256,7 @@ class Rollout:
         if entry is None or entry.state != "ready" or entry.stopping is not None or self.shadow_version != version:
             return None
         scheduler = entry.scheduler
-        if scheduler.queue_depth + scheduler.running_rows >= max(1, scheduler.max_batch_size) * entry.config.instances:
+        if scheduler.queue_depth + scheduler.running_rows >= max(1, scheduler.limits.max_batch_size) * entry.config.instances:
             self.shadow_shed(version)  # the shadow is behind: drop the copy rather than queue it
             return None
         return entry

@@ -16,33 +16,27 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
-from opentelemetry.trace import Span
-
-from servewell.config.model import BatchingConfig, ModelConfig
+from servewell.config.model import ModelConfig
+from servewell.engine.batch_execution import BatchExecution
+from servewell.engine.batch_limits import BatchLimits
 from servewell.engine.batch_policy import POLICIES, BatchOpportunity, LearnedLoad, PolicyLimits
 from servewell.engine.batch_queue import BatchQueue, QueuedItem
-from servewell.engine.batch_runner import BatchOutcome, BatchRunner, split_rows
-from servewell.engine.batch_settings import validated_update
-from servewell.engine.batch_watch import BatchWatch, compute_budget_s
+from servewell.engine.batch_runner import BatchRunner
 from servewell.engine.clock import Clock, LoopClock
 from servewell.engine.full_lanes import FullLanes, Publish, lane_full
 from servewell.engine.protocol import RequestResult
 from servewell.engine.pump_wakeups import PumpWakeups
 from servewell.engine.request import InferenceRequest
 from servewell.engine.runner_roster import RunnerRoster
-from servewell.engine.scheduled import PendingRequest, Request, SchedulerStats, fail, failed
+from servewell.engine.scheduled import PendingRequest, Request, SchedulerStats, fail
 from servewell.errors import (
     DeadlineExceeded,
     InvalidInput,
-    ModelError,
     Overloaded,
     ServeError,
     ShuttingDown,
-    WorkerHung,
 )
 from servewell.observability.batch_telemetry import BatchTelemetry
-from servewell.observability.tracing import traceparent_of
 
 log = logging.getLogger("servewell.engine")
 
@@ -55,55 +49,28 @@ class ModelScheduler:
                  full_lanes: Publish | None = None) -> None:
         self.config = config
         self.lanes: tuple[str, ...] = tuple(config.batching.lanes)
-        self.batching: BatchingConfig = config.batching
         self._telemetry = telemetry or BatchTelemetry(config.name, config.version, self.lanes)
         self._clock: Clock = clock or LoopClock()
-        #: The largest batch proven to fit: the configured size, lowered by warm-up or an
-        #: out-of-memory split. `max_batch_size` (live, changeable) never exceeds it.
-        self._proven_max = max(1, config.max_batch_size)
-        self.max_batch_size = self._proven_max
+        self._learned = LearnedLoad()
+        #: The live batching settings, the largest batch proven to fit, what a batch takes.
+        self.limits = BatchLimits(config, self._learned)
         self._queue: BatchQueue[PendingRequest] = BatchQueue(
-            len(self.lanes), self.batching.max_queue_size, self.batching.max_consecutive_high,
+            len(self.lanes), config.batching.max_queue_size, config.batching.max_consecutive_high,
             **({"weight_of": weight_of} if weight_of is not None else {}),
         )
         self._runners: RunnerRoster[BatchRunner] = RunnerRoster()  # who may be handed a batch, and who is free
         self._wakeups = PumpWakeups(self._clock, self._pump)
         self._accepting = True
         self._drained: asyncio.Event | None = None
-        self._learned = LearnedLoad()
-        self._warmup_latency_s: dict[int, float] = {}  # batch size -> seconds, from the workers' warm-up
         #: The batches handed to runners and not yet ended, by a serial (the one record of what runs).
         self._in_flight: dict[int, list[Request]] = {}
         self._serials = itertools.count()
         self.stats = SchedulerStats()
         self._full_lanes = FullLanes(full_lanes)  # who a full lane refuses, for the ingress processes
+        self._execution = BatchExecution(config, self._telemetry, self._clock, self._learned, self.stats,
+                                         self._expire, self.limits.compute_budget_s, self._batch_ended)
 
     # --- settings ------------------------------------------------------------------------
-
-    @property
-    def proven_max_batch_size(self) -> int:
-        """The largest batch warm-up (or an out-of-memory split) proved fits."""
-        return self._proven_max
-
-    def limit_max_batch_size(self, size: int, why: str) -> None:
-        """Lower the proven maximum (warm-up measured memory, or a batch ran out of device memory)."""
-        if 1 <= size < self._proven_max:
-            log.warning("model %s: %s; max_batch_size lowered from %d to %d", self.config.name, why,
-                        self._proven_max, size, extra={"model": self.config.name})
-            self._proven_max = size
-            self.max_batch_size = min(self.max_batch_size, size)
-
-    def observe_warmup(self, latency_by_batch: tuple[tuple[int, float], ...]) -> None:
-        """Warm-up latencies of a worker (batch size, seconds): the basis of the compute budget.
-        With several instances the slowest measurement counts."""
-        for size, seconds in latency_by_batch:
-            self._warmup_latency_s[size] = max(seconds, self._warmup_latency_s.get(size, 0.0))
-
-    def compute_budget_s(self, rows: int) -> float:
-        """How long a batch of `rows` may run before its runner is declared hung (`batch_watch`)."""
-        latency = self._learned.latency
-        return compute_budget_s(rows, self._warmup_latency_s, latency.predict(rows) if latency.observed else None,
-                                self.batching.compute_timeout_ms)
 
     def update(self, changes: Mapping[str, Any]) -> dict[str, Any]:
         """Change batching settings and `max_batch_size` while serving; nothing queued is lost.
@@ -111,27 +78,19 @@ class ModelScheduler:
         All or nothing: the whole candidate is validated before anything applies. `max_batch_size`
         may not exceed the proven maximum; lanes are fixed while the model is loaded.
         """
-        updated, size = validated_update(self.batching, self.max_batch_size, self._proven_max,
-                                         self.config.instances, changes)
-        # Valid as a whole: apply.
-        self.batching = updated
-        self.max_batch_size = size
+        updated = self.limits.apply(changes)
         self._queue.max_queue_size = updated.max_queue_size
         self._queue.max_consecutive_high = updated.max_consecutive_high
         if not updated.reserve_instance_for_high:
             self._runners.unreserve()
         self._pump()
-        return self.settings()
-
-    def settings(self) -> dict[str, Any]:
-        """Current live settings."""
-        return {"max_batch_size": self.max_batch_size, **self.batching.model_dump()}
+        return self.limits.settings()
 
     # --- runners -------------------------------------------------------------------------
 
     def add_runner(self, runner: BatchRunner) -> None:
         """Make a ready runner available for batches."""
-        self._runners.add(runner, self.batching.reserve_instance_for_high)
+        self._runners.add(runner, self.limits.batching.reserve_instance_for_high)
         self._pump()
 
     def remove_runner(self, runner: BatchRunner) -> None:
@@ -140,7 +99,7 @@ class ModelScheduler:
         self._runners.remove(runner)
 
     def _release(self, runner: BatchRunner) -> None:
-        self._runners.release(runner, self.batching.reserve_instance_for_high)
+        self._runners.release(runner, self.limits.batching.reserve_instance_for_high)
 
     # --- requests ------------------------------------------------------------------------
 
@@ -183,11 +142,6 @@ class ModelScheduler:
         return lane_full(self.config.name, self.lanes[lane], self._queue.depth(lane), tenant,
                          self._queue.places(lane).get(tenant, 0), self._predicted_drain_s())
 
-    def predicted_compute_s(self, rows: int) -> float:
-        """What a batch of `rows` is expected to take, from the batches measured so far (0 before any)."""
-        latency = self._learned.latency
-        return latency.predict(rows) if latency.observed else 0.0
-
     def submit(self, request: InferenceRequest, rows: int, coalesce: bool = False) -> asyncio.Future[RequestResult]:
         """Queue `request` in its lane; its future resolves with the result or a `ServeError`.
 
@@ -209,8 +163,8 @@ class ModelScheduler:
         if not self._accepting:
             self._telemetry.count(lane, "rejected")
             raise ShuttingDown("the server is shutting down and accepts no new requests")
-        if rows > self.max_batch_size and self.config.max_batch_size > 0:
-            raise InvalidInput(f"a batch of {rows} exceeds the current max_batch_size {self.max_batch_size}")
+        if rows > self.limits.max_batch_size and self.config.max_batch_size > 0:
+            raise InvalidInput(f"a batch of {rows} exceeds the current max_batch_size {self.limits.max_batch_size}")
         now = self._clock.now()
         future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         inputs = request.inputs
@@ -264,7 +218,7 @@ class ModelScheduler:
                 wake_at = wait_until
                 self._release(runner)
                 break
-            batch = self._viable(self._queue.take_batch(self.max_batch_size, lane), now)
+            batch = self._viable(self._queue.take_batch(self.limits.max_batch_size, lane), now)
             if not batch:
                 self._release(runner)
                 continue
@@ -302,143 +256,31 @@ class ModelScheduler:
 
     def _wait_until(self, lane: int, head: Request, now: float) -> float | None:
         """When a batch of `lane` led by `head` must start; None means now."""
-        if lane == 0 or not self._accepting or self.batching.policy == "idle":
+        if lane == 0 or not self._accepting or self.limits.batching.policy == "idle":
             return None  # the first lane never waits; a draining server flushes; idle starts at once
         oldest = self._queue.oldest_enqueued_at(lane)
         op = BatchOpportunity(
             now, oldest if oldest is not None else head.enqueued_at,
-            self._queue.ready_rows(lane, head.shape_key), self.max_batch_size, max(1, self._runners.registered),
+            self._queue.ready_rows(lane, head.shape_key), self.limits.max_batch_size, max(1, self._runners.registered),
         )
-        limits = PolicyLimits(self.batching.max_wait_ms / 1000.0, self.batching.latency_slo_ms / 1000.0)
-        return POLICIES[self.batching.policy](op, limits, self._learned)
+        limits = PolicyLimits(self.limits.batching.max_wait_ms / 1000.0, self.limits.batching.latency_slo_ms / 1000.0)
+        return POLICIES[self.limits.batching.policy](op, limits, self._learned)
 
     def _start(self, runner: BatchRunner, serial: int, batch: list[Request]) -> None:
-        """Hand `batch` to `runner` now, then follow it in a task: the rows go to the worker first and
-        the bookkeeping (the task, its watch) runs while the worker computes."""
-        rows = sum(item.rows for item in batch)
-        span = self._telemetry.start_batch([(item.payload.trace, item.lane) for item in batch], rows, runner.instance)
-        started = self._clock.now()
-        running = self._hand_over(runner, batch, span)
-        asyncio.get_running_loop().create_task(self._execute(runner, serial, batch, span, started, running))
+        """Hand `batch` to `runner` now; `BatchExecution` follows it to its end (`_batch_ended`)."""
+        self._execution.start(runner, serial, batch, self._clock.now())
 
-    def _hand_over(self, runner: BatchRunner, batch: list[Request], span: Span | None) -> asyncio.Future[BatchOutcome]:
-        """`runner.send_batch` the batch; a runner that refuses it at once gives a failed future."""
-        try:
-            return runner.send_batch(
-                {spec.name: [item.payload.request.inputs[spec.name] for item in batch] for spec in self.config.inputs},
-                traceparent_of(span.get_span_context()) if span is not None else None,
-                [item.deadline_at for item in batch],
-            )
-        except Exception as exc:  # a bug in transport must still resolve every future (`_run_watched`)
-            refused: asyncio.Future[BatchOutcome] = asyncio.get_running_loop().create_future()
-            refused.set_exception(exc)
-            return refused
-
-    async def _execute(self, runner: BatchRunner, serial: int, batch: list[Request], span: Span | None,
-                       started: float, running: asyncio.Future[BatchOutcome]) -> None:
-        try:
-            error = await self._run_watched(runner, batch, span, started, running)
-            if error is None:
-                # The answered requests' waiters (a pipeline's next step, the door's answer) were
-                # woken by the results: let them run before this batch's bookkeeping, which is
-                # nobody's latency (at low load, a pipeline step starts that much sooner).
-                await asyncio.sleep(0)
-            still_open = [item for item in batch if not item.payload.future.done()]
-            if isinstance(error, ModelError) and len(still_open) > 1 and runner.alive:
-                # One bad input must not fail its batch-mates: each request runs again alone,
-                # once, so only those the model itself fails on get model_error. Costs a run per
-                # request, only for batches that failed (a model failing on everything pays ~2x).
-                log.warning("model %s: a batch of %d requests failed (%s); running each alone",
-                            self.config.name, len(still_open), error, extra={"model": self.config.name})
-                self.stats.isolated_batches += 1
-                for item in still_open:
-                    if item.payload.future.done():
-                        continue
-                    if runner.alive:
-                        alone = self._clock.now()
-                        error = await self._run_watched(runner, [item], span, alone,
-                                                        self._hand_over(runner, [item], span))
-                    self._fail_open([item], error)
-            else:
-                self._fail_open(batch, error)
-        finally:
-            del self._in_flight[serial]
-            self._telemetry.end_batch(span, any(failed(item) for item in batch))
-            self._release(runner)
-            self._pump()
-
-    def _fail_open(self, items: list[Request], error: ServeError | None) -> None:
-        """Answer `error` to every item still waiting (none: the run succeeded)."""
-        if error is None:
-            return
-        for item in items:
-            if not item.payload.future.done():  # answered already: at its deadline, or cancelled
-                self._telemetry.count(item.lane, "error")
-                fail(item, error)
-
-    async def _run_watched(self, runner: BatchRunner, batch: list[Request], span: Span | None, started: float,
-                           running: asyncio.Future[BatchOutcome]) -> ServeError | None:
-        """Wait for `batch`, handed to `runner` at `started` (`running`), under a `BatchWatch`
-        (deadlines, compute budget) and deliver its results; the error it failed with, else None."""
-        rows = sum(item.rows for item in batch)
-        budget_s = self.compute_budget_s(rows)
-
-        def expire(item: Request, now: float) -> None:
-            self._expire(item, f"the request passed its deadline while its batch was running "
-                               f"({1000 * (now - started):.0f} ms so far)")
-
-        def overrun(now: float) -> None:
-            why = f"a batch of {rows} has run {now - started:.1f} s, over its compute budget of {budget_s:.1f} s"
-            log.error("model %s: %s; its worker is declared hung", self.config.name, why,
-                      extra={"model": self.config.name})
-            self._fail_open(batch, WorkerHung(f"{why}; the worker is being replaced, retry"))
-            runner.declare_hung(why)
-
-        watch: BatchWatch[Request] | None = None
-        try:
-            watch = BatchWatch(self._clock, [(item.deadline_at, item) for item in batch], started + budget_s,
-                               lambda item: not item.payload.future.done(), expire, overrun)
-            outcome = await running
-            skipped = set(outcome.skipped)
-            ran = [item for i, item in enumerate(batch) if i not in skipped]
-            results = split_rows(outcome.outputs, [item.rows for item in ran],
-                                 self.config.max_batch_size > 0) if ran else []
-        except Exception as exc:  # a bug in splitting or transport must still resolve every future
-            return exc if isinstance(exc, ServeError) else ModelError(f"batch failed: {exc}")
-        else:
-            for i in sorted(skipped):
-                if 0 <= i < len(batch) and not batch[i].payload.future.done():
-                    self._expire(batch[i], "the request's deadline passed before its worker could start the batch; "
-                                           "it was not run")
-            if ran:
-                self._deliver(ran, results, outcome, started, sum(item.rows for item in ran))
-            return None
-        finally:
-            if watch is not None:
-                watch.stop()
-
-    def _deliver(self, batch: list[Request], results: list[dict[str, np.ndarray]], outcome: BatchOutcome,
-                 started: float, rows: int) -> None:
-        elapsed = self._clock.now() - started
-        self._learned.latency.observe(rows, elapsed)
-        self.stats.batches += 1
-        self.stats.rows += rows
-        self._telemetry.batch_finished(rows, elapsed, outcome.compute_s, outcome.steps)
-        for item, outputs in zip(batch, results, strict=True):
-            future = item.payload.future
-            if future.done():  # answered already: the client went away, or its deadline passed
-                if future.cancelled():
-                    self._telemetry.count(item.lane, "cancelled")
-                continue
-            queue_s = started - item.enqueued_at
-            self._telemetry.request_succeeded(item.lane, queue_s)
-            future.set_result(RequestResult(outputs, queue_s, outcome.compute_s, rows, version=self.config.version))
+    def _batch_ended(self, runner: BatchRunner, serial: int) -> None:
+        """A batch ended, however: it is no longer in flight, its runner is free again."""
+        del self._in_flight[serial]
+        self._release(runner)
+        self._pump()
 
     def _predicted_drain_s(self) -> float:
         """Seconds until the queue would drain at the learned batch latency."""
         latency = self._learned.latency
-        per_batch = latency.predict(self.max_batch_size) if latency.observed else 0.05
-        batches = len(self._queue) / self.max_batch_size / max(1, self._runners.registered)
+        per_batch = latency.predict(self.limits.max_batch_size) if latency.observed else 0.05
+        batches = len(self._queue) / self.limits.max_batch_size / max(1, self._runners.registered)
         return max(1.0, batches * per_batch)
 
     # --- lifecycle -----------------------------------------------------------------------

@@ -141,6 +141,7 @@ class Predicting:
 
     def __init__(self, batch_s: float) -> None:
         self.scheduler = self
+        self.limits = self
         self.batch_s = batch_s
 
     def predicted_compute_s(self, rows: int) -> float:

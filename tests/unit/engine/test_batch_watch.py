@@ -117,10 +117,10 @@ def test_without_measurements_the_budget_is_generous() -> None:
 
 def test_the_scheduler_bases_its_budget_on_the_slowest_instance_s_warm_up() -> None:
     s = ModelScheduler(config(), clock=FakeClock())
-    s.observe_warmup(((1, 0.2), (2, 0.4), (4, 0.9)))
-    s.observe_warmup(((1, 0.1), (2, 0.5), (4, 0.8)))  # a second instance
-    assert s.compute_budget_s(2) == pytest.approx(COMPUTE_BUDGET_FACTOR * 0.5)
-    assert s.compute_budget_s(4) == pytest.approx(COMPUTE_BUDGET_FACTOR * 0.9)
+    s.limits.observe_warmup(((1, 0.2), (2, 0.4), (4, 0.9)))
+    s.limits.observe_warmup(((1, 0.1), (2, 0.5), (4, 0.8)))  # a second instance
+    assert s.limits.compute_budget_s(2) == pytest.approx(COMPUTE_BUDGET_FACTOR * 0.5)
+    assert s.limits.compute_budget_s(4) == pytest.approx(COMPUTE_BUDGET_FACTOR * 0.9)
 
 
 # --- a running batch -------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def test_a_batch_over_its_compute_budget_gets_its_runner_declared_hung() -> None
 def test_short_client_deadlines_expire_requests_but_the_budget_decides_hangs() -> None:
     async def main(clock: FakeClock) -> None:
         s = ModelScheduler(config(), clock=clock)
-        s.observe_warmup(((1, 0.01),))  # budget: the 10 s floor
+        s.limits.observe_warmup(((1, 0.01),))  # budget: the 10 s floor
         runner = StuckRunner()
         s.add_runner(runner)
         doomed = [submit(s, v, deadline=clock.now() + 0.05) for v in range(3)]

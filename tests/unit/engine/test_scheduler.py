@@ -445,35 +445,35 @@ def test_settings_change_while_serving_without_losing_requests() -> None:
             s.update({"max_batch_size": 64})  # above what the model was loaded and warmed up with
         with pytest.raises(InvalidInput):
             s.update({"policy": "fastest"})
-        assert s.settings()["policy"] == "idle"
+        assert s.limits.settings()["policy"] == "idle"
     run(main)
 
 
 def test_an_update_with_one_bad_field_changes_nothing() -> None:
     async def main(clock: FakeClock) -> None:
         s = ModelScheduler(config(max_batch_size=8), clock=clock)
-        before = s.settings()
+        before = s.limits.settings()
         with pytest.raises(InvalidInput):
             s.update({"max_batch_size": 2, "max_wait_ms": -5})  # the size is valid, the wait is not
         with pytest.raises(InvalidInput):
             s.update({"max_batch_size": 2, "reserve_instance_for_high": True})  # needs instances >= 2
         with pytest.raises(InvalidInput):
             s.update({"max_batch_size": 2, "lanes": ["a"]})
-        assert s.settings() == before
-        assert s.max_batch_size == 8
+        assert s.limits.settings() == before
+        assert s.limits.max_batch_size == 8
     run(main)
 
 
 def test_update_cannot_raise_the_batch_size_above_what_warm_up_proved() -> None:
     async def main(clock: FakeClock) -> None:
         s = ModelScheduler(config(max_batch_size=16), clock=clock)
-        s.limit_max_batch_size(4, "warm-up measured memory")
-        assert s.max_batch_size == 4 and s.proven_max_batch_size == 4
+        s.limits.limit_max_batch_size(4, "warm-up measured memory")
+        assert s.limits.max_batch_size == 4 and s.limits.proven_max_batch_size == 4
         with pytest.raises(InvalidInput, match="from 1 to 4"):
             s.update({"max_batch_size": 16})  # the configured size, which does not fit
         assert s.update({"max_batch_size": 2})["max_batch_size"] == 2
-        s.limit_max_batch_size(8, "a later, looser measurement")  # never raises the proven maximum
-        assert s.proven_max_batch_size == 4 and s.max_batch_size == 2
+        s.limits.limit_max_batch_size(8, "a later, looser measurement")  # never raises the proven maximum
+        assert s.limits.proven_max_batch_size == 4 and s.limits.max_batch_size == 2
     run(main)
 
 
