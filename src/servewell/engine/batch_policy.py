@@ -35,9 +35,11 @@ class BatchLatencyModel:
     def __init__(self, decay: float = 0.98) -> None:
         self._decay = decay
         self._w = self._sb = self._sbb = self._sl = self._sbl = 0.0
+        self._fit: tuple[float, float] | None = None  # the coefficients, until the next observation
 
     def observe(self, rows: int, seconds: float) -> None:
         """Record that a batch of `rows` took `seconds`."""
+        self._fit = None
         d = self._decay
         self._w = d * self._w + 1.0
         self._sb = d * self._sb + rows
@@ -51,7 +53,13 @@ class BatchLatencyModel:
         return self._w > 0
 
     def coefficients(self) -> tuple[float, float]:
-        """(fixed cost a, per-row cost c), both >= 0, in seconds."""
+        """(fixed cost a, per-row cost c), both >= 0, in seconds (computed once per observation:
+        every request's deadline check asks)."""
+        if self._fit is None:
+            self._fit = self._coefficients()
+        return self._fit
+
+    def _coefficients(self) -> tuple[float, float]:
         if self._w == 0:
             return 0.0, 0.0
         mean_b = self._sb / self._w

@@ -36,6 +36,11 @@ class PumpWakeups:
         self._timer = self._clock.call_at(when, self._on_timer) if when is not None else None
         self._timer_at = when
 
+    def by(self, when: float) -> None:
+        """Pump at `when` at the latest: the timer moves earlier if it was set later (or not at all)."""
+        if self._timer_at is None or when < self._timer_at:
+            self.at(when)
+
     def soon(self) -> None:
         """Pump once when this event-loop step ends, with everything queued during it."""
         if not self._soon:

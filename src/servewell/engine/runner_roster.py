@@ -54,6 +54,7 @@ class RunnerRoster(Generic[R]):
         # caches are warm), as before this was one table.
         self._phases: dict[R, RunnerPhase] = {}
         self._reserved: R | None = None
+        self._idle = 0  # runners in phase IDLE (kept by `_move`: asked on every submit)
 
     def phase(self, runner: R) -> RunnerPhase:
         """Where `runner` is now."""
@@ -63,6 +64,11 @@ class RunnerRoster(Generic[R]):
     def registered(self) -> int:
         """Runners that may be handed batches (free or busy; not those being retired)."""
         return sum(1 for p in self._phases.values() if p in (RunnerPhase.IDLE, RunnerPhase.BUSY))
+
+    @property
+    def any_idle(self) -> bool:
+        """Whether some runner is free now (a batch could start)."""
+        return self._idle > 0
 
     @property
     def reserved(self) -> R | None:
@@ -115,6 +121,7 @@ class RunnerRoster(Generic[R]):
         target = TRANSITIONS[transition].get(current)
         if target is None:
             raise InvalidTransition(f"a runner cannot {transition} while {current.value}")
+        self._idle += (target is RunnerPhase.IDLE) - (current is RunnerPhase.IDLE)
         if target is RunnerPhase.ABSENT:
             self._phases.pop(runner, None)
         else:

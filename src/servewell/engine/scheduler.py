@@ -182,8 +182,14 @@ class ModelScheduler:
         future.add_done_callback(lambda f: self._on_cancel(item) if f.cancelled() else None)
         if coalesce:
             self._wakeups.soon()
-        else:
+        elif self._runners.any_idle:
             self._pump()
+        else:
+            # Every runner is busy: no batch can start before one ends, and its end pumps. Only the
+            # new deadline may need the timer (a pump per submit cost a tenth of the engine's CPU
+            # per request at saturation, expiring and timing nothing new).
+            self._wakeups.by(item.deadline_at)
+            self._full_lanes.refresh(self._queue, len(self.lanes), self._predicted_drain_s)
         return future
 
     def _on_cancel(self, item: Request) -> None:
