@@ -350,8 +350,9 @@ def openapi_document() -> dict[str, Any]:
     from types import SimpleNamespace
 
     from servewell.api.app import create_app
-    from servewell.api.keys import InferenceAccess, KeyRing
+    from servewell.api.keys import InferenceAccess
     from servewell.api.state import LiveKnobs
+    from servewell.tenancy.keys import KeyRing
 
     class Bare(SimpleNamespace):
         """What create_app reads of a server's state to build its routes; anything else it asks for is

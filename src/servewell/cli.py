@@ -120,7 +120,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 def _cmd_keys(args: argparse.Namespace) -> int:
     import secrets
 
-    from servewell.api.keys import KeyFormatError, key_digest, parse_keys
+    from servewell.tenancy.keys import KeyFormatError, key_digest, parse_keys
 
     if args.action == "new":
         key = secrets.token_urlsafe(32)

@@ -37,7 +37,7 @@ from servewell.api.grpc.listener import GrpcListener, build_grpc_listener, call_
 from servewell.api.grpc.scope import RpcScope
 from servewell.api.grpc.servicer import InferenceServicer
 from servewell.api.http_limits import uvicorn_limit_options
-from servewell.api.keys import InferenceAccess, KeyFormatError
+from servewell.api.keys import InferenceAccess
 from servewell.api.remote_engine import RemoteEngine
 from servewell.api.state import AppState, LiveKnobs
 from servewell.child_process import ENGINE_DOOR_SOCKET, die_with_parent, read_settings
@@ -51,6 +51,7 @@ from servewell.observability.metrics import ServeMetrics
 from servewell.observability.tracing import Tracing, sample_ratio_or_default, settings_from
 from servewell.server import build_decoder, tune_garbage_collector
 from servewell.shutdown import GracefulServer, ShutdownPlan, uvicorn_graceful_timeout_s
+from servewell.tenancy.keys import KeyFormatError
 
 log = logging.getLogger("servewell.ingress")
 

@@ -37,7 +37,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from servewell.api.keys import InferenceAccess, KeyFormatError, KeyRing, NoKeysError, check_distinct, parse_keys
+from servewell.api.keys import InferenceAccess
 from servewell.api.state import LiveKnobs
 from servewell.config.bounded_yaml import cut
 from servewell.config.file_read import decode_utf8, read_config_bytes
@@ -50,6 +50,7 @@ from servewell.engine.engine import InferenceEngine
 from servewell.engine.repository import outside_refusal, outside_repository, read_model_config
 from servewell.errors import ServeError
 from servewell.observability.tracing import Tracing, sample_ratio_or_default
+from servewell.tenancy.keys import KeyFormatError, KeyRing, NoKeysError, check_distinct, parse_keys
 
 log = logging.getLogger("servewell.config")
 

@@ -35,7 +35,7 @@ from servewell.api.grpc.listener import build_grpc_listener, call_slots
 from servewell.api.grpc.scope import RpcScope
 from servewell.api.grpc.servicer import InferenceServicer
 from servewell.api.http_limits import uvicorn_limit_options
-from servewell.api.keys import InferenceAccess, KeyFormatError
+from servewell.api.keys import InferenceAccess
 from servewell.api.state import AppState, LiveKnobs
 from servewell.config.server import ConfigFileError, ConfigSource, ServerConfig
 from servewell.engine.control import ControlDispatch
@@ -58,6 +58,7 @@ from servewell.observability.steps import set_step_sink
 from servewell.observability.tracing import Tracing, settings_from
 from servewell.process_tree import read_restart_counts, usable_cpus
 from servewell.shutdown import GracefulServer, ShutdownPlan, run_after_drain, uvicorn_graceful_timeout_s
+from servewell.tenancy.keys import KeyFormatError
 from servewell.threads import lower_priority_pool
 from servewell.workers.handle import WorkerSettings
 from servewell.workers.load_slots import load_retry_for, load_slots_for

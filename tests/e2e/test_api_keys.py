@@ -12,7 +12,7 @@ import tritonclient.grpc as triton_grpc
 from tritonclient.utils import InferenceServerException
 
 from error_bodies import error_code, error_of
-from servewell.api.keys import key_digest
+from servewell.tenancy.keys import key_digest
 
 TEAM_A = "team-a-secret-0123456789abcdef"
 TEAM_B = "team-b-secret-0123456789abcdef"  # stored hashed, limited to 2 requests/s

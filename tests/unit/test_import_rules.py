@@ -6,8 +6,11 @@ import counts, at module level or inside a function, under TYPE_CHECKING or not.
 - engine imports workers only through the client side: workers.pool, .handle, .messages, .shm;
 - workers import from engine only the leaf module engine.batch_runner;
 - runtimes never import api or engine;
+- engine never imports api (the direction is api -> engine);
 - config imports nothing else of ours;
 - observability imports nothing of ours but config;
+- tenancy (keys and tenants, which api and engine both read) imports nothing of ours but config,
+  errors and observability;
 - nothing of servewell imports servewell_plan (the fleet planner, its own package) but the CLI's
   `servewell plan` dispatch;
 - servewell_plan imports nothing of servewell's but perf.report, nor any framework.
@@ -104,10 +107,14 @@ RULES = [
          lambda m: within(m, "servewell.engine") and m != "servewell.engine.batch_runner"),
     Rule("runtimes never import api or engine", ("servewell.runtimes",),
          lambda m: within(m, "servewell.api", "servewell.engine")),
+    Rule("engine never imports api", ("servewell.engine",), lambda m: within(m, "servewell.api")),
     Rule("config imports nothing else of ours", ("servewell.config",),
          lambda m: ours(m) and m != PACKAGE and not within(m, "servewell.config")),
     Rule("observability imports nothing of ours but config", ("servewell.observability",),
          lambda m: ours(m) and m != PACKAGE and not within(m, "servewell.observability", "servewell.config")),
+    Rule("tenancy imports nothing of ours but config, errors and observability", ("servewell.tenancy",),
+         lambda m: ours(m) and m != PACKAGE and not within(m, "servewell.tenancy", "servewell.config",
+                                                           "servewell.errors", "servewell.observability")),
     Rule("servewell never imports servewell_plan but in the CLI's plan dispatch", (PACKAGE,),
          lambda m: within(m, PLAN), exempt=("servewell.cli",)),
     Rule("servewell_plan imports nothing of servewell's but perf.report, nor any framework", (PLAN,),

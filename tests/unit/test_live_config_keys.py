@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from servewell.api.keys import KeyFormatError, NoKeysError
 from servewell.config.server import ServerConfig
 from servewell.live_config import load_keys
+from servewell.tenancy.keys import KeyFormatError, NoKeysError
 
 
 @pytest.mark.parametrize("content", [b"", b"# every key revoked\n\n", b"   \n"])

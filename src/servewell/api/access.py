@@ -35,8 +35,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from servewell.api.keys import ApiKey, InferenceAccess, KeyRing
+from servewell.api.keys import InferenceAccess, presented_key
 from servewell.errors import Forbidden, ServeError, Unauthorized
+from servewell.tenancy.keys import ApiKey, KeyRing
 
 #: Headers (lower case) that proxies and load balancers add to what they forward (RFC 7239's
 #: `Forwarded`, the de-facto `X-Forwarded-For/-Host/-Proto/-Port`, nginx's `X-Real-IP`, HTTP's `Via`).
@@ -157,11 +158,7 @@ class AccessRule:
         # key-shaped header means nothing, as before keys existed.
         if not self._keys.enabled:
             return None
-        presented = api_key
-        if presented is None and authorization is not None:
-            scheme, _, credential = authorization.partition(" ")
-            presented = credential.strip() if scheme.lower() == "bearer" else None
-        return presented or None
+        return presented_key(authorization, api_key)
 
 
 def access_rule(settings: OperatorSettings, access: InferenceAccess) -> AccessRule:

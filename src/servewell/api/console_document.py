@@ -15,11 +15,11 @@ from servewell.api.routes_pool import pool_fields
 from servewell.engine.control import AccessScope, GetConsoleState
 from servewell.engine.engine import InferenceEngine
 from servewell.engine.protocol import ModelView
-from servewell.engine.tenants import tenant_label
 from servewell.errors import NotFound, ServeError
 from servewell.observability.console_feed import ConsoleFeed
 from servewell.observability.latency_reading import latency_split
 from servewell.observability.process import rss_bytes
+from servewell.tenancy.policy import tenant_label
 
 
 async def console_document(parts: EngineParts, op: GetConsoleState) -> dict[str, Any]:

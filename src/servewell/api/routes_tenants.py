@@ -16,13 +16,13 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from servewell.api.body import read_json_patch
-from servewell.api.keys import MAX_QUOTA, MAX_WEIGHT
 from servewell.api.openapi import error_responses
 from servewell.api.routes_admin import require_admin
 from servewell.api.state import AppState
 from servewell.config.strict import StrictModel
 from servewell.engine.control import ListTenants, UpdateTenant
 from servewell.errors import InvalidInput
+from servewell.tenancy.policy import MAX_QUOTA, MAX_WEIGHT
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 

@@ -44,6 +44,7 @@ from servewell.engine.request import InferenceRequest
 from servewell.engine.shared_tensors import SharedTensors
 from servewell.errors import ServeError
 from servewell.observability.context import BatchPlacement
+from servewell.tenancy.keys import KeyRing
 
 #: Largest frame either side accepts (a batch of envelopes with their tensors): a larger length
 #: prefix means a broken peer, and the connection is closed.
@@ -132,7 +133,7 @@ class LiveSettings:
     """Settings that change while serving and that the ingress processes apply too."""
 
     settings: Any  # ServerConfig as the engine's config reloader applied it
-    keys: Any  # api.keys.KeyRing in force (the engine package does not import api/)
+    keys: KeyRing  # the API keys in force (tenancy/keys.py: the engine reads them without importing api/)
     default_rate_per_s: float | None = None
 
 

@@ -1,7 +1,7 @@
 """Tenants (issue 22): who is calling, as the engine sees it, with a weight and quotas.
 
 A tenant is an API key, or the keys that name the same `tenant=` in the keys file
-(api/keys.py); requests without a key (no keys configured) are the one anonymous tenant "".
+(tenancy/keys.py); requests without a key (no keys configured) are the one anonymous tenant "".
 This lives in the engine process, one per server, so quotas hold across every ingress process:
 
 * **rate** (`rate=`, else the server's `api_key_rate_per_s`): a token bucket per tenant, bursts up
@@ -23,58 +23,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from servewell.errors import NotFound, OverQuota, quote
 from servewell.observability.metrics import ServeMetrics
+from servewell.tenancy.keys import KeyRing, policies_of
+from servewell.tenancy.policy import ANONYMOUS, TenantPolicy, tenant_label
 
-if TYPE_CHECKING:
-    from servewell.api.keys import KeyRing
-
-#: The anonymous tenant: requests that presented no key (the server has none configured).
-ANONYMOUS = ""
 TENANT_RESULTS = ("admitted", "over_rate", "over_concurrency", "over_queue", "failed")
-
-
-def tenant_label(tenant: str) -> str:
-    """A tenant id as a metric label and in documents."""
-    return tenant or "-"
-
-
-@dataclass(slots=True, frozen=True)
-class TenantPolicy:
-    """A tenant's weight and quotas (None: no limit)."""
-
-    id: str
-    weight: float = 1.0
-    rate_per_s: float | None = None
-    max_concurrent: int | None = None
-    max_queued: int | None = None
-
-    @property
-    def limited(self) -> bool:
-        """Whether any quota applies (an unlimited tenant costs a request nothing here)."""
-        return self.rate_per_s is not None or self.max_concurrent is not None or self.max_queued is not None
-
-
-def policies_of(ring: KeyRing, default_rate_per_s: float | None = None) -> dict[str, TenantPolicy]:
-    """Each key id's tenant policy (keys of one tenant share it; api/keys.py checked they agree);
-    a tenant whose keys name no rate gets `default_rate_per_s`."""
-    by_tenant: dict[str, dict[str, Any]] = {}
-    owners: dict[str, str] = {}
-    for key in ring.keys:
-        fields = by_tenant.setdefault(key.tenant_id, {})
-        for name, value in (("weight", key.weight), ("rate_per_s", key.rate_per_s),
-                            ("max_concurrent", key.max_concurrent), ("max_queued", key.max_queued)):
-            if value is not None:
-                fields.setdefault(name, value)
-        owners[key.id] = key.tenant_id
-    if default_rate_per_s is not None:
-        for fields in by_tenant.values():
-            fields.setdefault("rate_per_s", default_rate_per_s)
-    policies = {tenant: TenantPolicy(tenant, **fields) for tenant, fields in by_tenant.items()}
-    return {key_id: policies[tenant] for key_id, tenant in owners.items()}
 
 
 class Tenants:

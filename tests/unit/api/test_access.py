@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from servewell.api.access import AccessRule, Caller, came_through_proxy, check_admin, grpc_peer_host, is_loopback
-from servewell.api.keys import KeyRing, parse_keys
 from servewell.errors import Forbidden, Unauthorized
+from servewell.tenancy.keys import KeyRing, parse_keys
 
 
 def allowed(token: str | None = None, authorization: str | None = None, host: str | None = "127.0.0.1", *,

@@ -14,7 +14,7 @@ import pytest
 from servewell.api.control_handlers import control_table
 from servewell.api.control_plane import LocalControlPlane
 from servewell.api.engine_parts import EngineParts
-from servewell.api.keys import InferenceAccess, KeyRing, parse_keys
+from servewell.api.keys import InferenceAccess
 from servewell.api.state import LiveKnobs
 from servewell.config.server import ServerConfig
 from servewell.engine.control import (
@@ -34,6 +34,7 @@ from servewell.errors import ModelNotReady, NotFound
 from servewell.observability.console_feed import ConsoleFeed
 from servewell.observability.metrics import ServeMetrics
 from servewell.observability.recent_requests import RequestRecord
+from servewell.tenancy.keys import KeyRing, parse_keys
 
 T = TypeVar("T")
 SECRET = "s3cret-key-for-the-control-table-0123456789"

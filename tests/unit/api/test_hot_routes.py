@@ -21,9 +21,10 @@ from servewell.api import routes_simple, routes_v2
 from servewell.api.app import create_app
 from servewell.api.errors import error_response
 from servewell.api.hot_routes import HotRoute, HotRouteDispatcher, HotRouteTable
-from servewell.api.keys import InferenceAccess, KeyRing
+from servewell.api.keys import InferenceAccess
 from servewell.api.state import LiveKnobs
 from servewell.errors import NotFound, ServeError
+from servewell.tenancy.keys import KeyRing
 
 INFER = "/v2/models/{name}/infer"
 INFER_VERSION = "/v2/models/{name}/versions/{version}/infer"

@@ -12,8 +12,9 @@ import jsonschema_rs  # schemathesis's validator (the test extra installs it)
 import pytest
 
 from servewell.api.app import create_app
-from servewell.api.keys import InferenceAccess, KeyRing
+from servewell.api.keys import InferenceAccess
 from servewell.api.state import LiveKnobs
+from servewell.tenancy.keys import KeyRing
 
 
 def bare_state() -> SimpleNamespace:

@@ -17,7 +17,7 @@ import pytest
 from servewell.api.control_handlers import control_table
 from servewell.api.control_plane import DoorControlPlane, LocalControlPlane
 from servewell.api.engine_parts import EngineParts
-from servewell.api.keys import InferenceAccess, KeyRing
+from servewell.api.keys import InferenceAccess
 from servewell.api.remote_engine import RemoteEngine
 from servewell.api.state import LiveKnobs
 from servewell.config.server import ServerConfig
@@ -39,6 +39,7 @@ from servewell.engine.envelope import ControlCall, ControlReply, FrameReader, Fr
 from servewell.engine.model_pool import PoolSettings
 from servewell.errors import EngineUnavailable, ModelLoading, NotFound, ServeError
 from servewell.observability.console_feed import ConsoleFeed
+from servewell.tenancy.keys import KeyRing
 
 T = TypeVar("T")
 
@@ -61,7 +62,7 @@ def _with_door(tmp_path: Path, scenario: Callable[[RemoteEngine, EngineDoor, Inf
         engine = InferenceEngine(repository, load_timeout_s=5.0, pool=pool)
         await engine.start()
         dispatch = table(engine) if table is not None else engine_table(engine, tmp_path)
-        door = EngineDoor(engine, str(tmp_path / "door.sock"), live=lambda: LiveSettings(None, None),
+        door = EngineDoor(engine, str(tmp_path / "door.sock"), live=lambda: LiveSettings(None, KeyRing()),
                           control=dispatch)
         await door.start()
         remote = RemoteEngine(str(tmp_path / "door.sock"), 0, lambda live: None)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from servewell.api.keys import KeyFormatError, KeyRing, parse_keys
-from servewell.engine.tenants import Tenants, policies_of
+from servewell.engine.tenants import Tenants
 from servewell.errors import OverQuota
+from servewell.tenancy.keys import KeyFormatError, KeyRing, parse_keys, policies_of
 
 SECRET = "0123456789abcdef"
 

@@ -23,7 +23,7 @@ from servewell.api.app import create_app
 from servewell.api.control_handlers import control_table
 from servewell.api.control_plane import LocalControlPlane
 from servewell.api.engine_parts import EngineParts
-from servewell.api.keys import InferenceAccess, KeyRing
+from servewell.api.keys import InferenceAccess
 from servewell.api.state import LiveKnobs
 from servewell.config.alerting import AlertingConfig
 from servewell.config.server import ServerConfig
@@ -34,6 +34,7 @@ from servewell.observability.metrics import ServeMetrics
 from servewell.observability.recent_requests import RecentRequests, RequestRecord
 from servewell.observability.signals import ModelFacts, SignalTracker
 from servewell.observability.view_sources import ViewSnapshot, ViewSources
+from servewell.tenancy.keys import KeyRing
 
 # Exact binary fractions: sums come out the same whatever the order they are added in.
 SECONDS = (0.0009765625, 0.00390625, 0.015625, 0.125, 0.5, 2.0, 16.0)
