@@ -122,6 +122,14 @@ class ClientClosed(ServeError):
     status, code = 499, "client_closed_request"
 
 
+class StreamTooSlow(ServeError):
+    """A stream's client read its parts more slowly than the model made them: the parts buffered
+    for it reached the model's `generate.stream_buffer_parts`, so the stream was ended (its
+    sequence freed) rather than the server's memory growing. Read faster, or ask for fewer parts."""
+
+    status, code = 408, "stream_too_slow"
+
+
 class Unavailable(ServeError):
     """The request cannot be served now; retrying later may succeed."""
 

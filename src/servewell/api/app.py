@@ -15,7 +15,9 @@ from servewell.api import (
     routes_docs,
     routes_metrics,
     routes_pool,
+    routes_openai,
     routes_simple,
+    routes_stream,
     routes_tenants,
     routes_v2,
 )
@@ -65,6 +67,8 @@ def create_app(
     answer_serve_error = install_error_handlers(app)
     app.include_router(routes_simple.router)
     app.include_router(routes_v2.router)
+    app.include_router(routes_stream.router)
+    app.include_router(routes_openai.router)
     app.include_router(routes_admin.router)
     app.include_router(routes_admin.repository_router)
     app.include_router(routes_pool.router)

@@ -289,13 +289,7 @@ class InferenceCall:
         (absolute, same clock: a gRPC caller's own deadline); `disconnected` completes when the
         client goes away, which drops a request that has not run yet (`ClientClosed`); `oip_id`:
         the client's OIP request id, which the payload log keeps beside the request id."""
-        model = self.model
-        lane = self._lane if priority is None or self._urgency else model.resolve_lane(None, priority)
-        deadline = self.arrived_at + (timeout_ms / 1000.0 if timeout_ms is not None else model.default_timeout_s)
-        if not_after is not None:
-            deadline = min(deadline, not_after)
-        request = InferenceRequest(request_id_var.get(), model.name, self._version, lane, deadline, self.arrived_at,
-                                   inputs, self._tenant, self._key_id, route_key_var.get(), _traceparent(), oip_id)
+        request = self.request_for(inputs, priority=priority, timeout_ms=timeout_ms, not_after=not_after, oip_id=oip_id)
         future = self._plane.engine.submit(request)
         if disconnected is None:
             return await future
@@ -309,6 +303,25 @@ class InferenceCall:
             raise
         finally:
             watcher.cancel()
+
+    def request_for(self, inputs: dict[str, np.ndarray], *, priority: object = None, timeout_ms: float | None = None,
+                    not_after: float | None = None, oip_id: str | None = None,
+                    max_outputs: int = 0) -> InferenceRequest:
+        """The one request object for these inputs (`infer`'s rules for the lane and the absolute
+        deadline; a stream's calls it too: api/stream_call.py)."""
+        model = self.model
+        lane = self._lane if priority is None or self._urgency else model.resolve_lane(None, priority)
+        deadline = self.arrived_at + (timeout_ms / 1000.0 if timeout_ms is not None else model.default_timeout_s)
+        if not_after is not None:
+            deadline = min(deadline, not_after)
+        return InferenceRequest(request_id_var.get(), model.name, self._version, lane, deadline, self.arrived_at,
+                                inputs, self._tenant, self._key_id, route_key_var.get(), _traceparent(), oip_id,
+                                max_outputs=max_outputs)
+
+    @property
+    def plane(self) -> DataPlane:
+        """The data plane this call runs on."""
+        return self._plane
 
     def finish(self, result: RequestResult) -> str:
         """Record the request's stages; the `Server-Timing` header value (milliseconds)."""

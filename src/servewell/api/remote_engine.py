@@ -56,6 +56,7 @@ from servewell.engine.lanes import resolve_lane
 from servewell.engine.protocol import Readiness, RequestResult
 from servewell.engine.request import InferenceRequest
 from servewell.engine.shared_tensors import Release, TensorLeases, TensorStore, ThreadSafeReleases, tensor_bytes
+from servewell.engine.stream import PartSink, StreamOpen, StreamPartOut
 from servewell.errors import EngineUnavailable, NotFound, ServeError, ShuttingDown, quote
 from servewell.observability.context import (
     BatchPlacement,
@@ -126,6 +127,7 @@ class RemoteEngine:
         self._writer: FrameWriter | None = None
         self._table: ModelTable | None = None
         self._pending: dict[int, asyncio.Future[RequestResult]] = {}
+        self._sinks: dict[int, PartSink] = {}  # streams: where their parts go (engine/stream.py)
         self._full_lanes: dict[tuple[str, str, int], LaneState] = {}  # whom full lanes refuse (the engine's word)
         self._placements: dict[int, BatchPlacement] = {}  # the request's record, filled from its outcome
         self._asks: dict[int, asyncio.Future[Any]] = {}  # Resolve and ControlCall, failed when the door is lost
@@ -190,7 +192,11 @@ class RemoteEngine:
                     f" ({exc})" if exc else "", extra={"event": "engine_lost"})
 
     def _on_message(self, message: Any) -> None:
-        if isinstance(message, Outcome):
+        if isinstance(message, StreamPartOut):
+            sink = self._sinks.get(message.call_id)
+            if sink is not None:
+                sink.put(message.part)  # a sink that refuses cancels its stream itself (`PartBuffer`)
+        elif isinstance(message, Outcome):
             future = self._pending.pop(message.call_id, None)
             placement = self._placements.pop(message.call_id, None)
             if placement is not None and message.placement is not None:
@@ -284,6 +290,13 @@ class RemoteEngine:
     def submit(self, request: InferenceRequest) -> asyncio.Future[RequestResult]:
         """Send `request` to the engine in one envelope; its outcome resolves the returned future
         (cancelling it sends `Cancel`)."""
+        return self._send(request, None)
+
+    def submit_stream(self, request: InferenceRequest, parts: PartSink) -> asyncio.Future[RequestResult]:
+        """`submit` for a stream: `StreamOpen`; each `StreamPartOut` the engine sends goes to `parts`."""
+        return self._send(request, parts)
+
+    def _send(self, request: InferenceRequest, parts: PartSink | None) -> asyncio.Future[RequestResult]:
         writer = self._writer
         if writer is None:
             raise EngineUnavailable(_NO_ENGINE)
@@ -298,7 +311,12 @@ class RemoteEngine:
             shared = self._inputs.put(request.inputs)  # None: inline after all (objects, or the store is full)
             if shared is not None:
                 request = request._replace(inputs={})
-        writer.send(Envelope(call_id, request, shared))
+        if parts is None:
+            writer.send(Envelope(call_id, request, shared))
+        else:
+            writer.send(StreamOpen(call_id, request, shared))
+            self._sinks[call_id] = parts
+            future.add_done_callback(lambda _: self._sinks.pop(call_id, None))
         future.add_done_callback(lambda f: self._cancelled(call_id) if f.cancelled() else None)
         return future
 

@@ -20,6 +20,7 @@ from pydantic import Field, ModelWrapValidatorHandler, ValidationError, field_va
 
 from servewell.config.batching import BatchingConfig, BatchingPatch
 from servewell.config.cache import ResponseCacheConfig
+from servewell.config.generate import GenerateSettings, TextSettings, generate_problems
 from servewell.config.pipeline import PipelineSpec
 from servewell.config.problems import Problems, config_error
 from servewell.config.processing import ClassifyPostprocess, ImagePreprocess
@@ -170,6 +171,11 @@ class ModelConfig(StrictModel):
         "version takes everything. A version asked for in the request's path still wins.")
     rollout: RolloutConfig | None = Field(None, description="Stickiness, shadow traffic and the automatic rollback "
                                           "rules of the traffic split.")
+    generate: GenerateSettings | None = Field(
+        None, description="The model answers in parts (a step-wise or generator python model): its sequences run "
+        "with continuous batching (engine/sequences.py) and stream over SSE, gRPC and the OpenAI-compatible API.")
+    text: TextSettings | None = Field(None, description="The UINT8 tensors that carry UTF-8 text, for OIP generate "
+                                      "and the OpenAI-compatible API.")
 
     @model_validator(mode="wrap")
     @classmethod
@@ -299,6 +305,8 @@ class ModelConfig(StrictModel):
         if self.cpu_affinity and isinstance(self.cpu_affinity[0], list) and len(self.cpu_affinity) != self.instances:
             problems.add(("cpu_affinity",), f"has {len(self.cpu_affinity)} per-instance lists; instances is "
                          f"{self.instances}, so give one list per instance (or one flat list for every instance)")
+        for where, reason in generate_problems(self):
+            problems.add(where, reason)
         problems.raise_if_any()
         return self
 

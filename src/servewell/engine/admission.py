@@ -31,6 +31,7 @@ from servewell.engine.entry import ready_entry_or_refusal
 from servewell.engine.pipeline import PipelineEntry
 from servewell.engine.protocol import RequestResult
 from servewell.engine.request import InferenceRequest
+from servewell.engine.stream import PartSink
 from servewell.engine.validation import check_inputs
 from servewell.errors import DeadlineExceeded, NotFound, ServeError, ShuttingDown
 
@@ -46,11 +47,12 @@ Outcome = asyncio.Future[RequestResult]
 class Admitting:
     """What the chain learns about one request on its way in (the request itself never changes)."""
 
-    __slots__ = ("request", "coalesce", "slot", "entry", "pipeline", "rows", "started")
+    __slots__ = ("request", "coalesce", "slot", "entry", "pipeline", "rows", "started", "parts")
 
-    def __init__(self, request: InferenceRequest, coalesce: bool) -> None:
+    def __init__(self, request: InferenceRequest, coalesce: bool, parts: PartSink | None = None) -> None:
         self.request = request
         self.coalesce = coalesce  # a pipeline step: batches form when the loop step ends
+        self.parts = parts  # a stream's: where a generative model's parts go as they are made (engine/stream.py)
         self.slot: ModelSlot | None = None
         self.entry: ModelEntry | None = None  # the version chosen to serve it
         self.pipeline: PipelineEntry | None = None  # set instead of `entry` for a pipeline
@@ -117,10 +119,11 @@ class AdmissionChain:
         """The stages' names, in order (the architecture page's table is checked against them)."""
         return tuple(type(stage).__name__ for stage in self.stages)
 
-    def submit(self, request: InferenceRequest, *, coalesce: bool = False) -> Outcome:
+    def submit(self, request: InferenceRequest, *, coalesce: bool = False, parts: PartSink | None = None) -> Outcome:
         """Admit `request` through every stage; its future resolves with the result or the
-        `ServeError` a later stage or the model answered. A refusal is raised at once."""
-        call = Admitting(request, coalesce)
+        `ServeError` a later stage or the model answered. A refusal is raised at once. A stream
+        gives `parts`: a generative model's parts go there as they are made."""
+        call = Admitting(request, coalesce, parts)
         try:
             outcome = self.proceed(call, -1)
         except ServeError as error:
@@ -236,7 +239,7 @@ class TenantQuota:
         if tenants is None or not request.counted or not tenants.enabled:
             return chain.proceed(call, at)
         policy = tenants.policy(request.tenant)
-        queued = call.entry.scheduler.tenant_depth(policy.id) if call.entry is not None else 0
+        queued = (call.entry.sequences or call.entry.scheduler).tenant_depth(policy.id) if call.entry is not None else 0
         tenants.admit(policy, queued, request.model)
         try:
             outcome = chain.proceed(call, at)
@@ -299,4 +302,7 @@ class Dispatch:
     def __call__(self, chain: AdmissionChain, call: Admitting, at: int) -> Outcome:
         if call.pipeline is not None:
             return call.pipeline.run(chain, call.request, call.rows)
-        return call.model_entry.scheduler.submit(call.request, call.rows, coalesce=call.coalesce)
+        entry = call.model_entry
+        if entry.sequences is not None:  # a generative model: one sequence, continuous batching (engine/sequences.py)
+            return entry.sequences.submit(call.request, call.rows, call.parts)
+        return entry.scheduler.submit(call.request, call.rows, coalesce=call.coalesce)

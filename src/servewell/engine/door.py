@@ -65,6 +65,7 @@ from servewell.engine.shared_tensors import (
     ThreadSafeReleases,
     tensor_bytes,
 )
+from servewell.engine.stream import StreamOpen, StreamPart, StreamPartOut
 from servewell.errors import ModelError, ServeError, quote
 from servewell.observability.context import BatchPlacement, placement_var, request_id_var
 from servewell.workers.shm import COPIES, OFF_LOOP_BYTES
@@ -133,6 +134,22 @@ class _Ingress:
             self.leases.close()
         if self.outputs is not None:
             self.outputs.abandon()  # it may still read them: never reuse, unlink
+
+
+class DoorPartSink:
+    """A stream's parts, sent to the ingress that opened it (before its `Outcome`, on the same connection)."""
+
+    __slots__ = ("_ingress", "_call_id")
+
+    def __init__(self, ingress: _Ingress, call_id: int) -> None:
+        self._ingress, self._call_id = ingress, call_id
+
+    def put(self, part: StreamPart) -> bool:
+        """Send `part`; False once the ingress is gone (its stream then ends)."""
+        if self._ingress.closed:
+            return False
+        self._ingress.writer.send(StreamPartOut(self._call_id, part))
+        return True
 
 
 class EngineDoor:
@@ -242,6 +259,8 @@ class EngineDoor:
     def _on_message(self, ingress: _Ingress, message: Any) -> None:
         if isinstance(message, Envelope):
             self._on_envelope(ingress, message)
+        elif isinstance(message, StreamOpen):  # a stream: its parts go back as StreamPartOut (engine/stream.py)
+            self._on_envelope(ingress, Envelope(message.call_id, message.request, message.shared), stream=True)
         elif isinstance(message, Release):
             if ingress.outputs is not None:
                 ingress.outputs.release(message.blocks)
@@ -308,7 +327,7 @@ class EngineDoor:
             error = ServeError(f"the engine failed: {error}")
         ingress.writer.send(ControlReply(call.ask_id, result=pickled if error is None else None, error=error))
 
-    def _on_envelope(self, ingress: _Ingress, envelope: Envelope) -> None:
+    def _on_envelope(self, ingress: _Ingress, envelope: Envelope, stream: bool = False) -> None:
         request = envelope.request
         token = request_id_var.set(request.id)  # names the request in the engine's log lines
         placement = BatchPlacement()  # filled by the scheduler's telemetry; goes back with the outcome
@@ -319,7 +338,8 @@ class EngineDoor:
         try:
             if envelope.shared is not None:
                 request = request._replace(inputs=self._shared_inputs(ingress, envelope.shared))
-            future = self._engine.submit(request)
+            future = self._engine.submit_stream(request, DoorPartSink(ingress, envelope.call_id)) if stream \
+                else self._engine.submit(request)
         except ServeError as exc:
             ingress.writer.send(Outcome(envelope.call_id, error=exc, placement=placement))
             return

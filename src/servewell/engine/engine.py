@@ -44,6 +44,7 @@ from servewell.engine.repository import ModelSource, OutsidePolicy, read_model_c
 from servewell.engine.request import InferenceRequest
 from servewell.engine.response_cache import ResponseCache
 from servewell.engine.snapshot import SnapshotStore
+from servewell.engine.stream import PartSink
 from servewell.engine.tenants import Tenants
 from servewell.engine.versions import candidate_entries, judge_forever, stop_versions, sync_versions
 from servewell.errors import Conflict, LoadFailed, NotFound, ShuttingDown, quote
@@ -193,6 +194,11 @@ class InferenceEngine(EngineAdmin):
         model (an ingress's envelope, the in-process data plane, a pipeline's step, a shadow copy)
         comes here. A refusal is raised at once; the future resolves with the answer."""
         return self.chain.submit(request, coalesce=coalesce)
+
+    def submit_stream(self, request: InferenceRequest, parts: PartSink) -> asyncio.Future[RequestResult]:
+        """`submit` for a stream: the same chain; a generative model's parts go to `parts` as they
+        are made, and the future resolves when the stream ends (engine/stream.py)."""
+        return self.chain.submit(request, parts=parts)
 
     async def resolve_async(self, name: str, version: str | None = None) -> LocalModel:
         """Model `name` for a request about to be built (`NotFound` for an unknown name or version,

@@ -28,6 +28,7 @@ from servewell.engine.protocol import InstanceInfo, ModelState, ModelView, Sched
 from servewell.engine.repository import OutsidePolicy, outside_refusal
 from servewell.engine.response_cache import ResponseCache
 from servewell.engine.scheduler import ModelScheduler
+from servewell.engine.sequences import SequenceScheduler
 from servewell.engine.snapshot import Snapshot, SnapshotError, SnapshotStore
 from servewell.engine.tenants import Tenants
 from servewell.errors import (
@@ -43,6 +44,7 @@ from servewell.errors import (
 from servewell.observability.batch_telemetry import BatchTelemetry
 from servewell.observability.metrics import ModelSample, ServeMetrics, WorkerSample
 from servewell.observability.signals import ModelFacts
+from servewell.observability.stream_telemetry import stream_telemetry
 from servewell.observability.tracing import Tracing
 from servewell.workers.handle import WorkerHandle, WorkerLoadError, WorkerSettings
 from servewell.workers.pool import RESTART_REASONS, PoolState, RestartReason, WarmupFacts, WorkerPool
@@ -108,6 +110,9 @@ class ModelEntry:
                                         tenants.weight if tenants is not None else None,
                                         board.publisher(name, config.version) if board is not None else None)
         self._telemetry = telemetry
+        #: A generative model's sequences, run with continuous batching (engine/sequences.py); None otherwise.
+        self.sequences = SequenceScheduler(config, services.clock, tenants.weight if tenants is not None else None,
+                                           stream_telemetry(metrics)) if config.generate is not None else None
         self.cache = self._new_cache(config)
         progress = services.on_progress
         workers = services.workers or WorkerSettings()
@@ -225,6 +230,14 @@ class ModelEntry:
     def fail_all(self, error: ServeError) -> None:
         """Answer every queued and running request with `error` now."""
         self.scheduler.fail_all(error, running=True)
+        if self.sequences is not None:
+            self.sequences.fail_all(error)
+
+    def fail_queued(self, error: ServeError) -> None:
+        """The version lost its workers: queued requests and every sequence answered with `error`."""
+        self.scheduler.fail_all(error)
+        if self.sequences is not None:
+            self.sequences.fail_all(error)
 
     def view(self) -> ModelView:
         """What the API shows of this version."""
@@ -394,8 +407,10 @@ class ModelEntry:
         if self.state in ("ready", "restarting"):
             if self.pool.any_alive():
                 await self.scheduler.drain()
+                if self.sequences is not None:
+                    await self.sequences.drain()
             else:
-                self.scheduler.fail_all(WorkerLost(f"{self.label} has no running worker"))
+                self.fail_queued(WorkerLost(f"{self.label} has no running worker"))
         await self.pool.stop(worker_timeout_s)
         self._services.budget.release(self)
         if cause != "evicting":
@@ -420,10 +435,14 @@ class ModelEntry:
     def worker_ready(self, worker: WorkerHandle) -> None:
         """A worker may take batches."""
         self.scheduler.add_runner(worker)
+        if self.sequences is not None:
+            self.sequences.add_runner(worker)
 
     def worker_gone(self, worker: WorkerHandle) -> None:
         """A worker died or is being drained."""
         self.scheduler.remove_runner(worker)
+        if self.sequences is not None:
+            self.sequences.remove_runner(worker)
 
     def max_batch_size_limited(self, size: int, why: str) -> None:
         """Warm-up or an out-of-memory split lowered the largest batch that fits."""
@@ -455,4 +474,4 @@ class ModelEntry:
                                                       retry_after_s=refusal.retry_after_s))
         else:
             self._set_state("failed", reason)
-            self.scheduler.fail_all(WorkerLost(f"{self.label} failed: {reason}"))
+            self.fail_queued(WorkerLost(f"{self.label} failed: {reason}"))

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
 from servewell.config.model import ModelConfig, TensorSpec
 from servewell.engine.request import InferenceRequest
+
+if TYPE_CHECKING:
+    from servewell.engine.stream import PartSink
 
 ModelState = Literal["loading", "ready", "restarting", "failed", "invalid", "unloaded"]
 
@@ -208,6 +211,11 @@ class ServingEngine(Protocol):
         """Admit `request` (the admission chain, engine/admission.py); a refusal is raised at once,
         the future resolves with the answer or the `ServeError` it got. Cancelling it drops the
         request if it has not run yet."""
+        ...
+
+    def submit_stream(self, request: InferenceRequest, parts: PartSink) -> asyncio.Future[RequestResult]:
+        """`submit` for a stream (engine/stream.py): the same admission; a generative model's parts
+        go to `parts` as they are made; the future resolves (or fails) when the stream ends."""
         ...
 
     def default_model_name(self) -> str:

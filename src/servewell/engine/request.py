@@ -40,6 +40,7 @@ class InferenceRequest(NamedTuple):
     client_id: str | None = None  # the client's own request id (OIP `id`), echoed back
     parent: str | None = None  # a pipeline step's: the id of the pipeline request it serves
     shadow: bool = False  # a shadow copy: its answer is compared, never returned
+    max_outputs: int = 0  # a generative model's: most parts its sequence may make (0: the model's generate.max_outputs)
 
     def step(self, model: str, inputs: dict[str, np.ndarray], version: str | None, lane: int) -> InferenceRequest:
         """The request one pipeline step makes of `model`: the same deadline, tenant, ids and

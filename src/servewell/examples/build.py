@@ -76,6 +76,20 @@ PIPELINE_PARTS = {
     "digits_ensemble": "build_ensemble_pipeline",
 }
 
+def _generative_part(name: str) -> Callable[[Path, ProgressFn, str], ModelConfig]:
+    """The builder of one generative example (examples/generative.py)."""
+    def build(model_dir: Path, progress: ProgressFn, runtime: str) -> ModelConfig:
+        from servewell.examples import generative
+
+        builder: Callable[[Path, ProgressFn], ModelConfig] = getattr(generative, f"build_{name}")
+        return builder(model_dir, progress)
+
+    return build
+
+
+#: The generative examples (examples/generative.py): streams, continuous batching, the OpenAI API.
+GENERATIVE = ("charlm", "charlm_gen", "char_embed")
+
 #: The example models, by name.
 BUILDERS: dict[str, ExampleBuilder] = {
     "digits": ExampleBuilder("digits", 1, ("onnx",), _build_digits),
@@ -83,9 +97,10 @@ BUILDERS: dict[str, ExampleBuilder] = {
     "resnet50": ExampleBuilder("resnet50", 2, ("onnx", "torchscript", "pytorch"), _build_resnet50),
     **{name: ExampleBuilder(name, 1, ("python",) if name not in ("digits_page", "digits_ensemble") else ("pipeline",),
                             _pipeline_part(name)) for name in PIPELINE_PARTS},
+    **{name: ExampleBuilder(name, 1, ("python",), _generative_part(name)) for name in GENERATIVE},
 }
 #: Names that build several models: the example pipelines and every model they use.
-GROUPS: dict[str, tuple[str, ...]] = {"pipelines": ("digits", *PIPELINE_PARTS)}
+GROUPS: dict[str, tuple[str, ...]] = {"pipelines": ("digits", *PIPELINE_PARTS), "generative": GENERATIVE}
 
 
 def build_model(

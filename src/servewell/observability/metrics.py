@@ -35,6 +35,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: Cold starts run from a tenth of a second (a tiny model, spare worker) to minutes (a large one).
 COLD_START_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+#: Time between a stream's parts: a step of a small model is a fraction of a millisecond.
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 OUTCOMES = ("success", "rejected", "deadline_exceeded", "cancelled", "error")
 
 
@@ -199,6 +201,19 @@ class ServeMetrics:
             "servewell_shadow_latency_seconds", "Per shadow copy: from its submission to its answer (its queue, "
             "batch and compute on spare capacity).", ["model", "version", "role"], buckets=latency_buckets,
             registry=r)
+        # Generative models (engine/sequences.py): each part of a stream as it is made.
+        self.time_to_first_output = LoopHistogram(
+            "servewell_time_to_first_output_seconds", "Per stream of a generative model: from the request's arrival "
+            "to its first part.", ["model"], buckets=latency_buckets, registry=r)
+        self.time_between_outputs = LoopHistogram(
+            "servewell_time_between_outputs_seconds", "Per part after the first of a generative model's stream: the "
+            "time since its previous part.", ["model"], buckets=STEP_BUCKETS, registry=r)
+        self.stream_outputs = LoopCounter(
+            "servewell_stream_outputs", "Parts made by a generative model's sequences (rate(): outputs per second).",
+            ["model"], registry=r)
+        self.sequences_per_step = LoopHistogram(
+            "servewell_sequences_per_step", "Sequences each step of a generative model ran (continuous batching's "
+            "batch size).", ["model"], buckets=BATCH_BUCKETS, registry=r)
         #: Unique per object: snapshots of a restarted process are told apart from the old one's.
         self.incarnation = uuid.uuid4().hex
         self._sequence = itertools.count(1)

@@ -94,11 +94,17 @@ def import_entry(config: ModelConfig, model_dir: Path) -> tuple[type, str]:
             raise ModelLoadError(f"python.entry {entry!r}: {config.artifact} has no class {class_name!r}{defined}")
         raise ModelLoadError(f"python.entry {entry!r}: {class_name!r} in {config.artifact} is a "
                              f"{type(found).__name__}, not a class")
-    if not callable(getattr(found, "execute", None)):
+    if not callable(getattr(found, "execute", None)) and not is_stepwise(found):
         forget_package(package)
         raise ModelLoadError(f"python.entry {entry!r}: class {class_name} has no execute(inputs) method, which "
-                             "runs each batch")
+                             "runs each batch (or, for a step-wise generative model, start(requests) and "
+                             "step(states))")
     return found, package
+
+
+def is_stepwise(cls: type) -> bool:
+    """Whether the entry class is a step-wise generative model: `start` and `step` (`end` optional)."""
+    return callable(getattr(cls, "start", None)) and callable(getattr(cls, "step", None))
 
 
 def forget_package(package: str) -> None:

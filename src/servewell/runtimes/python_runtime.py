@@ -8,6 +8,10 @@ model.yaml names the class (`python.entry: steps:Cropper`; the artifact is its m
         def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
         def teardown(self) -> None: ...                    # optional, when the worker stops
 
+A generative model (a `generate:` section in model.yaml) answers in parts instead: `execute` is a
+generator that yields each part for its batch, or the class is step-wise (`start`, `step`, `end`
+and no `execute` needed): see `runtimes/python_sequences.py`, which runs its sequences.
+
 The class is instantiated without arguments; `setup` gets the model's name, version, directory,
 `python.settings`, inputs, outputs, max_batch_size and device. `execute` gets one batch (rows
 along axis 0 when max_batch_size > 0) and returns exactly the declared outputs: each is converted
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +42,11 @@ from servewell.runtimes.python_entry import (
     describe,
     forget_package,
     import_entry,
+    is_stepwise,
     message_of,
     python_settings,
 )
+from servewell.runtimes.python_sequences import SequenceSet
 
 log = logging.getLogger("servewell.runtimes")
 
@@ -49,30 +55,95 @@ class PythonModelRuntime:
 
     def __init__(self, instance: object, config: ModelConfig, model_dir: Path, package: str) -> None:
         self._instance = instance
-        execute: Callable[[dict[str, np.ndarray]], object] = getattr(instance, "execute")  # noqa: B009 - checked
+        #: Step-wise (start/step/end) rather than execute: runtimes/python_sequences.py.
+        self.stepwise = is_stepwise(type(instance))
+        execute: Callable[[dict[str, np.ndarray]], object] | None = getattr(instance, "execute", None)
         self._execute = execute
         self._outputs = list(config.outputs)
         self._batched = config.max_batch_size > 0
         self._model_dir = model_dir
         self._package: str | None = package
+        self._sequences: SequenceSet | None = None
+
+    @property
+    def batched(self) -> bool:
+        """Whether inputs and outputs carry a row axis (max_batch_size > 0)."""
+        return self._batched
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run `execute` on one batch; its outputs converted to and checked against model.yaml's."""
-        try:
-            returned = self._execute(dict(inputs))
-        except Exception:
-            raise  # the worker reports it for this batch's requests and goes on
-        except BaseException as exc:  # SystemExit, KeyboardInterrupt: not the worker's own end
-            # The model's traceback goes with it, so the worker names the model's line, as for any exception.
-            contained = RuntimeError(f"execute raised {type(exc).__name__}: {message_of(exc)}")
-            raise contained.with_traceback(exc.__traceback__) from None
+        """Run `execute` on one batch; its outputs converted to and checked against model.yaml's. A
+        generative model answers its first part here (warm-up, and a request that is not a stream's)."""
         rows = next(iter(inputs.values())).shape[0] if self._batched and inputs else None
+        if self.stepwise:
+            return self._first_step(inputs, rows)
+        returned = self.execute_batch(dict(inputs))
+        if isinstance(returned, Generator):
+            parts = returned
+            try:
+                returned = next(parts)
+            except StopIteration:
+                raise ModelOutputError("execute is a generator that yielded nothing; it yields each part of its "
+                                       "batch's outputs") from None
+            finally:
+                parts.close()
         return checked_outputs(returned, self._outputs, rows)
+
+    def execute_batch(self, inputs: dict[str, np.ndarray]) -> object:
+        """`execute` as the model wrote it (a dict, or a generator of dicts); its SystemExit and
+        KeyboardInterrupt contained."""
+        if self._execute is None:
+            raise ModelOutputError("this step-wise model has no execute; it runs through start and step")
+        return _contained("execute", self._execute, dict(inputs))
+
+    def start_sequences(self, requests: list[dict[str, np.ndarray]]) -> list[object]:
+        """The model's `start`: one state per request."""
+        return list(_contained("start", getattr(self._instance, "start"), requests))  # noqa: B009 - checked
+
+    def step_sequences(self, states: list[object]) -> list[object]:
+        """The model's `step` over every running state: one (outputs, done) each."""
+        return list(_contained("step", getattr(self._instance, "step"), states))  # noqa: B009 - checked
+
+    def end_sequences(self, states: list[object]) -> None:
+        """The model's `end`, if it has one (a failure is logged: the sequences have left anyway)."""
+        end = getattr(self._instance, "end", None)
+        if callable(end):
+            try:
+                _contained("end", end, states)
+            except Exception as exc:
+                log.warning("python model: end failed: %s", describe(exc, self._model_dir))
+
+    def checked_part(self, outputs: object, rows: int) -> dict[str, np.ndarray]:
+        """One part's outputs converted to and checked against model.yaml's outputs."""
+        return checked_outputs(outputs, self._outputs, rows if self._batched else None)
+
+    def sequence_set(self) -> SequenceSet:
+        """The sequences this instance runs (made on first use)."""
+        if self._sequences is None:
+            self._sequences = SequenceSet(self)
+        return self._sequences
+
+    def _first_step(self, inputs: dict[str, np.ndarray], rows: int | None) -> dict[str, np.ndarray]:
+        requests = [{name: array[i:i + 1] for name, array in inputs.items()} for i in range(rows)] \
+            if rows is not None else [dict(inputs)]
+        states = self.start_sequences(requests)
+        try:
+            results = self.step_sequences(states)
+        finally:
+            self.end_sequences(states)
+        parts = []
+        for result in results:
+            outputs = result[0] if isinstance(result, tuple) and len(result) == 2 else result
+            parts.append(checked_outputs(outputs, self._outputs, 1 if rows is not None else None))
+        if rows is None:
+            return parts[0]
+        return {spec.name: _stack_rows([part[spec.name] for part in parts]) for spec in self._outputs}
 
     def close(self) -> None:
         """Call `teardown` once (a failure is logged, never raised) and forget the model's modules."""
         if self._package is None:
             return
+        if self._sequences is not None:
+            self._sequences.close()
         package, self._package = self._package, None
         teardown = getattr(self._instance, "teardown", None)
         try:
@@ -189,3 +260,26 @@ def _converted(spec: TensorSpec, array: np.ndarray, dtype: np.dtype) -> np.ndarr
     except (ValueError, TypeError, OverflowError, FloatingPointError) as exc:
         raise ModelOutputError(f"output {spec.name!r} ({array.dtype}) cannot be converted to {spec.datatype}: "
                                f"{exc}") from None
+
+
+def _contained(what: str, method: Callable[..., object], argument: object) -> object:
+    """`method(argument)`, a SystemExit or KeyboardInterrupt from the model's code turned into an
+    ordinary exception (with the model's traceback) so it cannot end the worker."""
+    try:
+        return method(argument)
+    except Exception:
+        raise  # the worker reports it for this batch's (or step's) requests and goes on
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt: not the worker's own end
+        contained = RuntimeError(f"{what} raised {type(exc).__name__}: {message_of(exc)}")
+        raise contained.with_traceback(exc.__traceback__) from None
+
+
+def _stack_rows(pieces: list[np.ndarray]) -> np.ndarray:
+    """One-row parts as one batch; parts of different lengths (text) padded with zeros to the longest."""
+    if len({piece.shape for piece in pieces}) == 1:
+        return np.concatenate(pieces)
+    width = [max(piece.shape[axis] for piece in pieces) for axis in range(pieces[0].ndim)]
+    out = np.zeros((len(pieces), *width[1:]), dtype=pieces[0].dtype)
+    for i, piece in enumerate(pieces):
+        out[(slice(i, i + 1), *(slice(0, n) for n in piece.shape[1:]))] = piece
+    return out

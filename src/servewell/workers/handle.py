@@ -42,9 +42,13 @@ from servewell.workers.messages import (
     LoadProgress,
     ProfileDone,
     RunBatch,
+    SequenceJoin,
     Shutdown,
     SpareReady,
     StartProfile,
+    StepDone,
+    StepFailed,
+    StepSequences,
     StopProfile,
     WorkerLaunch,
     WorkerLoadFailed,
@@ -158,6 +162,7 @@ class WorkerHandle:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[WorkerReady] | None = None
         self._pending: dict[int, asyncio.Future[BatchOutcome]] = {}
+        self._steps: dict[int, asyncio.Future[StepDone]] = {}  # a generative model's steps (`send_step`)
         self._profile_reply: asyncio.Future[ProfileDone] | None = None
         #: Every segment of this worker, both directions and the heartbeat, starts with this.
         self.segment_prefix = new_prefix()
@@ -336,6 +341,22 @@ class WorkerHandle:
             raise self._gone_error("the worker process is not running") from None
         return future
 
+    def send_step(self, joins: tuple[SequenceJoin, ...], leaves: tuple[int, ...]) -> asyncio.Future[StepDone]:
+        """Hand a generative model's worker one step (engine/sequences.py): `leaves` end, `joins`
+        start, every running sequence makes its next part; the future resolves with the parts
+        (`ModelError` when the step failed as a whole, `WorkerLost` when the worker died)."""
+        if not self.alive or self._conn is None:
+            raise self._gone_error("the worker process is not running")
+        step_id = next(self._ids)
+        future: asyncio.Future[StepDone] = asyncio.get_running_loop().create_future()
+        self._steps[step_id] = future
+        try:
+            send_message(self._conn, StepSequences(step_id, joins, leaves))
+        except (OSError, ValueError):
+            self._steps.pop(step_id, None)
+            raise self._gone_error("the worker process is not running") from None
+        return future
+
     def heartbeat_silence_s(self) -> float:
         """Seconds since the worker's heartbeat counter last moved (0 before it is ready)."""
         if self._heartbeat is None or self.state != "ready":
@@ -423,6 +444,15 @@ class WorkerHandle:
                     future.set_result(BatchOutcome(outputs, message.compute_s, message.steps, message.skipped))
             if self._on_batch_done is not None:
                 self._on_batch_done(self, message)
+        elif isinstance(message, (StepDone, StepFailed)):
+            step = self._steps.pop(message.step_id, None)
+            if step is not None and not step.done():
+                if isinstance(message, StepDone):
+                    self.rss_bytes = message.rss_bytes or self.rss_bytes
+                    step.set_result(message)
+                else:
+                    step.set_exception(WorkerLost(f"the device failed and the worker restarts: {message.message}")
+                                       if message.fatal else ModelError(f"model failed on the step: {message.message}"))
         elif isinstance(message, ProfileDone):
             if self._profile_reply is not None and not self._profile_reply.done():
                 self._profile_reply.set_result(message)
@@ -501,10 +531,11 @@ class WorkerHandle:
         if self._profile_reply is not None and not self._profile_reply.done():
             self._profile_reply.set_exception(WorkerLost(reason))
         error = self._gone_error(f"{reason}; the request was not completed and is safe to retry")
-        for future in self._pending.values():
+        for future in [*self._pending.values(), *self._steps.values()]:
             if not future.done():
                 future.set_exception(error)
         self._pending.clear()
+        self._steps.clear()
         self._release_segments()
         end_group(self.pid)  # what its model forked dies with it
         self._close_output()
@@ -565,10 +596,11 @@ class WorkerHandle:
             self._life.stopped()
         self._stop_reading()
         error = WorkerLost("the worker was stopped before the batch finished")
-        for future in self._pending.values():
+        for future in [*self._pending.values(), *self._steps.values()]:
             if not future.done():
                 future.set_exception(error)
         self._pending.clear()
+        self._steps.clear()
         self._release_segments()
         self._close_output()
 

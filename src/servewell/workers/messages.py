@@ -96,6 +96,26 @@ class RunBatch:
 
 
 @dataclass(slots=True, frozen=True)
+class SequenceJoin:
+    """A sequence that joins a generative model's running batch at this step, with its inputs
+    (small: a prompt; pickled over the pipe, bounded by the model's `generate.max_state_bytes`)."""
+
+    seq_id: int
+    inputs: dict[str, Any]  # name -> numpy array, the request's own rows
+
+
+@dataclass(slots=True, frozen=True)
+class StepSequences:
+    """One step of a generative model (runtimes/python_sequences.py): first the `leaves` end
+    (cancelled, expired, too slow), then the `joins` start, then every running sequence makes its
+    next part. The worker answers `StepDone` (or `StepFailed`)."""
+
+    step_id: int
+    joins: tuple[SequenceJoin, ...] = ()
+    leaves: tuple[int, ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
 class Shutdown:
     """Finish the batch in hand, release resources and exit."""
 
@@ -192,6 +212,37 @@ class BatchFailed:
 
 
 @dataclass(slots=True, frozen=True)
+class SequencePart:
+    """What one sequence made at a step: its part's outputs (None: nothing this step), whether it is
+    done, or the model's error for this sequence alone (it has ended)."""
+
+    seq_id: int
+    outputs: dict[str, Any] | None
+    done: bool = False
+    error: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class StepDone:
+    """The parts of one step, one per running sequence, and the step's compute time."""
+
+    step_id: int
+    parts: tuple[SequencePart, ...]
+    compute_s: float
+    rss_bytes: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class StepFailed:
+    """The step failed as a whole (the model raised outside any one sequence): every sequence it
+    ran has ended; the worker stays up unless `fatal`."""
+
+    step_id: int
+    message: str
+    fatal: bool = False
+
+
+@dataclass(slots=True, frozen=True)
 class ProfileDone:
     """A Chrome/Perfetto trace file of the profiled batches, or why there is none."""
 
@@ -199,10 +250,11 @@ class ProfileDone:
     error: str | None = None
 
 
-WorkerReply = SpareReady | ProfileDone | LoadProgress | WorkerReady | WorkerLoadFailed | BatchDone | BatchFailed
+WorkerReply = (SpareReady | ProfileDone | LoadProgress | WorkerReady | WorkerLoadFailed | BatchDone | BatchFailed
+               | StepDone | StepFailed)
 
 
-WorkerMessage = RunBatch | Shutdown | StartProfile | StopProfile | AdoptSpare | WorkerReply
+WorkerMessage = RunBatch | StepSequences | Shutdown | StartProfile | StopProfile | AdoptSpare | WorkerReply
 _RUN, _DONE, _PICKLED = b"M", b"D", b"P"
 
 

@@ -35,6 +35,9 @@ from servewell.workers.messages import (
     RunBatch,
     Shutdown,
     StartProfile,
+    StepDone,
+    StepFailed,
+    StepSequences,
     StopProfile,
     WorkerLaunch,
     WorkerLoadFailed,
@@ -282,6 +285,12 @@ def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing
             if isinstance(message, (StartProfile, StopProfile)):
                 _profile(message, profiler, runtime, send)
                 continue
+            if isinstance(message, StepSequences):  # a generative model's step (runtimes/python_sequences.py)
+                step_reply = _step(message, runtime, rss)
+                send(step_reply)
+                if isinstance(step_reply, StepFailed) and step_reply.fatal:
+                    return
+                continue
             if not isinstance(message, RunBatch):
                 continue
             rows = message.inputs[0].shape[0] if message.inputs and message.inputs[0].shape else 1
@@ -351,3 +360,17 @@ def _run(message: RunBatch, plan: RowPlan, runtime: ModelRuntime, reader: Segmen
     oom_limited = splitting.oom_limited_batch_size if splitting is not None else None
     return BatchDone(message.batch_id, arena.name, refs, compute_s, rss.read(), rows_computed, tuple(steps),
                      oom_limited, plan.skipped)
+
+
+def _step(message: StepSequences, runtime: ModelRuntime, rss: RssReading) -> StepDone | StepFailed:
+    """Run one step of a generative model's sequences: who leaves, who joins, every part."""
+    sequence_set = getattr(runtime, "sequence_set", None)
+    if not callable(sequence_set):
+        return StepFailed(message.step_id, "this model's runtime runs no sequences (a generate: section needs a python "
+                                           "model, step-wise or a generator)")
+    started = time.perf_counter()
+    try:
+        parts = sequence_set().step(message.joins, message.leaves)
+    except Exception as exc:
+        return StepFailed(message.step_id, describe_failure(exc), fatal=isinstance(exc, DeviceUnusableError))
+    return StepDone(message.step_id, tuple(parts), time.perf_counter() - started, rss.read())

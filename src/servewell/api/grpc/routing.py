@@ -44,6 +44,10 @@ class ServiceRouter(grpc.GenericRpcHandler):
             request_type = getattr(pb, method.input_type.name)
             self._handlers[f"/{SERVICE}/{name}"] = grpc.stream_unary_rpc_method_handler(
                 _bind(behaviour, request_type, receive_timeout_s, self.calls), response_serializer=_serialize)
+        stream_infer = getattr(servicer, "ModelStreamInfer", None)
+        if stream_infer is not None:  # bidirectional: it reads its messages itself (api/grpc/stream_infer.py)
+            self._handlers[f"/{SERVICE}/ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+                _counted(stream_infer, self.calls), response_serializer=_serialize)
         self._unimplemented: grpc.RpcMethodHandler[Any, Any] = grpc.stream_unary_rpc_method_handler(
             _counted(self._refuse, self.calls))
 

@@ -4,7 +4,8 @@ share), served from the same engine and data plane as HTTP.
 
 Implemented: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, ModelConfig,
 ModelInfer (raw and typed contents), RepositoryIndex, RepositoryModelLoad/Unload (admin). The
-Triton-only calls (statistics, shared-memory regions, trace and log settings, streaming) answer
+ModelStreamInfer (Triton's bidirectional stream: api/grpc/stream_infer.py). The other
+Triton-only calls (statistics, shared-memory regions, trace and log settings) answer
 UNIMPLEMENTED after the key check (`routing.ServiceRouter`). ModelReady needs a key like every
 model call; only ServerLive and ServerReady are probes.
 
@@ -28,6 +29,7 @@ from servewell.api.dataplane import DataPlane, select_outputs
 from servewell.api.grpc.codec import config_message, decode_request, metadata_message, metadata_value, response_steps
 from servewell.api.grpc.incoming import IncomingMessage
 from servewell.api.grpc.scope import RpcContext, RpcScope
+from servewell.api.grpc.stream_infer import model_stream_infer
 from servewell.api.model_document import TRITON_STATES, model_document
 from servewell.engine.control import DescribeModel, ListModels, LoadModel, UnloadModel
 from servewell.engine.protocol import ServingEngine
@@ -125,6 +127,10 @@ class InferenceServicer:
                                            ("server-timing", call.finish(result)), ("x-model-version", version)))
             return response
         return await self._scope.run("ModelInfer", context, incoming, handle)
+
+    async def ModelStreamInfer(self, request_iterator: object, context: RpcContext) -> None:
+        """Triton's bidirectional stream: each request's parts as responses (api/grpc/stream_infer.py)."""
+        await model_stream_infer(self._plane, self._scope, context)
 
     # --- repository --------------------------------------------------------------------------
 
