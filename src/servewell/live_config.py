@@ -23,12 +23,20 @@ configured again; it never opens inference.
 Admin PATCHes and files: a PATCH of batching settings lasts until that model's model.yaml next
 changes (the file then wins, and the log says which overrides it replaced) or the server
 restarts. Keep the file the source of truth; use PATCH for experiments.
+
+Every change applied here goes to the audit trail (observability/audit.py), by `file` (a poll) or
+`SIGHUP`: the `--config` file's settings that changed, old and new (secrets as `(set)` /
+`(changed)`; settings that wait for a restart apart); the API keys by id (added, removed, changed
+fields, a rotated key as `(rotated)`: never a key); each model.yaml's changed fields and what
+happened (applied live, reloaded).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -49,6 +57,7 @@ from servewell.config.watch import FileChange, FileWatch
 from servewell.engine.engine import InferenceEngine
 from servewell.engine.repository import outside_refusal, outside_repository, read_model_config
 from servewell.errors import ServeError
+from servewell.observability.audit import BY_FILE, BY_SIGHUP, AuditTrail
 from servewell.observability.tracing import Tracing, sample_ratio_or_default
 from servewell.tenancy.keys import KeyFormatError, KeyRing, NoKeysError, check_distinct, parse_keys
 
@@ -103,8 +112,12 @@ class ConfigReloader:
     """Polls the watched files (and reacts to SIGHUP) and applies what changed."""
 
     def __init__(self, source: ConfigSource, settings: ServerConfig, engine: InferenceEngine, access: InferenceAccess,
-                 tracing: Tracing, knobs: LiveKnobs, registry: CollectorRegistry | None = None) -> None:
+                 tracing: Tracing, knobs: LiveKnobs, registry: CollectorRegistry | None = None,
+                 audit: AuditTrail | None = None) -> None:
         self._source = source
+        self._audit = audit if audit is not None else AuditTrail()  # every change applied here
+        self._who = BY_FILE  # who asked for the check under way: a poll (file) or SIGHUP
+        self._key_salt = os.urandom(16)  # the audit trail's key versions mean nothing outside this process
         self.settings = settings
         self._engine = engine
         self._access = access
@@ -157,6 +170,7 @@ class ConfigReloader:
         longer watched: a removed model is not a rejected file)."""
         try:
             async with self._lock:
+                self._who = BY_FILE if settle else BY_SIGHUP
                 for name in await self._engine.remove_missing(settle):
                     self._forget_model(name)
                 new = self._new_model_files()
@@ -231,6 +245,10 @@ class ConfigReloader:
         changed = [name for name in ServerConfig.model_fields if getattr(fresh, name) != getattr(old, name)]
         live = [name for name in changed if name in LIVE_FIELDS]
         self.pending_restart = [name for name in changed if name not in LIVE_FIELDS]
+        if self.pending_restart:
+            self._audit.record_fields(self._who, "file reload", "settings (need a restart)", path.name,
+                                      {n: getattr(old, n) for n in self.pending_restart},
+                                      {n: getattr(fresh, n) for n in self.pending_restart})
         self._applied(path)
         if "payload_log" in live and not self._apply_payload_log(fresh, path):
             live.remove("payload_log")
@@ -247,6 +265,8 @@ class ConfigReloader:
                 self._watch.track(self.settings.api_keys_file)
         self.loaded_at = time.time()
         if live:
+            self._audit.record_fields(self._who, "file reload", "settings", path.name,
+                                      {n: getattr(old, n) for n in live}, {n: getattr(self.settings, n) for n in live})
             log.info("config file %s reloaded: applied %s", path, live, extra={"fields": live})
         if self.pending_restart:
             log.warning("config file %s changes %s, which need a restart; the running values are kept",
@@ -276,7 +296,10 @@ class ConfigReloader:
         if not ring.enabled and self._access.enabled:
             self._deny_everyone(path, "no API key is configured any more")
             return True
+        before = key_table(self._access.ring.keys if self._access.enabled else (), self._key_salt)
         self._access.replace(ring, settings.api_key_rate_per_s)
+        self._audit.record_fields(self._who, "file reload", "keys", path.name, before,
+                                  key_table(ring.keys, self._key_salt))
         self.keys_loaded_at = time.time()
         self._applied(path)
         log.info("%s: %d API key(s) in force", why, len(ring.ids), extra={"key_ids": list(ring.ids)})
@@ -284,7 +307,10 @@ class ConfigReloader:
 
     def _deny_everyone(self, path: Path, reason: str) -> None:
         # Keys never fail open: revoking the last key must not leave it valid, nor open inference.
+        before = key_table(self._access.ring.keys if self._access.enabled else (), self._key_salt)
         self._access.replace(KeyRing((), required=True), None)
+        self._audit.record(self._who, "file reload", "keys", path.name, before, {},
+                           f"keys of {path.name}: none in force ({reason}); every request that needs a key is refused")
         self.keys_loaded_at = time.time()
         self._reject(path, [(TOP_LEVEL, f"{reason}: no API key is in force")],
                      "every request that needs an API key is refused until a key is configured (fail closed)")
@@ -316,13 +342,26 @@ class ConfigReloader:
         if real is not None:  # a model directory swapped for a symlink out of the repository
             log.warning("model directory %s resolves to %s, outside the repository %s", name, real,
                         self._engine.repository, extra={"model": name})
+        previous = self._running_config(name)
         try:
             outcome = await self._engine.reconfigure_model(name, config)
         except ServeError as exc:
             self._reject(path, [(TOP_LEVEL, exc.message)], "the running version keeps serving")
             return
         self._applied(path)
+        if previous is not None and outcome != "unchanged":
+            old, new = flat(previous.model_dump(mode="json")), flat(config.model_dump(mode="json"))
+            entry = self._audit.record_fields(self._who, "file reload", "model file", name, old, new)
+            if entry is not None:
+                log.info("%s: %s", entry.summary, outcome, extra={"model": name})
         log.info("%s changed: %s", path, outcome, extra={"model": name})
+
+    def _running_config(self, name: str) -> Any:
+        """The config the model serves with now (None: none, e.g. an invalid model.yaml)."""
+        try:
+            return self._engine.slot(name, None).entry.config
+        except ServeError:
+            return None
 
     def status(self) -> dict[str, Any]:
         """`{"status": "ok" | "degraded", "rejected": [...]}` for /healthz and the console (no full paths)."""
@@ -341,3 +380,26 @@ class ConfigReloader:
             "models": self._engine.config_report(),
             "config": self.rejected.status(full_paths=True),
         }
+
+
+def key_table(keys: Iterable[Any], salt: bytes) -> dict[str, dict[str, Any]]:
+    """What the audit trail keeps of API keys: per key id, its tenant, role, weight, quotas and
+    `version`, a short hash of its digest with `salt` (a process's random bytes: a key rotated under
+    the same id changes it, and it confirms no guess of a key, nor means anything outside the
+    process), never the key."""
+    return {key.id: {"tenant": key.tenant_id, "operator": key.operator, "weight": key.weight,
+                     "rate_per_s": key.rate_per_s, "max_concurrent": key.max_concurrent,
+                     "max_queued": key.max_queued, "version": hashlib.sha256(salt + key.digest).hexdigest()[:8]}
+            for key in keys}
+
+
+def flat(doc: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config dump with nested sections flattened to dotted names (`batching.max_wait_ms`)."""
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+            out.update(flat(value, name + "."))
+        else:
+            out[name] = value
+    return out

@@ -29,6 +29,7 @@ from servewell.api.control_handlers import control_table
 from servewell.api.control_plane import LocalControlPlane
 from servewell.api.dataplane import DataPlane
 from servewell.api.decode_scheduler import DecodeScheduler
+from servewell.api.diagnosis_evidence import ServerViews, process_memory
 from servewell.api.early_refusal import EarlyRefusal
 from servewell.api.engine_parts import EngineParts
 from servewell.api.grpc.listener import build_grpc_listener, call_slots
@@ -50,7 +51,13 @@ from servewell.live_config import ConfigReloader, load_keys
 from servewell.observability.alerting import run_alerting
 from servewell.observability.console_feed import ConsoleFeed
 from servewell.observability.gpu import GpuProbe
-from servewell.observability.metrics import ProcessRestartsCollector, RolloutCollector, ServeMetrics, StateCollector
+from servewell.observability.metrics import (
+    ProcessRestartsCollector,
+    RolloutCollector,
+    ServeMetrics,
+    StateCollector,
+    ViewsCollector,
+)
 from servewell.observability.payload_log import PayloadLog, PayloadLogCollector
 from servewell.observability.process import process_facts
 from servewell.observability.signals import SignalTracker
@@ -187,11 +194,12 @@ def build_engine(settings: ServerConfig, source: ConfigSource | None = None,
     output = output_limits_for(settings)  # what of a worker's stdout/stderr reaches the log (issue 45)
     spares = SpareWorkers(effective_spare_workers(settings), SpareLaunch(settings.log_level, settings.log_format),
                           output, fork_on_demand=settings.fork_worker_starts)
+    console = ConsoleFeed(metrics)  # the console's series, recent requests, audit trail, replacements, memory
     workers = WorkerSettings(settings.worker_heartbeat_timeout_s, settings.log_level, settings.log_format,
                              tracing.settings, spares=spares, warmup_first_only=effective_warmup_first_only(settings),
                              load_cpu_policy=effective_load_cpu_policy(settings),
                              max_output_bytes=settings.max_output_bytes, load_slots=load_slots_for(settings),
-                             load_retry=load_retry_for(settings), output=output)
+                             load_retry=load_retry_for(settings), output=output, events=console.worker_events)
     access = InferenceAccess(keys, settings.api_key_rate_per_s, metrics=metrics)
     tenants = Tenants(lambda: access.ring if access.enabled else None, metrics,
                       default_rate=lambda: access.default_rate_per_s)
@@ -219,10 +227,14 @@ def build_engine(settings: ServerConfig, source: ConfigSource | None = None,
                                                  lambda: (engine.budget.device_total_bytes,
                                                           engine.budget.device_used_bytes)))
     knobs = LiveKnobs(settings.slow_request_ms / 1000.0, settings.metrics_require_key)
-    console = ConsoleFeed(metrics)  # the console's chart series and recent slow/failed requests
+    views = ServerViews(engine, console)  # each model's diagnosis, the processes' memory, rollouts into the audit
+    console.on_tick.append(views.tick)
+    console.memory_source = lambda: process_memory(engine, console)
+    if metrics is not None:
+        metrics.registry.register(ViewsCollector(lambda: console.diagnoses, console.memory.latest))
     console.recent.slow_log.lines_per_window = settings.slow_request_lines_per_model
     reloader = ConfigReloader(source or ConfigSource(None, {}), settings, engine, access, tracing, knobs,
-                              metrics.registry if metrics is not None else None)
+                              metrics.registry if metrics is not None else None, audit=console.audit)
     control = control_table(EngineParts(engine, settings, access, knobs, console, metrics, reloader.report,
                                         reloader.status))
     door = None
@@ -256,7 +268,7 @@ def build_engine(settings: ServerConfig, source: ConfigSource | None = None,
         loop.add_signal_handler(signal.SIGHUP,
                                 lambda: background.append(loop.create_task(reloader.check(settle=False))))
         if metrics is not None:  # always evaluated (console, /healthz); the webhook only delivers
-            tracker = SignalTracker(metrics, engine.model_facts)
+            tracker = SignalTracker(metrics, engine.model_facts, lambda: console.diagnoses)
             background.append(loop.create_task(run_alerting(settings.alerting, tracker.snapshots, stop,
                                                             active=console.alerts, refresh=console.view.refresh)))
 

@@ -2,24 +2,45 @@
 `GetConsoleState` control operation), for the caller's access scope as the ingress's access rule
 decided it (api/access.py; the rule for what each caller sees is in api/routes_console.py's
 docstring): every ingress process's counters and recent requests are pulled and summed in first.
+
+What each part shows to whom (issue 47 added the last five):
+- to anyone the state is open to: the server, the models (each with its `diagnosis`, worker
+  replacements with their gaps, its response cache), the charts, the alerts, and the processes'
+  memory (`memory`: one definition, each process named, its series, growth and time to its limit);
+- to an operator: the tenants with their admitted / refused / failed counts and their status over
+  the last 30 s, refusals by model, lane, tenant and reason (`refusals_by`), who holds each model's
+  queue places (`queue_places`), and the audit trail's changes of the chart window (`audit`);
+- to a tenant's key: its own tenant's row, refusals and places only (the other tenants' never, not
+  even summed); no audit trail.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import servewell
 from servewell.api.engine_parts import EngineParts
+from servewell.api.health_document import (
+    cache_fields,
+    diagnosis_of,
+    frontend_rss_bytes,
+    memory_fields,
+    replacement_fields,
+)
 from servewell.api.public_text import public_rollout
 from servewell.api.routes_pool import pool_fields
 from servewell.engine.control import AccessScope, GetConsoleState
 from servewell.engine.engine import InferenceEngine
+from servewell.engine.model_entry import ModelEntry
 from servewell.engine.protocol import ModelView
 from servewell.errors import NotFound, ServeError
-from servewell.observability.console_feed import ConsoleFeed
+from servewell.observability.console_feed import ConsoleFeed, refusals_between, tenants_between
 from servewell.observability.latency_reading import latency_split
-from servewell.observability.process import rss_bytes
 from servewell.tenancy.policy import tenant_label
+
+#: Changes of the audit trail the console gets (those of the charts' window; at most this many, the latest).
+AUDIT_SHOWN = 100
 
 
 async def console_document(parts: EngineParts, op: GetConsoleState) -> dict[str, Any]:
@@ -38,7 +59,7 @@ async def console_document(parts: EngineParts, op: GetConsoleState) -> dict[str,
             "status": readiness.status,  # /healthz's word: ok, degraded, not_ready, shutting_down
             "status_reason": readiness.reason,
             "started_at": feed.started_at,
-            "frontend_rss_bytes": rss_bytes() + feed.view.absorbed_rss_bytes(),  # with ingress processes
+            "frontend_rss_bytes": frontend_rss_bytes(feed),  # the engine and every ingress process (as /healthz)
             "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
             "pool": engine.pool_report(),  # repository mode, budgets, resident and loading counts
             "keys_required": parts.access.enabled,
@@ -48,7 +69,7 @@ async def console_document(parts: EngineParts, op: GetConsoleState) -> dict[str,
             "admin_reason": scope.denial,
             "tenant": scope.tenant,  # a tenant's key: the tenant whose part the records and tenants show
         },
-        "models": [_model(view, engine if scope.operator else None) for view in engine.models()],
+        "models": [_model(view, engine if scope.operator else None, feed) for view in engine.models()],
         "series": {**feed.series(op.model), "models": feed.models()},
         "recent": feed.recent.to_json(op.recent, clients) if sees_records else None,
         "tenants": _tenants_report(engine, scope),
@@ -56,6 +77,8 @@ async def console_document(parts: EngineParts, op: GetConsoleState) -> dict[str,
         "config": parts.config_status(),  # rejected config files (live_config.py), shown as a banner
         "alerts": feed.alerts.to_json(),
         "alerts_evaluated_at": feed.alerts.evaluated_at,
+        "memory": {**memory_fields(feed), **_memory_series(feed)},
+        "audit": feed.audit.to_json(since=time.time() - feed.window_s, limit=AUDIT_SHOWN) if scope.operator else None,
     }
     # Each model's compute time by batch size (aggregates, like /metrics), then its golden signals and
     # p99 split (which read it). `recent` records carry batch_id, batch_size, instance, queue_position;
@@ -63,11 +86,77 @@ async def console_document(parts: EngineParts, op: GetConsoleState) -> dict[str,
     for entry in doc["models"]:
         entry["compute_by_batch_size"] = feed.compute_by_batch_size(entry["name"])
         _add_golden_signals(entry, feed)
+        entry["cache"] = cache_fields(engine, feed, entry["name"])  # as /healthz shows it
     doc["refusals"] = feed.recent.refusals_json(op.recent, clients) if sees_records else None
+    own = None if scope.operator else tenant_label(scope.tenant) if scope.tenant is not None else None
+    if scope.operator or own is not None:
+        doc["refusals_by"] = _refusals_by(feed, own)
+        doc["queue_places"] = _queue_places(engine, own)
+        _add_tenant_windows(doc["tenants"] or [], feed)
+    else:
+        doc["refusals_by"] = doc["queue_places"] = None
     return doc
 
 
-def _model(view: ModelView, admin_engine: InferenceEngine | None) -> dict[str, Any]:
+def _memory_series(feed: ConsoleFeed) -> dict[str, Any]:
+    series = feed.memory.to_json()
+    return {"interval_s": series["interval_s"], "window_s": series["window_s"], "series": series["series"]}
+
+
+def _refusals_by(feed: ConsoleFeed, own: str | None) -> list[dict[str, Any]]:
+    """Refusals by model, lane, tenant and reason: over the last 30 s and since the server started
+    (every process's, summed); `own`: one tenant's only."""
+    window = feed.window()
+    recent = refusals_between(window[1], window[2]) if window is not None else {}
+    metrics = feed.metrics
+    totals = dict(metrics.refusals.snapshot()) if metrics is not None else {}
+    rows = []
+    for labels, total in totals.items():
+        model, lane, tenant, reason = key = (labels[0], labels[1], labels[2], labels[3])
+        if own is not None and tenant != own:
+            continue
+        rows.append({"model": model, "lane": lane, "tenant": tenant, "reason": reason,
+                     "last_30s": round(recent.get(key, 0.0)), "total": round(total)})
+    return sorted(rows, key=lambda r: (-r["last_30s"], -r["total"], r["model"], r["tenant"]))
+
+
+def _queue_places(engine: InferenceEngine, own: str | None) -> dict[str, dict[str, dict[str, int]]]:
+    """Who holds each model's queue places now: model -> lane -> tenant -> queued requests (lanes with
+    requests only); `own`: that tenant's places only."""
+    found: dict[str, dict[str, dict[str, int]]] = {}
+    for name, slot in list(engine.slots.items()):
+        entry = slot.entry
+        if not isinstance(entry, ModelEntry):
+            continue
+        scheduler = entry.scheduler
+        depths = scheduler.lane_depths()
+        for index, lane in enumerate(scheduler.lanes):
+            if not depths.get(lane):
+                continue
+            places = {tenant_label(t): n for t, n in scheduler.lane_places(index).items()}
+            if own is not None:
+                places = {t: n for t, n in places.items() if t == own}
+            if places:
+                found.setdefault(name, {})[lane] = places
+    return found
+
+
+def _add_tenant_windows(rows: list[dict[str, Any]], feed: ConsoleFeed) -> None:
+    """Each tenant's row gets its requests over the last 30 s (admitted, refused, failed; a quota's
+    refusals count as refused) and a status that never says ok while its requests fail: ok,
+    refused (some were refused: 429 or 503) or failing (some failed with an error)."""
+    window = feed.window()
+    recent = tenants_between(window[1], window[2]) if window is not None else {}
+    for row in rows:
+        counts = recent.get(row["tenant"], {})
+        quota = sum(counts.get(k, 0.0) for k in ("over_rate", "over_concurrency", "over_queue"))
+        last = {"admitted": round(counts.get("admitted", 0.0)), "refused": round(counts.get("refused", 0.0) + quota),
+                "failed": round(counts.get("failed", 0.0)), "window_s": round(window[0], 1) if window else None}
+        row["last_30s"] = last
+        row["status"] = "failing" if last["failed"] else "refused" if last["refused"] else "ok"
+
+
+def _model(view: ModelView, admin_engine: InferenceEngine | None, feed: ConsoleFeed) -> dict[str, Any]:
     config, facts = view.config, view.scheduling
     doc: dict[str, Any] = {
         "name": view.name,
@@ -75,8 +164,8 @@ def _model(view: ModelView, admin_engine: InferenceEngine | None) -> dict[str, A
         "state": view.state,
         "reason": view.reason,
         "load_s": round(view.load_s, 3) if view.load_s is not None else None,
-        "restarts": view.restarts,
-        "recycles": view.recycles,
+        **replacement_fields(feed, view),  # every cause counted as restarts, the gaps listed (as /healthz)
+        "diagnosis": diagnosis_of(feed, view.name),
         "instances": [{"instance": i.instance, "pid": i.pid, "alive": i.alive, "rss_bytes": i.rss_bytes,
                        "rows_computed": i.rows_computed} for i in view.instances],
         "lanes": dict(facts.lane_depths) if facts else {},

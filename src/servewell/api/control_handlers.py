@@ -2,6 +2,9 @@
 operation's type to its handler, built once where the engine runs (server.py) and called by the
 door for an ingress's `ControlCall`, or directly by the single-process server's routes
 (api/control_plane.py). A handler raises the `ServeError` the caller gets, as it would in-process.
+
+Every change an operation applies is written to the audit trail (observability/audit.py) with the
+operation's `actor`, the values before and after: only once it applied (a refused change is not one).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from servewell.engine.control import (
     ControlDispatch,
     DescribeModel,
     EvictModel,
+    GetAudit,
     GetBatching,
     GetCache,
     GetConfigReport,
@@ -45,12 +49,34 @@ from servewell.engine.protocol import ModelView, Readiness
 from servewell.engine.response_cache import ResponseCache
 from servewell.engine.tenants import Tenants
 from servewell.errors import Conflict, NotFound, ServeError
+from servewell.observability.audit import actor_name
 from servewell.observability.exposition import render_text
+
+#: How the admin API is named in the audit trail.
+VIA_ADMIN = "admin API"
 
 
 def control_table(parts: EngineParts) -> ControlDispatch:
     """The dispatch table of `parts.engine` (raises `ValueError` if an operation has no handler)."""
     engine = parts.engine
+    audit = parts.console.audit
+
+    def who(actor: str) -> str:
+        return actor or actor_name(None)
+
+    def model_state(view: ModelView) -> dict[str, Any]:
+        return {"version": view.version, "state": view.state, "pinned": view.pinned, "residency": view.residency}
+
+    def record_view(actor: str, what: str, before: ModelView | None, after: ModelView) -> None:
+        old = model_state(before) if before is not None else None
+        audit.record(who(actor), VIA_ADMIN, what, after.name, old, model_state(after),
+                     f"{what} of {after.name}: version {after.version}, {after.state}")
+
+    def view_or_none(name: str) -> ModelView | None:
+        try:
+            return engine.model(name)
+        except ServeError:
+            return None
 
     # --- models and the repository -------------------------------------------------------------
 
@@ -61,24 +87,42 @@ def control_table(parts: EngineParts) -> ControlDispatch:
         return engine.model(op.name, op.version)
 
     async def load_model(op: LoadModel) -> ModelView:
-        return await engine.load_model(op.name)
+        before = view_or_none(op.name)
+        view: ModelView = await engine.load_model(op.name)
+        record_view(op.actor, "model loaded", before, view)
+        return view
 
     async def unload_model(op: UnloadModel) -> ModelView:
-        return await engine.unload_model(op.name)
+        before = view_or_none(op.name)
+        view: ModelView = await engine.unload_model(op.name)
+        record_view(op.actor, "model unloaded", before, view)
+        return view
 
     # --- the model pool (engine/admin_ops.py) ----------------------------------------------------
 
     async def pin(op: PinModel) -> ModelView:
-        return await engine.pin(op.name)
+        before = view_or_none(op.name)
+        view: ModelView = await engine.pin(op.name)
+        record_view(op.actor, "pinned", before, view)
+        return view
 
     async def unpin(op: UnpinModel) -> ModelView:
-        return await engine.unpin(op.name)
+        before = view_or_none(op.name)
+        view: ModelView = await engine.unpin(op.name)
+        record_view(op.actor, "unpinned", before, view)
+        return view
 
     async def preload(op: PreloadModel) -> ModelView:
-        return await engine.preload(op.name)
+        before = view_or_none(op.name)
+        view: ModelView = await engine.preload(op.name)
+        record_view(op.actor, "preloaded", before, view)
+        return view
 
     async def evict(op: EvictModel) -> ModelView:
-        return await engine.evict(op.name)
+        before = view_or_none(op.name)
+        view: ModelView = await engine.evict(op.name)
+        record_view(op.actor, "evicted", before, view)
+        return view
 
     # --- batching, traffic splits, response caches ---------------------------------------------
 
@@ -86,13 +130,19 @@ def control_table(parts: EngineParts) -> ControlDispatch:
         return engine.batching(op.name)
 
     async def update_batching(op: UpdateBatching) -> dict[str, Any]:
-        return engine.update_batching(op.name, op.changes)
+        before = engine.batching(op.name)
+        settings: dict[str, Any] = engine.update_batching(op.name, op.changes)
+        audit.record_fields(who(op.actor), VIA_ADMIN, "batching", op.name, before, settings)
+        return settings
 
     async def get_rollout(op: GetRollout) -> dict[str, Any]:
         return engine.rollout(op.name)
 
     async def update_rollout(op: UpdateRollout) -> dict[str, Any]:
-        return engine.update_rollout(op.name, op.patch)
+        before = _traffic(engine.rollout(op.name))
+        rollout: dict[str, Any] = engine.update_rollout(op.name, op.patch)
+        audit.record_fields(who(op.actor), VIA_ADMIN, "traffic", op.name, before, _traffic(rollout))
+        return rollout
 
     async def get_cache(op: GetCache) -> dict[str, Any]:
         cache = engine.response_cache(op.name)
@@ -100,6 +150,7 @@ def control_table(parts: EngineParts) -> ControlDispatch:
 
     async def update_cache(op: UpdateCache) -> dict[str, Any]:
         cache = _cache(op.name)
+        before = {"max_bytes": cache.max_bytes, "ttl_s": cache.ttl_s}
         changes = op.changes  # a field given as None goes back to model.yaml's value
         if "max_bytes" in changes:
             max_bytes = changes["max_bytes"]
@@ -107,11 +158,15 @@ def control_table(parts: EngineParts) -> ControlDispatch:
         if "ttl_s" in changes:
             ttl_s = changes["ttl_s"]
             cache.resize(ttl_s=cache.config.ttl_s if ttl_s is None else float(ttl_s))
+        audit.record_fields(who(op.actor), VIA_ADMIN, "cache", op.name, before,
+                            {"max_bytes": cache.max_bytes, "ttl_s": cache.ttl_s})
         return {"model": op.name, "cache": cache.report()}
 
     async def clear_cache(op: ClearCache) -> dict[str, Any]:
         cache = _cache(op.name)
         dropped = cache.clear()
+        audit.record(who(op.actor), VIA_ADMIN, "cache", op.name, {"entries": dropped}, {"entries": 0},
+                     f"cache of {op.name} cleared ({dropped} answers dropped)")
         # Small answers freed in bulk stay in the C heap, resident, until reused (hostile case
         # cache_memory: none of 12 MB came back); a trim returns their pages. Off the loop: it walks the heap.
         await asyncio.to_thread(give_back_freed_memory)
@@ -129,7 +184,12 @@ def control_table(parts: EngineParts) -> ControlDispatch:
         return _tenants().report()
 
     async def update_tenant(op: UpdateTenant) -> dict[str, Any]:
-        return _tenants().update(op.tenant, dict(op.changes))
+        tenants = _tenants()
+        quotas = ("weight", "rate_per_s", "max_concurrent", "max_queued")
+        before = next(({k: row[k] for k in quotas} for row in tenants.report() if row["tenant"] == op.tenant), {})
+        row = tenants.update(op.tenant, dict(op.changes))
+        audit.record_fields(who(op.actor), VIA_ADMIN, "tenant", op.tenant, before, {k: row[k] for k in quotas})
+        return row
 
     def _tenants() -> Tenants:
         if engine.tenants is None:
@@ -163,6 +223,9 @@ def control_table(parts: EngineParts) -> ControlDispatch:
     async def console_state(op: GetConsoleState) -> dict[str, Any]:
         return await console_document(parts, op)
 
+    async def audit_trail(op: GetAudit) -> list[dict[str, Any]]:
+        return audit.to_json(op.since, op.limit, op.target)
+
     return ControlDispatch({
         ListModels: list_models, DescribeModel: describe_model, LoadModel: load_model, UnloadModel: unload_model,
         PinModel: pin, UnpinModel: unpin, PreloadModel: preload, EvictModel: evict,
@@ -170,5 +233,11 @@ def control_table(parts: EngineParts) -> ControlDispatch:
         UpdateRollout: update_rollout, GetCache: get_cache, UpdateCache: update_cache, ClearCache: clear_cache,
         ListTenants: list_tenants, UpdateTenant: update_tenant, ProfileModel: profile, CheckLive: live,
         GetReadiness: readiness, GetHealth: health, GetConfigReport: config_report, GetMetricsText: metrics_text,
-        GetConsoleState: console_state,
+        GetConsoleState: console_state, GetAudit: audit_trail,
     })
+
+
+def _traffic(rollout: dict[str, Any]) -> dict[str, Any]:
+    """What an admin changes of a traffic split: the weights and the shadow's share."""
+    shadow = rollout.get("shadow")
+    return {"weights": rollout.get("weights"), "shadow_percent": shadow.get("percent") if shadow else None}

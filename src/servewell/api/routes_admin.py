@@ -17,6 +17,7 @@ from servewell.api.state import AppState, state_dependency
 from servewell.config.batching import BatchingPatch
 from servewell.config.rollout import TrafficPatch
 from servewell.engine.control import (
+    GetAudit,
     GetBatching,
     GetConfigReport,
     GetRollout,
@@ -27,6 +28,7 @@ from servewell.engine.control import (
     UpdateRollout,
 )
 from servewell.engine.protocol import ModelView
+from servewell.observability.audit import actor_name
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 #: The OIP model-repository extension (Triton's load/unload), guarded like /admin.
@@ -50,8 +52,16 @@ async def require_admin(request: Request, state: AppState = Depends(state_depend
     name = request.path_params.get("name")
     if isinstance(name, str):
         state.plane.note_model(name)  # model label and log field, for names of this server only
-    caller_of(request, state).require_operator()
+    caller = caller_of(request, state)
+    caller.require_operator()
+    request.state.admin_actor = actor_name(caller.key.id if caller.key is not None else None)
     return state
+
+
+def admin_actor(request: Request) -> str:
+    """Who an admin request is in the audit trail (`key <id>` or `admin`: observability/audit.py),
+    as `require_admin` found it."""
+    return str(getattr(request.state, "admin_actor", actor_name(None)))
 
 
 @router.get("/config", summary="Active configuration", responses=error_responses(*_ADMIN_ERRORS))
@@ -81,7 +91,7 @@ async def patch_batching(name: str, request: Request, state: AppState = Depends(
     naming the field and the bound). 409 when the model is unloaded, failed or being unloaded. The
     change lasts until the model's model.yaml next changes or the server restarts."""
     patch = await read_json_patch(request, state.settings.max_body_bytes, BatchingPatch)
-    changed = await state.control.run(UpdateBatching(name, patch.changes()))
+    changed = await state.control.run(UpdateBatching(name, patch.changes(), actor=admin_actor(request)))
     return Response(orjson.dumps(changed), media_type="application/json")
 
 
@@ -107,7 +117,8 @@ async def patch_rollout(name: str, request: Request, state: AppState = Depends(r
     model's model.yaml changes its traffic or the server restarts. 404 for a version that is not
     loaded; 409 when the model splits no traffic."""
     patch = await read_json_patch(request, state.settings.max_body_bytes, TrafficPatch)
-    return Response(orjson.dumps(await state.control.run(UpdateRollout(name, patch))), media_type="application/json")
+    changed = await state.control.run(UpdateRollout(name, patch, actor=admin_actor(request)))
+    return Response(orjson.dumps(changed), media_type="application/json")
 
 
 @router.post("/models/{name}/profile", summary="Profile a model worker (Chrome/Perfetto trace)",
@@ -123,21 +134,37 @@ async def profile(name: str, seconds: Annotated[float, Query(gt=0, le=60)] = 5.0
                     headers={"Content-Disposition": f'attachment; filename="{name}-{instance}-profile.json"'})
 
 
+@router.get("/audit", summary="The audit trail: who changed what, when, from what to what",
+            responses=error_responses(*_ADMIN_ERRORS, 422))
+async def audit_trail(since: Annotated[float | None, Query(ge=0, description="Unix time: only later changes.")] = None,
+                      limit: Annotated[int, Query(ge=1, le=500, description="At most this many, the latest.")] = 100,
+                      target: Annotated[str | None, Query(max_length=200, description="A model, a tenant or a file "
+                                                          "(its label) only.")] = None,
+                      state: AppState = Depends(require_admin)) -> Response:
+    """Every change of settings, keys, model files, versions, traffic weights, caches and tenants the
+    server applied (the admin API, a file reload, SIGHUP, an automatic rollback or promotion), oldest
+    first: `at` (Unix time), `who` (`key <id>`, `admin`, `file`, `SIGHUP`, `rollout rules`), `via`,
+    `what`, `target`, `old`, `new` and a `summary`. Secrets are never recorded (`(set)`, `(changed)`).
+    The server keeps the latest 500; each is also one log line (`event: audit`)."""
+    changes = await state.control.run(GetAudit(since, limit, target))
+    return Response(orjson.dumps({"changes": changes}), media_type="application/json")
+
+
 def _state(view: ModelView) -> dict[str, Any]:
     return {"name": view.name, "version": view.version, "state": view.state, "reason": view.reason}
 
 
 @repository_router.post("/models/{name}/load", summary="Load or reload a model (zero failed requests)",
                         responses=error_responses(*_ADMIN_ERRORS, 422, oip=True))
-async def load_model(name: str, state: AppState = Depends(require_admin)) -> Response:
+async def load_model(name: str, request: Request, state: AppState = Depends(require_admin)) -> Response:
     """Read the model's directory again and load it; the new version warms up before traffic moves."""
-    view = await state.control.run(LoadModel(name))
+    view = await state.control.run(LoadModel(name, actor=admin_actor(request)))
     return Response(orjson.dumps(_state(view)), media_type="application/json")
 
 
 @repository_router.post("/models/{name}/unload", summary="Unload a model",
                         responses=error_responses(*_ADMIN_ERRORS, oip=True))
-async def unload_model(name: str, state: AppState = Depends(require_admin)) -> Response:
+async def unload_model(name: str, request: Request, state: AppState = Depends(require_admin)) -> Response:
     """Finish the model's queued and running requests, then stop its workers."""
-    view = await state.control.run(UnloadModel(name))
+    view = await state.control.run(UnloadModel(name, actor=admin_actor(request)))
     return Response(orjson.dumps(_state(view)), media_type="application/json")

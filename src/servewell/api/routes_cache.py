@@ -17,7 +17,7 @@ from pydantic import Field
 
 from servewell.api.body import read_json_patch
 from servewell.api.openapi import error_responses
-from servewell.api.routes_admin import require_admin
+from servewell.api.routes_admin import admin_actor, require_admin
 from servewell.api.state import AppState
 from servewell.config.cache import MAX_CACHE_BYTES, MAX_TTL_S
 from servewell.config.strict import StrictModel
@@ -56,13 +56,15 @@ async def patch_cache(name: str, request: Request, state: AppState = Depends(req
     given = (await read_json_patch(request, state.settings.max_body_bytes, CachePatch)).model_dump(exclude_unset=True)
     if not given:
         raise InvalidInput("name max_bytes, ttl_s or both")
-    return Response(orjson.dumps(await state.control.run(UpdateCache(name, given))), media_type="application/json")
+    changed = await state.control.run(UpdateCache(name, given, actor=admin_actor(request)))
+    return Response(orjson.dumps(changed), media_type="application/json")
 
 
 @router.delete("/models/{name}/cache", summary="Empty a model's response cache",
                responses=error_responses(401, 403, 404, 409))
-async def clear_cache(name: str, state: AppState = Depends(require_admin)) -> Response:
+async def clear_cache(name: str, request: Request, state: AppState = Depends(require_admin)) -> Response:
     """Drop every kept answer of the model (requests being computed still get theirs) and hand the
     memory they held back to the system; answers how many were dropped and the cache as it is now.
     409 when the model has no cache."""
-    return Response(orjson.dumps(await state.control.run(ClearCache(name))), media_type="application/json")
+    return Response(orjson.dumps(await state.control.run(ClearCache(name, actor=admin_actor(request)))),
+                    media_type="application/json")

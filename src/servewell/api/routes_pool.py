@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from servewell.api.openapi import error_responses
-from servewell.api.routes_admin import require_admin
+from servewell.api.routes_admin import admin_actor, require_admin
 from servewell.api.state import AppState
 from servewell.engine.control import EvictModel, PinModel, PreloadModel, UnpinModel
 from servewell.engine.protocol import ModelView
@@ -50,30 +50,30 @@ def _answer(view: ModelView) -> Response:
 
 
 @router.post("/models/{name}/pin", summary="Pin a model (never evicted)", responses=error_responses(*_ERRORS))
-async def pin(name: str, state: AppState = Depends(require_admin)) -> Response:
+async def pin(name: str, request: Request, state: AppState = Depends(require_admin)) -> Response:
     """The model is never evicted, neither to make room nor when idle, until it is unpinned or the
     server restarts (then model.yaml's `pinned` holds again). Does not load it: see preload."""
-    return _answer(await state.control.run(PinModel(name)))
+    return _answer(await state.control.run(PinModel(name, actor=admin_actor(request))))
 
 
 @router.post("/models/{name}/unpin", summary="Unpin a model", responses=error_responses(*_ERRORS))
-async def unpin(name: str, state: AppState = Depends(require_admin)) -> Response:
+async def unpin(name: str, request: Request, state: AppState = Depends(require_admin)) -> Response:
     """The model may be evicted again, whatever its model.yaml says, until the server restarts."""
-    return _answer(await state.control.run(UnpinModel(name)))
+    return _answer(await state.control.run(UnpinModel(name, actor=admin_actor(request))))
 
 
 @router.post("/models/{name}/preload", summary="Load a model now",
              responses=error_responses(*_ERRORS, 422, 503))
-async def preload(name: str, state: AppState = Depends(require_admin)) -> Response:
+async def preload(name: str, request: Request, state: AppState = Depends(require_admin)) -> Response:
     """Load the model now if it is not resident (evicting idle models to make room, as its first
     request would); answers once it is resident. Nothing happens to a resident model. 503
     model_loading or model_not_ready when it cannot be loaded now (the message has the numbers)."""
-    return _answer(await state.control.run(PreloadModel(name)))
+    return _answer(await state.control.run(PreloadModel(name, actor=admin_actor(request))))
 
 
 @router.post("/models/{name}/evict", summary="Evict a model now",
              responses=error_responses(*_ERRORS, 409))
-async def evict(name: str, state: AppState = Depends(require_admin)) -> Response:
+async def evict(name: str, request: Request, state: AppState = Depends(require_admin)) -> Response:
     """Unload the model now to free its memory (counted as reason `operator`); in lazy mode its
     next request loads it again. 409 when it is pinned, has work in flight or is not resident."""
-    return _answer(await state.control.run(EvictModel(name)))
+    return _answer(await state.control.run(EvictModel(name, actor=admin_actor(request))))

@@ -17,7 +17,7 @@ from pydantic import Field
 
 from servewell.api.body import read_json_patch
 from servewell.api.openapi import error_responses
-from servewell.api.routes_admin import require_admin
+from servewell.api.routes_admin import admin_actor, require_admin
 from servewell.api.state import AppState
 from servewell.config.strict import StrictModel
 from servewell.engine.control import ListTenants, UpdateTenant
@@ -59,4 +59,5 @@ async def patch_tenant(tenant: str, request: Request, state: AppState = Depends(
     changes = patch.model_dump(exclude_unset=True)
     if not changes:
         raise InvalidInput("name at least one of weight, rate_per_s, max_concurrent, max_queued")
-    return Response(orjson.dumps(await state.control.run(UpdateTenant(tenant, changes))), media_type="application/json")
+    changed = await state.control.run(UpdateTenant(tenant, changes, actor=admin_actor(request)))
+    return Response(orjson.dumps(changed), media_type="application/json")

@@ -100,6 +100,7 @@ class LoadModel(_Change[ModelView]):
     """(Re)load a model from its directory with zero failed requests."""
 
     name: str
+    actor: str = ""  # who asked, for the audit trail (observability/audit.py `actor_name`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +108,7 @@ class UnloadModel(_Change[ModelView]):
     """Stop serving a model once its queued and running requests finish."""
 
     name: str
+    actor: str = ""  # who asked, for the audit trail (observability/audit.py `actor_name`)
 
 
 # --- the model pool -------------------------------------------------------------------------
@@ -117,6 +119,7 @@ class PinModel(ControlOp[ModelView]):
     """Never evict the model (until unpinned or the server restarts)."""
 
     name: str
+    actor: str = ""  # who asked, for the audit trail (observability/audit.py `actor_name`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +127,7 @@ class UnpinModel(ControlOp[ModelView]):
     """The model may be evicted again."""
 
     name: str
+    actor: str = ""  # who asked, for the audit trail (observability/audit.py `actor_name`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +135,7 @@ class PreloadModel(_Change[ModelView]):
     """Load the model now if it is not resident."""
 
     name: str
+    actor: str = ""  # who asked, for the audit trail (observability/audit.py `actor_name`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +143,7 @@ class EvictModel(_Change[ModelView]):
     """Unload the model now to free its memory."""
 
     name: str
+    actor: str = ""  # who asked, for the audit trail (observability/audit.py `actor_name`)
 
 
 # --- batching, traffic splits, response caches --------------------------------------------------
@@ -156,6 +162,7 @@ class UpdateBatching(ControlOp[dict[str, Any]]):
 
     name: str
     changes: Mapping[str, Any]
+    actor: str = ""  # who asked, for the audit trail (observability/audit.py `actor_name`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +178,7 @@ class UpdateRollout(ControlOp[dict[str, Any]]):
 
     name: str
     patch: TrafficPatch
+    actor: str = ""  # who asked, for the audit trail (observability/audit.py `actor_name`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +194,7 @@ class UpdateCache(ControlOp[dict[str, Any]]):
 
     name: str
     changes: Mapping[str, float | int | None]
+    actor: str = ""  # who asked, for the audit trail (observability/audit.py `actor_name`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +202,7 @@ class ClearCache(ControlOp[dict[str, Any]]):
     """Drop every answer a model's response cache keeps."""
 
     name: str
+    actor: str = ""  # who asked, for the audit trail (observability/audit.py `actor_name`)
 
 
 # --- tenants -----------------------------------------------------------------------------------
@@ -209,6 +219,7 @@ class UpdateTenant(ControlOp[dict[str, Any]]):
 
     tenant: str
     changes: Mapping[str, float | int | None]
+    actor: str = ""  # who asked, for the audit trail (observability/audit.py `actor_name`)
 
 
 # --- profiling ---------------------------------------------------------------------------------
@@ -253,6 +264,16 @@ class GetConfigReport(ControlOp[dict[str, Any]]):
 @dataclass(frozen=True, slots=True)
 class GetMetricsText(ControlOp[bytes]):
     """Every metric family in the Prometheus text format, every process's series summed in."""
+
+
+@dataclass(frozen=True, slots=True)
+class GetAudit(ControlOp[list[dict[str, Any]]]):
+    """The audit trail (`GET /admin/audit`): changes after Unix time `since`, of `target` only, the
+    latest `limit`, oldest first."""
+
+    since: float | None = None
+    limit: int = 100
+    target: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

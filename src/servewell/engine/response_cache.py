@@ -24,6 +24,12 @@ by the ingress afterwards, lanes and deadlines only decide when it runs.
   first request's own (its deadline): the requests still waiting share one new computation.
 * An answer older than `ttl_s` is never served, and is dropped when its time comes (it is not
   counted in `entries` or `bytes` after that).
+* Reuse intervals: a hit, and a miss for inputs whose answer was kept before (dropped by `ttl_s` or
+  `max_bytes`; the last `GHOST_KEYS` such keys are remembered, 16 bytes and a time each), observe
+  the time since those inputs were last asked for (`servewell_response_cache_reuse_interval_seconds`)
+  and count it within or beyond the TTL (`servewell_response_cache_reuses_total{vs_ttl}`): callers
+  that repeat an input every 30 s get nothing from a 2 s TTL, and this is how the console, the
+  alerts and `/healthz` tell.
 
 Costs on a miss: one hash of the inputs (about 1 GB/s) and one copy of the outputs.
 """
@@ -66,6 +72,14 @@ LARGEST_SHARE = 4
 Key = bytes
 CACHE_RESULTS = ("hit", "miss", "coalesced")
 EVICTION_REASONS = ("size", "ttl")
+#: Keys of dropped answers whose last use is remembered, per cache, for the reuse intervals of
+#: misses: at most this many, and at most a sixteenth of `max_bytes` at `GHOST_ENTRY_BYTES` each (the
+#: key's bytes object is the dropped answer's own; its time and its place in the table, about 150
+#: bytes, are new), so a cache holds at most that much over `max_bytes`.
+GHOST_KEYS = 2048
+GHOST_ENTRY_BYTES = 200
+#: A reuse came `within` the TTL (it could be a hit) or `beyond` it (the answer had expired).
+REUSE_VS_TTL = ("within", "beyond")
 
 __all__ = ["CACHE_RESULTS", "EVICTION_REASONS", "ResponseCache", "entry_bytes", "input_key"]
 
@@ -117,6 +131,7 @@ class _Kept:
     answer: RequestResult
     size: int
     expires_at: float
+    used_at: float  # when its inputs were last asked for (kept, or served)
 
 
 class _MonotonicClock:
@@ -148,13 +163,18 @@ class ResponseCache:
         self._expiry: list[tuple[float, Key]] = []
         self._computing = SharedComputations(self._clock, self._keep, lambda: self._count("miss"))
         self._bytes = 0
-        self.counts = dict.fromkeys(CACHE_RESULTS + tuple(f"evicted_{r}" for r in EVICTION_REASONS), 0)
+        #: Keys of dropped answers -> when their inputs were last asked for (`GHOST_KEYS` at most).
+        self._ghosts: OrderedDict[Key, float] = OrderedDict()
+        self.counts = dict.fromkeys(CACHE_RESULTS + tuple(f"evicted_{r}" for r in EVICTION_REASONS)
+                                    + tuple(f"reused_{r}_ttl" for r in REUSE_VS_TTL), 0)
         self._metrics = metrics
         if metrics is not None:  # series exist from the start, so increase() sees the first event
             for result in CACHE_RESULTS:
                 metrics.cache_requests.labels(model, result)
             for reason in EVICTION_REASONS:
                 metrics.cache_evictions.labels(model, reason)
+            for vs_ttl in REUSE_VS_TTL:
+                metrics.cache_reuses.labels(model, vs_ttl)
 
     @property
     def entries(self) -> int:
@@ -175,11 +195,14 @@ class ResponseCache:
         `count(outcome)` counts the outcome of each request whose computation's own outcome the
         scheduler does not count (hits, requests that shared a computation)."""
         key = input_key(inputs, "" if self.shared_across_tenants else tenant)
-        self._drop_expired(self._clock.now())
+        now = self._clock.now()
+        self._drop_expired(now)
         self._computing.settle(key)  # a computation answered in this loop turn keeps its answer now
         kept = self._kept.get(key)
         if kept is not None:
             self._kept.move_to_end(key)
+            self._reused(now - kept.used_at)
+            kept.used_at = now
             self._count("hit")
             count("success")
             future: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
@@ -188,7 +211,17 @@ class ResponseCache:
         if self._computing.has(key):
             self._count("coalesced")
             return self._computing.join(key, deadline_at, submit, count)
+        last_used = self._ghosts.pop(key, None)
+        if last_used is not None:  # kept once, dropped since: how long its callers took to ask again
+            self._reused(now - last_used)
         return self._computing.lead(key, submit, deadline_at, count)
+
+    def _reused(self, interval_s: float) -> None:
+        vs_ttl = "within" if interval_s <= self.ttl_s else "beyond"
+        self.counts[f"reused_{vs_ttl}_ttl"] += 1
+        if self._metrics is not None:
+            self._metrics.cache_reuse_interval.labels(self.model).observe(interval_s)
+            self._metrics.cache_reuses.labels(self.model, vs_ttl).inc()
 
     def _keep(self, key: Key, computed: RequestResult) -> None:
         if sum(a.nbytes for a in computed.outputs.values()) * LARGEST_SHARE > self.max_bytes:
@@ -199,8 +232,9 @@ class ResponseCache:
             return
         if key in self._kept:
             self._drop(key, None)
-        expires_at = self._clock.now() + self.ttl_s
-        self._kept[key] = _Kept(answer, size, expires_at)
+        now = self._clock.now()
+        expires_at = now + self.ttl_s
+        self._kept[key] = _Kept(answer, size, expires_at, now)
         heapq.heappush(self._expiry, (expires_at, key))
         self._bytes += size
         while self._bytes > self.max_bytes and self._kept:
@@ -218,8 +252,13 @@ class ResponseCache:
                 self._drop(key, "ttl")
 
     def _drop(self, key: Key, reason: str | None) -> None:
-        self._bytes -= self._kept.pop(key).size
+        kept = self._kept.pop(key)
+        self._bytes -= kept.size
         if reason is not None:
+            ghosts = self._ghosts
+            ghosts[key] = kept.used_at
+            while len(ghosts) > min(GHOST_KEYS, self.max_bytes // (16 * GHOST_ENTRY_BYTES)):
+                ghosts.popitem(last=False)
             self.counts[f"evicted_{reason}"] += 1
             if self._metrics is not None:
                 self._metrics.cache_evictions.labels(self.model, reason).inc()
@@ -244,6 +283,7 @@ class ResponseCache:
         self._drop_expired(self._clock.now())
         dropped = len(self._kept)
         self._kept = OrderedDict()  # a new table: clear() would keep the old one's size
+        self._ghosts = OrderedDict()
         self._expiry = []
         self._bytes = 0
         return dropped

@@ -16,6 +16,13 @@ Each rule names the alerts.yml alert it mirrors (`AlertRule.prometheus`). It has
 
 The webhook URL is a secret (chat webhooks embed their key): it is held as `SecretStr` and only its
 host is ever logged.
+
+Advice follows the model's diagnosis (`diagnosis.py`): when the server has found a cause that comes
+before capacity in the reading order (one tenant holding most of a lane, a cache TTL shorter than
+its inputs' reuse interval, a worker replacement's gap, host CPU contention), the latency, error,
+refusal and queue alerts give that cause's advice with its evidence, never "add throughput"
+(`AlertRule.follows_diagnosis`); deploy/prometheus/alerts.yml does the same from
+`servewell_diagnosis{model,cause}`.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from servewell.config.alerting import AlertFormat, AlertingConfig, AlertThresholds
+from servewell.observability.diagnosis import Diagnosis
 
 log = logging.getLogger("servewell.alerting")
 
@@ -54,6 +62,7 @@ class SignalSnapshot:
     worker_restarts: int = 0
     memory_headroom_ratio: float | None = None
     rollback: str | None = None  # why the model's rollout stands rolled back, with the numbers; None: it does not
+    diagnosis: Diagnosis | None = None  # the model's latest reading (observability/diagnosis.py)
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,6 +92,9 @@ class AlertRule:
     summary: str  # format fields: model, value, threshold
     action: str  # format field: model
     detail: Callable[[SignalSnapshot], str | None] | None = None  # evidence appended to the summary
+    #: A diagnosed cause before capacity replaces `action` with the cause's advice, and the summary
+    #: names the reading (the capacity advice would be wrong then).
+    follows_diagnosis: bool = False
 
 
 def _rolled_back(snapshot: SignalSnapshot) -> float | None:
@@ -102,10 +114,12 @@ RULES: tuple[AlertRule, ...] = (
         "latency_p99", "ServewellLatencyP99OverSLO",
         "warning", lambda s: s.p99_latency_s, lambda t: t.p99_latency_s, operator.gt, _ms,
         "{model}: p99 latency {value} over {threshold}",
-        "Find the stage that grew (dashboard 'Latency by stage (p95)'): queue wait -> raise `instances` in "
-        "model.yaml and POST /v2/repository/models/{model}/load, or lower `batching.max_wait_ms`; compute -> "
-        "lower `max_batch_size` (PATCH /admin/models/{model}/batching) or use a GPU / fp16; preprocess -> "
-        "raise `decode_threads`.",
+        "The server's reading found no cause before capacity (no tenant holding most of a lane, no short cache "
+        "TTL, no worker replacement, no CPU contention). Find the stage that grew (dashboard 'Latency by stage "
+        "(p95)'): queue wait -> raise `instances` in model.yaml and POST /v2/repository/models/{model}/load, or "
+        "lower `batching.max_wait_ms`; compute -> lower `max_batch_size` (PATCH /admin/models/{model}/batching) "
+        "or use a GPU / fp16; preprocess -> raise `decode_threads`.",
+        follows_diagnosis=True,
     ),
     AlertRule(
         "error_ratio", "ServewellHighErrorRatio",
@@ -114,29 +128,36 @@ RULES: tuple[AlertRule, ...] = (
         "GET /healthz (models.{model}.state, reason, instances[].alive) and the server log lines with "
         "model={model}; if a new version was just loaded, restore the previous directory and POST "
         "/v2/repository/models/{model}/load.",
+        follows_diagnosis=True,
     ),
     AlertRule(
         "rejected_ratio", "ServewellRequestsRejected",
         "warning", lambda s: s.rejected_ratio, lambda t: t.rejected_ratio, operator.gt, _pct,
         "{model}: {value} of requests refused, queue full (threshold {threshold})",
-        "Add throughput: raise `instances` in model.yaml (then POST /v2/repository/models/{model}/load) or "
-        "`max_batch_size` (PATCH /admin/models/{model}/batching); raise `batching.max_queue_size` only if the "
-        "latency SLO allows longer waits.",
+        "No tenant holds most of the lane and no earlier cause was found: add throughput: raise `instances` in "
+        "model.yaml (then POST /v2/repository/models/{model}/load) or `max_batch_size` (PATCH "
+        "/admin/models/{model}/batching); raise `batching.max_queue_size` only if the latency SLO allows longer "
+        "waits.",
+        follows_diagnosis=True,
     ),
     AlertRule(
         "queue_saturation", "ServewellQueueSaturated",
         "warning", lambda s: s.queue_fill_ratio, lambda t: t.queue_fill_ratio, operator.gt, _pct,
         "{model}: queue {value} full (threshold {threshold})",
-        "GET /admin/models/{model}/batching for the live `max_queue_size`; add `instances` or raise "
-        "`max_batch_size` before requests are refused with 503.",
+        "GET /admin/models/{model}/batching for the live `max_queue_size`; no earlier cause was found: add "
+        "`instances` or raise `max_batch_size` before requests are refused with 503.",
+        follows_diagnosis=True,
     ),
     AlertRule(
         "worker_restarts", "ServewellWorkerRestarts",
         "warning", lambda s: float(s.worker_restarts), lambda t: float(t.worker_restarts),
         operator.ge, lambda v: f"{v:.0f}",
         "{model}: {value} worker restart(s)",
-        "GET /healthz (models.{model}.restarts, recycles, instances[]) and the log line 'worker ... died'; "
-        "restarts for memory mean the worker passed `host_memory_limit_bytes`: look for a leak or raise the limit.",
+        "GET /healthz (models.{model}.restarts_by_reason and replacements: each with its cause and the gap it "
+        "caused) and the log line 'worker ... replaced'; memory: the worker passed `host_memory_limit_bytes` "
+        "(look for a leak in its memory series, or raise the limit); crash: its exit in last_failure; hung: a "
+        "stuck batch. With one instance the gap is a wait for every request of the model.",
+        follows_diagnosis=True,
     ),
     AlertRule(
         "memory_headroom", "ServewellWorkerMemoryHigh",
@@ -172,9 +193,15 @@ def firing_alerts(snapshot: SignalSnapshot, thresholds: AlertThresholds) -> list
         if rule.breached(value, limit):
             summary = rule.summary.format(model=snapshot.model, value=rule.show(value), threshold=rule.show(limit))
             detail = rule.detail(snapshot) if rule.detail is not None else None
+            action = rule.action.format(model=snapshot.model)
+            diagnosis = snapshot.diagnosis
+            if rule.follows_diagnosis and diagnosis is not None and diagnosis.found:
+                detail = "; ".join(part for part in (detail, diagnosis.reading) if part)
+                action = (f"{diagnosis.advice} (evidence: {'; '.join(diagnosis.evidence)}). Capacity is not the "
+                          "cause: the server's reading order put this first.")
             alerts.append(Alert(
                 name=rule.name, model=snapshot.model, severity=rule.severity, value=value, threshold=limit,
-                summary=f"{summary}: {detail}" if detail else summary, action=rule.action.format(model=snapshot.model),
+                summary=f"{summary}: {detail}" if detail else summary, action=action,
             ))
     return alerts
 

@@ -18,6 +18,15 @@ Beside the series: each model's batch compute time by batch size (`compute_by_ba
 `servewell_batch_compute_by_size_seconds` over the last one to two minutes), the slow and failed
 requests the console lists (`RecentRequests`), and the server's own active alerts
 (`alerting.ActiveAlerts`).
+
+The feed also holds the server's other views over time, all bounded and all kept in the engine:
+the processes' resident memory (`memory`, `memory_series.py`), worker replacements with their gaps
+(`worker_events`, `worker_events.py`), the audit trail of changes (`audit`, `audit.py`) and each
+model's latest diagnosis (`diagnoses`, `diagnosis.py`), which the hooks set by the server compute
+on each tick (`on_tick`) so that the console, `/healthz`, `/metrics` and the alerts read the same
+one. Windowed figures for those come from the same readings as the charts: the response cache's
+lookups and repeats per model (`cache_between`), refusals by model, lane, tenant and reason
+(`refusals_between`) and each tenant's results (`tenants_between`).
 """
 
 from __future__ import annotations
@@ -32,10 +41,14 @@ from itertools import accumulate
 from typing import Any
 
 from servewell.observability.alerting import ActiveAlerts
-from servewell.observability.loop_metrics import LoopHistogram
+from servewell.observability.audit import AuditTrail
+from servewell.observability.diagnosis import Diagnosis
+from servewell.observability.loop_metrics import LoopCounter, LoopHistogram
+from servewell.observability.memory_series import MemorySeries, ProcessMemory
 from servewell.observability.metrics import OUTCOMES, ServeMetrics
 from servewell.observability.recent_requests import RecentRequests
 from servewell.observability.view_sources import ViewSources
+from servewell.observability.worker_events import WorkerEvents
 
 log = logging.getLogger("servewell.console")
 
@@ -54,8 +67,10 @@ SUMMARY_WINDOW_S = 30.0
 #: 4xx answers of inference routes that no model outcome counts (bad input, unknown model, rate
 #: limited; the scheduler never saw them): without this column they appeared nowhere in the chart.
 CLIENT_ERROR = "client_error"
+#: The response cache's lookups per second by result, and the share that were hits (None: no lookup).
+CACHE_COLUMNS = ("cache_hit", "cache_coalesced", "cache_miss", "cache_hit_ratio")
 COLUMNS = ("t", *OUTCOMES, CLIENT_ERROR, "latency_p50_ms", "latency_p99_ms", "queue_p50_ms", "queue_p99_ms",
-           "compute_p50_ms", "compute_p99_ms", "batch_mean", "batches_per_s")
+           "compute_p50_ms", "compute_p99_ms", "batch_mean", "batches_per_s", *CACHE_COLUMNS)
 
 
 def is_inference_route(route: str) -> bool:
@@ -126,6 +141,13 @@ class MetricsReading:
     client_errors: dict[str, float] = field(default_factory=dict)  # 4xx answers of inference routes
     preprocess: dict[str, HistogramReading] = field(default_factory=dict)
     postprocess: dict[str, HistogramReading] = field(default_factory=dict)
+    # For the cache view, the tenants' view and the diagnosis (cumulative, like the rest):
+    cache: dict[str, dict[str, float]] = field(default_factory=dict)  # model -> result -> lookups
+    reuses: dict[str, dict[str, float]] = field(default_factory=dict)  # model -> within/beyond -> repeats
+    reuse_interval: dict[str, HistogramReading] = field(default_factory=dict)
+    reuse_bounds: tuple[float, ...] = ()
+    refusals: dict[tuple[str, str, str, str], float] = field(default_factory=dict)  # (model, lane, tenant, reason)
+    tenant_results: dict[str, dict[str, float]] = field(default_factory=dict)  # tenant -> result -> requests
 
 
 def read_metrics(metrics: ServeMetrics) -> MetricsReading:
@@ -152,7 +174,26 @@ def read_metrics(metrics: ServeMetrics) -> MetricsReading:
         # A 4xx naming no model of this server still counts among all models.
         for key in _keys(values[model_at]) or (ALL_MODELS,):
             reading.client_errors[key] = reading.client_errors.get(key, 0.0) + float(sum(per_bucket))
+    reading.cache = _by_model(metrics.cache_requests)
+    reading.reuses = _by_model(metrics.cache_reuses)
+    reading.reuse_interval = _read_histogram(metrics.cache_reuse_interval)
+    reading.reuse_bounds = metrics.cache_reuse_interval.bounds
+    reading.refusals = {(m, lane, tenant, reason): count
+                        for (m, lane, tenant, reason), count in metrics.refusals.snapshot()}
+    for (tenant, result), count in metrics.tenant_requests.snapshot():
+        per_result = reading.tenant_results.setdefault(tenant, {})
+        per_result[result] = per_result.get(result, 0.0) + count
     return reading
+
+
+def _by_model(family: LoopCounter) -> dict[str, dict[str, float]]:
+    """A counter labelled (model, X) as model -> X -> count, all models summed under `ALL_MODELS`."""
+    found: dict[str, dict[str, float]] = {}
+    for (model, detail), count in family.snapshot():
+        for key in _keys(model):
+            per = found.setdefault(key, {})
+            per[detail] = per.get(detail, 0.0) + count
+    return found
 
 
 def _keys(model: str) -> tuple[str, ...]:
@@ -214,9 +255,68 @@ def point_between(before: MetricsReading, after: MetricsReading, model: str, ela
     batches = window(after.batch_size, before.batch_size)
     batch_mean = round(batches.total / batches.count, 3) if batches is not None and batches.count > 0 else None
     batch_rate = round(batches.count / elapsed_s, 3) if batches is not None else 0.0
+    lookups = _increase(after.cache.get(model, {}), before.cache.get(model, {}))
+    cache_rates = [round(lookups.get(r, 0.0) / elapsed_s, 3) for r in ("hit", "coalesced", "miss")]
+    total = sum(lookups.values())
+    hit_ratio = round(lookups.get("hit", 0.0) / total, 4) if total > 0 else None
     return (round(at, 3), *rates, *percentiles(after.latency, before.latency),
             *percentiles(after.queue_wait, before.queue_wait), *percentiles(after.compute, before.compute),
-            batch_mean, batch_rate)
+            batch_mean, batch_rate, *cache_rates, hit_ratio)
+
+
+def _increase(now: dict[str, float], then: dict[str, float]) -> dict[str, float]:
+    """Per key, how much a cumulative count rose between two readings."""
+    return {key: counter_increase(value, then.get(key)) for key, value in now.items()}
+
+
+def cache_between(before: MetricsReading, after: MetricsReading, model: str) -> dict[str, Any]:
+    """`model`'s response cache between two readings: lookups by result (hit, coalesced, miss), repeated
+    inputs within and beyond the TTL, and the reuse intervals seen (`reuse_histogram`: count per
+    bucket upper bound in seconds, "+Inf" last; `reuse_p50_s`)."""
+    lookups = _increase(after.cache.get(model, {}), before.cache.get(model, {}))
+    reuses = _increase(after.reuses.get(model, {}), before.reuses.get(model, {}))
+    current = after.reuse_interval.get(model)
+    delta = current.since(before.reuse_interval.get(model)) if current is not None else None
+    histogram: list[dict[str, Any]] = []
+    p50 = None
+    bounds = after.reuse_bounds
+    if delta is not None and len(delta.cumulative) == len(bounds) + 1:
+        below = 0.0
+        for bound, cumulative in zip((*bounds, float("inf")), delta.cumulative, strict=True):
+            histogram.append({"le": "+Inf" if bound == float("inf") else bound, "count": round(cumulative - below)})
+            below = cumulative
+        p50 = quantile(bounds, delta.cumulative, 0.5)
+    return {"hit": lookups.get("hit", 0.0), "coalesced": lookups.get("coalesced", 0.0),
+            "miss": lookups.get("miss", 0.0), "reused_within_ttl": reuses.get("within", 0.0),
+            "reused_beyond_ttl": reuses.get("beyond", 0.0), "reuse_histogram": histogram,
+            "reuse_p50_s": None if p50 is None else round(p50, 3)}
+
+
+def refusals_between(before: MetricsReading, after: MetricsReading,
+                     model: str | None = None) -> dict[tuple[str, str, str, str], float]:
+    """Refusals between two readings by (model, lane, tenant, reason), of `model` only when given;
+    only those that rose."""
+    found = {}
+    for key, count in after.refusals.items():
+        if model is not None and key[0] != model:
+            continue
+        rose = counter_increase(count, before.refusals.get(key))
+        if rose > 0:
+            found[key] = rose
+    return found
+
+
+def tenants_between(before: MetricsReading, after: MetricsReading) -> dict[str, dict[str, float]]:
+    """Per tenant label, requests by result between two readings (admitted, the quotas, failed) and
+    `refused` (any 429/503 but a quota's, from the refusals by tenant)."""
+    found: dict[str, dict[str, float]] = {}
+    for tenant, results in after.tenant_results.items():
+        found[tenant] = _increase(results, before.tenant_results.get(tenant, {}))
+    for (_, _, tenant, reason), count in refusals_between(before, after).items():
+        if reason != "over_quota":
+            per = found.setdefault(tenant, {})
+            per["refused"] = per.get("refused", 0.0) + count
+    return found
 
 
 def _client_errors(before: MetricsReading, after: MetricsReading, model: str) -> float:
@@ -283,12 +383,35 @@ class ConsoleFeed:
         self._history: deque[tuple[float, MetricsReading]] = deque(
             maxlen=max(2, int(min(SUMMARY_WINDOW_S, window_s) // interval_s) + 1))
         self.alerts = ActiveAlerts()  # kept by the alert evaluation (`run_alerting`), shown by the console
+        self.audit = AuditTrail()  # every change (observability/audit.py), shown as the console's timeline
+        self.worker_events = WorkerEvents()  # worker replacements with their gaps (observability/worker_events.py)
+        self.memory = MemorySeries(interval_s, window_s)  # the processes' resident memory over time
+        #: The processes' memory now (set by the server: the engine, its ingress processes, the workers).
+        self.memory_source: Callable[[], Sequence[ProcessMemory]] | None = None
+        #: Run after each tick's reading (the server's diagnosis of every model, its rollout watch).
+        self.on_tick: list[Callable[[], None]] = []
+        #: Each model's latest diagnosis (observability/diagnosis.py), set by the tick's hook.
+        self.diagnoses: dict[str, Diagnosis] = {}
         #: What ingress processes recorded, absorbed into `metrics` and `recent` (`view_sources.py`);
         #: every read path awaits `view.refresh()` first.
         self.view = ViewSources(metrics, self.recent)
 
     def sample(self) -> None:
-        """Take one reading; from the second on, append a point per model seen so far."""
+        """Take one reading; from the second on, append a point per model seen so far. Then the
+        processes' memory, then the tick's hooks (each failure logged, never raised)."""
+        self._sample_metrics()
+        if self.memory_source is not None:
+            try:
+                self.memory.sample(self._wall_clock(), self.memory_source())
+            except Exception:  # the console must never take the server down
+                log.exception("memory sample failed")
+        for hook in self.on_tick:
+            try:
+                hook()
+            except Exception:
+                log.exception("console tick hook failed")
+
+    def _sample_metrics(self) -> None:
         if self.metrics is None:
             return
         now, reading = self._clock(), read_metrics(self.metrics)
@@ -299,7 +422,7 @@ class ConsoleFeed:
         if previous is None or now <= previous[0]:
             return
         at, elapsed_s = self._wall_clock(), now - previous[0]
-        models = set(reading.outcomes) | set(reading.latency) | set(reading.batch_size)
+        models = set(reading.outcomes) | set(reading.latency) | set(reading.batch_size) | set(reading.cache)
         for model in sorted(models, key=lambda m: (m != ALL_MODELS, m)):  # all-models first: never crowded out
             points = self._series.get(model)
             if points is None:
@@ -354,7 +477,16 @@ class ConsoleFeed:
     def summary(self, model: str) -> dict[str, Any] | None:
         """`model`'s `summary_between` over the readings of the last `SUMMARY_WINDOW_S` (None until
         two readings exist)."""
+        window = self.window()
+        if window is None:
+            return None
+        elapsed_s, before, after = window
+        return summary_between(before, after, model, elapsed_s)
+
+    def window(self) -> tuple[float, MetricsReading, MetricsReading] | None:
+        """(seconds, the oldest reading, the newest) of the last `SUMMARY_WINDOW_S`; None until two
+        readings exist."""
         if len(self._history) < 2:
             return None
         (then, before), (now, after) = self._history[0], self._history[-1]
-        return summary_between(before, after, model, now - then) if now > then else None
+        return (now - then, before, after) if now > then else None

@@ -17,6 +17,11 @@ The first rule that holds gives the reading, in this order:
 4. "preprocessing dominates: decoding" / "postprocessing dominates: encoding" /
    "compute dominates: the model itself": that stage is at least `DOMINANT_SHARE`;
 5. "no stage dominates".
+
+Each reading comes with its `cause` (a word of `STAGE_CAUSES`). These are the last step of a
+model's diagnosis (`diagnosis.py`), which first rules out a tenant holding most of a lane, a cache
+whose TTL is shorter than its inputs' reuse interval, recent worker replacements and host CPU
+contention: a queue read here as "capacity" is one no earlier cause explains.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ MIN_BATCHES = 3
 SLOW_BATCH_FACTOR = 4.0
 
 STAGES = ("queue", "compute", "preprocess", "postprocess")
+#: The cause each stage reading names (`LatencySplit.cause`).
+STAGE_CAUSES = ("no_traffic", "batch_size", "slow_batch", "capacity", "preprocess", "postprocess", "compute", "none")
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,6 +54,7 @@ class LatencySplit:
     preprocess_ms: float | None
     postprocess_ms: float | None
     reading: str
+    cause: str = "none"  # one of STAGE_CAUSES
 
     def to_json(self) -> dict[str, Any]:
         """The state JSON's `latency_split`."""
@@ -81,29 +89,30 @@ def latency_split(summary: Mapping[str, Any] | None,
     p99 = _number(summary.get("latency_p99_ms"))
     stages = {stage: _number(summary.get(f"{stage}_p99_ms")) for stage in STAGES}
     if p99 is None or p99 <= 0:
-        return LatencySplit(p99, None, None, None, None, "no inference requests in the window")
+        return LatencySplit(p99, None, None, None, None, "no inference requests in the window", "no_traffic")
     known = sum(v for v in stages.values() if v is not None)
     scale = p99 / known if known > p99 else 1.0
     split = {stage: None if v is None else round(v * scale, 3) for stage, v in stages.items()}
     share = {stage: (v or 0.0) / p99 for stage, v in split.items()}
     largest = max(STAGES, key=lambda stage: share[stage])
+    cause, reading = _reading(share, largest, summary, by_batch_size)
     return LatencySplit(p99, split["queue"], split["compute"], split["preprocess"], split["postprocess"],
-                        _reading(share, largest, summary, by_batch_size))
+                        reading, cause)
 
 
 def _reading(share: Mapping[str, float], largest: str, summary: Mapping[str, Any],
-             by_batch_size: Sequence[Mapping[str, Any]] | None) -> str:
+             by_batch_size: Sequence[Mapping[str, Any]] | None) -> tuple[str, str]:
     if largest == "compute" and share["compute"] > 0 and compute_grows_with_batch_size(by_batch_size):
-        return "compute grows with batch size: lower max_batch_size for latency, or add compute"
+        return "batch_size", "compute grows with batch size: lower max_batch_size for latency, or add compute"
     if share["queue"] >= DOMINANT_SHARE:
         compute_p50, compute_p99 = _number(summary.get("compute_p50_ms")), _number(summary.get("compute_p99_ms"))
         if compute_p50 and compute_p99 is not None and compute_p99 >= SLOW_BATCH_FACTOR * compute_p50:
-            return "one slow batch blocks the queue: compute p99 is many times its p50"
-        return "queue wait dominates: capacity (add instances or raise max_batch_size)"
+            return "slow_batch", "one slow batch blocks the queue: compute p99 is many times its p50"
+        return "capacity", "queue wait dominates: capacity (add instances or raise max_batch_size)"
     if share["preprocess"] >= DOMINANT_SHARE:
-        return "preprocessing dominates: decoding (raise decode_threads, send smaller images)"
+        return "preprocess", "preprocessing dominates: decoding (raise decode_threads, send smaller images)"
     if share["postprocess"] >= DOMINANT_SHARE:
-        return "postprocessing dominates: encoding the response"
+        return "postprocess", "postprocessing dominates: encoding the response"
     if share["compute"] >= DOMINANT_SHARE:
-        return "compute dominates: the model itself"
-    return "no stage dominates"
+        return "compute", "compute dominates: the model itself"
+    return "none", "no stage dominates"

@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import GCCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from servewell.observability.diagnosis import Diagnosis
 from servewell.observability.exposition import OrderedRegistry
 from servewell.observability.loop_metrics import LoopCounter, LoopHistogram
 from servewell.observability.metrics_merge import (
@@ -38,6 +39,8 @@ COLD_START_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120
 #: Time between a stream's parts: a step of a small model is a fraction of a millisecond.
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 OUTCOMES = ("success", "rejected", "deadline_exceeded", "cancelled", "error")
+#: How long callers take to ask for the same inputs again, against a response cache's TTL.
+REUSE_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
 
 def batch_size_bucket(rows: int) -> int:
@@ -139,6 +142,15 @@ class ServeMetrics:
         self.cache_evictions = LoopCounter(
             "servewell_response_cache_evictions", "Cached answers dropped, by reason (size: max_bytes; ttl: older "
             "than ttl_s).", ["model", "reason"], registry=r)
+        self.cache_reuse_interval = LoopHistogram(
+            "servewell_response_cache_reuse_interval_seconds", "Time between two requests for the same inputs of a "
+            "model with a response cache (a hit, or a miss for inputs whose answer was kept before): set "
+            "cache.ttl_s above it, or the answers expire before they are asked for again.", ["model"],
+            buckets=REUSE_BUCKETS, registry=r)
+        self.cache_reuses = LoopCounter(
+            "servewell_response_cache_reuses", "Requests for inputs asked for before, by whether they came within the "
+            "cache's ttl_s (vs_ttl=within: could be a hit) or after it (beyond: the answer had expired).",
+            ["model", "vs_ttl"], registry=r)
         self.tenant_requests = LoopCounter(
             "servewell_tenant_requests", "Inference requests per tenant (the keys file's tenants; '-': no key) by "
             "result: admitted; refused over a quota (over_rate, over_concurrency, over_queue); refused (any 429 or 503 "
@@ -162,7 +174,8 @@ class ServeMetrics:
             buckets=latency_buckets, registry=r)
         self.worker_restarts = LoopCounter(
             "servewell_worker_restarts", "Worker processes replaced, by reason (crash: died; hung: no heartbeat "
-            "or a batch over its compute budget, killed; memory: over host_memory_limit_bytes, drained).",
+            "or a batch over its compute budget, killed; memory: over host_memory_limit_bytes, drained): every "
+            "replacement, counted as /healthz counts `restarts` (`restarts_by_reason`).",
             ["model", "reason"], registry=r)
         self.api_key_requests = LoopCounter(
             "servewell_api_key_requests", "Requests that presented a valid API key, by key id and result "
@@ -457,6 +470,35 @@ class ProcessRestartsCollector(Collector):
         for role in ("engine", "ingress"):
             family.add_metric([role], float(counts.get(role, 0)))
         return [family]
+
+
+class ViewsCollector(Collector):
+    """Gauges of the console feed's latest tick, read at scrape time: each model's diagnosis
+    (`servewell_diagnosis{model,cause}`: 1 for the cause its reading names, the only series of the
+    model; observability/diagnosis.py) and the server's own processes' resident memory
+    (`servewell_process_resident_memory_bytes{process}`: the engine and each ingress process, named as
+    in the console and /healthz; workers have `servewell_worker_resident_memory_bytes`)."""
+
+    def __init__(self, diagnoses: Callable[[], Mapping[str, Diagnosis]],
+                 processes: Callable[[], Iterable[Mapping[str, object]]]) -> None:
+        self._diagnoses = diagnoses
+        self._processes = processes
+
+    def collect(self) -> Iterable[Metric]:
+        diagnosis = GaugeMetricFamily(
+            "servewell_diagnosis", "1 for the cause the server's reading of the model names now, read in order: "
+            "tenant_holds_lane, cache_ttl_short, worker_replaced, cpu_contention, then the stages (capacity, "
+            "slow_batch, batch_size, preprocess, postprocess, compute, none; no_traffic, unknown).",
+            labels=["model", "cause"])
+        for model, found in sorted(self._diagnoses().items()):
+            diagnosis.add_metric([model, found.cause], 1.0)
+        memory = GaugeMetricFamily(
+            "servewell_process_resident_memory_bytes", "Resident memory (RSS) of the server's own processes, by "
+            "process: engine, ingress N (the single-process server: engine only).", labels=["process"])
+        for row in self._processes():
+            if row.get("role") in ("engine", "ingress"):
+                memory.add_metric([str(row["name"])], float(row["rss_bytes"]))  # type: ignore[arg-type]
+        return [diagnosis, memory]
 
 
 @dataclass(slots=True, frozen=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from servewell.observability.diagnosis import CpuFacts
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -84,3 +86,35 @@ def process_facts(pid: int) -> dict[str, float]:
         "cpu_seconds": (int(stat[11]) + int(stat[12])) / _TICKS,
         "threads": float(int(stat[17])),
     }
+
+
+def cpu_pressure(path: str = "/proc/pressure/cpu") -> float | None:
+    """The share of the last 10 s in which some runnable task waited for a CPU (the kernel's
+    pressure stall information, `some avg10`); None where the kernel keeps none."""
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                if line.startswith(b"some "):
+                    for field in line.split():
+                        if field.startswith(b"avg10="):
+                            return float(field[6:]) / 100.0
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def usable_cpu_count() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cpu_facts() -> CpuFacts:
+    """The host's CPU contention now: pressure, the 1-minute load and the usable CPUs."""
+    try:
+        load1: float | None = os.getloadavg()[0]
+    except OSError:
+        load1 = None
+    return CpuFacts(cpu_pressure(), load1, usable_cpu_count())

@@ -7,10 +7,11 @@ snapshot covers exactly the time since the last one; no I/O, cheap enough for th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from servewell.observability.alerting import SignalSnapshot
+from servewell.observability.diagnosis import Diagnosis
 from servewell.observability.metrics import ServeMetrics
 
 #: (kind, model, detail): ("bucket", model, le), ("count", model, status class),
@@ -32,9 +33,11 @@ class ModelFacts:
 class SignalTracker:
     """Turns cumulative metrics into per-window golden signals."""
 
-    def __init__(self, metrics: ServeMetrics, facts: Callable[[], Iterable[ModelFacts]]) -> None:
+    def __init__(self, metrics: ServeMetrics, facts: Callable[[], Iterable[ModelFacts]],
+                 diagnoses: Callable[[], Mapping[str, Diagnosis]] | None = None) -> None:
         self._metrics = metrics
         self._facts = facts
+        self._diagnoses = diagnoses  # each model's latest reading (the console feed's), for the alerts' advice
         self._previous: dict[_Key, float] = {}
 
     def snapshots(self) -> list[SignalSnapshot]:
@@ -50,6 +53,7 @@ class SignalTracker:
         self._previous = current
         out = []
         empty = _ModelDelta()
+        diagnoses = self._diagnoses() if self._diagnoses is not None else {}
         for model in self._facts():
             restarts_key = ("restarts", model.name, "")
             restarts = model.restarts - int(self._previous.get(restarts_key, model.restarts))
@@ -64,6 +68,7 @@ class SignalTracker:
                 worker_restarts=max(0, restarts),
                 memory_headroom_ratio=model.memory_headroom_ratio,
                 rollback=model.rollback,
+                diagnosis=diagnoses.get(model.name),
             ))
         return out
 

@@ -122,6 +122,10 @@ class ViewSources:
         """The resident memory the live sources last reported, added up (0 in one process)."""
         return sum(self._rss.values())
 
+    def absorbed_rss(self) -> dict[str, int]:
+        """The resident memory each live source last reported, by source name."""
+        return dict(self._rss)
+
     def set_refresher(self, refresher: Refresher | None, timeout_s: float = REFRESH_TIMEOUT_S) -> None:
         """Install (None: remove) the coroutine function `refresh()` runs before every read."""
         if timeout_s <= 0:

@@ -30,6 +30,7 @@ from servewell.config.model import ModelConfig
 from servewell.engine.batch_runner import BatchOutcome
 from servewell.errors import ModelError, ServeError, WorkerHung, WorkerLost
 from servewell.observability.tracing import TracingSettings
+from servewell.observability.worker_events import WorkerEventSink
 from servewell.workers.child_main import run_child
 from servewell.workers.cold_start import ColdStartBreakdown, breakdown_of
 from servewell.workers.entry import run_worker
@@ -108,6 +109,8 @@ class WorkerSettings:
     output: OutputLimits = OutputLimits()
     #: The largest answer to one request, in bytes, of a model whose config sets none (0: no bound).
     max_output_bytes: int = 0
+    #: Where replacements are reported, with their cause and gap (observability/worker_events.py).
+    events: WorkerEventSink | None = None
 
 
 class WorkerLoadError(Exception):

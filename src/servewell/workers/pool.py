@@ -233,6 +233,9 @@ class WorkerPool:
             self.last_start_breakdown = worker.cold_start
             log_breakdown(worker.cold_start)
         self._report_warmup(info)
+        events = self._settings.events
+        if events is not None:  # closes the gap of a replacement (a first start had none open)
+            events.back(self.config.name, self.config.version, index, worker.pid)
         self._listener.worker_ready(worker)
 
     async def _unless_closing(self, awaitable: Awaitable[float]) -> float | None:
@@ -287,6 +290,7 @@ class WorkerPool:
             return
         self.restarts += 1
         self._listener.worker_replaced("hung" if hung else "crash")
+        self._left(worker, "hung" if hung else "crash", worker.exit_reason)
         log.warning("model %s instance %d: worker %s %s; restarting", self.config.name, index, worker.pid,
                     worker.exit_reason, extra={"model": self.config.name, "instance": index,
                                                "reason": "hung" if hung else "crash"})
@@ -363,6 +367,7 @@ class WorkerPool:
         self._retiring.add(worker)
         self.recycles += 1
         self._listener.worker_replaced("memory")
+        self._left(worker, "memory", reason)
         self._listener.worker_gone(worker)
         self._spawn_task(self._replace(worker))
 
@@ -377,9 +382,20 @@ class WorkerPool:
             self.last_failure = str(exc)
             self.restarts += 1
             self._listener.worker_replaced("crash")
+            self._left(worker, "crash", str(exc))
             if not self.any_alive():
                 self._listener.pool_state("restarting", self.last_failure)
             self._spawn_task(self._restart(worker.instance, worker))
+
+    def _left(self, worker: WorkerHandle, reason: RestartReason, detail: str) -> None:
+        """Tell the server's replacement log (observability/worker_events.py) that `worker` left
+        service for `reason`, and how many other instances still serve."""
+        events = self._settings.events
+        if events is None:
+            return
+        others = sum(1 for w in self._workers if w is not None and w is not worker and w.alive
+                     and w not in self._retiring)
+        events.left(self.config.name, self.config.version, worker.instance, reason, detail, worker.pid, others)
 
     def _spawn_task(self, coroutine: Coroutine[Any, Any, None], into: set[asyncio.Task[None]] | None = None) -> None:
         tasks = self._tasks if into is None else into

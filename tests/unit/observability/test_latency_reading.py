@@ -32,7 +32,8 @@ def test_stage_p99s_over_the_total_are_scaled_to_sum_to_it():
     assert split.queue_ms + split.compute_ms + split.preprocess_ms + split.postprocess_ms == pytest.approx(100.0)
     under = latency_split(summary(100.0, queue=10.0, compute=30.0))  # the rest: outside the stages
     assert (under.queue_ms, under.compute_ms) == (10.0, 30.0)
-    assert set(under.to_json()) == {"p99_ms", "queue_ms", "compute_ms", "preprocess_ms", "postprocess_ms", "reading"}
+    assert set(under.to_json()) == {"p99_ms", "queue_ms", "compute_ms", "preprocess_ms", "postprocess_ms", "reading",
+                                    "cause"}
 
 
 def test_compute_grows_with_batch_size():
