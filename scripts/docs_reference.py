@@ -77,9 +77,16 @@ def _models_in(annotation: object) -> list[type[BaseModel]]:
     return found
 
 
+def fields_of(model: type[BaseModel]) -> dict[str, FieldInfo]:
+    """A model's fields, and the sections it documents beside them: ModelConfig's runtime sections are
+    kept as extras, since the runtime registry decides which exist (`ModelConfig.section_fields`)."""
+    sections = getattr(model, "section_fields", None)
+    return {**model.model_fields, **(sections() if callable(sections) else {})}
+
+
 def walk_settings(model: type[BaseModel], prefix: str = "") -> Iterator[SettingRow]:
     """Every field of `model` and of the models under it, depth first, each section after its own field."""
-    for name, field in model.model_fields.items():
+    for name, field in fields_of(model).items():
         path = f"{prefix}{name}"
         yield SettingRow(path, field.annotation, field, model)
         for inner in _models_in(field.annotation):
@@ -277,7 +284,7 @@ def model_yaml_page() -> str:
            "[Serve your own model](../how-to/own-model.md).\n\n",
            "## Top-level fields\n\n"]
     sections: list[tuple[str, FieldInfo, type[BaseModel]]] = []
-    for name, field in ModelConfig.model_fields.items():
+    for name, field in fields_of(ModelConfig).items():
         out.append(_setting_entry(name, field, field.annotation, []))
         sections.extend((name, field, model) for model in _models_in(field.annotation))
     for name, field, model in sections:
@@ -598,8 +605,14 @@ def metrics_page() -> str:
 
     out = [GENERATED_NOTE.format(source="the metric families constructed in src/servewell"),
            "# Metrics\n\n",
-           "`GET /metrics` serves Prometheus text (`--metrics-enabled false` turns it off; "
-           "`--metrics-require-key true` puts it behind an API key). A split server's engine adds up every "
+           "`GET /metrics` serves Prometheus text (`--metrics-enabled false` turns it off). Without API keys "
+           "anyone may read it; with API keys configured it is an operator's, because its series name every "
+           "tenant and key id: the admin token or a `role=operator` key as `Authorization: Bearer`, or a "
+           "trusted loopback client ([who is an operator](../how-to/keys-and-tenants.md#operators-and-tenants)); "
+           "a tenant's key gets 403. Prometheus scrapes with one of them: the shipped ServiceMonitor and KServe "
+           "PodMonitor read the admin token from the Secret `servewell-admin` "
+           "(`deploy/prometheus/prometheus.yml` shows a plain Prometheus). `metrics_require_key` no longer "
+           "changes anything. A split server's engine adds up every "
            "ingress process's series, so one scrape sees the whole server. Label values are this server's model, "
            "lane, version and tenant names and fixed words, never client input (no request ids, no unknown model "
            "names). Histogram buckets: `--latency-buckets-s` (default "

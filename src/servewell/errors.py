@@ -93,7 +93,8 @@ class Unauthorized(ServeError):
 
 
 class RateLimited(ServeError):
-    """The caller's API key is over its request rate; `Retry-After` says when to try again."""
+    """No longer answered: a key's rate is its tenant's quota now (429 `over_quota`). Kept as the
+    base of `over_quota`, so code that catches this class still catches every 429."""
 
     status, code = 429, "rate_limited"
 

@@ -51,9 +51,10 @@ def error_schema_ref(path: str) -> dict[str, str]:
 
 _WHEN = {
     400: "Malformed JSON, bad base64, an undecodable image, bad binary framing.",
-    401: "Missing or wrong API key (inference) or admin bearer token (admin); with WWW-Authenticate.",
-    403: "Admin endpoints answer loopback clients that did not come through a proxy only, when no admin token is "
-         "configured.",
+    401: "Missing or wrong API key (inference) or admin credential (the admin token or an operator key); with "
+         "WWW-Authenticate.",
+    403: "An operator's endpoint asked with a tenant's API key (or, with no admin token configured, by a client "
+         "that is not on loopback or came through a proxy), or another tenant's data asked with a tenant's key.",
     404: "Unknown model, version or route.",
     408: "The request's head or body arrived slower than the server's timeouts.",
     409: "Conflicts with work in progress (a profile of this model already being captured, or two of others) "
@@ -61,9 +62,10 @@ _WHEN = {
     413: "Body over max_body_bytes, image over max_image_pixels or max_image_side.",
     415: "A Content-Type this route does not take.",
     422: "Well-formed, but the fields or tensors do not match what the route or model takes.",
-    429: "The API key is over its request rate; Retry-After says when to try again.",
+    429: "The caller's tenant is over one of its quotas (rate, concurrency, queued requests; code over_quota); "
+         "Retry-After says when to try again.",
     503: "Cannot serve this now (model_not_ready, model_loading, model_unloading, model_reloading, overloaded, "
-         "deadline_exceeded, worker_lost, shutting_down); "
+         "deadline_exceeded, worker_lost, shared_memory_full, engine_unavailable, shutting_down); "
          "retry after Retry-After seconds when given.",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}}

@@ -164,9 +164,9 @@ class ServerConfig(BaseModel):
         "limit.",
     )
     metrics_require_key: bool = Field(
-        False, description="Kept for old configuration files; no effect: with API keys configured, /metrics "
-        "always needs an operator (the admin token or a role=operator key as a bearer credential, or a trusted "
-        "loopback client), since its series name every tenant and key.")
+        False, description="Kept so old configuration files load; it changes nothing (with API keys configured, "
+        "/metrics always needs an operator: the admin token or a role=operator key as a bearer credential, or a "
+        "trusted loopback client), except that true without any API key still refuses to start.")
     config_poll_s: float = Field(
         2.0, ge=0, description="How often the --config file, the API keys file and every model.yaml are checked for "
         "changes (0: only on SIGHUP).",

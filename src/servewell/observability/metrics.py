@@ -179,7 +179,8 @@ class ServeMetrics:
             ["model", "reason"], registry=r)
         self.api_key_requests = LoopCounter(
             "servewell_api_key_requests", "Requests that presented a valid API key, by key id and result "
-            "(allowed, rate_limited).", ["key", "result"], registry=r)
+            "(allowed; a key's rate is its tenant's quota: servewell_tenant_requests_total).", ["key", "result"],
+            registry=r)
         self.auth_failures = LoopCounter(
             "servewell_auth_failures", "Requests refused for a missing or invalid API key.", ["reason"], registry=r)
         self.trace_steps = LoopHistogram(
