@@ -233,6 +233,14 @@ def role_of(pid: int, root: int) -> str:
     `TreeCpu` renames it `server` when the tree has no engine."""
     argv = cmdline(pid)
     text = " ".join(argv)
+    # A process names itself (observability/process_title.py): servewell engine, servewell ingress N,
+    # servewell worker MODEL vV #I, servewell spare worker; an older checkout's by its command line.
+    if text.startswith(("servewell engine", "servewell standby engine")):
+        return ENGINE
+    if text.startswith("servewell ingress "):
+        return f"{INGRESS}-{text.split()[2]}" if len(text.split()) > 2 else INGRESS
+    if text.startswith(("servewell worker ", "servewell spare worker")):
+        return WORKER
     if "servewell.engine_main" in text:
         return ENGINE
     if "servewell.ingress_main" in text:

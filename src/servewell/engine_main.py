@@ -28,6 +28,7 @@ from servewell.allocator import bound_freed_memory
 from servewell.child_process import ENGINE_DOOR_SOCKET, die_with_parent, read_settings
 from servewell.engine_standby import standby_fd, wait_to_take_over
 from servewell.observability.logging import configure_logging
+from servewell.observability.process_title import set_process_title
 from servewell.server import EngineSide, build_engine, remove_leftovers, remove_own_segments
 from servewell.workers.spare import start_fork_server, use_private_temp_dir
 
@@ -118,6 +119,7 @@ def main(argv: list[str]) -> int:
     die_with_parent()
     standby = standby_fd(argv)
     if standby is not None:  # engine_standby.py
+        set_process_title("servewell standby engine")  # its name stays sw-standby while it waits
         if read_settings(run_dir)[0].fork_worker_starts:
             use_private_temp_dir(run_dir / "multiprocessing")
             start_fork_server()  # its imports too are done before the engine dies
@@ -125,6 +127,7 @@ def main(argv: list[str]) -> int:
             return 0  # never needed: the supervisor stopped
     settings, source = read_settings(run_dir)
     configure_logging(settings.log_level, settings.log_format)
+    set_process_title("servewell engine")  # ps and top tell it from the ingress processes and workers
     # Where a restart's time goes (issue 45 H15): this is the interpreter and the imports (none for a
     # standby taking over: done while it waited); the models' loads are logged each
     # (worker_cold_start), the ingress processes' reconnects too.

@@ -48,6 +48,7 @@ from servewell.live_config import load_keys
 from servewell.observability.console_feed import ConsoleFeed
 from servewell.observability.logging import configure_logging
 from servewell.observability.metrics import ServeMetrics
+from servewell.observability.process_title import set_process_title
 from servewell.observability.tracing import Tracing, sample_ratio_or_default, settings_from
 from servewell.server import build_decoder, tune_garbage_collector
 from servewell.shutdown import GracefulServer, ShutdownPlan, uvicorn_graceful_timeout_s
@@ -162,6 +163,7 @@ def main(argv: list[str]) -> int:
     """Serve until SIGTERM/SIGINT."""
     run_dir, index, fd = Path(argv[1]), int(argv[2]), int(argv[3])
     die_with_parent()
+    set_process_title(f"servewell ingress {index}")  # ps and top tell it from the engine and the workers
     settings, _ = read_settings(run_dir)
     configure_logging(settings.log_level, settings.log_format)
     listener = socket.socket(fileno=fd)

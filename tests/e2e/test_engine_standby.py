@@ -48,7 +48,8 @@ def engines(supervisor: int) -> tuple[list[int], list[int]]:
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        if b"servewell.engine_main" in argv:
+        if b"servewell.engine_main" in argv or argv.startswith(b"servewell engine") or \
+                argv.startswith(b"servewell standby engine"):  # their process titles
             (standing_by if comm == "sw-standby" else serving).append(pid)
     return serving, standing_by
 

@@ -43,7 +43,9 @@ def role_of(pid: int) -> str:
         command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:  # it has just exited
         return "gone"
-    return "engine" if b"servewell.engine_main" in command else "ingress" if b"servewell.ingress_main" in command \
+    if b"servewell.engine_main" in command or command[0] == b"servewell engine":  # or its process title
+        return "engine"
+    return "ingress" if b"servewell.ingress_main" in command or command[0].startswith(b"servewell ingress ") \
         else "other"
 
 

@@ -64,7 +64,7 @@ def test_a_repeat_is_answered_from_the_cache_without_compute(server: ServerProce
     before = rows_computed(server, "cached")
     first = post(server, "cached", 3.5)
     assert first.status_code == 200, first.text
-    assert "cache;desc" not in first.headers["server-timing"]
+    assert "cache;desc=miss" in first.headers["server-timing"]  # computed: a model with a cache says so
     assert rows_computed(server, "cached") == before + 1
     for _ in range(4):  # new connections: the ingress processes share the engine's one cache
         again = post(server, "cached", 3.5)
@@ -96,7 +96,8 @@ def test_identical_requests_in_flight_share_one_computation(server: ServerProces
     assert {a.json()["outputs"][0]["data"][0] for a in answers} == {8.25}
     # One computation; the rest shared it (or, arriving after it ended, hit the kept answer).
     assert rows_computed(server, "cached") == before + 1
-    shared = [a for a in answers if "cache;desc=" in a.headers["server-timing"]]
+    shared = [a for a in answers if "cache;desc=" in a.headers["server-timing"]
+              and "cache;desc=miss" not in a.headers["server-timing"]]
     assert len(shared) == 5
     assert metric(server, "servewell_response_cache_requests_total", model="cached", result="coalesced") > coalesced
 

@@ -101,7 +101,7 @@ def post(server: ServerProcess, model: str, value: float, key: dict[str, str]) -
 
 
 def cache_said(answer: httpx.Response) -> str | None:
-    """What `Server-Timing` says of the cache: hit, coalesced, or None (computed for this request)."""
+    """What `Server-Timing` says of the cache: hit, coalesced, or miss (computed for this request)."""
     for part in answer.headers["server-timing"].split(","):
         name, _, desc = part.strip().partition(";desc=")
         if name == "cache":
@@ -111,10 +111,10 @@ def cache_said(answer: httpx.Response) -> str | None:
 
 def test_a_tenant_is_never_answered_from_another_tenants_request(server: ServerProcess) -> None:
     before = rows_computed(server, "private")
-    assert cache_said(post(server, "private", 4.5, A)) is None
+    assert cache_said(post(server, "private", 4.5, A)) == "miss"
     assert cache_said(post(server, "private", 4.5, A)) == "hit"  # the cache works for tenant a itself
     probe = post(server, "private", 4.5, B)
-    assert cache_said(probe) is None  # tenant b learns nothing of what tenant a sent
+    assert cache_said(probe) == "miss"  # tenant b learns nothing of what tenant a sent
     assert probe.json()["outputs"][0]["data"] == [9.0, 9.0]
     assert rows_computed(server, "private") == before + 2
     assert cache_said(post(server, "private", 4.5, B)) == "hit"  # and b's own repeat is its hit
@@ -132,13 +132,13 @@ def test_tenants_do_not_share_a_computation_in_flight(server: ServerProcess) -> 
 
     answers = asyncio.run(both())
     assert [a.status_code for a in answers] == [200, 200]
-    assert [cache_said(a) for a in answers] == [None, None]
+    assert [cache_said(a) for a in answers] == ["miss", "miss"]
     assert rows_computed(server, "private") == before + 2
 
 
 def test_a_model_shared_across_tenants_answers_every_tenant_from_one_cache(server: ServerProcess) -> None:
     before = rows_computed(server, "public")
-    assert cache_said(post(server, "public", 2.5, A)) is None
+    assert cache_said(post(server, "public", 2.5, A)) == "miss"
     assert cache_said(post(server, "public", 2.5, B)) == "hit"  # the documented consequence of sharing
     assert rows_computed(server, "public") == before + 1
     doc = httpx.get(f"{server.url}/admin/models/public/cache", headers=ADMIN_AUTH, timeout=10).json()

@@ -42,9 +42,9 @@ def roles(supervisor: int) -> dict[str, list[int]]:
                 argv = file.read().split(b"\0")
         except OSError:
             continue
-        if b"servewell.engine_main" in argv:
+        if b"servewell.engine_main" in argv or argv[0] == b"servewell engine":  # its process title
             out["engine"].append(pid)
-        elif b"servewell.ingress_main" in argv:
+        elif b"servewell.ingress_main" in argv or argv[0].startswith(b"servewell ingress "):
             out["ingress"].append(pid)
     return out
 

@@ -34,9 +34,9 @@ def _children(pid: int) -> dict[str, list[int]]:
             for child in (int(p) for p in file.read().split()):
                 with open(f"/proc/{child}/cmdline", "rb") as cmd:
                     argv = cmd.read()
-                if b"servewell.engine_main" in argv:
+                if b"servewell.engine_main" in argv or argv.startswith(b"servewell engine\0"):
                     out["engine"].append(child)
-                elif b"servewell.ingress_main" in argv:
+                elif b"servewell.ingress_main" in argv or argv.startswith(b"servewell ingress "):
                     out["ingress"].append(child)
     return out
 

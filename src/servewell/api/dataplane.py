@@ -137,6 +137,8 @@ class DataPlane:
         if stages is not None:
             stages.update(preprocess=preprocess_s, queue=result.queue_s, compute=result.compute_s,
                           postprocess=postprocess_s)
+            if result.load_s:  # it waited for its model to load: the slow-request record says so
+                stages["load"] = result.load_s
             for step in result.steps:  # a pipeline's: each step's own time (skipped steps: 0)
                 stages[f"step.{step.step}"] = step.total_s
 
@@ -334,7 +336,11 @@ class InferenceCall:
         )
         if result.steps:  # a pipeline: one entry per step (step names are tokens: letters, digits, - and _)
             timing += "".join(f", step.{s.step};dur={s.total_s * 1000:.3f};desc={s.outcome}" for s in result.steps)
-        return f"{timing}, cache;desc={result.cache}" if result.cache else timing
+        if result.load_s:  # a cold start: the time it waited for its model to load
+            timing += f", load;dur={result.load_s * 1000:.3f}"
+        config = self.model.config
+        cache = result.cache or ("miss" if config.cache is not None and config.deterministic else "")
+        return f"{timing}, cache;desc={cache}" if cache else timing
 
 
 def _traceparent() -> str | None:

@@ -22,6 +22,7 @@ The chain is synchronous until a stage waits: a request whose model is resident 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -181,10 +182,13 @@ class LoadIfNotResident:
 
     async def _after_load(self, chain: AdmissionChain, call: Admitting, at: int, slot: ModelSlot,
                           pool: ModelPool) -> RequestResult:
+        began = time.monotonic()
         await pool.acquire(slot, call.request.deadline_at)
+        load_s = time.monotonic() - began  # the cold start this request waited for (`Server-Timing` load)
         if not self._models.accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
-        return await chain.proceed(call, at)
+        result = await chain.proceed(call, at)
+        return dataclasses.replace(result, load_s=result.load_s + load_s)
 
 
 class ChooseVersion:

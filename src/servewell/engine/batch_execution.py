@@ -21,7 +21,7 @@ from servewell.config.model import ModelConfig
 from servewell.engine.batch_policy import LearnedLoad
 from servewell.engine.batch_runner import BatchOutcome, BatchRunner, split_rows
 from servewell.engine.batch_watch import BatchWatch
-from servewell.engine.clock import Clock
+from servewell.engine.clock import Clock, precise_time
 from servewell.engine.protocol import RequestResult
 from servewell.engine.scheduled import Request, SchedulerStats, fail, failed
 from servewell.errors import ModelError, ServeError, WorkerHung
@@ -40,6 +40,7 @@ class BatchExecution:
         self.config = config
         self._telemetry = telemetry
         self._clock = clock
+        self._precise = precise_time(clock)
         self._learned = learned
         self.stats = stats
         self._expire = expire  # answer a request 503 deadline_exceeded, counted (the scheduler's rule)
@@ -50,6 +51,9 @@ class BatchExecution:
         """Hand `batch` to `runner` now, then follow it in a task: the rows go to the worker first and
         the bookkeeping (the task, its watch) runs while the worker computes."""
         rows = sum(item.rows for item in batch)
+        handed_at = self._precise()
+        for item in batch:
+            item.payload.queue_s = handed_at - item.payload.queued_at
         span = self._telemetry.start_batch([(item.payload.trace, item.lane) for item in batch], rows, runner.instance)
         running = self._hand_over(runner, batch, span)
         asyncio.get_running_loop().create_task(self._execute(runner, serial, batch, span, started, running))
@@ -161,6 +165,6 @@ class BatchExecution:
                 if future.cancelled():
                     self._telemetry.count(item.lane, "cancelled")
                 continue
-            queue_s = started - item.enqueued_at
+            queue_s = item.payload.queue_s
             self._telemetry.request_succeeded(item.lane, queue_s)
             future.set_result(RequestResult(outputs, queue_s, outcome.compute_s, rows, version=self.config.version))

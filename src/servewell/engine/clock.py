@@ -7,6 +7,7 @@ every timing rule (batching windows, deadlines) testable without sleeping.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -30,6 +31,13 @@ class Clock(Protocol):
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
         """Run `callback` at time `when` (at once if it has passed)."""
         ...
+
+
+def precise_time(clock: Clock) -> Callable[[], float]:
+    """A reader of `clock`'s time to report durations with (a request's queue time): for the event
+    loop's clock, `time.monotonic` itself (the same clock, which uvloop's `loop.time()` rounds to
+    whole milliseconds: every queue time read 0.000 or 1.000 ms); any other clock (a test's) as it is."""
+    return time.monotonic if isinstance(clock, LoopClock) else clock.now
 
 
 class LoopClock:

@@ -61,11 +61,12 @@ class RequestResult:
     cache: str = ""  # "hit" or "coalesced" when the response cache answered it (engine/response_cache.py)
     steps: tuple[StepTiming, ...] = ()  # a pipeline's steps, in its model.yaml's order
     version: str = ""  # the version that answered (a traffic split may choose another than the path named)
+    load_s: float = 0.0  # time it waited for its model to load (a cold start, lazy mode; `Server-Timing` load)
 
     def __reduce__(self) -> tuple[type[RequestResult], tuple[Any, ...]]:
         # Pickled for every answer that crosses the door: see StepTiming.__reduce__.
         return (RequestResult, (self.outputs, self.queue_s, self.compute_s, self.batch_size, self.cache, self.steps,
-                                self.version))
+                                self.version, self.load_s))
 
 
 @dataclass(slots=True, frozen=True)

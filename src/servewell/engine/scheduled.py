@@ -21,6 +21,8 @@ class PendingRequest:
     request: InferenceRequest
     future: asyncio.Future[RequestResult]
     trace: TraceMark | None = None
+    queued_at: float = 0.0  # when it was queued, on the precise clock (`clock.precise_time`)
+    queue_s: float = 0.0  # from then until its batch was handed over (set then)
 
 
 Request = QueuedItem[PendingRequest]

@@ -22,7 +22,7 @@ from servewell.engine.batch_limits import BatchLimits
 from servewell.engine.batch_policy import POLICIES, BatchOpportunity, LearnedLoad, PolicyLimits
 from servewell.engine.batch_queue import BatchQueue, QueuedItem
 from servewell.engine.batch_runner import BatchRunner
-from servewell.engine.clock import Clock, LoopClock
+from servewell.engine.clock import Clock, LoopClock, precise_time
 from servewell.engine.full_lanes import FullLanes, Publish, lane_full
 from servewell.engine.protocol import RequestResult
 from servewell.engine.pump_wakeups import PumpWakeups
@@ -51,6 +51,7 @@ class ModelScheduler:
         self.lanes: tuple[str, ...] = tuple(config.batching.lanes)
         self._telemetry = telemetry or BatchTelemetry(config.name, config.version, self.lanes)
         self._clock: Clock = clock or LoopClock()
+        self._precise = precise_time(self._clock)  # queue times in microseconds, not uvloop's whole ms
         self._learned = LearnedLoad()
         #: The live batching settings, the largest batch proven to fit, what a batch takes.
         self.limits = BatchLimits(config, self._learned)
@@ -170,8 +171,8 @@ class ModelScheduler:
         inputs = request.inputs
         shape_key = tuple((name, a.shape[1:], a.dtype.str) for name, a in inputs.items())
         mark = self._telemetry.mark(self._queue.depth(lane))  # queue position: requests ahead in its lane
-        item = QueuedItem(PendingRequest(request, future, mark), lane, rows, shape_key, request.deadline_at, now,
-                          tenant=tenant)
+        pending = PendingRequest(request, future, mark, self._precise())
+        item = QueuedItem(pending, lane, rows, shape_key, request.deadline_at, now, tenant=tenant)
         admission = self._queue.push(item)
         if not admission.admitted:
             raise self._refuse(lane, tenant)

@@ -20,7 +20,9 @@ import numpy as np
 from servewell.config.model import ModelConfig
 from servewell.errors import SharedMemoryFull
 from servewell.observability.logging import configure_logging
+from servewell.observability.memory_series import worker_name
 from servewell.observability.process import rss_bytes
+from servewell.observability.process_title import set_process_title
 from servewell.observability.steps import set_step_sink
 from servewell.observability.tracing import Tracing, context_from_traceparent
 from servewell.runtimes.base import DeviceUnusableError, ModelRuntime, OomSplitting, describe_failure
@@ -87,6 +89,8 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, beg
     # One log format for the whole server: a worker's lines (an OTLP export failure, a model's own
     # warnings) are JSON lines like the frontend's, not Python's plain-text fallback.
     configure_logging(launch.log_level, launch.log_format)
+    # ps and top say which model's worker this is (it was an anonymous `python -c ...spawn_main`).
+    set_process_title("servewell " + worker_name(config.name, config.version, launch.instance))
     _start_heartbeat(launch)
     # Thread pools read these when the framework is first imported, so set them first.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):

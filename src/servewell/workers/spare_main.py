@@ -17,6 +17,7 @@ import time
 from multiprocessing.connection import Connection
 
 from servewell.observability.logging import configure_logging
+from servewell.observability.process_title import set_process_title
 from servewell.workers.backends import SPARE_RUNTIME, import_backend
 from servewell.workers.messages import AdoptSpare, SpareLaunch, SpareReady, receive_message, send_message
 from servewell.workers.process_main import worker_main
@@ -35,6 +36,7 @@ def spare_main(conn: Connection, launch: SpareLaunch) -> None:
     if os.getppid() != parent:
         sys.exit(1)
     configure_logging(launch.log_level, launch.log_format)
+    set_process_title("servewell spare worker")  # until adopted: then worker_main names the model it serves
     began = time.monotonic()
     import_backend(SPARE_RUNTIME)
     try:
