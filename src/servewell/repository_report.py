@@ -1,12 +1,13 @@
 """What `servewell models` says about a repository: would the server serve each model, and with what.
 
 For every model directory, in the order the server loads them: every problem of its model.yaml
-(file, field, reason); its CPU affinity against the CPUs of this machine; for the pytorch
-runtime, the factory built on the meta device in a child process (the lazy submodules must
-exist, the parameter names and shapes must be the weights file's); for the python runtime, the
-entry class imported in a child process (not instantiated); for the onnx runtime, the
-graph opened by onnxruntime in a child process (names, datatypes and shapes against model.yaml,
-a corrupt file); and the memory estimate against the budget as the server's repository mode uses
+(file, field, reason); its CPU affinity against the CPUs of this machine; its runtime's
+pre-flight check in a child process, as the runtime's descriptor names it (config/runtimes.py
+`RuntimeCheck`; runtimes/check_child.py): for the pytorch runtime, the factory built on the meta
+device (the lazy submodules must exist, the parameter names and shapes must be the weights
+file's); for the python runtime, the entry class imported (not instantiated); for the onnx
+runtime, the graph opened by onnxruntime (names, datatypes and shapes against model.yaml, a
+corrupt file); and the memory estimate against the budget as the server's repository mode uses
 it (`engine.memory_budget`, `engine.model_pool`): eager, every model reserved in load order, so a
 model the server would refuse at start is reported as refused, not `ok`; lazy, the pinned models
 reserved at start and every other model loadable on demand when it fits beside them (idle models
@@ -33,10 +34,9 @@ from servewell.engine.memory_budget import MemoryEstimate, MiB, estimate_model_m
 from servewell.engine.model_pool import RepositoryMode
 from servewell.engine.pipeline_check import check_pipeline
 from servewell.engine.repository import scan_repository
-from servewell.runtimes.python_entry import config_problems
 
-#: A factory that takes longer than this to import and build on meta would also stall a load.
-FACTORY_CHECK_TIMEOUT_S = 60.0
+#: A check that takes longer than this (a factory built on meta, a graph opened) would also stall a load.
+CHECK_TIMEOUT_S = 60.0
 #: Child checks running at once: each is mostly one core importing a framework.
 CHILD_CHECKS_AT_ONCE = max(1, min(4, os.cpu_count() or 1))
 _IO_FIELDS = {"name", "version", "runtime", "artifact", "inputs", "outputs", "max_batch_size", "instances",
@@ -72,15 +72,18 @@ def report_repository(
     mode: RepositoryMode = "eager",
 ) -> list[ModelReport]:
     """A report per model directory of `root`, in the server's load order (`check_factories`,
-    `check_graphs`: run the pytorch and python checks, and the onnx check, each in a child process;
-    `mode`: the server's repository mode, which decides what the memory budget refuses)."""
+    `check_graphs`: run the checks that `--no-factory-check` (pytorch, python) and `--no-graph-check`
+    (onnx) skip, each in a child process; `mode`: the server's repository mode, which decides what the
+    memory budget refuses)."""
+    skipped = frozenset(flag for flag, run in (("--no-factory-check", check_factories),
+                                               ("--no-graph-check", check_graphs)) if not run)
     reports = []
     budget = BudgetCheck(budget_bytes, mode)
     sources = list(scan_repository(root))
     # The child processes run side by side: each spends seconds importing torch or onnxruntime
     # (5 pytorch models took 42 s one after another on a busy 2-core machine).
     with ThreadPoolExecutor(max_workers=CHILD_CHECKS_AT_ONCE) as pool:
-        checks = [pool.submit(_child_checks, source.config, source.directory, check_factories, check_graphs)
+        checks = [pool.submit(runtime_check, source.config, source.directory, skipped)
                   if source.config is not None else None for source in sources]
         results = [check.result() if check is not None else ([], []) for check in checks]
     configs = {source.name: source.config for source in sources}
@@ -172,21 +175,28 @@ def _step_config(configs: dict[str, ModelConfig | None], name: str) -> tuple[Mod
     return config, ""
 
 
-def _child_checks(config: ModelConfig, directory: Path, check_factories: bool,
-                  check_graphs: bool) -> tuple[list[str], list[str]]:
-    """Problems and notes from the runtime's check in a child process (none for torchscript)."""
-    if config.runtime == "pytorch":
-        if not check_factories:
-            return [], ["factory not checked (--no-factory-check)"]
-        found, note = check_factory(config, directory)
-        return found, [note] if note else []
-    if config.runtime == "onnx":
-        return check_onnx(config, directory) if check_graphs else ([], ["graph not checked (--no-graph-check)"])
-    if config.runtime == "python":
-        if not check_factories:  # what model.yaml alone tells is still said: it costs no import
-            return [str(p) for p in config_problems(config)], ["entry not checked (--no-factory-check)"]
-        return check_entry(config, directory), []
-    return [], []
+def runtime_check(config: ModelConfig, directory: Path, skipped: frozenset[str] = frozenset()) -> tuple[
+        list[str], list[str]]:
+    """Problems and notes from the pre-flight check of `config`'s runtime, run in a child process
+    (none for a runtime without one: torchscript); a note instead where the `servewell models` flag
+    that skips it is in `skipped`."""
+    check = config.runtime_descriptor.check
+    if check is None:
+        return [], []
+    if check.skipped_by in skipped:
+        return [], [f"{check.checks} not checked ({check.skipped_by})"]
+    done = _run_check(config, directory)
+    doing = check.doing.format(artifact=config.artifact)
+    if done.timed_out:
+        return [f"field '{check.field}': {doing} took over {CHECK_TIMEOUT_S:.0f} s (a load would stall the "
+                "same way)"], []
+    if done.answer is None:
+        package = config.runtime_descriptor.package
+        if package and f"No module named '{package}'" in done.stderr:
+            return [], [f"{check.checks} not checked: {package} is not installed here"]
+        # A check that crashes (a signal: a negative code) would crash the worker too.
+        return [f"field '{check.field}': {doing} exited with code {done.returncode}: {done.tail}"], []
+    return done.problems(), [str(note) for note in done.answer.get("notes", [])]
 
 
 def _config_problems(directory: Path, error: str | None) -> list[str]:
@@ -230,12 +240,12 @@ class _ChildCheck:
         return [f"field '{p['field']}': {p['reason']}" for p in (self.answer or {}).get("problems", [])]
 
 
-def _run_check(module: str, config: ModelConfig, directory: Path) -> _ChildCheck:
-    """Run `python -m servewell.runtimes.<module> DIRECTORY` with the config on stdin."""
-    command = [sys.executable, "-m", f"servewell.runtimes.{module}", str(directory)]
+def _run_check(config: ModelConfig, directory: Path) -> _ChildCheck:
+    """Run `python -m servewell.runtimes.check_child DIRECTORY` with the config on stdin."""
+    command = [sys.executable, "-m", "servewell.runtimes.check_child", str(directory)]
     try:
         done = subprocess.run(command, input=config.model_dump_json(), capture_output=True, text=True,
-                              timeout=FACTORY_CHECK_TIMEOUT_S, check=False)
+                              timeout=CHECK_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         return _ChildCheck(None, timed_out=True)
     try:
@@ -243,45 +253,6 @@ def _run_check(module: str, config: ModelConfig, directory: Path) -> _ChildCheck
     except (IndexError, ValueError):
         return _ChildCheck(None, returncode=done.returncode, stderr=done.stderr)
     return _ChildCheck(answer)
-
-
-def check_onnx(config: ModelConfig, directory: Path) -> tuple[list[str], list[str]]:
-    """Problems of an ONNX model's graph against its model.yaml, from a child process; and notes."""
-    done = _run_check("onnx_check", config, directory)
-    if done.timed_out:
-        return [f"field 'artifact': onnxruntime took over {FACTORY_CHECK_TIMEOUT_S:.0f} s to open "
-                f"{config.artifact} (a load would stall the same way)"], []
-    if done.answer is None:
-        if "No module named 'onnxruntime'" in done.stderr:
-            return [], ["graph not checked: onnxruntime is not installed here"]
-        # A graph that crashes onnxruntime (a signal: negative code) would crash the worker too.
-        return [f"field 'artifact': opening {config.artifact} with onnxruntime exited with code "
-                f"{done.returncode}: {done.tail}"], []
-    return done.problems(), [str(note) for note in done.answer.get("notes", [])]
-
-
-def check_factory(config: ModelConfig, directory: Path) -> tuple[list[str], str | None]:
-    """Problems of a pytorch model's factory and weights, from a child process; and a note when it could not run."""
-    done = _run_check("factory_check", config, directory)
-    if done.timed_out:
-        return [f"field 'pytorch.factory': building the module on the meta device took over "
-                f"{FACTORY_CHECK_TIMEOUT_S:.0f} s (a load would stall the same way)"], None
-    if done.answer is None:
-        if "No module named 'torch'" in done.stderr:
-            return [], "factory not checked: torch is not installed here"
-        return [f"field 'pytorch.factory': the check exited with code {done.returncode}: {done.tail}"], None
-    return done.problems(), None
-
-
-def check_entry(config: ModelConfig, directory: Path) -> list[str]:
-    """Problems of a python model's entry (its module imported, its class looked up), from a child process."""
-    done = _run_check("entry_check", config, directory)
-    if done.timed_out:
-        return [f"field 'python.entry': importing {config.artifact} took over {FACTORY_CHECK_TIMEOUT_S:.0f} s "
-                "(a load would stall the same way)"]
-    if done.answer is None:
-        return [f"field 'python.entry': the check exited with code {done.returncode}: {done.tail}"]
-    return done.problems()
 
 
 def effective_settings(config: ModelConfig, memory: str) -> list[str]:

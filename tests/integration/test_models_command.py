@@ -12,7 +12,7 @@ import yaml
 from safetensors.torch import save_file
 
 from model_dirs import onnx_mlp_model
-from servewell.engine.memory_budget import RUNTIME_BASE_BYTES
+from servewell.config.runtimes import runtime_descriptor
 
 FACTORY = textwrap.dedent('''
     import torch
@@ -59,7 +59,7 @@ def test_a_missing_lazy_submodule_and_a_refusal_by_the_budget_exit_1(tmp_path: P
     onnx_model(tmp_path, "b_tiny")
     onnx_model(tmp_path, "c_tiny")
     # Room for the pytorch model and one onnx model: the second onnx model is refused.
-    budget = RUNTIME_BASE_BYTES["pytorch"] + RUNTIME_BASE_BYTES["onnx"] + (2 << 20)
+    budget = runtime_descriptor("pytorch").base_bytes + runtime_descriptor("onnx").base_bytes + (2 << 20)
     done = models(tmp_path, "--memory-budget-bytes", str(budget))
     assert done.returncode == 1
     assert "field 'pytorch.lazy_submodules': lazy_submodules ['decoder'] are not submodules of the model" in done.stdout
@@ -162,7 +162,7 @@ def test_pytorch_weights_that_do_not_fit_the_factory_exit_1_naming_tensor_and_bo
 def test_lazy_mode_serves_on_demand_what_one_budget_cannot_hold_at_once(tmp_path: Path) -> None:
     for name in ("a", "b", "c"):
         onnx_model(tmp_path, name)
-    budget = RUNTIME_BASE_BYTES["onnx"] + (2 << 20)  # room for one model at a time
+    budget = runtime_descriptor("onnx").base_bytes + (2 << 20)  # room for one model at a time
     eager = models(tmp_path, "--no-graph-check", "--memory-budget-bytes", str(budget))
     assert eager.returncode == 1 and [model_block(eager.stdout, n).split()[1] for n in "abc"] == \
         ["ok", "REFUSED", "REFUSED"], eager.stdout

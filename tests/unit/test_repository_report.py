@@ -7,7 +7,8 @@ from typing import Any
 
 import yaml
 
-from servewell.engine.memory_budget import RUNTIME_BASE_BYTES, WORKING_SET_FACTOR
+from servewell.config.runtimes import runtime_descriptor
+from servewell.engine.memory_budget import WORKING_SET_FACTOR
 from servewell.repository_report import render, report_repository
 
 MiB = 1 << 20
@@ -26,7 +27,7 @@ def onnx_model(root: Path, name: str, size_bytes: int = 1000, **changes: Any) ->
 
 def need(size_bytes: int, instances: int = 1) -> int:
     """What engine.memory_budget estimates for an onnx file of `size_bytes`."""
-    return (int(size_bytes * WORKING_SET_FACTOR) + RUNTIME_BASE_BYTES["onnx"]) * instances
+    return (int(size_bytes * WORKING_SET_FACTOR) + runtime_descriptor("onnx").base_bytes) * instances
 
 
 def test_a_valid_model_is_ok_with_its_effective_settings(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """One definition of the OIP facts that HTTP and gRPC both tell: a model's metadata and Triton-style
-config (`ModelDocument`), the runtime -> Triton platform table, Triton's repository states, and the
-request parameters both ports parse (`timeout_us_of`).
+config (`ModelDocument`), with the Triton platform and backend names of each model's runtime (its
+descriptor's: config/runtimes.py), Triton's repository states, and the request parameters both
+ports parse (`timeout_us_of`).
 
 `routes_v2.py` renders a document as JSON and `grpc/codec.py` as protobuf; neither adds a field of
 its own, so `GET /v2/models/{name}/config` parsed into Triton's `ModelConfig` message equals what
@@ -16,15 +17,6 @@ from servewell.config.model import TensorSpec
 from servewell.engine.protocol import ModelView, client_shape
 from servewell.errors import InvalidInput, quote
 
-#: Our runtime -> Triton's `platform` name for the same kind of model (tritonclient and tools such as
-#: perf_analyzer branch on it).
-PLATFORMS: dict[str, str] = {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch", "pytorch": "pytorch",
-                             "python": "python", "pipeline": "ensemble"}
-#: Our runtime -> Triton's `backend` name (Triton's onnxruntime and pytorch backends; ours is `pytorch`
-#: for both TorchScript and eager modules, as Triton's libtorch backend serves both).
-#: A python model is Triton's python backend; a pipeline is its ensemble platform (which has no backend).
-BACKENDS: dict[str, str] = {"onnx": "onnxruntime", "torchscript": "pytorch", "pytorch": "pytorch", "python": "python",
-                            "pipeline": ""}
 #: Our model states -> the states of Triton's repository index (anything else: UNAVAILABLE).
 TRITON_STATES: dict[str, str] = {"ready": "READY", "loading": "LOADING", "restarting": "LOADING"}
 
@@ -85,9 +77,10 @@ def model_document(view: ModelView) -> ModelDocument:
         parameters["serving_dtype"] = view.serving_dtype  # what dtype auto chose, after warm-up
     if config.image_input:
         parameters["image_input"] = config.image_input
+    runtime = config.runtime_descriptor  # Triton's names for the same kind of model (tritonclient branches on them)
     return ModelDocument(
-        name=config.name, versions=list(view.versions) or [view.version], platform=PLATFORMS[config.runtime],
-        backend=BACKENDS[config.runtime], max_batch_size=live_max,
+        name=config.name, versions=list(view.versions) or [view.version], platform=runtime.triton_platform,
+        backend=runtime.triton_backend, max_batch_size=live_max,
         inputs=[tensor(t) for t in config.inputs], outputs=[tensor(t) for t in config.outputs],
         instance_count=config.instances, instance_kind="KIND_GPU" if config.device.startswith("cuda") else "KIND_CPU",
         max_queue_delay_us=int(config.batching.max_wait_ms * 1000), priority_levels=len(config.batching.lanes),

@@ -2,8 +2,9 @@
 
 Every field carries a one-line description; `servewell models` and the README reuse it.
 Unknown keys are rejected so that a typo is reported instead of silently ignored. Settings of
-one runtime live in the section named after it (`onnx:`, `torchscript:`, `pytorch:`, see
-`runtime_sections`); the flat keys they replaced are refused with the place they moved to.
+one runtime live in the section named after it (`onnx:`, `torchscript:`, `pytorch:`, `python:`):
+which runtimes there are, and the class of each one's section, is the runtime registry's
+(config/runtimes.py); the flat keys the sections replaced are refused with the place they moved to.
 
 Everything that can be checked from the file alone is checked here, when the config loads, and
 every problem is reported with its field: the server never learns a config mistake from a
@@ -16,7 +17,16 @@ import logging
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
-from pydantic import Field, ModelWrapValidatorHandler, ValidationError, field_validator, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 
 from servewell.config.batching import BatchingConfig, BatchingPatch
 from servewell.config.cache import ResponseCacheConfig
@@ -27,16 +37,22 @@ from servewell.config.processing import ClassifyPostprocess, ImagePreprocess
 from servewell.config.rollout import RolloutConfig, check_traffic
 from servewell.config.runtime_sections import (
     MOVED_TO_SECTIONS,
-    RUNTIMES,
     OnnxSettings,
     PythonSettings,
     PyTorchSettings,
-    RuntimeName,
     ServingDtype,
     TorchScriptSettings,
     TorchSettings,
-    entry_module_problem,
-    moved_field_reason,
+)
+from servewell.config.runtimes import (
+    RuntimeDescriptor,
+    RuntimeName,
+    find_runtime,
+    resolve,
+    runtime_descriptor,
+    runtimes,
+    runtimes_text,
+    runtimes_with,
 )
 from servewell.config.strict import StrictModel
 from servewell.config.tensors import NUMPY_TO_OIP, OIP_TO_NUMPY, Datatype, TensorSpec
@@ -52,8 +68,6 @@ log = logging.getLogger("servewell.config")
 #: The old name of `host_memory_limit_bytes`, still read (with a warning in the log): it meant host
 #: memory for recycling but device memory for warm-up on CUDA, now two settings.
 DEPRECATED_HOST_LIMIT = "memory_limit_bytes"
-#: Runtimes whose section may be left out (every setting in it has a default).
-_OPTIONAL_SECTIONS = ("onnx", "torchscript")
 #: Entries of `extra_files`, and characters of one: a list, not a second repository.
 MAX_EXTRA_FILES = 256
 MAX_EXTRA_FILE_CHARS = 1000
@@ -76,7 +90,16 @@ def _inside_model_directory(entry: str) -> bool:
 
 
 class ModelConfig(StrictModel):
-    """One model of a repository: what to load, how to call it, how to batch it."""
+    """One model of a repository: what to load, how to call it, how to batch it.
+
+    The settings section of its runtime (`onnx:`, `pytorch:`, ...) is not a field of this class:
+    which runtimes there are is the registry's (config/runtimes.py), so `_sections_in_place` checks
+    the section with the class its runtime's descriptor names and keeps it as an extra (read it
+    with `runtime_settings`, or `onnx`, `torchscript`, `pytorch`, `python`); every other unknown
+    key is refused there, as `StrictModel` refuses them."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    _runtime: RuntimeDescriptor | None = PrivateAttr(None)
 
     name: str = Field(description="Model name used in URLs; must match the directory name.")
     version: str = Field("1", description="Version served under /v2/models/{name}/versions/{version}.")
@@ -84,8 +107,8 @@ class ModelConfig(StrictModel):
         "model", description="model: one artifact run by a runtime; pipeline: steps that are other served models "
         "(the `pipeline:` section), with no artifact nor runtime of its own.",
     )
-    runtime: RuntimeName = Field(description="Backend that runs the model: onnx, torchscript, pytorch or python "
-                                 "(a pipeline's is 'pipeline', set for it).")
+    runtime: RuntimeName = Field(description="Backend that runs the model: " + runtimes_text()[len("use "):] +
+                                 " (a pipeline's is 'pipeline', set for it).")
     artifact: str = Field(
         description="Model file relative to the model directory: .onnx, TorchScript .pt, weights "
         "(.safetensors or a state-dict .pt) for the pytorch runtime, the module's .py file for the python runtime "
@@ -146,17 +169,6 @@ class ModelConfig(StrictModel):
     allocator: Literal["system", "jemalloc"] = Field(
         "system", description="Memory allocator of the worker process; jemalloc is used when libjemalloc is installed.",
     )
-    onnx: OnnxSettings | None = Field(None, description="Settings of runtime onnx (only with runtime: onnx).")
-    torchscript: TorchScriptSettings | None = Field(
-        None, description="Settings of runtime torchscript (only with runtime: torchscript)."
-    )
-    pytorch: PyTorchSettings | None = Field(
-        None, description="Settings of runtime pytorch, which needs at least 'factory' (only with runtime: pytorch)."
-    )
-    python: PythonSettings | None = Field(
-        None, description="Settings of runtime python, which needs at least 'entry: module:Class' (only with "
-        "runtime: python)."
-    )
     pipeline: PipelineSpec | None = Field(None, description="The steps of a pipeline (only with kind: pipeline).")
     preprocess: ImagePreprocess | None = Field(None, description="Image decoding for /predict and BYTES inputs.")
     postprocess: ClassifyPostprocess | None = Field(None, description="Label decoding for /predict.")
@@ -180,14 +192,26 @@ class ModelConfig(StrictModel):
     @model_validator(mode="wrap")
     @classmethod
     def _sections_in_place(cls, data: Any, handler: ModelWrapValidatorHandler[ModelConfig]) -> ModelConfig:
-        """Refuse the flat keys that moved into a runtime section, naming where each went, together
-        with every other problem; give onnx and torchscript models their (optional) section."""
+        """Check the runtime's section with the class its descriptor names (its defaults where it may
+        be left out), and refuse a section of another runtime, an unknown key, and a flat key that
+        moved into a section (naming where it went), together with every other problem."""
         if not isinstance(data, dict):
             return handler(data)
-        runtime = data.get("runtime")
-        moved = [key for key in data if key in MOVED_TO_SECTIONS]
-        rest = {key: value for key, value in data.items() if key not in moved}
         problems = Problems(cls.__name__)
+        rest = dict(data)
+        if rest.get("kind") == "pipeline":
+            for key in ("runtime", "artifact"):
+                if key in rest:
+                    problems.add((key,), "a pipeline has none: its steps are served models (remove it)", rest[key])
+            rest["runtime"], rest["artifact"] = "pipeline", PIPELINE_ARTIFACT
+        runtime = rest.get("runtime")
+        sections = _runtime_sections(rest, runtime, problems)
+        for key in [key for key in rest if key not in cls.model_fields and key != DEPRECATED_HOST_LIMIT]:
+            value = rest.pop(key)
+            if key in MOVED_TO_SECTIONS:
+                problems.add((key,), _moved_field_reason(key, runtime), value)
+            elif find_runtime(key) is None:
+                problems.add((key,), "Extra inputs are not permitted", value)
         if DEPRECATED_HOST_LIMIT in rest:
             if "host_memory_limit_bytes" in rest:
                 problems.add((DEPRECATED_HOST_LIMIT,), "is the deprecated name of host_memory_limit_bytes, which is "
@@ -198,23 +222,35 @@ class ModelConfig(StrictModel):
                             "worker; device memory is device_memory_limit_bytes): rename it in model.yaml",
                             data.get("name", "?"), DEPRECATED_HOST_LIMIT)
                 rest["host_memory_limit_bytes"] = rest.pop(DEPRECATED_HOST_LIMIT)
-        if runtime in _OPTIONAL_SECTIONS and rest.get(runtime) is None:
-            rest[runtime] = {}
-        if rest.get("kind") == "pipeline":
-            for key in ("runtime", "artifact"):
-                if key in rest:
-                    problems.add((key,), "a pipeline has none: its steps are served models (remove it)", rest[key])
-            rest["runtime"], rest["artifact"] = "pipeline", PIPELINE_ARTIFACT
-        for key in moved:
-            problems.add((key,), moved_field_reason(key, runtime), data[key])
         try:
-            config = handler(rest)
+            config = handler({**rest, **sections})  # the sections become extras, already validated
         except ValidationError as exc:
             problems.extend(exc)
             problems.raise_if_any()
             raise
         problems.raise_if_any()
         return config
+
+    @field_validator("runtime")
+    @classmethod
+    def _runtime_registered(cls, runtime: str) -> str:
+        if find_runtime(runtime) is None:
+            raise config_error(f"unknown runtime {runtime!r}; {runtimes_text()}")
+        return runtime
+
+    @classmethod
+    def section_fields(cls) -> dict[str, FieldInfo]:
+        """The runtime sections as fields, for the reference (scripts/docs_reference.py): one per
+        registered runtime with settings, documented like a field although it is kept as an extra."""
+        fields = {}
+        for runtime in runtimes():
+            if runtime.section is not None:
+                needs = f"; it needs this section, {runtime.needs_section}" if runtime.needs_section else ""
+                fields[runtime.name] = FieldInfo(
+                    annotation=runtime.section | None, default=None,  # type: ignore[arg-type]  # a class | None
+                    description=f"Settings of runtime {runtime.name}, where {runtime.summary}{needs} (only "
+                    f"with runtime: {runtime.name}).")
+        return fields
 
     @field_validator("name")
     @classmethod
@@ -278,6 +314,9 @@ class ModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _fits_together(self) -> ModelConfig:
+        # The descriptor as this process's registry has it now: kept with the config, so that a worker
+        # it is pickled to knows a runtime registered in this process only.
+        self._runtime = runtime_descriptor(self.runtime)
         problems = Problems(type(self).__name__)
         self._check_sections(problems)
         for group in ("inputs", "outputs"):
@@ -316,24 +355,10 @@ class ModelConfig(StrictModel):
         if (self.kind == "pipeline") != (self.pipeline is not None):
             problems.add(("pipeline",), "kind: pipeline needs this section (steps and outputs)" if self.pipeline is None
                          else "a pipeline section needs kind: pipeline")
-        if self.runtime == "python" and self.python is None:
-            problems.add(("python",), "runtime python needs this section, with at least 'entry: module:Class'")
-        elif self.runtime == "python" and self.python is not None:
-            mismatch = entry_module_problem(self.python.entry, self.artifact)
-            if mismatch is not None:
-                problems.add(("python", "entry"), mismatch)
-            for group in ("inputs", "outputs"):
-                for index, spec in enumerate(getattr(self, group)):
-                    if spec.datatype == "BYTES":
-                        problems.add((group, index, "datatype"), f"{group[:-1]} {spec.name!r} is BYTES: a python "
-                                     "model takes and returns numeric and BOOL tensors (a batch crosses to its "
-                                     "worker in shared memory, which cannot hold Python objects)")
-        for section in RUNTIMES:
-            if section != self.runtime and getattr(self, section) is not None:
-                problems.add((section,), f"settings of runtime {section}; this model's runtime is {self.runtime} "
-                             f"(remove the section or change runtime)")
-        if self.runtime == "pytorch" and self.pytorch is None:
-            problems.add(("pytorch",), "runtime pytorch needs this section, with at least 'factory: module:callable'")
+        check = self.runtime_descriptor.model_check
+        if check:
+            for where, reason in resolve(check)(self):
+                problems.add(where, reason)
         if self.runtime != "pytorch" and self.artifact.endswith(_WEIGHTS_ONLY_SUFFIX):
             problems.add(("artifact",), f"a {_WEIGHTS_ONLY_SUFFIX} file holds weights only; it needs runtime pytorch "
                          "and a factory that builds the module")
@@ -422,13 +447,47 @@ class ModelConfig(StrictModel):
         return self.preprocess.input or self.inputs[0].name
 
     @property
+    def runtime_descriptor(self) -> RuntimeDescriptor:
+        """This model's runtime (config/runtimes.py), as the registry had it when the config was
+        validated: a worker started for the model knows it even if only the engine registered it."""
+        return self._runtime if self._runtime is not None else runtime_descriptor(self.runtime)
+
+    @property
+    def runtime_settings(self) -> StrictModel | None:
+        """The section of this model's runtime (its defaults where it was left out); None for a
+        runtime without settings."""
+        section = (self.__pydantic_extra__ or {}).get(self.runtime)
+        return section if isinstance(section, StrictModel) else None
+
+    @property
+    def onnx(self) -> OnnxSettings | None:
+        """The `onnx:` section of an onnx model (None for another runtime)."""
+        section = self.runtime_settings
+        return section if self.runtime == "onnx" and isinstance(section, OnnxSettings) else None
+
+    @property
+    def torchscript(self) -> TorchScriptSettings | None:
+        """The `torchscript:` section of a torchscript model (None for another runtime)."""
+        section = self.runtime_settings
+        return section if self.runtime == "torchscript" and isinstance(section, TorchScriptSettings) else None
+
+    @property
+    def pytorch(self) -> PyTorchSettings | None:
+        """The `pytorch:` section of a pytorch model (None for another runtime)."""
+        section = self.runtime_settings
+        return section if self.runtime == "pytorch" and isinstance(section, PyTorchSettings) else None
+
+    @property
+    def python(self) -> PythonSettings | None:
+        """The `python:` section of a python model (None for another runtime)."""
+        section = self.runtime_settings
+        return section if self.runtime == "python" and isinstance(section, PythonSettings) else None
+
+    @property
     def torch_settings(self) -> TorchSettings | None:
-        """The section of a torch runtime (dtype, dtype_tolerance, gpu_memory_fraction); None for onnx."""
-        if self.runtime == "torchscript":
-            return self.torchscript or TorchScriptSettings()
-        if self.runtime == "pytorch":
-            return self.pytorch
-        return None
+        """The section of a torch runtime (dtype, dtype_tolerance, gpu_memory_fraction); None for others."""
+        section = self.runtime_settings
+        return section if isinstance(section, TorchSettings) else None
 
     def affinity_of(self, instance: int) -> list[int] | None:
         """CPUs instance `instance` may run on, or None to let the OS place it."""
@@ -449,3 +508,42 @@ def _check_cpus(cpus: Any, location: tuple[str | int, ...], problems: Problems) 
             problems.add(location + (index,), f"{cpu!r} is not a CPU number (0, 1, ...)", cpu)
         elif cpus.index(cpu) != index:
             problems.add(location + (index,), f"CPU {cpu} is listed twice", cpu)
+
+
+def _runtime_sections(data: dict[str, Any], runtime: object, problems: Problems) -> dict[str, StrictModel]:
+    """The section of `runtime` in model.yaml's `data`, checked with its registered class (its
+    defaults where it may be left out); a section of another registered runtime is a problem. An
+    empty section (`onnx:` with nothing under it) is no section."""
+    sections: dict[str, StrictModel] = {}
+    for key, value in data.items():
+        owner = find_runtime(key)
+        if owner is None or owner.section is None or value is None:
+            continue
+        if key != runtime:
+            whose = f"this model's runtime is {runtime}" if isinstance(runtime, str) else "not this model's runtime"
+            problems.add((key,), f"settings of runtime {key}; {whose} (remove the section or change runtime)")
+            continue
+        try:
+            sections[key] = owner.section.model_validate(value)
+        except ValidationError as exc:
+            problems.extend(exc, (key,))
+    descriptor = find_runtime(runtime)
+    if descriptor is not None and descriptor.section is not None and data.get(descriptor.name) is None:
+        if descriptor.needs_section:
+            problems.add((descriptor.name,),
+                         f"runtime {descriptor.name} needs this section, {descriptor.needs_section}")
+        else:
+            sections[descriptor.name] = descriptor.section()
+    return sections
+
+
+def _moved_field_reason(field: str, runtime: object) -> str:
+    """Why the flat key `field` is refused: where it lives now, for this model's `runtime`."""
+    owners = runtimes_with(field)
+    if runtime in owners:
+        return f"moved to '{runtime}.{field}'"
+    places = " or ".join(f"'{owner}.{field}'" for owner in owners)
+    known = isinstance(runtime, str) and find_runtime(runtime) is not None
+    runtime_note = f"; this model's runtime is {runtime}" if known else ""
+    return f"moved to {places} (a setting of the {' and '.join(owners)} runtime{'s' if len(owners) > 1 else ''} only" \
+        f"{runtime_note})"

@@ -1,4 +1,5 @@
-"""Per-runtime sections of model.yaml: `onnx:`, `torchscript:`, `pytorch:`, `python:`.
+"""Per-runtime sections of model.yaml: `onnx:`, `torchscript:`, `pytorch:`, `python:` (each runtime's
+descriptor in config/runtimes.py names its section class).
 
 Each section holds every knob its runtime has, so a model.yaml shows at a glance what applies
 to it, and a knob of another runtime is an error instead of being silently ignored. The serving
@@ -14,15 +15,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from servewell.config.problems import Problems, config_error
+from servewell.config.problems import Location, Problems, config_error
 from servewell.config.strict import StrictModel
 
-#: What runs a model: a backend in a worker process, or (`pipeline`) the engine itself, which runs
-#: a pipeline's steps on other models (config/pipeline.py) and has no worker nor artifact.
-RuntimeName = Literal["onnx", "torchscript", "pytorch", "python", "pipeline"]
 ServingDtype = Literal["fp32", "fp16", "bf16", "auto"]
-#: The runtimes that have a section of their own in model.yaml.
-RUNTIMES: tuple[RuntimeName, ...] = ("onnx", "torchscript", "pytorch", "python")
 
 
 class OnnxSettings(StrictModel):
@@ -151,32 +147,26 @@ def entry_module_problem(entry: str, artifact: str) -> str | None:
     return None
 
 
-#: The section class of each runtime.
-SECTIONS: dict[str, type[StrictModel]] = {
-    "onnx": OnnxSettings,
-    "torchscript": TorchScriptSettings,
-    "pytorch": PyTorchSettings,
-    "python": PythonSettings,
-}
+def python_model_problems(config: Any) -> list[tuple[Location, str]]:
+    """What model.yaml needs for the python runtime beyond its section (its descriptor's
+    `model_check`): the artifact is the entry module's file, and no tensor is BYTES (a batch crosses
+    to the worker in shared memory, which cannot hold Python objects)."""
+    problems: list[tuple[Location, str]] = []
+    if isinstance(config.python, PythonSettings):
+        mismatch = entry_module_problem(config.python.entry, config.artifact)
+        if mismatch is not None:
+            problems.append((("python", "entry"), mismatch))
+    for group in ("inputs", "outputs"):
+        for index, spec in enumerate(getattr(config, group)):
+            if spec.datatype == "BYTES":
+                problems.append(((group, index, "datatype"), f"{group[:-1]} {spec.name!r} is BYTES: a python model "
+                                 "takes and returns numeric and BOOL tensors (a batch crosses to its worker in shared "
+                                 "memory, which cannot hold Python objects)"))
+    return problems
 
 
-def runtimes_with(field: str) -> list[str]:
-    """The runtimes whose section has `field`, in the order of `RUNTIMES`."""
-    return [name for name in RUNTIMES if field in SECTIONS[name].model_fields and name != "python"]
-
-
-#: Flat top-level keys of model.yaml from before the per-runtime sections, now fields of a section.
-MOVED_TO_SECTIONS: tuple[str, ...] = tuple(
-    sorted({name for runtime, section in SECTIONS.items() if runtime != "python" for name in section.model_fields})
-)  # the python runtime came with its section: none of its keys was ever flat
-
-
-def moved_field_reason(field: str, runtime: object) -> str:
-    """Why the flat key `field` is refused: where it lives now, for this model's `runtime`."""
-    owners = runtimes_with(field)
-    if runtime in owners:
-        return f"moved to '{runtime}.{field}'"
-    places = " or ".join(f"'{owner}.{field}'" for owner in owners)
-    runtime_note = f"; this model's runtime is {runtime}" if isinstance(runtime, str) and runtime in RUNTIMES else ""
-    return f"moved to {places} (a setting of the {' and '.join(owners)} runtime{'s' if len(owners) > 1 else ''} only" \
-        f"{runtime_note})"
+#: Flat top-level keys of model.yaml from before the per-runtime sections, now fields of a section
+#: (the python runtime came with its section: none of its keys was ever flat).
+MOVED_TO_SECTIONS: tuple[str, ...] = tuple(sorted(
+    {name for section in (OnnxSettings, TorchScriptSettings, PyTorchSettings) for name in section.model_fields}
+))

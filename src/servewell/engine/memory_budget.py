@@ -2,7 +2,9 @@
 measure what a loaded model really holds.
 
 Read without importing a framework: the safetensors header is JSON behind an 8-byte length;
-ONNX and TorchScript files are dominated by their weights, so their size is the estimate.
+ONNX and TorchScript files are dominated by their weights, so their size is the estimate. A
+runtime's descriptor (config/runtimes.py) gives its worker's resident cost before weights
+(`base_bytes`) and may name its own estimate of the weights (`weight_bytes`).
 
 An estimate is a guess (a python model's own imports and allocations are unknown until it loads:
 issue 45 H16 saw 1,929 MB of server processes under a 500 MiB budget), so once a model has warmed
@@ -16,11 +18,12 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
 from servewell.config.model import ModelConfig
+from servewell.config.runtimes import resolve
 
 _SAFETENSORS_ITEMSIZE = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
@@ -28,12 +31,6 @@ _SAFETENSORS_ITEMSIZE = {
 }
 _FLOAT = {"F64", "F32", "F16", "BF16"}
 _SERVING_ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "auto": 4}  # auto may stay fp32: plan for it
-#: Resident cost of a worker before any weights: interpreter, framework, arenas (measured here:
-#: an onnxruntime worker ~90 MB, a torch worker ~350 MB RSS after import and warm-up of a tiny model).
-#: A python model's interpreter with numpy (its own imports come on top, unknown until it loads: its
-#: warm-up measures them); a pipeline has no worker.
-RUNTIME_BASE_BYTES = {"onnx": 120 << 20, "torchscript": 400 << 20, "pytorch": 400 << 20, "python": 60 << 20,
-                      "pipeline": 0}
 #: Activations and allocator slack on top of the weights.
 WORKING_SET_FACTOR = 1.25
 
@@ -55,22 +52,32 @@ def estimate_model_memory(config: ModelConfig, model_dir: Path) -> MemoryEstimat
     """Estimate the resident memory of all instances of a model before loading it (a pipeline: none)."""
     if config.kind == "pipeline":
         return MemoryEstimate(0, 0, 0, "a pipeline runs in the engine")
+    runtime = config.runtime_descriptor
+    estimate: Callable[[ModelConfig, Path], tuple[int, str]] = (
+        resolve(runtime.weight_bytes) if runtime.weight_bytes else artifact_weight_bytes)
+    weights, basis = estimate(config, model_dir)
+    base = runtime.base_bytes  # the worker's interpreter, framework and arenas, before any weights
+    per_instance = int(weights * WORKING_SET_FACTOR) + base
+    device = 0
+    if config.device.startswith("cuda"):
+        per_instance = base  # weights live on the device, not in host memory
+        device = int(weights * WORKING_SET_FACTOR) * config.instances
+    return MemoryEstimate(weights, per_instance, per_instance * config.instances, basis, device)
+
+
+def artifact_weight_bytes(config: ModelConfig, model_dir: Path) -> tuple[int, str]:
+    """The weights of a model from its artifact, and how they were estimated: a safetensors file's
+    tensors at the serving dtype (from its header), else the file's size (halved for a torch
+    runtime serving in fp16 or bf16); what a runtime's descriptor names no `weight_bytes` of its
+    own uses."""
     path = model_dir / config.artifact
     dtype = config.torch_settings.dtype if config.torch_settings is not None else "fp32"  # onnx: as exported
     if path.suffix == ".safetensors":
-        weights = _safetensors_bytes(path, dtype)
-        basis = f"safetensors header, {dtype}"
-    else:
-        weights = path.stat().st_size
-        if dtype in ("fp16", "bf16"):
-            weights //= 2
-        basis = f"file size of {path.name}"
-    per_instance = int(weights * WORKING_SET_FACTOR) + RUNTIME_BASE_BYTES[config.runtime]
-    device = 0
-    if config.device.startswith("cuda"):
-        per_instance = RUNTIME_BASE_BYTES[config.runtime]  # weights live on the device, not in host memory
-        device = int(weights * WORKING_SET_FACTOR) * config.instances
-    return MemoryEstimate(weights, per_instance, per_instance * config.instances, basis, device)
+        return _safetensors_bytes(path, dtype), f"safetensors header, {dtype}"
+    weights = path.stat().st_size
+    if dtype in ("fp16", "bf16"):
+        weights //= 2
+    return weights, f"file size of {path.name}"
 
 
 def _safetensors_bytes(path: Path, dtype: str) -> int:

@@ -4,10 +4,12 @@ A snapshot once copied every file of the directory, so a data folder or a big si
 beside a 232 KB model made it copy 695 MB. It now copies, from the config being loaded:
 
 - `model.yaml` and the artifact;
-- onnx: the external-data files the graph names (`engine.onnx_external_data`), relative to the
-  artifact's directory, as onnxruntime resolves them;
-- pytorch and python: every `*.py` file (the factory or the entry class is imported from the
-  model directory and may import its siblings and packages);
+- the further files the artifact names, where its runtime's descriptor says how to find them
+  (`artifact_files`; onnx: the external-data files the graph names, `engine.onnx_external_data`),
+  relative to the artifact's directory, as the runtime resolves them;
+- where the runtime imports the model's own code (`model_code`: pytorch and python), every `*.py`
+  file (the factory or the entry class is imported from the model directory and may import its
+  siblings and packages);
 - the model's `extra_files`: names (a file, or a directory copied whole) and glob patterns
   (`*` and `?` within one path segment, `**` across any number of them).
 
@@ -25,14 +27,12 @@ from pathlib import Path, PurePosixPath
 
 from servewell.config.model import ModelConfig, is_pattern
 from servewell.config.model_file import CONFIG_FILE
-from servewell.engine.onnx_external_data import OnnxFormatError, external_data_files
+from servewell.config.runtimes import resolve
 from servewell.engine.snapshot import SnapshotError
 
 #: Files listed while enumerating one model directory: a listing, not a crawl of a data set.
 MAX_LISTED_FILES = 100_000
 _SKIPPED_DIRECTORIES = frozenset(("__pycache__", ".git"))
-#: Runtimes that import the model directory's own Python code.
-_CODE_RUNTIMES = ("pytorch", "python")
 #: Paths a failure reason may name, and so need a look in the repository.
 _MAX_HINTS = 5
 
@@ -42,15 +42,16 @@ def model_files(config: ModelConfig, directory: Path) -> list[str]:
     order without repeats; a path may name a file that does not exist (the load then says so).
     `SnapshotError` when the ONNX graph cannot be read or the directory lists too many files."""
     chosen: dict[str, None] = {CONFIG_FILE: None, config.artifact: None}
-    if config.runtime == "onnx":
-        artifact = directory / config.artifact
-        if artifact.is_file():
-            base = PurePosixPath(config.artifact).parent
-            try:
-                chosen.update((str(base / location), None) for location in external_data_files(artifact))
-            except (OnnxFormatError, OSError) as exc:
-                raise SnapshotError(f"cannot find the external data that {artifact} names: {exc}") from None
-    code = config.runtime in _CODE_RUNTIMES
+    runtime = config.runtime_descriptor
+    artifact = directory / config.artifact
+    if runtime.artifact_files and artifact.is_file():
+        base = PurePosixPath(config.artifact).parent
+        try:
+            named: list[str] = resolve(runtime.artifact_files)(artifact)
+        except (ValueError, OSError) as exc:  # OnnxFormatError is a ValueError
+            raise SnapshotError(f"cannot find the files that {artifact} names: {exc}") from None
+        chosen.update((str(base / location), None) for location in named)
+    code = runtime.model_code
     if code or config.extra_files:
         listed = list_files(directory)
         if code:

@@ -10,29 +10,19 @@ from typing import Any
 import yaml
 
 from servewell.config.model import ModelConfig
+from servewell.config.runtimes import runtimes_with
 from servewell.perf.tuner import Candidate
-
-#: Runtimes whose serving dtype can be changed (an ONNX graph computes in the dtypes it was exported with).
-TORCH_RUNTIMES = ("torchscript", "pytorch")
 
 
 class ConfigEditError(ValueError):
     """A candidate that the model's config does not accept (e.g. reserve_instance_for_high with one instance)."""
 
 
-def _dtype_in_section() -> bool:
-    """Whether `dtype` lives in the runtime's own section of model.yaml (`pytorch: {dtype: ...}`)."""
-    return "dtype" not in ModelConfig.model_fields
-
-
 def configured_dtype(config: ModelConfig) -> str | None:
-    """The serving dtype of a torch-runtime model; None for other runtimes."""
-    if config.runtime not in TORCH_RUNTIMES:
-        return None
-    if not _dtype_in_section():
-        return str(getattr(config, "dtype", "fp32"))
-    section = getattr(config, config.runtime, None)
-    return str(getattr(section, "dtype", "fp32"))
+    """The serving dtype of a model whose runtime has one (its section's `dtype`: the torch
+    runtimes; an ONNX graph computes in the dtypes it was exported with); None for other runtimes."""
+    dtype = getattr(config.runtime_settings, "dtype", None)
+    return None if dtype is None else str(dtype)
 
 
 def baseline_candidate(config: ModelConfig) -> Candidate:
@@ -69,12 +59,9 @@ def _tuned(doc: dict[str, Any], candidate: Candidate, slo_ms: float) -> dict[str
     if candidate.max_batch_size > 0:
         keys["max_batch_size"] = candidate.max_batch_size
     keys.update(instances=candidate.instances, threads=candidate.threads, batching=batching)
-    if candidate.dtype is not None and doc.get("runtime") in TORCH_RUNTIMES:
-        if _dtype_in_section():
-            runtime = str(doc["runtime"])
-            keys[runtime] = {**(doc.get(runtime) or {}), "dtype": candidate.dtype}
-        else:
-            keys["dtype"] = candidate.dtype
+    if candidate.dtype is not None and doc.get("runtime") in runtimes_with("dtype"):
+        runtime = str(doc["runtime"])
+        keys[runtime] = {**(doc.get(runtime) or {}), "dtype": candidate.dtype}
     return keys
 
 

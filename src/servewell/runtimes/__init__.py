@@ -1,26 +1,25 @@
 """Model backends: ONNX Runtime, TorchScript, PyTorch (+ safetensors), and python (the model's own class).
 
-`load_runtime` is the one entry point. Each backend module is imported only when a model
-needs it, so importing this package pulls in neither torch nor onnxruntime.
+`load_runtime` is the one entry point: it loads with the backend module its runtime's descriptor
+names (config/runtimes.py). Each backend module is imported only when a model needs it, so
+importing this package pulls in neither torch nor onnxruntime.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 from servewell.config.model import ModelConfig
+from servewell.config.runtimes import RuntimeDescriptor
 from servewell.runtimes.base import DeviceUnusableError, ModelLoadError, ModelRuntime, ProgressFn, RuntimeLoader
 
-__all__ = ["DeviceUnusableError", "ModelLoadError", "ModelRuntime", "ProgressFn", "load_runtime"]
-
-#: Python package each runtime needs, named in the error when it is missing.
-_RUNTIME_PACKAGE = {"onnx": "onnxruntime", "torchscript": "torch", "pytorch": "torch"}
-#: The servewell extra that installs it.
-_RUNTIME_EXTRA = {"onnx": "onnx", "torchscript": "torch", "pytorch": "torch"}
+__all__ = ["DeviceUnusableError", "ModelLoadError", "ModelRuntime", "ProgressFn", "load_runtime", "loader_of"]
 
 
 def load_runtime(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> ModelRuntime:
-    """Load the model that `config` describes from `model_dir` with the backend it names.
+    """Load the model that `config` describes from `model_dir` with the backend its runtime's
+    descriptor names (config/runtimes.py).
 
     `progress` is called with a short stage name as loading goes. Raises `ModelLoadError`
     with a message a user can act on when the files or the model do not fit the config.
@@ -32,30 +31,22 @@ def load_runtime(config: ModelConfig, model_dir: Path, progress: ProgressFn) -> 
         raise ModelLoadError(
             f"artifact {config.artifact!r} named in model.yaml is not a file in {model_dir}"
         )
-    return _loader(config.runtime)(config, model_dir, progress)
+    return loader_of(config.runtime_descriptor)(config, model_dir, progress)
 
 
-def _loader(runtime: str) -> RuntimeLoader:
-    if runtime == "python":  # numpy only, which servewell itself needs: no package to name
-        from servewell.runtimes import python_runtime
-
-        return python_runtime.load
+def loader_of(runtime: RuntimeDescriptor) -> RuntimeLoader:
+    """The `load` function of `runtime`'s backend module, imported now (with its framework);
+    `ModelLoadError` naming the package and the extra that installs it when that cannot be imported."""
+    if not runtime.in_worker:
+        raise ModelLoadError(f"runtime {runtime.name} runs in the engine, not in a worker")
     try:
-        if runtime == "onnx":
-            from servewell.runtimes import onnx_runtime
-
-            return onnx_runtime.load
-        if runtime == "torchscript":
-            from servewell.runtimes import torchscript_runtime
-
-            return torchscript_runtime.load
-        if runtime == "pytorch":
-            from servewell.runtimes import pytorch_runtime
-
-            return pytorch_runtime.load
+        backend = importlib.import_module(runtime.backend)
     except ImportError as exc:
+        if not runtime.package:  # nothing beyond servewell's own needs: a bug or a broken install, as it is
+            raise
         raise ModelLoadError(
-            f"runtime {runtime} needs the {_RUNTIME_PACKAGE[runtime]} package, which cannot be imported ({exc}); "
-            f"install it with: pip install 'servewell[{_RUNTIME_EXTRA[runtime]}]'"
+            f"runtime {runtime.name} needs the {runtime.package} package, which cannot be imported ({exc}); "
+            f"install it with: pip install 'servewell[{runtime.extra}]'"
         ) from exc
-    raise ModelLoadError(f"unknown runtime {runtime!r}; use onnx, torchscript, pytorch or python")
+    load: RuntimeLoader = backend.load
+    return load

@@ -1,13 +1,12 @@
 """Check a python model's entry without running it: `servewell models` runs this in a child process.
 
-    python -m servewell.runtimes.entry_check MODEL_DIR < config.json
+The python runtime's `check` in its descriptor (config/runtimes.py), which runtimes/check_child.py runs.
 
 Checks what model.yaml alone tells (the artifact is the entry module's file; no BYTES tensors),
 then imports the entry module as the worker does (`python_entry`) and checks that it has the class
 and that the class has `execute`: a module that does not import, a class renamed or misspelt,
 fail a load at once. No instance is made and `setup` is not called: those may read data or take
-a device, which is the load's business. Prints one JSON object,
-`{"problems": [{"field": ..., "reason": ...}]}`, and exits 0 whether or not there are problems.
+a device, which is the load's business. Returns the problems, each naming its field.
 
 It runs in its own process because it imports the model's own code, which may hang, crash, print
 or change the process; the CLI stays free of it.
@@ -15,9 +14,6 @@ or change the process; the CLI stays free of it.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import sys
 from pathlib import Path
 
 from servewell.config.model import ModelConfig
@@ -37,20 +33,3 @@ def check_entry(config: ModelConfig, model_dir: Path) -> list[FieldProblem]:
         return [FieldProblem("python.entry", str(exc))]
     forget_package(package)
     return []
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Read the config as JSON from stdin, check the entry in MODEL_DIR, print the problems as JSON."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m servewell.runtimes.entry_check MODEL_DIR < config.json", file=sys.stderr)
-        return 2
-    config = ModelConfig.model_validate_json(sys.stdin.read())
-    with contextlib.redirect_stdout(sys.stderr):  # what the model's code prints must not garble the answer
-        problems = check_entry(config, Path(args[0]))
-    print(json.dumps({"problems": [{"field": p.field, "reason": p.reason} for p in problems]}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

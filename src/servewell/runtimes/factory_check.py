@@ -1,14 +1,13 @@
 """Check a pytorch model's factory without loading weights: `servewell models` runs this in a child process.
 
-    python -m servewell.runtimes.factory_check MODEL_DIR < config.json
+The pytorch runtime's `check` in its descriptor (config/runtimes.py), which runtimes/check_child.py runs.
 
 Imports the factory, builds the module on the meta device (no weight storage, so it takes a
 fraction of a second even for a large model), checks that every `pytorch.lazy_submodules`
 name is a submodule, and compares the module's parameter and buffer names and shapes with the
 weights file's (a safetensors header, or a state dict memory-mapped, never read): what model.yaml
 alone cannot tell, and what fails a load at once (`factory_kwargs` that build another shape, a
-file of another model, a truncated or corrupt file). Prints one JSON object,
-`{"problems": [{"field": ..., "reason": ...}]}`, and exits 0 whether or not there are problems.
+file of another model, a truncated or corrupt file). Returns the problems, each naming its field.
 
 It runs in its own process because it imports torch and the model's own code, which may hang,
 crash or clash with another model's module of the same name; the CLI stays framework-free.
@@ -16,7 +15,6 @@ crash or clash with another model's module of the same name; the CLI stays frame
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import pickle
@@ -99,20 +97,3 @@ def stored_shapes(path: Path) -> dict[str, list[int]] | None:
 def _few(names: list[str], limit: int = 5) -> str:
     shown = "; ".join(names[:limit]) if limit <= 3 else ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Read the config as JSON from stdin, check the factory in MODEL_DIR, print the problems as JSON."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m servewell.runtimes.factory_check MODEL_DIR < config.json", file=sys.stderr)
-        return 2
-    config = ModelConfig.model_validate_json(sys.stdin.read())
-    with contextlib.redirect_stdout(sys.stderr):  # what the model's code prints must not garble the answer
-        problems = check_factory(config, Path(args[0]))
-    print(json.dumps({"problems": [{"field": p.field, "reason": p.reason} for p in problems]}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,13 +1,12 @@
 """Check an ONNX model against its model.yaml as the server would load it: `servewell models` runs
 this in a child process.
 
-    python -m servewell.runtimes.onnx_check MODEL_DIR < config.json
+The onnx runtime's `check` in its descriptor (config/runtimes.py), which runtimes/check_child.py runs.
 
 Opens the graph with onnxruntime, the package that serves it (the `onnx` extra brings onnxruntime
 only, not the `onnx` package), with graph optimizations off: a corrupt or truncated file fails here
 as it would at load. Then compares model.yaml's inputs and outputs with the graph's: names, element
-types and shapes (the batch dimension, then each fixed dimension). Prints one JSON object,
-`{"problems": [{"field": ..., "reason": ...}], "notes": [...]}`, and exits 0 either way.
+types and shapes (the batch dimension, then each fixed dimension). Returns the problems and the notes.
 
 A problem is what makes the load or the warm-up fail; a note is what serves but costs something
 (an input of another floating type is cast on every request). It runs in its own process so that
@@ -16,8 +15,6 @@ the CLI never imports onnxruntime, and a graph that crashes onnxruntime cannot t
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -104,19 +101,3 @@ def _compare(field: str, spec: TensorSpec, node: Any, max_batch: int, artifact: 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0][:300]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Read the config as JSON from stdin, check the graph in MODEL_DIR, print problems and notes as JSON."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m servewell.runtimes.onnx_check MODEL_DIR < config.json", file=sys.stderr)
-        return 2
-    config = ModelConfig.model_validate_json(sys.stdin.read())
-    problems, notes = check_onnx(config, Path(args[0]))
-    print(json.dumps({"problems": [{"field": p.field, "reason": p.reason} for p in problems], "notes": notes}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

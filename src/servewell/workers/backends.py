@@ -1,21 +1,18 @@
 """Which modules a worker imports for a runtime, imported as one step so a load can time it.
 
 A fresh worker imports them when its model asks; a spare worker (`workers/spare.py`) imports
-`SPARE_RUNTIME`'s ahead of time, so that the model it is given later skips this step.
+`SPARE_RUNTIME`'s ahead of time, so that the model it is given later skips this step. The backend
+module of each runtime is its descriptor's (config/runtimes.py).
 """
 
 from __future__ import annotations
 
 import importlib
 
-#: The servewell modules each runtime's load and warm-up import (and, through them, the framework).
-BACKEND_MODULES: dict[str, tuple[str, ...]] = {
-    "onnx": ("servewell.runtimes.onnx_runtime", "servewell.runtimes.warmup"),
-    "torchscript": ("servewell.runtimes.torchscript_runtime", "servewell.runtimes.warmup"),
-    "pytorch": ("servewell.runtimes.pytorch_runtime", "servewell.runtimes.warmup"),
-    "python": ("servewell.runtimes.python_runtime", "servewell.runtimes.warmup"),
-}
+from servewell.config.runtimes import RuntimeDescriptor
 
+#: What every runtime's load and warm-up import besides its backend module.
+COMMON_MODULES = ("servewell.runtimes.warmup",)
 #: What a spare worker imports before it knows its model. onnxruntime only: on the 2-core dev
 #: machine it takes 0.43 s and 62 MiB resident (numpy and servewell included). torch would save a
 #: torch model 1.9 s more but costs 127 MiB more private memory per spare (2.2 s, 247 MiB in all),
@@ -28,10 +25,16 @@ SPARE_RUNTIME = "onnx"
 ORT_TELEMETRY_SWITCH = "ORT_DISABLE_TELEMETRY"
 
 
-def import_backend(runtime: str) -> None:
-    """Import the modules `runtime` loads with (nothing for an unknown runtime). A missing package
-    is left for `load_runtime` to report, with the package and the extra that installs it."""
-    for module in BACKEND_MODULES.get(runtime, ()):
+def backend_modules(runtime: RuntimeDescriptor) -> tuple[str, ...]:
+    """The servewell modules `runtime`'s load and warm-up import (and, through them, the framework);
+    none for a runtime that has no worker."""
+    return (runtime.backend, *COMMON_MODULES) if runtime.in_worker else ()
+
+
+def import_backend(runtime: RuntimeDescriptor) -> None:
+    """Import the modules `runtime` loads with. A missing package is left for `load_runtime` to
+    report, with the package and the extra that installs it."""
+    for module in backend_modules(runtime):
         try:
             importlib.import_module(module)
         except ImportError:

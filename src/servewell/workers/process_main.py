@@ -123,7 +123,7 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, beg
         if launch.device and launch.device != config.device:  # the engine chose it (workers/devices.py)
             config = config.model_copy(update={"device": launch.device})
         progress("import runtime")
-        import_backend(config.runtime)  # a spare already has (workers/backends.py): then this is instant
+        import_backend(config.runtime_descriptor)  # a spare already has (workers/backends.py): then instant
         imported_at = time.monotonic()
         from servewell.runtimes import load_runtime
         from servewell.runtimes.base import DtypeReporting

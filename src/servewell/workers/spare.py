@@ -45,8 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from servewell.config.model import ModelConfig
+from servewell.config.runtimes import runtime_descriptor
 from servewell.config.server import ServerConfig
-from servewell.workers.backends import BACKEND_MODULES, ORT_TELEMETRY_SWITCH, SPARE_RUNTIME
+from servewell.workers.backends import ORT_TELEMETRY_SWITCH, SPARE_RUNTIME, backend_modules
 from servewell.workers.child_main import run_child
 from servewell.workers.entry import run_spare
 from servewell.workers.messages import SpareLaunch, SpareReady, receive_message
@@ -73,7 +74,7 @@ def fork_server_preload() -> list[str]:
     telemetry is on. With it on, the import starts an uploader thread and opens an SQLite event
     database, neither of which a forked child may inherit (the thread is gone in the child, and
     SQLite's file locks are not inherited), so each spare then imports onnxruntime itself."""
-    backend = BACKEND_MODULES.get(SPARE_RUNTIME, ()) if os.environ.get(ORT_TELEMETRY_SWITCH) == "1" else ()
+    backend = backend_modules(runtime_descriptor(SPARE_RUNTIME)) if os.environ.get(ORT_TELEMETRY_SWITCH) == "1" else ()
     return [*FORK_SERVER_PRELOAD, *backend]
 
 

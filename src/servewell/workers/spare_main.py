@@ -16,6 +16,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
+from servewell.config.runtimes import runtime_descriptor
 from servewell.observability.logging import configure_logging
 from servewell.observability.process_title import set_process_title
 from servewell.workers.backends import SPARE_RUNTIME, import_backend
@@ -38,7 +39,7 @@ def spare_main(conn: Connection, launch: SpareLaunch) -> None:
     configure_logging(launch.log_level, launch.log_format)
     set_process_title("servewell spare worker")  # until adopted: then worker_main names the model it serves
     began = time.monotonic()
-    import_backend(SPARE_RUNTIME)
+    import_backend(runtime_descriptor(SPARE_RUNTIME))
     try:
         send_message(conn, SpareReady(os.getpid(), time.monotonic() - began))
         message = receive_message(conn)

@@ -3,7 +3,7 @@ field, the protobuf gRPC answers, and `parameters.timeout` follows one rule whic
 
 from __future__ import annotations
 
-from typing import Any, get_args
+from typing import Any
 
 import numpy as np
 import orjson
@@ -14,15 +14,14 @@ from tritonclient.grpc import service_pb2 as pb
 
 from servewell.api.grpc.codec import config_message, decode_request, metadata_message
 from servewell.api.model_document import (
-    BACKENDS,
     MAX_TIMEOUT_US,
-    PLATFORMS,
     config_json,
     metadata_json,
     model_document,
     timeout_us_of,
 )
-from servewell.config.model import ModelConfig, RuntimeName
+from servewell.config.model import ModelConfig
+from servewell.config.runtimes import runtimes
 from servewell.engine.protocol import ModelView, SchedulingFacts
 from servewell.errors import InvalidInput
 
@@ -38,9 +37,11 @@ def view(scheduled_max: int | None = None, **fields: Any) -> ModelView:
 
 
 def test_every_runtime_has_a_triton_platform_and_backend():
-    assert set(PLATFORMS) == set(BACKENDS) == set(get_args(RuntimeName))
-    assert PLATFORMS == {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch", "pytorch": "pytorch",
-                         "python": "python", "pipeline": "ensemble"}
+    names = {runtime.name: (runtime.triton_platform, runtime.triton_backend) for runtime in runtimes()}
+    assert {name: names[name] for name in ("onnx", "torchscript", "pytorch", "python", "pipeline")} == {
+        "onnx": ("onnxruntime_onnx", "onnxruntime"), "torchscript": ("pytorch_libtorch", "pytorch"),
+        "pytorch": ("pytorch", "pytorch"), "python": ("python", "python"), "pipeline": ("ensemble", "")}
+    assert all(platform for platform, _ in names.values())  # a pipeline alone has no backend
 
 
 def test_the_document_carries_triton_names_and_the_live_batch_size():

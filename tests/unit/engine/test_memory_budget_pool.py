@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from servewell.config.model import ModelConfig
+from servewell.config.runtimes import runtime_descriptor
 from servewell.engine.memory_budget import (
-    RUNTIME_BASE_BYTES,
     MemoryBudget,
     MemoryEstimate,
     estimate_model_memory,
@@ -63,7 +63,7 @@ def test_a_gpu_models_weights_are_estimated_as_device_memory(tmp_path: Path) -> 
     gpu = estimate_model_memory(ModelConfig.model_validate({**common, "device": "cuda"}), tmp_path)
     assert cpu.device_bytes == 0 and cpu.total_bytes > 2 * 8 * MiB
     assert gpu.device_bytes == 2 * 10 * MiB  # weights x 1.25 working set, per instance
-    assert gpu.total_bytes == 2 * RUNTIME_BASE_BYTES["onnx"]  # the host keeps only the runtimes
+    assert gpu.total_bytes == 2 * runtime_descriptor("onnx").base_bytes  # the host keeps only the runtimes
 
 
 def test_a_model_measured_above_its_estimate_counts_its_measurement() -> None:
