@@ -73,9 +73,11 @@ Key = bytes
 CACHE_RESULTS = ("hit", "miss", "coalesced")
 EVICTION_REASONS = ("size", "ttl")
 #: Keys of dropped answers whose last use is remembered, per cache, for the reuse intervals of
-#: misses: at most this many, and at most a sixteenth of `max_bytes` at `GHOST_ENTRY_BYTES` each (the
+#: misses: at most this many, and at most a 64th of `max_bytes` at `GHOST_ENTRY_BYTES` each (the
 #: key's bytes object is the dropped answer's own; its time and its place in the table, about 150
-#: bytes, are new), so a cache holds at most that much over `max_bytes`.
+#: bytes, are new). `ENTRY_OVERHEAD_BYTES` counts each kept answer about 1.16x what it holds, which
+#: covers this table: `max_bytes` still bounds what the cache holds (tests/unit/engine/
+#: test_response_cache_memory.py).
 GHOST_KEYS = 2048
 GHOST_ENTRY_BYTES = 200
 #: A reuse came `within` the TTL (it could be a hit) or `beyond` it (the answer had expired).
@@ -257,7 +259,7 @@ class ResponseCache:
         if reason is not None:
             ghosts = self._ghosts
             ghosts[key] = kept.used_at
-            while len(ghosts) > min(GHOST_KEYS, self.max_bytes // (16 * GHOST_ENTRY_BYTES)):
+            while len(ghosts) > min(GHOST_KEYS, self.max_bytes // (64 * GHOST_ENTRY_BYTES)):
                 ghosts.popitem(last=False)
             self.counts[f"evicted_{reason}"] += 1
             if self._metrics is not None:
