@@ -381,12 +381,14 @@ def http_api_page() -> str:
            "# HTTP API\n\n",
            "Every route a server answers, from the OpenAPI document it serves at `/openapi.json` (the interactive "
            "page is `/docs` on a running server). The inference routes are the Open Inference Protocol v2 "
-           "(KServe / Triton REST) plus servewell's `/predict`; admin routes need the admin token "
-           "([keys and tenants](../how-to/keys-and-tenants.md#admin-endpoints)). Errors are described in "
+           "(KServe / Triton REST) plus servewell's `/predict`; admin routes need an operator: the admin token or a "
+           "`role=operator` key ([operators and tenants](../how-to/keys-and-tenants.md#operators-and-tenants)). "
+           "Errors are described in "
            "[Errors](errors.md).\n\n",
            "Every response carries `X-Request-ID` (a safe client-supplied one is echoed) and `X-Process-Time`; "
            "inference responses carry `Server-Timing` (`preprocess`, `queue`, `compute`, `total`, and for a "
-           "pipeline one entry per step) and `X-Model-Version`.\n\n"]
+           "pipeline one entry per step) and `X-Model-Version` (errors too, when a traffic split drew the "
+           "version).\n\n"]
     out.append("| method | path | what |\n|---|---|---|\n")
     for path, operations in spec["paths"].items():
         for method, op in operations.items():
@@ -438,10 +440,11 @@ def grpc_page() -> str:
            "package, so a client and the server speak byte for byte the same definition (the `.proto` files are "
            "those of Triton's `grpc_service.proto`, in the tritonclient wheel). Calls servewell does not serve "
            "answer `UNIMPLEMENTED` after the key check.\n\n"
-           "Metadata: `authorization: Bearer <key>` or `x-api-key` (API keys; the admin token for the repository "
-           "calls), `x-urgency` (lane), `x-route-key` (sticky traffic splits). Trailing metadata: "
+           "Metadata: `authorization: Bearer <key>` or `x-api-key` (API keys; the admin token or an operator key "
+           "for the repository calls), `x-urgency` (lane), `x-route-key` (sticky traffic splits). Trailing metadata: "
            "`servewell-error-code` and `x-request-id` on errors, `server-timing` and `x-model-version` on "
-           "success, `retry-after` on a refusal worth retrying. Status codes: [Errors](errors.md#grpc-status-codes)."
+           "success (`x-model-version` on an error too, when a traffic split drew the version), `retry-after` on a "
+           "refusal worth retrying. Status codes: [Errors](errors.md#grpc-status-codes)."
            "\n\n| call | served | request | response |\n|---|---|---|---|\n"]
     for method in service.methods:
         served = "yes" if method.name in vars(InferenceServicer) else "UNIMPLEMENTED"
