@@ -21,6 +21,7 @@ format only:
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -257,17 +258,18 @@ async def embeddings(request: Request) -> Response:
             raise InvalidInput(f"input must be a string or a non-empty list of strings, got {quote(raw)}")
         if len(texts) > MAX_EMBEDDING_INPUTS:
             raise InvalidInput(f"input holds {len(texts)} strings; at most {MAX_EMBEDDING_INPUTS} per request")
-        encoding = doc.get("encoding_format", "float")
-        if encoding not in ("float", None):
-            raise InvalidInput(f"encoding_format must be 'float', got {quote(encoding)}")
+        encoding = doc.get("encoding_format") or "float"
+        if encoding not in ("float", "base64"):
+            raise InvalidInput(f"encoding_format must be 'float' or 'base64', got {quote(encoding)}")
         output = next((spec.name for spec in config.outputs if spec.datatype == "FP32"), None)
         if output is None:
             raise InvalidInput(f"model {quote(config.name)} has no FP32 output to answer as the embedding")
         requests = [text_inputs(config, text) for text in texts]
     timeout = timeout_ms_of(request)
     results = await asyncio.gather(*(call.infer(inputs, timeout_ms=timeout) for inputs in requests))
-    data = [{"object": "embedding", "index": i, "embedding": np.asarray(result.outputs[output], dtype=np.float32)
-             .reshape(-1).tolist()} for i, result in enumerate(results)]
+    vectors = [np.asarray(result.outputs[output], dtype="<f4").reshape(-1) for result in results]
+    data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(vector.tobytes()).decode()
+             if encoding == "base64" else vector.tolist()} for i, vector in enumerate(vectors)]
     tokens = sum(len(text.encode("utf-8")) for text in texts)
     return _json({"object": "list", "data": data, "model": config.name,
                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

@@ -20,6 +20,11 @@ from pydantic import Field
 
 from servewell.config.strict import StrictModel
 
+#: The most bytes of inputs the sequences that join at one step bring together (and so the most
+#: one sequence may bring): a step's message crosses to the worker whole, without the engine's
+#: event loop ever waiting on the pipe (a Unix socket pair buffers about 208 KiB).
+MAX_STATE_BYTES = 1 << 17
+
 
 class GenerateSettings(StrictModel):
     """How the engine runs a generative model's sequences (continuous batching)."""
@@ -51,8 +56,9 @@ class GenerateSettings(StrictModel):
         "writes; past this its stream ends with 408 stream_too_slow and its sequence is freed at the next step.",
     )
     max_state_bytes: int = Field(
-        1 << 20, ge=1, description="Largest inputs one sequence may bring (its prompt's tensors, in bytes): a "
-        "sequence's memory in the worker is bounded by what it starts from plus max_outputs parts.",
+        1 << 16, ge=1, le=MAX_STATE_BYTES, description="Largest inputs one sequence may bring (its prompt's tensors, "
+        "in bytes; at most 128 KiB: they cross to the worker inside the step's message, which must fit the worker "
+        "pipe's buffer whole); a sequence's memory in the worker is bounded by what it starts from plus its parts.",
     )
 
 

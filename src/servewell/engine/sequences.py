@@ -36,7 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
-from servewell.config.generate import GenerateSettings
+from servewell.config.generate import MAX_STATE_BYTES, GenerateSettings
 from servewell.config.model import ModelConfig
 from servewell.engine.clock import Clock, LoopClock, TimerHandle
 from servewell.engine.protocol import RequestResult
@@ -90,6 +90,10 @@ class StreamTelemetry(Protocol):
         """One step ran `running` sequences in `compute_s` seconds of the worker's time."""
         ...
 
+    def ended(self, model: str, reason: str) -> None:
+        """A sequence ended: finished, cancelled, deadline_exceeded, stream_too_slow or failed."""
+        ...
+
 
 class _NoTelemetry:
     def first_output(self, model: str, seconds: float) -> None:
@@ -99,6 +103,9 @@ class _NoTelemetry:
         """Not measured."""
 
     def step(self, model: str, running: int, compute_s: float) -> None:
+        """Not measured."""
+
+    def ended(self, model: str, reason: str) -> None:
         """Not measured."""
 
 
@@ -227,7 +234,7 @@ class SequenceScheduler:
         if self._waiting_count >= self.settings.max_waiting:
             raise Overloaded(f"model '{self.config.name}' has {self._waiting_count} sequences waiting to join, its "
                              f"generate.max_waiting", tenant=request.tenant)
-        size = sum(int(np.asarray(a).nbytes) for a in request.inputs.values())
+        size = _input_bytes(request)
         if size > self.settings.max_state_bytes:
             raise InvalidInput(f"the request's inputs hold {size} bytes; a sequence of model '{self.config.name}' "
                                f"starts from at most {self.settings.max_state_bytes} (generate.max_state_bytes)")
@@ -277,10 +284,12 @@ class SequenceScheduler:
         messages = tuple(SequenceJoin(seq.id, dict(seq.request.inputs)) for seq in joins)
         try:
             future = loop.runner.send_step(messages, leaves)
-        except ServeError as error:
+        except ServeError as error:  # the worker is gone (its pool replaces it), or the step could not be sent
             for seq in list(loop.running.values()):
                 self._end(seq, error)
-            self._loops.remove(loop)
+            loop.leaving = []  # a worker that did not get the step still holds them: a new worker holds none
+            if not loop.runner.alive and loop in self._loops:
+                self._loops.remove(loop)
             return
         loop.busy = True
         self._counts["steps"] += 1
@@ -295,9 +304,15 @@ class SequenceScheduler:
         now = self._clock.now()
         joins: list[_Sequence] = []
         urgent = self.urgent_sequences
+        carried = 0  # bytes of inputs this step's message carries (bounded: it crosses the pipe whole)
         for lane, tenants in enumerate(self._waiting):
             room = free - len(joins) - (urgent if lane > 0 else 0)
             while room > 0 and tenants:
+                head = self._peek(tenants)
+                size = _input_bytes(head.request)
+                if joins and carried + size > MAX_STATE_BYTES:
+                    return joins  # the rest join at the next step
+                carried += size
                 seq = self._next_of(tenants)
                 self._waiting_count -= 1
                 if seq.outcome.done():
@@ -312,14 +327,21 @@ class SequenceScheduler:
                 room -= 1
         return joins
 
-    def _next_of(self, tenants: dict[str, deque[_Sequence]]) -> _Sequence:
-        """The next sequence of one lane: the tenant with the fewest running sequences per unit of
-        weight, then the one whose head waited longest."""
+    def _tenant_next(self, tenants: dict[str, deque[_Sequence]]) -> str:
+        """Whose sequence of one lane joins next: the tenant with the fewest running sequences per
+        unit of weight, then the one whose head waited longest."""
         def share(tenant: str) -> tuple[float, float]:
             weight = max(self._weight_of(tenant), 1e-9)
             return (self._running_by_tenant.get(tenant, 0) / weight, tenants[tenant][0].enqueued_at)
 
-        tenant = min(tenants, key=share)
+        return min(tenants, key=share)
+
+    def _peek(self, tenants: dict[str, deque[_Sequence]]) -> _Sequence:
+        return tenants[self._tenant_next(tenants)][0]
+
+    def _next_of(self, tenants: dict[str, deque[_Sequence]]) -> _Sequence:
+        """The next sequence of one lane (`_tenant_next`), taken out of its queue."""
+        tenant = self._tenant_next(tenants)
         queue = tenants[tenant]
         seq = queue.popleft()
         if not queue:
@@ -427,15 +449,17 @@ class SequenceScheduler:
         outcome = seq.outcome
         if error is not None:
             key = {"deadline_exceeded": "expired", "stream_too_slow": "too_slow"}.get(error.code, "failed")
-            self._counts[key] += 1
+            reason = error.code if key != "failed" else "failed"
             if not outcome.done():
                 outcome.set_exception(error)
         elif outcome.cancelled():
-            self._counts["cancelled"] += 1
+            key = reason = "cancelled"
         else:
-            self._counts["finished"] += 1
+            key = reason = "finished"
             if not outcome.done():
                 outcome.set_result(self._result(seq))
+        self._counts[key] += 1
+        self._telemetry.ended(self.config.name, reason)
         seq.parts = seq.parts if error is None else []
         self._maybe_drained()
 
@@ -450,3 +474,7 @@ class SequenceScheduler:
     def _maybe_drained(self) -> None:
         if self._drained is not None and not self._busy():
             self._drained.set()
+
+
+def _input_bytes(request: InferenceRequest) -> int:
+    return sum(int(np.asarray(array).nbytes) for array in request.inputs.values())

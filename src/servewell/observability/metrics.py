@@ -225,6 +225,9 @@ class ServeMetrics:
         self.stream_outputs = LoopCounter(
             "servewell_stream_outputs", "Parts made by a generative model's sequences (rate(): outputs per second).",
             ["model"], registry=r)
+        self.sequences_ended = LoopCounter(
+            "servewell_sequences_ended", "Sequences of a generative model that ended, by why: finished, cancelled "
+            "(the client went away), deadline_exceeded, stream_too_slow, failed.", ["model", "reason"], registry=r)
         self.sequences_per_step = LoopHistogram(
             "servewell_sequences_per_step", "Sequences each step of a generative model ran (continuous batching's "
             "batch size).", ["model"], buckets=BATCH_BUCKETS, registry=r)

@@ -29,6 +29,10 @@ class StreamTelemetry:
         """One step ran `running` sequences."""
         self._metrics.sequences_per_step.labels(model).observe(running)
 
+    def ended(self, model: str, reason: str) -> None:
+        """A sequence ended (finished, cancelled, deadline_exceeded, stream_too_slow, failed)."""
+        self._metrics.sequences_ended.labels(model, reason).inc()
+
 
 def stream_telemetry(metrics: ServeMetrics | None) -> StreamTelemetry | None:
     """The telemetry for a server's metrics (None without metrics: nothing is measured)."""

@@ -1,0 +1,332 @@
+"""Continuous batching (engine/sequences.py) with a fake runner that answers each step when the test
+says, and a manual clock: who joins and who leaves at each step, and every way a sequence ends."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fake_clock import FakeClock
+from inference_requests import FAR, request_of
+from servewell.config.model import ModelConfig
+from servewell.engine.protocol import RequestResult
+from servewell.engine.sequences import SequenceScheduler
+from servewell.engine.stream import PartBuffer, StreamPart
+from servewell.errors import DeadlineExceeded, InvalidInput, ModelError, Overloaded, StreamTooSlow, WorkerLost
+from servewell.workers.messages import SequenceJoin, SequencePart, StepDone
+
+HIGH, NORMAL = 0, 1
+
+
+def config(**generate: Any) -> ModelConfig:
+    return ModelConfig.model_validate({
+        "name": "g", "runtime": "python", "artifact": "g.py", "python": {"entry": "g:G"}, "max_batch_size": 8,
+        "inputs": [{"name": "x", "datatype": "UINT8", "shape": [-1]}],
+        "outputs": [{"name": "y", "datatype": "UINT8", "shape": [-1]}],
+        "generate": generate,
+    })
+
+
+class StepRunner:
+    """Records each step it is sent; the test answers the step in flight with `answer`."""
+
+    def __init__(self) -> None:
+        self.alive = True
+        self.instance = 0
+        self.steps: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (joined ids, leaving ids)
+        self.running: list[int] = []  # what the worker would hold
+        self.future: asyncio.Future[StepDone] | None = None
+
+    def send_step(self, joins: tuple[SequenceJoin, ...], leaves: tuple[int, ...]) -> asyncio.Future[StepDone]:
+        assert self.future is None or self.future.done(), "a step was sent while one was in flight"
+        self.steps.append((tuple(j.seq_id for j in joins), leaves))
+        self.running = [i for i in self.running if i not in leaves] + [j.seq_id for j in joins]
+        self.future = asyncio.get_running_loop().create_future()
+        return self.future
+
+    def answer(self, done: tuple[int, ...] = (), fail: dict[int, str] | None = None) -> None:
+        """Every running sequence makes one part ('.'), `done` ones finish with theirs."""
+        parts = []
+        for seq_id in self.running:
+            error = (fail or {}).get(seq_id)
+            parts.append(SequencePart(seq_id, None if error else {"y": np.frombuffer(b".", np.uint8)[None, :]},
+                                      seq_id in done or error is not None, error))
+        self.running = [i for i in self.running if i not in done and i not in (fail or {})]
+        assert self.future is not None
+        self.future.set_result(StepDone(len(self.steps), tuple(parts), 0.001))
+
+
+def run(test: Callable[[FakeClock], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(test(FakeClock()))
+
+
+def req(lane: int = NORMAL, tenant: str = "", deadline_at: float = FAR, max_outputs: int = 0, prompt: bytes = b"p"):
+    return request_of({"x": np.frombuffer(prompt, np.uint8)[None, :]}, model="g", lane=lane, tenant=tenant,
+                      deadline_at=deadline_at)._replace(max_outputs=max_outputs)
+
+
+async def turn() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def test_sequences_join_the_running_batch_at_the_next_step() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(), clock)
+        runner = StepRunner()
+        scheduler.add_runner(runner)
+        first = scheduler.submit(req(), 1)
+        assert runner.steps == [((1,), ())]
+        second = scheduler.submit(req(), 1)  # a step is in flight: it joins the next one
+        runner.answer()
+        await turn()
+        assert runner.steps[-1] == ((2,), ())
+        runner.answer(done=(1,))
+        await turn()
+        result = await first
+        assert bytes(result.outputs["y"].reshape(-1)) == b".."  # its two parts, joined along the open axis
+        assert not second.done() and runner.steps[-1] == ((), ())
+        runner.answer(done=(2,))
+        await turn()
+        assert (await second).outputs["y"].shape == (1, 2)
+    run(body)
+
+
+def test_static_batching_lets_nobody_join_while_a_sequence_runs() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(batching="static"), clock)
+        runner = StepRunner()
+        scheduler.add_runner(runner)
+        scheduler.submit(req(), 1)
+        later = scheduler.submit(req(), 1)
+        runner.answer()
+        await turn()
+        assert runner.steps[-1] == ((), ())  # the waiting one did not join
+        runner.answer(done=(1,))
+        await turn()
+        assert runner.steps[-1] == ((2,), ())  # the batch emptied: now it joins
+        runner.answer(done=(2,))
+        await turn()
+        assert later.done()
+    run(body)
+
+
+def test_running_sequences_are_bounded_by_max_sequences() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(max_sequences=2, urgent_sequences=0), clock)
+        runner = StepRunner()
+        for _ in range(4):
+            scheduler.submit(req(), 1)
+        scheduler.add_runner(runner)
+        assert runner.steps == [((1, 2), ())]
+        assert (scheduler.stats().running, scheduler.stats().waiting) == (2, 2)
+        runner.answer(done=(1,))
+        await turn()
+        assert runner.steps[-1] == ((3,), ())  # one place freed, one joined
+    run(body)
+
+
+def test_an_urgent_sequence_joins_at_the_next_step_however_many_others_run() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(max_sequences=4), clock)  # 1 place of 4 kept for the first lane
+        runner = StepRunner()
+        for _ in range(5):
+            scheduler.submit(req(NORMAL), 1)
+        scheduler.add_runner(runner)
+        assert runner.steps == [((1, 2, 3), ())]  # the normal lane fills three places
+        urgent = scheduler.submit(req(HIGH), 1)
+        runner.answer()
+        await turn()
+        assert runner.steps[-1] == ((6,), ())  # the urgent one, not the waiting normal ones
+        runner.answer(done=(6,))
+        await turn()
+        assert urgent.done() and urgent.exception() is None
+    run(body)
+
+
+def test_tenants_share_the_running_places_by_weight() -> None:
+    async def body(clock: FakeClock) -> None:
+        weights = {"heavy": 3.0, "light": 1.0}
+        scheduler = SequenceScheduler(config(max_sequences=4, urgent_sequences=0), clock, weights.__getitem__)
+        runner = StepRunner()
+        scheduler.add_runner(runner)
+        for _ in range(6):  # the light tenant asks first, and more
+            scheduler.submit(req(tenant="light"), 1)
+        for _ in range(6):
+            scheduler.submit(req(tenant="heavy"), 1)
+        runner.answer(done=tuple(runner.running))
+        await turn()
+        joined = runner.steps[-1][0]
+        tenants = ["light" if i <= 6 else "heavy" for i in joined]
+        assert sorted(tenants) == ["heavy", "heavy", "heavy", "light"]  # 3:1 of the four places
+    run(body)
+
+
+def test_a_deadline_ends_a_running_stream_and_frees_it_at_the_next_step() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(), clock)
+        runner = StepRunner()
+        scheduler.add_runner(runner)
+        outcome = scheduler.submit(req(deadline_at=clock.now() + 0.001), 1)
+        runner.answer()
+        await turn()
+        clock.advance(0.002)
+        assert isinstance(outcome.exception(), DeadlineExceeded)  # answered when it passed
+        runner.answer()  # the step in flight when it passed
+        await turn()
+        assert runner.steps[-1][1] == (1,)  # the next step tells the worker to end it
+        assert scheduler.stats().running == 0 and scheduler.stats().expired == 1
+    run(body)
+
+
+def test_a_deadline_that_passes_while_waiting_answers_at_once() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(), clock)  # no runner yet: it waits
+        outcome = scheduler.submit(req(deadline_at=clock.now() + 0.001), 1)
+        clock.advance(0.002)
+        assert isinstance(outcome.exception(), DeadlineExceeded)
+        assert scheduler.stats().waiting == 0
+    run(body)
+
+
+def test_a_cancelled_stream_is_freed_at_the_next_step() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(), clock)
+        runner = StepRunner()
+        scheduler.add_runner(runner)
+        outcome = scheduler.submit(req(), 1)
+        other = scheduler.submit(req(), 1)
+        runner.answer()
+        await turn()
+        outcome.cancel()  # the client disconnected
+        await turn()
+        assert runner.steps[-1][1] == ()  # a step was in flight: the leave waits for the next one
+        runner.answer()
+        await turn()
+        assert runner.steps[-1][1] == (1,) and 1 not in runner.running
+        assert not other.done() and scheduler.stats().cancelled == 1
+    run(body)
+
+
+def test_a_slow_reader_ends_its_stream_with_stream_too_slow() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(), clock)
+        runner = StepRunner()
+        scheduler.add_runner(runner)
+        buffer = PartBuffer(2)
+        outcome = scheduler.submit(req(), 1, buffer)
+        buffer.attach(outcome)
+        for _ in range(3):  # nobody reads: the third part finds the buffer full
+            runner.answer()
+            await turn()
+        assert outcome.cancelled()
+        assert runner.steps[-1][1] == (1,)
+        parts = []
+        with pytest.raises(StreamTooSlow):
+            async for part in buffer:
+                parts.append(part)
+        assert len(parts) == 2  # what was buffered is still read
+    run(body)
+
+
+def test_a_request_gets_at_most_its_max_outputs() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(max_outputs=5), clock)
+        runner = StepRunner()
+        scheduler.add_runner(runner)
+        outcome = scheduler.submit(req(max_outputs=2), 1)
+        for _ in range(2):
+            runner.answer()
+            await turn()
+        result: RequestResult = await outcome
+        assert result.outputs["y"].shape == (1, 2)
+        assert runner.steps[-1][1] == (1,)  # ended by the engine: the worker is told
+    run(body)
+
+
+def test_a_model_error_ends_only_its_sequence() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(), clock)
+        runner = StepRunner()
+        scheduler.add_runner(runner)
+        bad, good = scheduler.submit(req(), 1), scheduler.submit(req(), 1)
+        runner.answer(fail={1: "ValueError: no"})
+        await turn()
+        assert isinstance(bad.exception(), ModelError) and "no" in str(bad.exception())
+        runner.answer(done=(2,))
+        await turn()
+        assert good.exception() is None
+    run(body)
+
+
+def test_a_lost_worker_fails_its_running_sequences_and_others_wait_for_the_next() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(max_sequences=1, urgent_sequences=0), clock)
+        runner = StepRunner()
+        scheduler.add_runner(runner)
+        running, waiting = scheduler.submit(req(), 1), scheduler.submit(req(), 1)
+        scheduler.remove_runner(runner)
+        assert runner.future is not None
+        runner.future.set_exception(WorkerLost("gone"))
+        await turn()
+        assert isinstance(running.exception(), WorkerLost) and not waiting.done()
+        replacement = StepRunner()
+        scheduler.add_runner(replacement)
+        assert replacement.steps == [((2,), ())]
+    run(body)
+
+
+def test_refusals_before_queueing() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(max_waiting=1, max_state_bytes=4), clock)
+        with pytest.raises(InvalidInput, match="max_state_bytes"):
+            scheduler.submit(req(prompt=b"too long"), 1)
+        scheduler.submit(req(), 1)
+        with pytest.raises(Overloaded, match="max_waiting"):
+            scheduler.submit(req(), 1)
+    run(body)
+
+
+def test_drain_waits_for_every_sequence() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(), clock)
+        runner = StepRunner()
+        scheduler.add_runner(runner)
+        outcome = scheduler.submit(req(), 1)
+        draining = asyncio.ensure_future(scheduler.drain())
+        await turn()
+        assert not draining.done()
+        runner.answer(done=(1,))
+        await turn()
+        assert draining.done() and outcome.done()
+    run(body)
+
+
+def test_part_buffer_gives_parts_in_order_then_ends_with_the_outcome() -> None:
+    async def body(clock: FakeClock) -> None:
+        buffer = PartBuffer(4)
+        outcome: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
+        buffer.attach(outcome)
+        for i in range(3):
+            assert buffer.put(StreamPart({"y": np.array([i])}, i, 0.0))
+        outcome.set_result(RequestResult({}, 0.0, 0.0, 1))
+        assert [part.index async for part in buffer] == [0, 1, 2]
+    run(body)
+
+
+def test_the_inputs_one_step_carries_to_the_worker_are_bounded() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(max_state_bytes=100_000), clock)
+        runner = StepRunner()
+        for _ in range(3):
+            scheduler.submit(req(prompt=b"p" * 90_000), 1)  # two would be 180 KB in one message: over 128 KiB
+        scheduler.add_runner(runner)
+        assert runner.steps == [((1,), ())]
+        runner.answer()
+        await turn()
+        assert runner.steps[-1] == ((2,), ())  # the next one joins at the next step
+    run(body)
