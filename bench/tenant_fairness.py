@@ -16,6 +16,10 @@ bottleneck; its queue holds 4096 per lane). Load comes from this process: open-l
   10x as much in bursts: every second, its arrivals spread over the first 250 ms;
 * fifo (the baseline, today's first-in-first-out inside a lane): the same two loads with two
   keys of one tenant (one tenant is exactly the queue before tenants);
+* admission (issue 46, fair admission): on `paced_default`, the same model with the default
+  batching settings (its default lane bound, no `queue=` quotas), the light tenant at 0.4 C
+  alone, then with the heavy tenant sending 4 C: the lane is full most of the time, and a tenant
+  within its share must still be admitted (goal: light answered >= 99 %, p99 <= 1.3x alone);
 * fault: the fair phase again; halfway, the model's worker is killed (SIGKILL). Counted per
   tenant: requests lost in flight (503 `worker_lost`: the batch the worker held, at most 4
   rows) and requests refused while no worker could serve (503 `model_not_ready`, the
@@ -51,6 +55,7 @@ from servewell.perf.oip_http import HttpOipConnection
 from servewell.perf.stats import summarize_ms
 
 GOAL_P99_RATIO = 1.3
+GOAL_ADMITTED = 0.99  # issue 46: a tenant within its share keeps its requests while another floods
 GOAL_SHARE_ERROR = 0.05
 BATCH = 4
 PACED = textwrap.dedent('''
@@ -95,16 +100,20 @@ def build_repository(root: Path, batch_ms: float) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    directory = root / "repository" / "paced"
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "paced_factory.py").write_text(PACED)
-    save_file({"scale": torch.ones(1)}, str(directory / "model.safetensors"))
-    (directory / "model.yaml").write_text(yaml.safe_dump({
-        "runtime": "pytorch", "artifact": "model.safetensors", "max_batch_size": BATCH, "warmup": False,
-        "pytorch": {"factory": "paced_factory:build", "factory_kwargs": {"batch_ms": batch_ms}},
-        "batching": {"max_queue_size": 4096, "default_timeout_ms": 60000},
-        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
-        "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}]}))
+    for name, batching in (("paced", {"max_queue_size": 4096, "default_timeout_ms": 60000}),
+                           ("paced_default", None)):  # the second: the default batching settings
+        directory = root / "repository" / name
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "paced_factory.py").write_text(PACED)
+        save_file({"scale": torch.ones(1)}, str(directory / "model.safetensors"))
+        config: dict[str, Any] = {
+            "runtime": "pytorch", "artifact": "model.safetensors", "max_batch_size": BATCH, "warmup": False,
+            "pytorch": {"factory": "paced_factory:build", "factory_kwargs": {"batch_ms": batch_ms}},
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}],
+            "outputs": [{"name": "y", "datatype": "FP32", "shape": [1]}]}
+        if batching is not None:
+            config["batching"] = batching
+        (directory / "model.yaml").write_text(yaml.safe_dump(config))
     (root / "keys.txt").write_text(KEYS_FILE)
     return root / "repository"
 
@@ -112,9 +121,9 @@ def build_repository(root: Path, batch_ms: float) -> Path:
 class Client:
     """Requests of one key: latency from each scheduled arrival, status counts; connections reused."""
 
-    def __init__(self, port: int, key: str) -> None:
+    def __init__(self, port: int, key: str, model: str = "paced") -> None:
         self.port = port
-        self.request = encode_request("POST", f"127.0.0.1:{port}", "/v2/models/paced/infer", BODY,
+        self.request = encode_request("POST", f"127.0.0.1:{port}", f"/v2/models/{model}/infer", BODY,
                                       {"X-API-Key": SECRETS[key]})
         self._idle: list[HttpOipConnection] = []
         self.latencies_ms: list[float] = []
@@ -194,12 +203,12 @@ async def closed_loop(clients: dict[str, Client], per_tenant: int, seconds: floa
     await asyncio.gather(*(one(c) for c in clients.values() for _ in range(per_tenant)))
 
 
-def drain(port: int, timeout_s: float = 120.0) -> None:
+def drain(port: int, model: str = "paced", timeout_s: float = 120.0) -> None:
     """Wait until the model has nothing queued or running."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         _, doc = http_json(port, "GET", "/healthz")
-        if not doc["models"]["paced"]["queue_depth"]:
+        if not doc["models"][model]["queue_depth"]:
             time.sleep(1.0)  # the batch in hand (and answers on their way) too
             return
         time.sleep(0.5)
@@ -255,6 +264,18 @@ def main(argv: list[str] | None = None) -> int:
                                            f"{d['latency_ms']['p99']} ms" for n, d in report[phase].items()),
                   flush=True)
             drain(port)
+        admission_rate = 0.4 * capacity
+        report.update(admission_light_rate=admission_rate, admission_heavy_rate=4 * capacity)
+        for phase, heavy_key in (("admission_alone", None), ("admission", "heavy")):
+            load = {"light": (Client(port, "light", "paced_default"), poisson(admission_rate, seconds, rng))}
+            if heavy_key is not None:
+                load["heavy"] = (Client(port, heavy_key, "paced_default"), poisson(4 * capacity, seconds, rng))
+            asyncio.run(open_loop(load))
+            report[phase] = {name: client.summary(seconds) for name, (client, _) in load.items()}
+            print(f"{phase}: " + "; ".join(f"{n} {d['ok_per_s']:.1f} ok/s of {d['sent'] / seconds:.1f} sent, p99 "
+                                           f"{d['latency_ms']['p99']} ms" for n, d in report[phase].items()),
+                  flush=True)
+            drain(port, "paced_default")
         victim = worker_pid(port)
         load = {"light": (Client(port, "light"), poisson(rate, seconds, rng)),
                 "heavy": (Client(port, "heavy"), bursts(10 * rate, seconds, rng))}
@@ -278,7 +299,11 @@ def judge(report: dict[str, Any]) -> dict[str, Any]:
     expected = {"w1": 1 / 7, "w2": 2 / 7, "w4": 4 / 7}
     failed = {name: d["statuses"].get("503 worker_lost", 0) for name, d in report["fault"].items()}
     refused = {name: d["statuses"].get("503 model_not_ready", 0) for name, d in report["fault"].items()}
+    admitted_alone, admitted = report["admission_alone"]["light"], report["admission"]["light"]
     return {
+        "admission_light_served": admitted["ok"] / max(1, admitted["sent"]),
+        "admission_light_p99_ratio": admitted["latency_ms"]["p99"] / admitted_alone["latency_ms"]["p99"],
+        "admission_heavy_statuses": report["admission"]["heavy"]["statuses"],
         "light_p99_ratio_fair": fair["latency_ms"]["p99"] / alone["latency_ms"]["p99"],
         "light_p99_ratio_fifo": fifo["latency_ms"]["p99"] / alone["latency_ms"]["p99"],
         "light_served_fair": fair["ok"] / max(1, fair["sent"]),
@@ -306,6 +331,11 @@ def print_table(report: dict[str, Any], v: dict[str, Any]) -> None:
         ("shares 1:2:4, worst error",
          f"{worst_share:.3f} ({', '.join(f'{k} {e:+.3f}' for k, e in v['share_errors'].items())})",
          f"<= {GOAL_SHARE_ERROR}", worst_share <= GOAL_SHARE_ERROR),
+        ("admission (default lane bound): light answered / sent", f"{v['admission_light_served']:.3f}",
+         f">= {GOAL_ADMITTED}", v["admission_light_served"] >= GOAL_ADMITTED),
+        ("admission: light p99, with heavy at 4 C / alone", f"{v['admission_light_p99_ratio']:.2f}x",
+         f"<= {GOAL_P99_RATIO}x", v["admission_light_p99_ratio"] <= GOAL_P99_RATIO),
+        ("  heavy's answers", str(v["admission_heavy_statuses"]), "(reference)", None),
         ("worker killed: lost in flight per tenant", str(v["fault_failed"]), f"<= {BATCH} each",
          all(n <= BATCH for n in v["fault_failed"].values()) and not any(v["fault_other"].values())),
         ("  refused while it restarted (model_not_ready)", str(v["fault_refused_while_restarting"]), "(reference)",

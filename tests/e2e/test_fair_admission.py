@@ -77,11 +77,11 @@ def test_every_refusal_is_counted_for_its_tenant_and_named_in_the_log(server: Se
     eventually(lambda: "tenant flood" in server.log(), 10, "a refusal log line naming tenant flood")
 
 
-async def headers_only(server: ServerProcess, key: str) -> bytes:
+async def headers_only(server: ServerProcess, key: str, path: str = "/v2/models/slow/infer") -> bytes:
     """A request whose body never comes: only a refusal decided before reading it can answer."""
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     try:
-        writer.write((f"POST /v2/models/slow/infer HTTP/1.1\r\nHost: x\r\nX-API-Key: {key}\r\n"
+        writer.write((f"POST {path} HTTP/1.1\r\nHost: x\r\nX-API-Key: {key}\r\n"
                       "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n").encode())
         await writer.drain()
         return await asyncio.wait_for(reader.read(4096), 2.0)
@@ -92,17 +92,23 @@ async def headers_only(server: ServerProcess, key: str) -> bytes:
 
 
 def test_a_full_lane_refuses_its_holder_before_the_body_is_read(server: ServerProcess) -> None:
-    async def main() -> tuple[bytes, bytes]:
-        flood = [asyncio.ensure_future(one(server, KEYS["flood"], 1.0)) for _ in range(30)]
-        refused = 0
-        while refused == 0:
-            done, _ = await asyncio.wait(flood, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
-            refused = sum(1 for f in done if f.result().status_code == 503)
-        answer = await headers_only(server, KEYS["flood"])
-        light = await headers_only(server, KEYS["light"])  # within its share: its body is waited for
-        await asyncio.gather(*flood)
-        return answer, light
+    async def flood_until(stop: asyncio.Event) -> None:  # one client that keeps the lane full
+        while not stop.is_set():
+            await one(server, KEYS["flood"], 1.0)
 
-    answer, light = asyncio.run(main())
-    assert answer.startswith(b"HTTP/1.1 503") and b"overloaded" in answer and b"tenant 'flood'" in answer, answer
+    async def main() -> tuple[bytes, bytes, bytes]:
+        stop = asyncio.Event()
+        flood = [asyncio.ensure_future(flood_until(stop)) for _ in range(20)]
+        await asyncio.sleep(0.5)  # 20 clients, 8 places, 10 batches a second: full from here on
+        answer = await headers_only(server, KEYS["flood"])
+        predict = await headers_only(server, KEYS["flood"], "/predict?model=slow")  # the model named in the URL
+        light = await headers_only(server, KEYS["light"])  # within its share: its body is waited for
+        stop.set()
+        await asyncio.gather(*flood)
+        return answer, predict, light
+
+    answer, predict, light = asyncio.run(main())
+    for refusal in (answer, predict):
+        assert refusal.startswith(b"HTTP/1.1 503") and b"overloaded" in refusal and b"tenant 'flood'" in refusal, \
+            refusal
     assert not light.startswith(b"HTTP/1.1 503"), light  # its body was waited for (408 once it did not come)

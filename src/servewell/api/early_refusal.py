@@ -1,6 +1,7 @@
 """Whether an inference request will be refused before its body is needed (`EarlyRefusal`).
 
-The HTTP protocol defers starting the app until a body that is still arriving is all in (a slow
+For the OIP inference paths (the model in the path) and `/predict?model=NAME`. The HTTP protocol
+defers starting the app until a body that is still arriving is all in (a slow
 body costs no task: api/http_limits.py). A request its model's full lane would refuse must not
 wait for its body though: it is answered at once (issue 46: refusals under overload took 42 ms,
 the time to read, decode and ship the body to the engine). This predicate, run on the request's
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import unquote_plus
 
 from servewell.api.dataplane import DataPlane
 from servewell.api.keys import InferenceAccess
@@ -39,8 +41,15 @@ class EarlyRefusal:
     def __call__(self, scope: Any) -> bool:
         if scope.get("method") != "POST":
             return False
-        match = _INFER_PATH.fullmatch(scope.get("path", ""))
-        if match is None:
+        path = scope.get("path", "")
+        match = _INFER_PATH.fullmatch(path)
+        if match is not None:
+            name, version = match.group(1), match.group(2)
+        elif path == "/predict":  # only with the model in its query (routes_simple.py)
+            name, version = _query_model(scope.get("query_string", b"")), None
+            if not name:
+                return False
+        else:
             return False
         authorization = api_key = urgency = None
         for name, value in scope.get("headers", ()):
@@ -51,4 +60,14 @@ class EarlyRefusal:
             elif name == b"x-urgency":
                 urgency = value.decode("latin-1")
         tenant = self._access.tenant_of(self._access.key_id_of(authorization, api_key))
-        return self._plane.would_refuse(match.group(1), match.group(2), urgency, tenant)
+        return self._plane.would_refuse(name, version, urgency, tenant)
+
+
+def _query_model(query: bytes) -> str | None:
+    """`model=` of a query string (the last one, as Starlette reads it), or None."""
+    found = None
+    for pair in query.split(b"&"):
+        key, _, value = pair.partition(b"=")
+        if key == b"model":
+            found = unquote_plus(value.decode("latin-1"))
+    return found

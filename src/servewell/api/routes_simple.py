@@ -53,6 +53,9 @@ def _json(doc: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 
 
 PREDICT_PATH = "/predict"
+#: `/predict?model=NAME`: the model named before the body, so that a full lane refuses the request
+#: before its body is read (the body may then name no other model nor an urgency).
+MODEL_PARAMETER = "model"
 
 
 @router.post(
@@ -60,7 +63,11 @@ PREDICT_PATH = "/predict"
     response_model=PredictResponse,
     openapi_extra={"requestBody": {"required": True, "content": {
         "application/json": {"schema": PredictRequest.model_json_schema()}}},
-                   "parameters": INFERENCE_HEADERS},
+                   "parameters": [*INFERENCE_HEADERS, {
+                       "name": MODEL_PARAMETER, "in": "query", "required": False, "schema": {"type": "string"},
+                       "description": "The model, named before the body: a request its lane would refuse is answered "
+                                      "before its body is read. The body may then name no other model nor an urgency "
+                                      "(X-Urgency chooses the lane)."}]},
     responses=error_responses(400, 401, 404, 408, 413, 415, 422, 429, 503),
     summary="Classify one image",
 )
@@ -71,6 +78,9 @@ async def predict(request: Request) -> Response:
     check_content_type(request, ("application/json",))
     urgency = urgency_of(request)
     state.plane.check_decode(urgency == "high")  # a full decode queue refuses before the body is read
+    named = request.query_params.get(MODEL_PARAMETER)
+    # A model named in the URL is admitted before the body is read (a full lane refuses at once).
+    model = await call.open(named, None, urgency) if named else None
     body = await read_body(request, state.settings.max_body_bytes)
     try:
         raw = orjson.loads(body)
@@ -82,7 +92,12 @@ async def predict(request: Request) -> Response:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "(body)"
         raise InvalidInput(f"field {quote(where)}: {err['msg']}") from None
-    model = await call.open(req.model or state.engine.default_model_name(), None, urgency or req.urgency)
+    if model is None:
+        model = await call.open(req.model or state.engine.default_model_name(), None, urgency or req.urgency)
+    elif (req.model and req.model != named) or (req.urgency and not urgency):
+        raise InvalidInput(f"the URL names model {quote(named)}: the body may not name "
+                           + (f"another ({quote(req.model)})" if req.model and req.model != named
+                              else "an urgency (send X-Urgency)"))
     config = model.config
     if config.image_input is None:
         raise InvalidInput(f"model '{model.name}' takes no images; call /v2/models/{model.name}/infer with tensors")
