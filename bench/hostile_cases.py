@@ -20,7 +20,7 @@ from typing import Any
 #: Modules whose `@case` functions are the cases (each module owns its cases and their servers).
 CASE_MODULES: tuple[str, ...] = ("bench.hostile_pool", "bench.hostile_grpc_flood", "bench.hostile_tenants",
                                  "bench.hostile_cache", "bench.hostile_answers",
-                                 "bench.hostile_loads")
+                                 "bench.hostile_loads", "bench.hostile_streams")
 
 
 @dataclass(slots=True)

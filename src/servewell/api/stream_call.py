@@ -73,8 +73,8 @@ class StreamCall:
         try:
             async for part in self._buffer:
                 yield part
-        except ServeError as error:  # too slow
-            self.end = self._ended(None, error)
+        except ServeError as slow:  # too slow
+            self.end = self._ended(None, slow)
             return
         if outcome.cancelled():
             self.end = self._ended(None, ModelError("the stream was cancelled"))

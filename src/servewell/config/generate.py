@@ -44,8 +44,8 @@ class GenerateSettings(StrictModel):
         "least 1; 0 with a single lane).",
     )
     max_waiting: int = Field(
-        256, ge=0, le=100_000, description="Sequences that may wait to join, per model; more are refused 503 "
-        "overloaded.",
+        256, ge=0, le=100_000, description="Sequences that may wait to join, per lane of the model; more are "
+        "refused 503 overloaded (a flood in one lane never shuts out another).",
     )
     max_outputs: int = Field(
         512, ge=1, le=1_000_000, description="Most parts one sequence may produce; a request may ask for fewer "

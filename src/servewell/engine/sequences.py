@@ -231,9 +231,11 @@ class SequenceScheduler:
         the error that ended it); its parts go to `sink` as they are made."""
         if not self._accepting:
             raise ShuttingDown(f"model '{self.config.name}' is draining and takes no new sequences")
-        if self._waiting_count >= self.settings.max_waiting:
-            raise Overloaded(f"model '{self.config.name}' has {self._waiting_count} sequences waiting to join, its "
-                             f"generate.max_waiting", tenant=request.tenant)
+        lane = request.lane if 0 <= request.lane < len(self.lanes) else len(self.lanes) - 1
+        waiting = sum(len(queue) for queue in self._waiting[lane].values())
+        if waiting >= self.settings.max_waiting:  # per lane: a flood of one lane never shuts out another
+            raise Overloaded(f"model '{self.config.name}' has {waiting} sequences waiting to join in lane "
+                             f"'{self.lanes[lane]}', its generate.max_waiting", tenant=request.tenant)
         size = _input_bytes(request)
         if size > self.settings.max_state_bytes:
             raise InvalidInput(f"the request's inputs hold {size} bytes; a sequence of model '{self.config.name}' "
@@ -242,7 +244,6 @@ class SequenceScheduler:
         if request.max_outputs > 0:
             limit = min(limit, request.max_outputs)
         outcome: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
-        lane = request.lane if 0 <= request.lane < len(self.lanes) else len(self.lanes) - 1
         seq = _Sequence(next(self._ids), request._replace(lane=lane), sink, outcome, limit, self._clock.now())
         self._waiting[lane].setdefault(request.tenant, deque()).append(seq)
         self._waiting_count += 1

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -97,11 +97,11 @@ class PythonModelRuntime:
 
     def start_sequences(self, requests: list[dict[str, np.ndarray]]) -> list[object]:
         """The model's `start`: one state per request."""
-        return list(_contained("start", getattr(self._instance, "start"), requests))  # noqa: B009 - checked
+        return _listed("start", _contained("start", getattr(self._instance, "start"), requests))  # noqa: B009
 
     def step_sequences(self, states: list[object]) -> list[object]:
         """The model's `step` over every running state: one (outputs, done) each."""
-        return list(_contained("step", getattr(self._instance, "step"), states))  # noqa: B009 - checked
+        return _listed("step", _contained("step", getattr(self._instance, "step"), states))  # noqa: B009
 
     def end_sequences(self, states: list[object]) -> None:
         """The model's `end`, if it has one (a failure is logged: the sequences have left anyway)."""
@@ -272,6 +272,13 @@ def _contained(what: str, method: Callable[..., object], argument: object) -> ob
     except BaseException as exc:  # SystemExit, KeyboardInterrupt: not the worker's own end
         contained = RuntimeError(f"{what} raised {type(exc).__name__}: {message_of(exc)}")
         raise contained.with_traceback(exc.__traceback__) from None
+
+
+def _listed(what: str, returned: object) -> list[object]:
+    if not isinstance(returned, Iterable) or isinstance(returned, (str, bytes, Mapping)):
+        raise ModelOutputError(f"{what} returned {type(returned).__name__}; it returns a list, one item per "
+                               "request (start) or state (step), in order")
+    return list(returned)
 
 
 def _stack_rows(pieces: list[np.ndarray]) -> np.ndarray:

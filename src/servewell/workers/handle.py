@@ -360,6 +360,17 @@ class WorkerHandle:
             raise self._gone_error("the worker process is not running") from None
         return future
 
+    def _fail_waiting(self, error: ServeError) -> None:
+        """Answer every batch and step waiting on this worker with `error`."""
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        for step in self._steps.values():
+            if not step.done():
+                step.set_exception(error)
+        self._pending.clear()
+        self._steps.clear()
+
     def heartbeat_silence_s(self) -> float:
         """Seconds since the worker's heartbeat counter last moved (0 before it is ready)."""
         if self._heartbeat is None or self.state != "ready":
@@ -533,12 +544,7 @@ class WorkerHandle:
             self._ready.set_exception(WorkerLoadCrashed(f"{reason} while loading"))
         if self._profile_reply is not None and not self._profile_reply.done():
             self._profile_reply.set_exception(WorkerLost(reason))
-        error = self._gone_error(f"{reason}; the request was not completed and is safe to retry")
-        for future in [*self._pending.values(), *self._steps.values()]:
-            if not future.done():
-                future.set_exception(error)
-        self._pending.clear()
-        self._steps.clear()
+        self._fail_waiting(self._gone_error(f"{reason}; the request was not completed and is safe to retry"))
         self._release_segments()
         end_group(self.pid)  # what its model forked dies with it
         self._close_output()
@@ -598,12 +604,7 @@ class WorkerHandle:
         elif not self._life.ended:
             self._life.stopped()
         self._stop_reading()
-        error = WorkerLost("the worker was stopped before the batch finished")
-        for future in [*self._pending.values(), *self._steps.values()]:
-            if not future.done():
-                future.set_exception(error)
-        self._pending.clear()
-        self._steps.clear()
+        self._fail_waiting(WorkerLost("the worker was stopped before the batch finished"))
         self._release_segments()
         self._close_output()
 

@@ -288,6 +288,7 @@ def test_refusals_before_queueing() -> None:
         scheduler.submit(req(), 1)
         with pytest.raises(Overloaded, match="max_waiting"):
             scheduler.submit(req(), 1)
+        scheduler.submit(req(HIGH), 1)  # the urgent lane waits beside the full normal one
     run(body)
 
 
