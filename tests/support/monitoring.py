@@ -62,6 +62,13 @@ ROLLOUT_FAMILIES = (
 PAYLOAD_LOG_FAMILIES = (
     "servewell_payload_log_records_total", "servewell_payload_log_drops_total", "servewell_payload_log_queue_depth",
 )
+#: Streams of generative models (issue 48): in the time-to-first-output alert.
+STREAM_FAMILIES = (
+    "servewell_stream_outputs_total", "servewell_sequences_ended_total",
+    *(f"{histogram}{suffix}" for histogram in ("servewell_time_to_first_output_seconds",
+                                              "servewell_time_between_outputs_seconds", "servewell_sequences_per_step")
+      for suffix in ("_bucket", "_sum", "_count")),
+)
 GPU_GAUGES = (
     "servewell_gpu_utilization_ratio", "servewell_gpu_memory_used_bytes", "servewell_gpu_memory_total_bytes",
     "servewell_gpu_power_watts", "servewell_gpu_temperature_celsius",
@@ -71,6 +78,7 @@ SERIES = frozenset(
     [f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")]
     + [f"{c}_total" for c in COUNTERS + DIAGNOSTIC_COUNTERS] + list(GAUGES) + list(GPU_GAUGES) + list(POOL_FAMILIES)
     + list(TENANT_CACHE_FAMILIES) + list(PIPELINE_FAMILIES) + list(ROLLOUT_FAMILIES) + list(PAYLOAD_LOG_FAMILIES)
+    + list(STREAM_FAMILIES)
 )
 METRIC_NAME = re.compile(r"\bservewell_[a-z0-9_]+")
 RECORDED_NAME = re.compile(r"\bservewell:[a-z0-9_:]+")

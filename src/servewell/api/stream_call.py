@@ -18,6 +18,7 @@ from servewell.api.dataplane import InferenceCall
 from servewell.engine.protocol import RequestResult
 from servewell.engine.stream import PartBuffer, StreamPart
 from servewell.errors import ModelError, ServeError
+from servewell.observability.context import stages_var
 
 #: Parts buffered for a model without a `generate:` section (its one answer is one part).
 ONE_PART = 2
@@ -88,7 +89,7 @@ class StreamCall:
         if not self._generative or self._buffer.received == 0:
             # A model that answers whole (or a generator that made its one answer at once): one part.
             if result.outputs and self._buffer.received == 0:
-                self._buffer.first_at = asyncio.get_running_loop().time()
+                self._buffer.first_at = time.monotonic()
                 yield StreamPart(result.outputs, 0, time.monotonic())
                 self._buffer.received = 1
         self.end = self._ended(result, None)
@@ -105,4 +106,7 @@ class StreamCall:
             reason = "error"
         if first_ms is not None:
             timing += f", first_output;dur={first_ms:.3f}"
+            stages = stages_var.get()
+            if stages is not None:  # the slow-request log line and the console's record show it
+                stages["first_output"] = first_ms / 1000
         return StreamEnd(result, error, reason, received, timing)

@@ -15,6 +15,7 @@ stream's one part (Triton's ModelStreamInfer on a non-decoupled model behaves th
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -113,7 +114,7 @@ class PartBuffer:
             self._wake()
             return False
         if self.first_at is None:
-            self.first_at = asyncio.get_running_loop().time()
+            self.first_at = time.monotonic()  # finer than the loop's clock (uvloop: whole milliseconds)
         self._parts.append(part)
         self._wake()
         return True
