@@ -252,3 +252,32 @@ def test_stream_figures_are_in_the_metrics(server: ServerProcess) -> None:
     assert scraped_total(server.url, "servewell_time_to_first_output_seconds_count", model="charlm") >= 1
     assert scraped_total(server.url, "servewell_time_between_outputs_seconds_count", model="charlm") >= 4
     assert scraped_total(server.url, "servewell_sequences_per_step_count", model="charlm") >= 5
+
+
+def test_the_openai_api_takes_servewells_keys_tenants_and_quotas(tmp_path_factory: pytest.TempPathFactory,
+                                                                  start_server: ServerFactory) -> None:
+    root = tmp_path_factory.mktemp("generative-keys")
+    subprocess.run([sys.executable, "-m", "servewell.examples.build", "charlm", "--out", str(root)], check=True,
+                   capture_output=True)
+    key = "solo-secret-0123456789abcdef"
+    keys_file = root.parent / "keys.txt"
+    keys_file.write_text(f"solo:{key} tenant=solo concurrency=1\n")
+    served = start_server(["--model-repository", str(root), "--api-keys-file", str(keys_file)])
+    served.wait_ready()
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=served.url + "/v1", api_key="not-a-key", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key=key, max_retries=0)
+    stream = client.completions.create(model="charlm", prompt=PROMPT, max_tokens=500, stream=True)
+    first = next(iter(stream))  # the tenant's one stream is running: a second one is over its quota
+    assert first.choices[0].text
+    with pytest.raises(openai.RateLimitError, match="concurrency"):
+        client.completions.create(model="charlm", prompt=PROMPT, max_tokens=3)
+    stream.close()  # the stream ends (its sequence freed at the next step) and its place is given back
+
+    def served_again() -> bool:
+        try:
+            return client.completions.create(model="charlm", prompt=PROMPT, max_tokens=3).choices[0].text != ""
+        except openai.RateLimitError:
+            return False
+
+    eventually(served_again, 10, "the tenant's place never came back")

@@ -55,6 +55,10 @@ class GenerateSettings(StrictModel):
         256, ge=1, le=100_000, description="Parts buffered for a client that reads more slowly than the model "
         "writes; past this its stream ends with 408 stream_too_slow and its sequence is freed at the next step.",
     )
+    step_timeout_ms: float = Field(
+        30_000.0, gt=0, description="Longest one step may take (the model's start and step for every running "
+        "sequence): past it the worker is declared hung and replaced, and its sequences answered 503 worker_hung.",
+    )
     max_state_bytes: int = Field(
         1 << 16, ge=1, le=MAX_STATE_BYTES, description="Largest inputs one sequence may bring (its prompt's tensors, "
         "in bytes; at most 128 KiB: they cross to the worker inside the step's message, which must fit the worker "

@@ -251,6 +251,16 @@ class ModelEntry:
                          self.last_failure)
 
     def sample(self) -> ModelSample:
+        """State, queues and workers for a metrics scrape; a generative model's queue and in-flight
+        figures are its waiting and running sequences (engine/sequences.py)."""
+        sample = self._batches_sample()
+        if self.sequences is None:
+            return sample
+        stats = self.sequences.stats()
+        return dataclasses.replace(sample, lane_depths=self.sequences.lane_depths(),
+                                   inflight=stats.running + stats.waiting)
+
+    def _batches_sample(self) -> ModelSample:
         """State, queues and workers for a metrics scrape."""
         s = self.scheduler
         cache = self.cache

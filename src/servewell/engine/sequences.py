@@ -50,6 +50,7 @@ from servewell.errors import (
     ServeError,
     ShuttingDown,
     StreamTooSlow,
+    WorkerHung,
     WorkerLost,
 )
 from servewell.workers.messages import SequenceJoin, StepDone
@@ -72,6 +73,11 @@ class SequenceRunner(Protocol):
 
     def send_step(self, joins: tuple[SequenceJoin, ...], leaves: tuple[int, ...]) -> asyncio.Future[StepDone]:
         """Hand over one step now; the future gives its parts (or fails with a `ServeError`)."""
+        ...
+
+    def declare_hung(self, reason: str) -> None:
+        """Its step overran `generate.step_timeout_ms`: stop it now (its pool replaces it); the step
+        in flight then fails."""
         ...
 
 
@@ -149,13 +155,14 @@ class SequenceStats:
 class _RunnerLoop:
     """One instance's running sequences and its step in flight."""
 
-    __slots__ = ("runner", "running", "leaving", "busy")
+    __slots__ = ("runner", "running", "leaving", "busy", "watch")
 
     def __init__(self, runner: SequenceRunner) -> None:
         self.runner = runner
         self.running: dict[int, _Sequence] = {}
         self.leaving: list[int] = []  # told to the worker with the next step
         self.busy = False
+        self.watch: TimerHandle | None = None  # the step in flight's time limit
 
 
 class SequenceScheduler:
@@ -198,6 +205,10 @@ class SequenceScheduler:
     def stats(self) -> SequenceStats:
         """Running and waiting sequences, and the counts since the model loaded."""
         return SequenceStats(sum(len(loop.running) for loop in self._loops), self._waiting_count, **self._counts)
+
+    def lane_depths(self) -> dict[str, int]:
+        """Sequences waiting to join, per lane (the model's `servewell_queue_depth`)."""
+        return {name: sum(len(queue) for queue in self._waiting[i].values()) for i, name in enumerate(self.lanes)}
 
     def tenant_depth(self, tenant: str) -> int:
         """Sequences of `tenant` waiting to join (the tenant's per-model queue quota counts them)."""
@@ -294,7 +305,22 @@ class SequenceScheduler:
             return
         loop.busy = True
         self._counts["steps"] += 1
+        loop.watch = self._clock.call_at(self._clock.now() + self.settings.step_timeout_ms / 1000.0,
+                                         lambda: self._overran(loop, future))
         future.add_done_callback(lambda done: self._stepped(loop, done))
+
+    def _overran(self, loop: _RunnerLoop, future: asyncio.Future[StepDone]) -> None:
+        """A step that never ends (the model's code hangs) holds every sequence of its instance: the
+        worker is declared hung and replaced, its sequences answered `worker_hung`."""
+        if future.done():
+            return
+        log.error("model %s: a step ran longer than generate.step_timeout_ms (%g ms); its worker is replaced",
+                  self.config.name, self.settings.step_timeout_ms, extra={"model": self.config.name})
+        loop.runner.declare_hung(f"a step ran longer than generate.step_timeout_ms ({self.settings.step_timeout_ms:g}"
+                                 " ms)")
+        if not future.done():  # a runner that does not fail it itself
+            future.set_exception(WorkerHung(f"model '{self.config.name}''s step overran generate.step_timeout_ms; "
+                                            "its worker was replaced"))
 
     def _joins(self, loop: _RunnerLoop) -> list[_Sequence]:
         free = self.settings.max_sequences - len(loop.running)
@@ -351,6 +377,9 @@ class SequenceScheduler:
 
     def _stepped(self, loop: _RunnerLoop, future: asyncio.Future[StepDone]) -> None:
         loop.busy = False
+        if loop.watch is not None:
+            loop.watch.cancel()
+            loop.watch = None
         if future.cancelled():
             error: ServeError = WorkerLost("the step was cancelled")
         else:

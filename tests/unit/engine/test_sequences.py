@@ -16,7 +16,15 @@ from servewell.config.model import ModelConfig
 from servewell.engine.protocol import RequestResult
 from servewell.engine.sequences import SequenceScheduler
 from servewell.engine.stream import PartBuffer, StreamPart
-from servewell.errors import DeadlineExceeded, InvalidInput, ModelError, Overloaded, StreamTooSlow, WorkerLost
+from servewell.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    ModelError,
+    Overloaded,
+    StreamTooSlow,
+    WorkerHung,
+    WorkerLost,
+)
 from servewell.workers.messages import SequenceJoin, SequencePart, StepDone
 
 HIGH, NORMAL = 0, 1
@@ -40,6 +48,7 @@ class StepRunner:
         self.steps: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (joined ids, leaving ids)
         self.running: list[int] = []  # what the worker would hold
         self.future: asyncio.Future[StepDone] | None = None
+        self.hung: str | None = None
 
     def send_step(self, joins: tuple[SequenceJoin, ...], leaves: tuple[int, ...]) -> asyncio.Future[StepDone]:
         assert self.future is None or self.future.done(), "a step was sent while one was in flight"
@@ -47,6 +56,9 @@ class StepRunner:
         self.running = [i for i in self.running if i not in leaves] + [j.seq_id for j in joins]
         self.future = asyncio.get_running_loop().create_future()
         return self.future
+
+    def declare_hung(self, reason: str) -> None:
+        self.hung, self.alive = reason, False
 
     def answer(self, done: tuple[int, ...] = (), fail: dict[int, str] | None = None) -> None:
         """Every running sequence makes one part ('.'), `done` ones finish with theirs."""
@@ -330,4 +342,29 @@ def test_the_inputs_one_step_carries_to_the_worker_are_bounded() -> None:
         runner.answer()
         await turn()
         assert runner.steps[-1] == ((2,), ())  # the next one joins at the next step
+    run(body)
+
+
+def test_a_step_that_never_ends_gets_its_worker_replaced() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(step_timeout_ms=1000), clock)
+        runner = StepRunner()
+        scheduler.add_runner(runner)
+        outcome = scheduler.submit(req(), 1)
+        clock.advance(0.9)
+        assert runner.hung is None  # within its time
+        clock.advance(0.2)
+        await turn()
+        assert runner.hung is not None and "step_timeout_ms" in runner.hung
+        assert isinstance(outcome.exception(), WorkerHung)
+    run(body)
+
+
+def test_waiting_sequences_are_the_models_queue_depth() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(), clock)
+        scheduler.submit(req(HIGH), 1)
+        scheduler.submit(req(NORMAL), 1)
+        scheduler.submit(req(NORMAL), 1)
+        assert scheduler.lane_depths() == {"high": 1, "normal": 2}
     run(body)
