@@ -110,8 +110,11 @@ def test_console_shows_models_live_charts_and_failed_requests(digits_server, bro
 
     # The failed request is listed with its code, found by its request id.
     browser.find_element(By.ID, "recent-filter").send_keys(bad_id)
-    row = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, f'#recent-table tr[data-request-id="{bad_id}"]'))
-    assert "400 bad_request" in row.text and "/predict" in row.text
+    # Read in one go: the table is rebuilt on every poll (a row found, then read, can be gone).
+    text = wait(browser, lambda d: d.execute_script(
+        "const r = document.querySelector(arguments[0]); return r ? r.innerText : null",
+        f'#recent-table tr[data-request-id="{bad_id}"]'))
+    assert "400 bad_request" in text and "/predict" in text
     assert console_problems(browser) == []
 
 
@@ -434,7 +437,8 @@ def test_each_model_row_has_its_rate_latency_errors_and_p99_split(incident, brow
     split = slow["latency_split"]
     assert split["p99_ms"] == slow["signals"]["latency_p99_ms"] and split["compute_ms"] >= SLOW_MS * 0.8
     assert split["reading"] and set(split) == {"p99_ms", "queue_ms", "compute_ms", "preprocess_ms", "postprocess_ms",
-                                               "reading"}
+                                               "reading", "cause"}
+    assert slow["diagnosis"]["reading"] == split["reading"]  # no earlier cause: the stages' reading is the model's
     assert re.fullmatch(r"[\d.]+ (ms|s)", cells["p99"]) and re.fullmatch(r"[\d.]+", cells["rps"])
     assert cells["errors"] == "0.0%"
     assert "compute" in row_text and split["reading"] in row_text

@@ -120,7 +120,12 @@ def test_worker_over_its_memory_limit_is_drained_and_replaced(tmp_path, start_se
             and model["instances"][0]["pid"] != first_pid else None
 
     model = eventually(replaced, 60, "the leaky worker was not recycled")
-    assert model["restarts"] == 0, model
+    # A replacement for memory is a restart like the others, counted by its cause (issue 47).
+    assert model["restarts_by_reason"] == {"crash": 0, "hung": 0, "memory": model["recycles"]}, model
+    assert model["restarts"] == model["recycles"], model
+    (event, *_) = model["replacements"]
+    assert event["reason"] == "memory" and "exceeds host_memory_limit_bytes" in event["detail"], event
+    assert event["gap_s"] is not None and event["gap_s"] > 0 and event["clients_waited"], event
     # 60 s like the calls above: a fresh worker on a loaded machine took over httpx's default 5 s.
     assert httpx.post(server.url + "/v2/models/leaky/infer", json=body(0.0), timeout=60).status_code == 200
     assert "exceeds host_memory_limit_bytes" in server.log()

@@ -69,6 +69,12 @@ STREAM_FAMILIES = (
                                               "servewell_time_between_outputs_seconds", "servewell_sequences_per_step")
       for suffix in ("_bucket", "_sum", "_count")),
 )
+#: The on-call views (issue 47): each model's diagnosis (the rules' advice defers to it), the server's
+#: own processes' memory, the response cache's repeats against its TTL.
+ONCALL_FAMILIES = (
+    "servewell_diagnosis", "servewell_process_resident_memory_bytes", "servewell_response_cache_reuses_total",
+    *(f"servewell_response_cache_reuse_interval_seconds{suffix}" for suffix in ("_bucket", "_sum", "_count")),
+)
 GPU_GAUGES = (
     "servewell_gpu_utilization_ratio", "servewell_gpu_memory_used_bytes", "servewell_gpu_memory_total_bytes",
     "servewell_gpu_power_watts", "servewell_gpu_temperature_celsius",
@@ -78,7 +84,7 @@ SERIES = frozenset(
     [f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")]
     + [f"{c}_total" for c in COUNTERS + DIAGNOSTIC_COUNTERS] + list(GAUGES) + list(GPU_GAUGES) + list(POOL_FAMILIES)
     + list(TENANT_CACHE_FAMILIES) + list(PIPELINE_FAMILIES) + list(ROLLOUT_FAMILIES) + list(PAYLOAD_LOG_FAMILIES)
-    + list(STREAM_FAMILIES)
+    + list(STREAM_FAMILIES) + list(ONCALL_FAMILIES)
 )
 METRIC_NAME = re.compile(r"\bservewell_[a-z0-9_]+")
 RECORDED_NAME = re.compile(r"\bservewell:[a-z0-9_:]+")

@@ -40,6 +40,7 @@ router = APIRouter(tags=["console"])
 #: The files the page may load, and their media types: nothing else under the package is served.
 ASSETS = {
     "console.js": "text/javascript; charset=utf-8",
+    "oncall.js": "text/javascript; charset=utf-8",
     "console.css": "text/css; charset=utf-8",
     "uPlot.iife.min.js": "text/javascript; charset=utf-8",
     "uPlot.min.css": "text/css; charset=utf-8",

@@ -15,8 +15,9 @@ this order, the first that holds giving the reading:
    a replacement is under way; the gap it caused is named (with no other instance serving, every
    request waited it: the queue wait is that gap, not slow batches nor capacity);
 4. `cpu_contention`: the host's CPU is contended (pressure stall `some avg10` at least
-   `CPU_PRESSURE`, or a load of `LOAD_PER_CPU` per usable CPU) while the model is slow (queue or
-   compute dominates its p99): adding instances would make it worse;
+   `CPU_PRESSURE`, or a load of `LOAD_PER_CPU` per usable CPU) while the model is slow (queue wait
+   at least half its p99, or compute p99 at least `CPU_JITTER` times its p50): adding instances
+   would make it worse;
 5. the stages of its p99 (`latency_reading.py`): capacity, one slow batch, compute growing with
    batch size, decoding, encoding, the model itself, or no stage dominating.
 
@@ -54,6 +55,8 @@ LOW_HIT_RATIO = 0.5
 CPU_PRESSURE = 0.25
 #: Load average per usable CPU that is contention where pressure is not available.
 LOAD_PER_CPU = 1.5
+#: Compute p99 over p50 at or above which a model's compute jitters (with contention: others take its CPU).
+CPU_JITTER = 2.0
 #: Fewer answered requests than this in the window: a slow-looking p99 cannot be read.
 MIN_REQUESTS = 5
 
@@ -296,11 +299,18 @@ def _worker_replaced(evidence: ModelEvidence) -> Diagnosis | None:
 
 
 def _slow(evidence: ModelEvidence) -> bool:
+    """Whether the model shows what CPU contention causes: requests waiting in its queue (queue wait at
+    least half its p99), or compute time jittering (its p99 at least `CPU_JITTER` times its p50). A
+    fast model whose compute is simply the largest stage is not slow."""
     split = evidence.split
     p99 = split.p99_ms or 0.0
     if p99 <= 0:
         return False
-    return max(split.queue_ms or 0.0, split.compute_ms or 0.0) >= 0.5 * p99
+    if (split.queue_ms or 0.0) >= 0.5 * p99:
+        return True
+    summary = evidence.summary or {}
+    compute_p50, compute_p99 = summary.get("compute_p50_ms"), summary.get("compute_p99_ms")
+    return bool(compute_p50 and compute_p99 and compute_p99 >= CPU_JITTER * compute_p50)
 
 
 def _cpu_contention(evidence: ModelEvidence) -> Diagnosis | None:

@@ -105,6 +105,10 @@ def test_cpu_contention_explains_a_slow_model_only() -> None:
     assert found.cause == "cpu_contention" and "42%" in found.evidence[0] and "load 5.2 on 2 CPUs" in found.evidence[0]
     fast = summary(p99=10.0, queue=1.0, compute=2.0, compute_p50=2.0)
     assert diagnose(evidence(cpu=busy, summary=fast)).cause != "cpu_contention"
+    steady = summary(p99=20.0, queue=2.0, compute=16.0, compute_p50=15.0)  # compute is most of it, and steady
+    assert diagnose(evidence(cpu=busy, summary=steady)).cause == "compute"
+    jitter = summary(p99=60.0, queue=2.0, compute=50.0, compute_p50=15.0)
+    assert diagnose(evidence(cpu=busy, summary=jitter)).cause == "cpu_contention"
     assert diagnose(evidence(cpu=CpuFacts(None, 5.0, 2))).cause == "cpu_contention"  # no PSI: the load says it
     assert diagnose(evidence(cpu=CpuFacts(0.05, 5.0, 2))).cause == "capacity"  # PSI wins over load
 

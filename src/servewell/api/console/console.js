@@ -13,7 +13,8 @@
     client_error: "#db2777",
     p50: "#2563eb", p99: "#c62828", mean: "#2563eb", rate: "#9ca3af",
   };
-  const STAGES = ["preprocess", "queue", "compute", "postprocess"];
+  // load: the time a request waited for its model to load (a cold start), before its queue.
+  const STAGES = ["preprocess", "load", "queue", "compute", "postprocess"];
   const CHARTS = [
     // Success is drawn last, on top: when nothing fails, the zero lines of the others stay under it.
     { id: "requests", unit: "/s", series: OUTCOMES.slice().reverse().map((o) => ({ key: o, label: OUTCOME_LABELS[o] || o, stroke: COLORS[o] })) },
@@ -26,6 +27,10 @@
       { key: "batches_per_s", label: "batches/s", stroke: COLORS.rate, scale: "rate" }] },
     { id: "compute", unit: " ms", series: [
       { key: "compute_p50_ms", label: "p50", stroke: COLORS.p50 }, { key: "compute_p99_ms", label: "p99", stroke: COLORS.p99 }] },
+    { id: "cache", unit: "", series: [
+      { key: "cache_hit_ratio", label: "hit ratio", stroke: COLORS.success },
+      { key: "cache_hit", label: "hits/s", stroke: COLORS.p50, scale: "rate" },
+      { key: "cache_miss", label: "misses/s", stroke: COLORS.rejected, scale: "rate" }] },
   ];
 
   const $ = (id) => document.getElementById(id);
@@ -33,7 +38,7 @@
   const auth = { key: store.getItem("servewell.apiKey") || "", admin: store.getItem("servewell.adminToken") || "" };
   const keysRequired = document.body.dataset.keysRequired === "true";
   // What the page holds, for people poking around in the devtools and for the browser tests.
-  const page = (window.servewellConsole = { state: null, charts: {}, polls: 0, lastTry: null });
+  const page = (window.servewellConsole = { state: null, charts: {}, polls: 0, lastTry: null, marks: [] });
   let chartModel = "*";
   let recentTenant = ""; // "" : every tenant's recent requests
   let waitingForKey = false;
@@ -162,7 +167,12 @@
     if (!waitingForKey) schedule();
   }
 
+  // The on-call panels (oncall.js: changes, replacements, memory, caches, refusals) use these helpers.
+  page.util = { el: el, clear: clear, bytes: bytes, ms: ms, num: num, clock: clock, duration: duration };
+  const oncall = () => window.servewellOncall || null;
+
   function render(doc) {
+    if (oncall()) page.marks = oncall().marks(doc); // before the charts: they draw the marks
     renderServer(doc.server);
     renderAlerts(doc.alerts || [], doc.alerts_evaluated_at);
     renderModels(doc.models);
@@ -173,6 +183,7 @@
     renderRecent(doc);
     renderTenants(doc.tenants);
     renderConfigBanner(doc.config);
+    if (oncall()) oncall().render(doc);
   }
 
   /* Tenants (issue 22): weights, quotas, in progress and refusals by reason; the select filters the
@@ -190,18 +201,29 @@
     select.value = known.includes(recentTenant) ? recentTenant : "";
     if (!tenants) {
       const cell = el("td", "muted", "tenants are operator data and follow the admin rule");
-      cell.colSpan = 7;
+      cell.colSpan = 9;
       body.insertRow().appendChild(cell);
       return;
     }
     const quota = (v) => (v === null || v === undefined ? "–" : String(v));
+    const STATUS_LOOK = { ok: "ok", refused: "slow", failing: "failed" };
     for (const t of tenants) {
       const row = body.insertRow();
+      row.dataset.tenant = t.tenant;
       row.insertCell().appendChild(el("code", null, t.tenant));
+      // Never "ok" while the tenant's requests are refused or fail: the server decides (last 30 s).
+      const status = t.status || "ok";
+      const badge = el("span", "badge tenant-status " + (STATUS_LOOK[status] || "slow"), status);
+      badge.dataset.status = status;
+      row.insertCell().appendChild(badge);
       row.insertCell().textContent = String(t.weight);
       row.insertCell().textContent = `${quota(t.rate_per_s)} / ${quota(t.max_concurrent)} / ${quota(t.max_queued)}`;
       row.insertCell().textContent = String(t.inflight);
-      row.insertCell().textContent = String(t.admitted);
+      const last = t.last_30s || {};
+      const recent = row.insertCell();
+      recent.className = "recent-counts";
+      recent.textContent = `${quota(last.admitted)} · ${quota(last.refused)} · ${quota(last.failed)}`;
+      row.insertCell().textContent = `${t.admitted} · ${quota(t.refused)} · ${quota(t.failed)}`;
       row.insertCell().textContent = `${t.over_rate} / ${t.over_concurrency} / ${t.over_queue}`;
       row.insertCell().textContent = Object.keys(t.overrides || {}).join(", ") || "–";
     }
@@ -252,7 +274,7 @@
     $("server-facts").textContent = [
       "v" + server.version,
       "up " + duration(Date.now() / 1000 - server.started_at),
-      "frontend " + bytes(server.frontend_rss_bytes),
+      "engine + ingress RSS " + bytes(server.frontend_rss_bytes), // as /healthz: memory per process below
       `model memory budget ${bytes(budget.total_bytes)} (${bytes(budget.reserved_bytes)} reserved)`,
       `slow > ${server.slow_request_ms} ms`,
     ].join(" · ");
@@ -302,8 +324,20 @@
         line.title = `${i.rows_computed} rows computed`;
         instances.appendChild(line);
       }
-      if (m.restarts || m.recycles) {
-        instances.appendChild(el("div", "muted small", `${m.restarts} restarts · ${m.recycles} recycled`));
+      if (m.restarts) {
+        // Every replacement is a restart, with its cause (crash, hung, memory), as /healthz and the metric count them.
+        const by = m.restarts_by_reason || {};
+        const causes = Object.keys(by).filter((r) => by[r]).map((r) => `${by[r]} ${r}`).join(", ");
+        const line = el("div", "muted small restarts", `${m.restarts} restart${m.restarts === 1 ? "" : "s"} (${causes})`);
+        const last = (m.replacements || [])[(m.replacements || []).length - 1];
+        if (last) {
+          const gap = last.gap_s === null ? `under way ${num(last.open_s || 0)} s` : `gap ${num(last.gap_s)} s`;
+          line.appendChild(el("div", last.clients_waited ? "gap waited" : "gap",
+            `last: #${last.instance} ${last.reason} at ${clock(last.at)}, ${gap}` +
+            (last.clients_waited ? ", no other instance served" : "")));
+          line.title = last.detail;
+        }
+        instances.appendChild(line);
       }
       const lanes = row.insertCell();
       const names = Object.keys(m.lanes);
@@ -408,7 +442,11 @@
     split.className = "split";
     split.appendChild(el("span", "split-label muted small", "p99 split"));
     const ls = m.latency_split;
-    if (!ls || !ls.p99_ms) { split.appendChild(el("span", "muted small", ls ? ls.reading : "–")); return; }
+    if (!ls || !ls.p99_ms) {
+      split.appendChild(el("span", "muted small", ls ? ls.reading : "–"));
+      if (oncall()) split.appendChild(oncall().diagnosis(m));
+      return;
+    }
     const bar = el("div", "stack wide");
     const parts = [["queue", ls.queue_ms], ["compute", ls.compute_ms], ["preprocess", ls.preprocess_ms],
       ["postprocess", ls.postprocess_ms]].filter(([, v]) => v);
@@ -421,7 +459,10 @@
     split.appendChild(bar);
     split.appendChild(el("span", "muted small", (parts.length ? parts.map(([k, v]) => `${k} ${ms(v)}`).join(" · ")
       : "no stage measured") + ` of ${ms(ls.p99_ms)}`));
-    split.appendChild(el("span", "reading small", ls.reading));
+    // The reading is the model's diagnosis (a tenant, the cache, a replacement, the CPU, then the
+    // stages), with its evidence; the stages' own reading only where no diagnosis came yet.
+    if (oncall() && m.diagnosis) split.appendChild(oncall().diagnosis(m));
+    else split.appendChild(el("span", "reading small", ls.reading));
   }
 
   function markSlowest(body, models) {
@@ -509,11 +550,39 @@
       scales: scales,
       axes: axes,
       cursor: { drag: { x: false, y: false } },
+      hooks: { draw: [drawMarks] },
       series: [{}].concat(spec.series.map((s) => ({
         label: s.label, stroke: s.stroke, width: 2, scale: s.scale || "y",
         value: (u, v) => (v === null || v === undefined ? "–" : num(v) + (s.scale === "rate" ? "/s" : spec.unit)),
       }))),
     };
+  }
+
+  // Changes (the audit trail) and worker replacements, lined up with every chart: a dashed line at
+  // each, the replacement's gap shaded (oncall.js computes `page.marks`).
+  function drawMarks(u) {
+    const marks = page.marks || [];
+    if (!marks.length) return;
+    const ctx = u.ctx;
+    const { left, top, width, height } = u.bbox;
+    ctx.save();
+    for (const m of marks) {
+      const x0 = u.valToPos(m.t, "x", true);
+      if (!(x0 >= left && x0 <= left + width)) continue;
+      if (m.until) {
+        const x1 = Math.min(left + width, u.valToPos(m.until, "x", true));
+        ctx.fillStyle = "rgba(198, 40, 40, 0.12)";
+        ctx.fillRect(x0, top, Math.max(2, x1 - x0), height);
+      }
+      ctx.strokeStyle = m.kind === "replacement" ? "#c62828" : "#7c3aed";
+      ctx.lineWidth = 1;
+      ctx.setLineDash([4, 3]);
+      ctx.beginPath();
+      ctx.moveTo(x0, top);
+      ctx.lineTo(x0, top + height);
+      ctx.stroke();
+    }
+    ctx.restore();
   }
 
   function timeTick(unixS, incrS) {
