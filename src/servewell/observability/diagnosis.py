@@ -282,7 +282,7 @@ def _worker_replaced(evidence: ModelEvidence) -> Diagnosis | None:
     growth, left = evidence.memory_growth.get(last.instance, (None, None))
     if last.reason == "memory" and growth is not None and growth > 0:
         lines.append(f"the worker's resident memory grows {growth * 60 / (1 << 20):.1f} MiB/min"
-                     + (f", at its limit in {left:.0f} s" if left is not None else ""))
+                     + (f", at its limit in {left:.0f} s" if left else ""))  # 0: the old one, already past it
     advice = {
         "memory": "the worker passes host_memory_limit_bytes and is drained and replaced: look for a leak in the "
                   "model's code (its memory series in the console), or raise the limit",

@@ -61,20 +61,30 @@ def growth_rate(points: Iterable[tuple[float, float]]) -> float | None:
     n = len(pts)
     mean_t = sum(t for t, _ in pts) / n
     mean_v = sum(v for _, v in pts) / n
-    var = sum((t - mean_t) ** 2 for t, _ in pts)
-    if var <= 0:
+    var = cov = 0.0
+    for t, v in pts:
+        dt = t - mean_t
+        var += dt * dt
+        cov += dt * (v - mean_v)
+    return cov / var if var > 0 else None
+
+
+def _to_limit(series: _Series, rate: float | None) -> float | None:
+    if series.limit_bytes is None or rate is None or rate <= 0 or not series.points:
         return None
-    return sum((t - mean_t) * (v - mean_v) for t, v in pts) / var
+    return max(0.0, (series.limit_bytes - series.points[-1][1]) / rate)
 
 
 class _Series:
-    __slots__ = ("name", "role", "model", "instance", "points", "limit_bytes", "seen_at")
+    __slots__ = ("name", "role", "model", "instance", "points", "limit_bytes", "seen_at", "growth", "growth_of")
 
     def __init__(self, reading: ProcessMemory, keep: int) -> None:
         self.name, self.role, self.model, self.instance = reading.name, reading.role, reading.model, reading.instance
         self.points: deque[tuple[float, int, int | None]] = deque(maxlen=keep)  # (t, rss, pid)
         self.limit_bytes = reading.limit_bytes
         self.seen_at = 0.0
+        self.growth: float | None = None  # of the points up to `growth_of` (the time of the newest)
+        self.growth_of = -1.0
 
 
 class MemorySeries:
@@ -97,7 +107,7 @@ class MemorySeries:
                 if len(self._series) >= self._max:
                     continue
                 series = self._series[reading.name] = _Series(reading, self._keep)
-            series.points.append((at, reading.rss_bytes, reading.pid))
+            series.points.append((round(at, 3), reading.rss_bytes, reading.pid))
             series.limit_bytes = reading.limit_bytes
             series.seen_at = at
         for name in [n for n, s in self._series.items() if at - s.seen_at > self.window_s]:
@@ -116,16 +126,16 @@ class MemorySeries:
         series = self._series.get(name)
         if series is None or not series.points:
             return None
-        pid = series.points[-1][2]
-        return growth_rate((t, rss) for t, rss, p in series.points if p == pid)
+        newest, _, pid = series.points[-1]
+        if series.growth_of != newest:  # once per sample: every reader of the tick shares it
+            series.growth = growth_rate([(t, rss) for t, rss, p in series.points if p == pid])
+            series.growth_of = newest
+        return series.growth
 
     def seconds_to_limit(self, name: str) -> float | None:
         """When the process reaches its limit at its growth rate (None: no limit, not growing)."""
         series = self._series.get(name)
-        rate = self.growth(name)
-        if series is None or series.limit_bytes is None or rate is None or rate <= 0 or not series.points:
-            return None
-        return max(0.0, (series.limit_bytes - series.points[-1][1]) / rate)
+        return _to_limit(series, self.growth(name)) if series is not None else None
 
     def latest(self) -> list[dict[str, Any]]:
         """Each process now: name, role, pid, RSS, limit, growth per second and seconds to the limit."""
@@ -135,7 +145,7 @@ class MemorySeries:
                 continue
             _, rss, pid = series.points[-1]
             growth = self.growth(series.name)
-            to_limit = self.seconds_to_limit(series.name)
+            to_limit = _to_limit(series, growth)
             rows.append({"name": series.name, "role": series.role, "pid": pid, "rss_bytes": rss,
                          "limit_bytes": series.limit_bytes, "model": series.model, "instance": series.instance,
                          "growth_bytes_per_s": None if growth is None else round(growth, 1),
@@ -150,8 +160,9 @@ class MemorySeries:
         for s in self._ordered():
             if wanted is not None and s.name not in wanted:
                 continue
-            series.append({"name": s.name, "t": [round(p[0], 3) for p in s.points],
-                           "rss_bytes": [p[1] for p in s.points], "pid": [p[2] for p in s.points]})
+            points = s.points
+            series.append({"name": s.name, "t": [p[0] for p in points], "rss_bytes": [p[1] for p in points],
+                           "pid": [p[2] for p in points]})
         rows = [row for row in self.latest() if wanted is None or row["name"] in wanted]
         return {"definition": DEFINITION, "interval_s": self.interval_s, "window_s": self.window_s,
                 "processes": rows, "series": series}
