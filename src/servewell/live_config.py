@@ -147,7 +147,7 @@ class ConfigReloader:
 
     def _new_model_files(self) -> list[Path]:
         new = []
-        for entry in self._engine.entries():  # names only: a view reads every worker's memory from /proc
+        for entry in self._engine.registry.entries():  # names only: a view reads every worker's memory from /proc
             path = self._engine.repository / entry.name / "model.yaml"
             if path not in self._models:
                 self._models[path] = entry.name
@@ -171,7 +171,7 @@ class ConfigReloader:
         try:
             async with self._lock:
                 self._who = BY_FILE if settle else BY_SIGHUP
-                for name in await self._engine.remove_missing(settle):
+                for name in await self._engine.registry.remove_missing(settle):
                     self._forget_model(name)
                 new = self._new_model_files()
                 changes = await asyncio.wait_for(asyncio.to_thread(self._look, new, settle), POLL_TIMEOUT_S)
@@ -344,7 +344,7 @@ class ConfigReloader:
                         self._engine.repository, extra={"model": name})
         previous = self._running_config(name)
         try:
-            outcome = await self._engine.reconfigure_model(name, config)
+            outcome = await self._engine.loader.reconfigure_model(name, config)
         except ServeError as exc:
             self._reject(path, [(TOP_LEVEL, exc.message)], "the running version keeps serving")
             return
@@ -377,7 +377,7 @@ class ConfigReloader:
                        "settings": settings, "pending_restart": self.pending_restart},
             "api_keys": {"enabled": self._access.enabled, "ids": list(self._access.ids),
                          "loaded_at": self.keys_loaded_at},
-            "models": self._engine.config_report(),
+            "models": self._engine.views.config_report(),
             "config": self.rejected.status(full_paths=True),
         }
 

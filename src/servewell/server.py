@@ -221,9 +221,9 @@ def build_engine(settings: ServerConfig, source: ConfigSource | None = None,
         metrics.registry.register(PayloadLogCollector(payload_log))
         set_step_sink(lambda name, seconds: metrics.trace_steps.labels(name).observe(seconds), tracing.tracer)
         gpus = GpuProbe()
-        metrics.registry.register(RolloutCollector(lambda: rollout_gauges(engine.slots.values())))
-        metrics.registry.register(StateCollector(engine.samples, process_facts, gpus.read,
-                                                 lambda: engine.memory_budget, lambda: engine.ready,
+        metrics.registry.register(RolloutCollector(lambda: rollout_gauges(engine.registry.slots.values())))
+        metrics.registry.register(StateCollector(engine.views.samples, process_facts, gpus.read,
+                                                 lambda: engine.views.memory_budget, lambda: engine.ready,
                                                  lambda: (engine.budget.device_total_bytes,
                                                           engine.budget.device_used_bytes)))
     knobs = LiveKnobs(settings.slow_request_ms / 1000.0, settings.metrics_require_key)
@@ -268,7 +268,7 @@ def build_engine(settings: ServerConfig, source: ConfigSource | None = None,
         loop.add_signal_handler(signal.SIGHUP,
                                 lambda: background.append(loop.create_task(reloader.check(settle=False))))
         if metrics is not None:  # always evaluated (console, /healthz); the webhook only delivers
-            tracker = SignalTracker(metrics, engine.model_facts, lambda: console.diagnoses)
+            tracker = SignalTracker(metrics, engine.views.model_facts, lambda: console.diagnoses)
             background.append(loop.create_task(run_alerting(settings.alerting, tracker.snapshots, stop,
                                                             active=console.alerts, refresh=console.view.refresh)))
 

@@ -50,7 +50,7 @@ async def console_document(parts: EngineParts, op: GetConsoleState) -> dict[str,
     sees_records = scope.operator or scope.tenant is not None
     feed = parts.console
     await feed.view.refresh()  # ingress processes' metrics and recent requests (bounded wait)
-    total, reserved = engine.memory_budget
+    total, reserved = engine.views.memory_budget
     readiness = engine.readiness()
     doc: dict[str, Any] = {
         "server": {
@@ -61,7 +61,7 @@ async def console_document(parts: EngineParts, op: GetConsoleState) -> dict[str,
             "started_at": feed.started_at,
             "frontend_rss_bytes": frontend_rss_bytes(feed),  # the engine and every ingress process (as /healthz)
             "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
-            "pool": engine.pool_report(),  # repository mode, budgets, resident and loading counts
+            "pool": engine.views.pool_report(),  # repository mode, budgets, resident and loading counts
             "keys_required": parts.access.enabled,
             "max_body_bytes": parts.settings.max_body_bytes,
             "slow_request_ms": round(parts.knobs.slow_request_s * 1000, 3),
@@ -69,7 +69,7 @@ async def console_document(parts: EngineParts, op: GetConsoleState) -> dict[str,
             "admin_reason": scope.denial,
             "tenant": scope.tenant,  # a tenant's key: the tenant whose part the records and tenants show
         },
-        "models": [_model(view, engine if scope.operator else None, feed) for view in engine.models()],
+        "models": [_model(view, engine if scope.operator else None, feed) for view in engine.views.models()],
         "series": {**feed.series(op.model), "models": feed.models()},
         "recent": feed.recent.to_json(op.recent, clients) if sees_records else None,
         "tenants": _tenants_report(engine, scope),
@@ -124,7 +124,7 @@ def _queue_places(engine: InferenceEngine, own: str | None) -> dict[str, dict[st
     """Who holds each model's queue places now: model -> lane -> tenant -> queued requests (lanes with
     requests only); `own`: that tenant's places only."""
     found: dict[str, dict[str, dict[str, int]]] = {}
-    for name, slot in list(engine.slots.items()):
+    for name, slot in list(engine.registry.slots.items()):
         entry = slot.entry
         if not isinstance(entry, ModelEntry):
             continue
@@ -182,7 +182,7 @@ def _model(view: ModelView, admin_engine: InferenceEngine | None, feed: ConsoleF
     }
     if admin_engine is not None and config is not None:
         try:
-            doc["batching"] = admin_engine.batching(view.name)
+            doc["batching"] = admin_engine.admin.batching(view.name)
         except ServeError:
             doc["batching"] = None  # unloaded or being replaced right now
     return doc

@@ -74,78 +74,78 @@ def control_table(parts: EngineParts) -> ControlDispatch:
 
     def view_or_none(name: str) -> ModelView | None:
         try:
-            return engine.model(name)
+            return engine.views.model(name)
         except ServeError:
             return None
 
     # --- models and the repository -------------------------------------------------------------
 
     async def list_models(op: ListModels) -> list[ModelView]:
-        return engine.models()
+        return engine.views.models()
 
     async def describe_model(op: DescribeModel) -> ModelView:
-        return engine.model(op.name, op.version)
+        return engine.views.model(op.name, op.version)
 
     async def load_model(op: LoadModel) -> ModelView:
         before = view_or_none(op.name)
-        view: ModelView = await engine.load_model(op.name)
+        view: ModelView = await engine.loader.load_model(op.name)
         record_view(op.actor, "model loaded", before, view)
         return view
 
     async def unload_model(op: UnloadModel) -> ModelView:
         before = view_or_none(op.name)
-        view: ModelView = await engine.unload_model(op.name)
+        view: ModelView = await engine.loader.unload_model(op.name)
         record_view(op.actor, "model unloaded", before, view)
         return view
 
-    # --- the model pool (engine/admin_ops.py) ----------------------------------------------------
+    # --- the model pool (engine/admin_ops.py, engine/model_loader.py) -----------------------------------
 
     async def pin(op: PinModel) -> ModelView:
         before = view_or_none(op.name)
-        view: ModelView = await engine.pin(op.name)
+        view: ModelView = await engine.admin.pin(op.name)
         record_view(op.actor, "pinned", before, view)
         return view
 
     async def unpin(op: UnpinModel) -> ModelView:
         before = view_or_none(op.name)
-        view: ModelView = await engine.unpin(op.name)
+        view: ModelView = await engine.admin.unpin(op.name)
         record_view(op.actor, "unpinned", before, view)
         return view
 
     async def preload(op: PreloadModel) -> ModelView:
         before = view_or_none(op.name)
-        view: ModelView = await engine.preload(op.name)
+        view: ModelView = await engine.loader.preload(op.name)
         record_view(op.actor, "preloaded", before, view)
         return view
 
     async def evict(op: EvictModel) -> ModelView:
         before = view_or_none(op.name)
-        view: ModelView = await engine.evict(op.name)
+        view: ModelView = await engine.loader.evict(op.name)
         record_view(op.actor, "evicted", before, view)
         return view
 
     # --- batching, traffic splits, response caches ---------------------------------------------
 
     async def get_batching(op: GetBatching) -> dict[str, Any]:
-        return engine.batching(op.name)
+        return engine.admin.batching(op.name)
 
     async def update_batching(op: UpdateBatching) -> dict[str, Any]:
-        before = engine.batching(op.name)
-        settings: dict[str, Any] = engine.update_batching(op.name, op.changes)
+        before = engine.admin.batching(op.name)
+        settings: dict[str, Any] = engine.admin.update_batching(op.name, op.changes)
         audit.record_fields(who(op.actor), VIA_ADMIN, "batching", op.name, before, settings)
         return settings
 
     async def get_rollout(op: GetRollout) -> dict[str, Any]:
-        return engine.rollout(op.name)
+        return engine.admin.rollout(op.name)
 
     async def update_rollout(op: UpdateRollout) -> dict[str, Any]:
-        before = _traffic(engine.rollout(op.name))
-        rollout: dict[str, Any] = engine.update_rollout(op.name, op.patch)
+        before = _traffic(engine.admin.rollout(op.name))
+        rollout: dict[str, Any] = engine.admin.update_rollout(op.name, op.patch)
         audit.record_fields(who(op.actor), VIA_ADMIN, "traffic", op.name, before, _traffic(rollout))
         return rollout
 
     async def get_cache(op: GetCache) -> dict[str, Any]:
-        cache = engine.response_cache(op.name)
+        cache = engine.admin.response_cache(op.name)
         return {"model": op.name, "cache": cache.report() if cache is not None else None}
 
     async def update_cache(op: UpdateCache) -> dict[str, Any]:
@@ -173,7 +173,7 @@ def control_table(parts: EngineParts) -> ControlDispatch:
         return {"model": op.name, "dropped": dropped, "cache": cache.report()}
 
     def _cache(name: str) -> ResponseCache:
-        cache = engine.response_cache(name)
+        cache = engine.admin.response_cache(name)
         if cache is None:
             raise Conflict(f"model {name!r} has no response cache (no cache: in its model.yaml)")
         return cache
@@ -199,7 +199,7 @@ def control_table(parts: EngineParts) -> ControlDispatch:
     # --- profiling and the server's views ------------------------------------------------------
 
     async def profile(op: ProfileModel) -> bytes:
-        return await engine.profile(op.name, op.instance, op.seconds)
+        return await engine.admin.profile(op.name, op.instance, op.seconds)
 
     async def live(op: CheckLive) -> bool:
         return True

@@ -71,7 +71,7 @@ class ServerViews:
         cpu = cpu_facts()
         found: dict[str, Diagnosis] = {}
         weights: dict[str, float] | None = None
-        for name, slot in list(self._engine.slots.items()):
+        for name, slot in list(self._engine.registry.slots.items()):
             entry = slot.entry
             if not isinstance(entry, ModelEntry):
                 continue
@@ -91,7 +91,7 @@ class ServerViews:
         if not any(depths.values()):
             return [], weights
         try:
-            max_queue = int(self._engine.batching(name)["max_queue_size"])
+            max_queue = int(self._engine.admin.batching(name)["max_queue_size"])
         except (ServeError, KeyError, TypeError, ValueError):
             return [], weights
         holdings = []
@@ -149,7 +149,7 @@ class ServerViews:
     def watch_rollouts(self) -> None:
         """Record an automatic rollback or promotion (a split's state turning `rolled_back` or
         `promoted` since the last tick) in the audit trail, at the time it happened."""
-        for name, slot in list(self._engine.slots.items()):
+        for name, slot in list(self._engine.registry.slots.items()):
             rollout = slot.rollout
             if rollout is None:
                 self._rollouts.pop(name, None)
@@ -175,7 +175,7 @@ def process_memory(engine: InferenceEngine, feed: ConsoleFeed) -> list[ProcessMe
         index = _ingress_index(source)
         readings.append(ProcessMemory(f"ingress {index}" if index is not None else source, "ingress",
                                       _ingress_pid(source), rss))
-    for slot in list(engine.slots.values()):
+    for slot in list(engine.registry.slots.values()):
         for entry in _entries(slot):
             limit = entry.config.host_memory_limit_bytes
             for info in entry.instances():

@@ -39,7 +39,7 @@ def health_report(parts: EngineParts) -> HealthReport:
     engine, settings = parts.engine, parts.settings
     models = {}
     roots = (settings.model_repository, settings.cache_dir)  # open to anyone: no absolute paths
-    for view in engine.models():
+    for view in engine.views.models():
         models[view.name] = {
             "state": view.state,
             "ready": view.state == "ready",
@@ -63,17 +63,17 @@ def health_report(parts: EngineParts) -> HealthReport:
             "diagnosis": diagnosis_of(parts.console, view.name),
         }
     readiness = engine.readiness()
-    total, reserved = engine.memory_budget
+    total, reserved = engine.views.memory_budget
     doc: dict[str, Any] = {
         "status": readiness.status,
         "ready": readiness.ready,
-        "readiness": {"policy": engine.readiness_policy, "reason": without_paths(readiness.reason, roots)},
+        "readiness": {"policy": engine.gate.policy, "reason": without_paths(readiness.reason, roots)},
         "frontend_rss_bytes": frontend_rss_bytes(parts.console),  # the engine and every ingress process
         "memory": memory_fields(parts.console),
         "memory_budget": {"total_bytes": total, "reserved_bytes": reserved},
         # The model pool: repository mode, host and device budgets and what loaded models reserve of
         # them, how many models are resident or loading (api/routes_pool.py).
-        "pool": engine.pool_report(),
+        "pool": engine.views.pool_report(),
         "models": models,
         # The server's own golden-signal alerts (observability/alerting.py): informative, they never
         # change readiness (a load balancer must not drain a slow server and overload the rest).
@@ -118,7 +118,7 @@ def cache_fields(engine: InferenceEngine, feed: ConsoleFeed, model: str) -> dict
     counts since it was built, and over the console's last 30 s: lookups, hit ratio, repeats within and
     beyond the TTL and the reuse-interval histogram."""
     try:
-        cache = engine.response_cache(model)
+        cache = engine.admin.response_cache(model)
     except ServeError:
         return None
     if cache is None:

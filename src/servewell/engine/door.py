@@ -96,8 +96,9 @@ def live_timeout_ms(entry: Entry) -> float | None:
 
 def model_table(engine: InferenceEngine) -> ModelTable:
     """The engine's models as the ingress processes see them."""
-    models = {entry.name: summarize(entry, engine.loadable(entry.name), engine.other_versions(entry.name))
-              for entry in engine.entries()}
+    views, registry = engine.views, engine.registry
+    models = {entry.name: summarize(entry, views.loadable(entry.name), registry.other_versions(entry.name))
+              for entry in registry.entries()}
     try:
         default: str | None = engine.default_model_name()
     except ServeError:
@@ -273,8 +274,9 @@ class EngineDoor:
             if ask is not None and not ask.done():
                 ask.set_result(message.snapshot)
         elif isinstance(message, Resolve):
-            entry = next((summarize(e, self._engine.loadable(e.name), self._engine.other_versions(e.name))
-                          for e in self._engine.entries()
+            views, registry = self._engine.views, self._engine.registry
+            entry = next((summarize(e, views.loadable(e.name), registry.other_versions(e.name))
+                          for e in registry.entries()
                           if e.name == message.model), None)
             ingress.writer.send(Resolved(message.ask_id, entry))
         elif isinstance(message, ControlCall):
@@ -442,7 +444,7 @@ class EngineDoor:
             if not self._ingresses:
                 continue
             try:
-                key = self._engine.table_key()
+                key = self._engine.views.table_key()
                 change = None if key == self._last_key else self._table_change(model_table(self._engine))
             except Exception:  # never let the watcher die
                 log.exception("building the model table failed")

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from servewell.config.model import ModelConfig
+from servewell.engine.model_lifecycle import StopCause, VersionLifecycle, invalid_lifecycle
+from servewell.engine.model_lifecycle import not_ready as not_ready  # where the ingress imports it from
 from servewell.engine.protocol import ModelState, ModelView
 from servewell.errors import ModelNotReady, ServeError
 from servewell.observability.metrics import ModelSample
@@ -20,12 +22,6 @@ from servewell.observability.signals import ModelFacts
 
 if TYPE_CHECKING:
     from servewell.engine.model_entry import ModelEntry
-
-#: Why a version stops taking requests: an operator unloads it, a reload replaces it, or the server
-#: stops. Each has its own 503 code, so a client (and an operator reading the counts) can tell an
-#: unload or a reload from a shutdown: before, all three said `shutting_down` (issue 19.17: 382 of
-#: 3,116 predictions during unload/reload races, on a server that was not shutting down).
-StopCause = Literal["unloading", "reloading", "shutting_down", "evicting", "removing"]
 
 
 class Entry(Protocol):
@@ -42,8 +38,13 @@ class Entry(Protocol):
         ...
 
     @property
+    def lifecycle(self) -> VersionLifecycle:
+        """Where it is in its life (engine/model_lifecycle.py): what it allows, what users see."""
+        ...
+
+    @property
     def state(self) -> ModelState:
-        """loading, ready, restarting, failed, invalid or unloaded."""
+        """loading, ready, restarting, failed, invalid or unloaded (its lifecycle's, as users see it)."""
         ...
 
     @property
@@ -64,9 +65,9 @@ class Entry(Protocol):
         """Restart no worker from now on (the server is shutting down)."""
         ...
 
-    async def stop(self, cause: StopCause, state: ModelState = "unloaded", reason: str | None = None,
-                   worker_timeout_s: float = 5.0) -> None:
-        """Drain and stop it (nothing to do for an invalid model)."""
+    async def stop(self, cause: StopCause, reason: str | None = None, worker_timeout_s: float = 5.0) -> None:
+        """Drain and stop it (nothing to do for an invalid model): it ends stopped ("unloaded", with
+        `reason`), or failed if it had failed."""
         ...
 
     async def release_snapshot(self) -> None:
@@ -102,14 +103,6 @@ class Entry(Protocol):
         ...
 
 
-def not_ready(name: str, state: str, reason: str | None) -> ModelNotReady:
-    """The 503 for a model that takes no requests in `state` (retry soon unless it will not recover;
-    an invalid one never does until its files change: no Retry-After)."""
-    retry = None if state == "invalid" else 5.0 if state in ("failed", "unloaded") else 2.0
-    detail = f": {reason}" if reason else ""
-    return ModelNotReady(f"model '{name}' is {state}{detail}", retry_after_s=retry)
-
-
 @dataclass(slots=True, frozen=True)
 class InvalidModel:
     """A model directory whose `model.yaml` could not be used, and why (an `Entry` that never serves)."""
@@ -122,6 +115,11 @@ class InvalidModel:
     def version(self) -> str:
         """An invalid model has no version of its own; "1" keeps URLs and listings uniform."""
         return "1"
+
+    @property
+    def lifecycle(self) -> VersionLifecycle:
+        """Always INVALID: no transition leaves it."""
+        return invalid_lifecycle(self.reason)
 
     @property
     def state(self) -> ModelState:
@@ -139,8 +137,7 @@ class InvalidModel:
     def close(self) -> None:
         """Nothing runs."""
 
-    async def stop(self, cause: StopCause, state: ModelState = "unloaded", reason: str | None = None,
-                   worker_timeout_s: float = 5.0) -> None:
+    async def stop(self, cause: StopCause, reason: str | None = None, worker_timeout_s: float = 5.0) -> None:
         """Nothing to stop: it stays invalid."""
 
     async def release_snapshot(self) -> None:
@@ -178,7 +175,7 @@ def ready_entry_or_refusal(entry: Entry) -> ModelEntry:
     """`entry` if it takes new requests; otherwise the error that says why (the model is not ready,
     or it is being unloaded or replaced: its own 503 code, never `shutting_down`)."""
     ready = entry.ready_entry()
-    refusal = ready.refusal()
+    refusal = ready.lifecycle.refusal(ready.label)
     if refusal is not None:
         raise refusal
     return ready

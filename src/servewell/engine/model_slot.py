@@ -1,50 +1,47 @@
 """What the engine knows of one model name across its loads (`ModelSlot`): the entry that serves it
-now (a reload or a lazy load swaps the entry, never the slot), its lock, its place in the model
-pool (last use, pin, evictions, what it was measured to hold) and its traffic split.
+now (a reload or a lazy load swaps the entry, never the slot), its lock, its residency in the model
+pool (engine/model_lifecycle.py), what the pool counts of it (last use, pin, evictions, what it was
+measured to hold) and its traffic split.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from servewell.engine.entry import Entry
+from servewell.engine.model_lifecycle import Residency, ResidencyLifecycle
 
 if TYPE_CHECKING:
     from servewell.config.model import ModelConfig
     from servewell.engine.rollout import Rollout
 
-#: Where a model is, as /healthz, the repository index, the console and metrics show it.
-Residency = Literal["resident", "loading", "evicted", "not_loaded", "failed", "invalid"]
-
 
 class ModelSlot:
     """Where one model name's current entry lives; a reload or a lazy load swaps the entry, not
-    the slot. Also what the pool knows of the name across loads: last use, pin, counts."""
+    the slot. Also what the pool knows of the name across loads: residency, last use, pin, counts."""
 
-    __slots__ = ("entry", "lock", "profiling", "last_used_at", "pinned_by_admin", "waiting", "loader",
-                 "cold_starts", "evictions", "evicted", "unloaded_by_operator", "load_s", "estimated_bytes",
-                 "wanted_at", "rollout", "eviction", "removed", "measured_bytes", "measured_config")
+    __slots__ = ("entry", "lock", "lifecycle", "profiling", "last_used_at", "pinned_by_admin", "waiting", "loader",
+                 "cold_starts", "evictions", "load_s", "estimated_bytes", "wanted_at", "rollout", "_eviction",
+                 "measured_bytes", "measured_config")
 
     def __init__(self, entry: Entry) -> None:
         self.entry = entry
         self.lock = asyncio.Lock()  # one load/unload of this model at a time
-        self.profiling = False
+        self.lifecycle = ResidencyLifecycle()
+        self.profiling = False  # a profile capture runs on one of its workers (it must not be evicted)
         self.last_used_at: float | None = None  # wall clock of the last request (None: never used)
         self.pinned_by_admin: bool | None = None  # POST .../pin or /unpin; None: model.yaml's pinned
         self.waiting = 0  # requests waiting for this model's lazy load
-        self.loader: asyncio.Task[None] | None = None
+        self.loader: asyncio.Task[None] | None = None  # the lazy load under way (engine/model_pool.py)
         self.cold_starts = 0
         self.evictions = 0
-        self.evicted = False  # the last unload was an eviction (memory or idle)
-        self.unloaded_by_operator = False  # the repository API unloaded it: no lazy load until it loads it
         self.load_s: float | None = None  # the last measured load (Retry-After of model_loading)
         self.estimated_bytes: int | None = None
         self.wanted_at = 0.0  # monotonic time a request last asked for this model's load
         self.rollout: Rollout | None = None  # its other versions and traffic split (engine/rollout.py)
-        self.eviction: asyncio.Future[None] | None = None  # done when the eviction under way has ended
-        self.removed = False  # its directory is gone: out of the engine's table, it takes no new request
+        self._eviction: asyncio.Future[None] | None = None  # done when the eviction under way has ended
         self.measured_bytes: int | None = None  # what its workers held when last measured (kept across loads)
         self.measured_config: ModelConfig | None = None  # the config that measurement was of
 
@@ -67,22 +64,41 @@ class ModelSlot:
 
     @property
     def resident(self) -> bool:
-        """Whether the current entry takes requests now."""
-        entry = self.entry
-        return entry.state in ("ready", "restarting") and getattr(entry, "stopping", None) is None
+        """Whether the current entry's workers serve (or will, once restarted) and it takes requests."""
+        return self.entry.lifecycle.resident
+
+    @property
+    def removed(self) -> bool:
+        """Whether its directory left the repository: out of the engine's table, it takes no new request."""
+        return self.lifecycle.removed
 
     def residency(self) -> Residency:
-        """Where the model is now."""
-        entry = self.entry
-        if entry.state == "invalid":
-            return "invalid"
-        if self.resident:
-            return "resident"
-        if entry.state == "loading" or (self.loader is not None and not self.loader.done()):
-            return "loading"
-        if entry.state == "failed":
-            return "failed"
-        return "evicted" if self.evicted else "not_loaded"
+        """Where the model is now, as users see it."""
+        return self.lifecycle.residency(self.entry.lifecycle, self.loader is not None and not self.loader.done())
+
+    def serve(self, entry: Entry) -> Entry:
+        """A load made `entry` this model's version: new requests go to it from now on. Returns the
+        entry it replaces (the same one when a load at start loads the entry in place)."""
+        self.lifecycle.loaded()
+        previous, self.entry = self.entry, entry
+        return previous
+
+    def begin_eviction(self) -> None:
+        """Its workers are about to stop to free memory: until `end_eviction`, a request for it
+        waits for the eviction (`eviction_ended`), then for its load."""
+        self.lifecycle.evicting_now()
+        self._eviction = asyncio.get_running_loop().create_future()
+
+    def end_eviction(self) -> None:
+        """The eviction ended (its workers stopped, or stopping failed): its waiters go on."""
+        ended, self._eviction = self._eviction, None
+        self.lifecycle.evicted()
+        if ended is not None:
+            ended.set_result(None)
+
+    def eviction_ended(self) -> asyncio.Future[None] | None:
+        """What a load waits for before it starts while the model is being evicted (None: it is not)."""
+        return self._eviction
 
     def busy(self) -> bool:
         """Whether anything is queued, running or waiting for this model (it must not be evicted)."""

@@ -32,8 +32,8 @@ from opentelemetry import trace
 from servewell.config.model import ModelConfig
 from servewell.config.pipeline import PipelineStep, split_source
 from servewell.config.tensors import TensorSpec
-from servewell.engine.entry import StopCause, not_ready
 from servewell.engine.lanes import resolve_lane
+from servewell.engine.model_lifecycle import StopCause, VersionLifecycle, VersionPhase, not_ready
 from servewell.engine.pipeline_check import StepConfigs, check_pipeline, check_step
 from servewell.engine.protocol import ModelState, ModelView, RequestResult, StepTiming
 from servewell.errors import Conflict, InvalidInput, ModelNotReady, ServeError
@@ -42,7 +42,6 @@ from servewell.observability.signals import ModelFacts
 
 if TYPE_CHECKING:
     from servewell.engine.admission import AdmissionChain
-    from servewell.engine.engine import InferenceEngine
     from servewell.engine.model_entry import EntryServices, ModelEntry
     from servewell.engine.model_slot import ModelSlot
     from servewell.engine.request import InferenceRequest
@@ -63,17 +62,15 @@ class PipelineEntry:
     """A pipeline in its slot: validated steps, no worker (an `Entry`)."""
 
     def __init__(self, name: str, directory: Path, config: ModelConfig, services: EntryServices,
-                 engine: InferenceEngine) -> None:
+                 slots: Mapping[str, ModelSlot]) -> None:
         assert config.pipeline is not None
         self.name = name
         self.directory = directory
         self.config = config
-        self.state: ModelState = "unloaded"
-        self.reason: str | None = None
-        self.stopping: StopCause | None = None
+        self.lifecycle = VersionLifecycle()
         self.configured_at = time.time()
         self._services = services
-        self._engine = engine
+        self._slots = slots  # every model of the engine: the steps' models are looked up by name
         self.spec = config.pipeline
         self.levels = _levels(self.spec.steps)
         #: Per step, the steps its sources (and its condition's tensor) come from: skipped with any of them.
@@ -83,7 +80,7 @@ class PipelineEntry:
         #: The step model config each step was last checked against (by identity: a reload makes a new one).
         self._checked: dict[str, ModelConfig] = {}
         self._inflight: set[asyncio.Future[RequestResult]] = set()
-        self._steps = PipelineSteps(self, engine)
+        self._steps = PipelineSteps(self, slots, services)
 
     @property
     def version(self) -> str:
@@ -91,27 +88,39 @@ class PipelineEntry:
         return self.config.version
 
     @property
+    def state(self) -> ModelState:
+        """The state users see (its lifecycle's)."""
+        return self.lifecycle.state
+
+    @property
+    def reason(self) -> str | None:
+        """Why it is not ready, when it is not."""
+        return self.lifecycle.reason
+
+    @property
     def label(self) -> str:
         """How errors name it."""
         return f"pipeline '{self.name}'"
 
     async def load(self) -> None:
-        """Check the steps against their models' configs: ready, or failed with every mismatch."""
+        """Check the steps against their models' configs: ready, or failed with every mismatch (a
+        failed pipeline is checked again when a step model loads: `recheck_pipelines`)."""
+        self.lifecycle.loading()
         problems = check_pipeline(self.config, self._step_configs)
         if problems:
-            self.state, self.reason = "failed", "; ".join(problems)
+            self.lifecycle.load_failed("; ".join(problems))
             log.error("%s does not fit its step models: %s", self.label, self.reason, extra={"model": self.name})
             return
         for step in self.spec.steps:
             config, _ = self._step_configs(step.model)
             assert config is not None
             self._checked[step.name] = config
-        self.state, self.reason, self.stopping = "ready", None, None
+        self.lifecycle.loaded()
         log.info("%s ready: %d steps in %d levels", self.label, len(self.spec.steps), len(self.levels),
                  extra={"model": self.name})
 
     def _step_configs(self, model: str) -> tuple[ModelConfig | None, str]:
-        return step_config_of(self._engine.slots, model)
+        return step_config_of(self._slots, model)
 
     def step_config_checked(self, step: PipelineStep, config: ModelConfig) -> None:
         """Refuse a step whose model's config changed (a reload) and no longer fits; remember one that does."""
@@ -136,13 +145,13 @@ class PipelineEntry:
     def close(self) -> None:
         """Nothing restarts: a pipeline has no worker."""
 
-    async def stop(self, cause: StopCause, state: ModelState = "unloaded", reason: str | None = None,
-                   worker_timeout_s: float = 5.0) -> None:
-        """Take no new request; those running finish on their step models (each step drains there)."""
-        self.stopping = cause
+    async def stop(self, cause: StopCause, reason: str | None = None, worker_timeout_s: float = 5.0) -> None:
+        """Take no new request; those running finish on their step models (each step drains there).
+        A pipeline that failed its check stays failed (and is not checked again)."""
+        self.lifecycle.draining(cause)
         if self._inflight:
             await asyncio.wait(set(self._inflight), timeout=max(worker_timeout_s, 0.1) * 6)
-        self.state, self.reason = state, reason
+        self.lifecycle.stopped(reason)
 
     async def release_snapshot(self) -> None:
         """A pipeline has no snapshot."""
@@ -183,8 +192,9 @@ class PipelineEntry:
 
     def check_open(self) -> None:
         """Refuse now what could not run: the pipeline stopping or not ready."""
-        if self.stopping is not None or self.state != "ready":
-            raise not_ready(self.name, self.state if self.stopping is None else "unloaded", self.reason)
+        life = self.lifecycle
+        if not life.serving:
+            raise not_ready(self.name, "unloaded" if life.phase is VersionPhase.DRAINING else life.state, life.reason)
 
     def run(self, chain: AdmissionChain, request: InferenceRequest, rows: int) -> asyncio.Future[RequestResult]:
         """Run an admitted request's steps (the admission chain's last stage for a pipeline)."""
@@ -202,11 +212,12 @@ class PipelineSteps:
     model's version, lazy load, input check, deadline, fair lane admission and observers apply),
     with the pipeline request's tenant, deadline and ids; the tensors between steps stay here."""
 
-    __slots__ = ("_entry", "_engine")
+    __slots__ = ("_entry", "_slots", "_services")
 
-    def __init__(self, entry: PipelineEntry, engine: InferenceEngine) -> None:
+    def __init__(self, entry: PipelineEntry, slots: Mapping[str, ModelSlot], services: EntryServices) -> None:
         self._entry = entry
-        self._engine = engine
+        self._slots = slots
+        self._services = services  # the engine's tracing and metrics
 
     def start(self, chain: AdmissionChain, request: InferenceRequest, rows: int) -> asyncio.Future[RequestResult]:
         """Run `request`'s steps; the returned future is its answer (cancelling it drops its steps)."""
@@ -258,7 +269,7 @@ class PipelineSteps:
             self._count(step, "skipped", None)
             return
         try:
-            config, why = step_config_of(self._engine.slots, step.model)
+            config, why = step_config_of(self._slots, step.model)
             if config is None:
                 raise ModelNotReady(why, retry_after_s=None)
             self._entry.step_config_checked(step, config)
@@ -292,14 +303,14 @@ class PipelineSteps:
 
     def _traced(self) -> bool:
         """Whether the request is traced (tracing on, and a sampled request span to hang steps under)."""
-        tracing = self._engine.tracing
+        tracing = self._services.tracing
         return tracing is not None and tracing.enabled and trace.get_current_span().get_span_context().is_valid
 
     @contextmanager
     def _span(self, step: PipelineStep) -> Iterator[trace.Span]:
         """A span for the step, a child of the request's span, current while the step is queued (so the
         step model's batch span links to it); only for a traced request (`_traced`)."""
-        tracing = self._engine.tracing
+        tracing = self._services.tracing
         assert tracing is not None
         name = self._entry.name
         with tracing.tracer.start_as_current_span(
@@ -308,7 +319,7 @@ class PipelineSteps:
             yield span
 
     def _count(self, step: PipelineStep, outcome: str, elapsed: float | None) -> None:
-        metrics = self._engine.metrics
+        metrics = self._services.metrics
         if metrics is None:
             return
         name = self._entry.name
@@ -335,7 +346,7 @@ async def recheck_pipelines(slots: Mapping[str, ModelSlot], loaded: str) -> None
     a step model that was missing or invalid when the pipeline loaded may fit now."""
     for slot in list(slots.values()):
         entry = slot.entry
-        if isinstance(entry, PipelineEntry) and entry.state == "failed" and \
+        if isinstance(entry, PipelineEntry) and entry.lifecycle.recheckable and \
                 any(step.model == loaded for step in entry.spec.steps):
             async with slot.lock:
                 if slot.entry is entry:

@@ -11,7 +11,8 @@ poll (lazy mode), at every configuration poll and on SIGHUP, and takes out
 - a version of a traffic split whose `versions/<v>` directory is gone: out of the split at once
   (its weight spread over the versions left), listed as failed with the reason, drained the same way.
 
-Each is logged (`model_removed`, `version_removed`) and listed under `pool.removed` in /healthz. A
+Each is logged (`model_removed`, `version_removed`) and listed under `pool.removed` in /healthz (the
+most recent `REMOVED_KEPT`, `RemovalWatch.recent`). A
 directory must be gone at two checks at least `MISSING_SETTLE_S` apart (a deployment that swaps a
 directory with two renames is never caught in between); SIGHUP takes what is gone at once.
 """
@@ -21,13 +22,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 from servewell.config.rollout import VERSIONS_DIRECTORY
 from servewell.engine.model_entry import ModelEntry
-from servewell.engine.model_pool import ModelPool
 from servewell.engine.model_slot import ModelSlot
 from servewell.engine.versions import stop_versions
 
@@ -35,6 +36,8 @@ log = logging.getLogger("servewell.engine")
 
 #: How long a directory must have been gone before it is taken out (unless settle is off: SIGHUP).
 MISSING_SETTLE_S = 1.0
+#: Models and versions removed from the repository that /healthz lists (the most recent).
+REMOVED_KEPT = 20
 
 #: (model, version): version None is the model itself.
 Key = tuple[str, str | None]
@@ -43,10 +46,11 @@ Key = tuple[str, str | None]
 class RemovalWatch:
     """Notices the models and versions whose directories left the repository, and takes them out."""
 
-    def __init__(self, repository: Path, pool: ModelPool, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, repository: Path, clock: Callable[[], float] = time.monotonic) -> None:
         self._repository = repository
-        self._pool = pool
         self._clock = clock
+        #: Models and versions taken out, most recent last (/healthz shows them under pool.removed).
+        self.recent: deque[dict[str, Any]] = deque(maxlen=REMOVED_KEPT)
         self._missing_since: dict[Key, float] = {}
         self._draining: set[asyncio.Task[None]] = set()  # removed entries finishing their requests
 
@@ -85,15 +89,15 @@ class RemovalWatch:
 
     def _take_model(self, slot: ModelSlot) -> None:
         why = f"its directory {self._directory((slot.name, None))} was removed from the repository"
-        slot.removed = True  # a request that resolved it before now is refused, and no load starts
-        self._pool.note_removed(slot.name, None, why)
+        slot.lifecycle.removed_now()  # a request that resolved it before now is refused, and no load starts
+        self._note(slot.name, None, why)
         log.warning("model %s: %s; it takes no new request (404), its requests in flight finish, then its workers "
                     "stop", slot.name, why, extra={"event": "model_removed", "model": slot.name})
         self._drain(self._stop_model(slot, why))
 
     async def _stop_model(self, slot: ModelSlot, why: str) -> None:
         async with slot.lock:  # a load under way ends first, then what it loaded is stopped
-            await slot.entry.stop("removing", "unloaded", why)
+            await slot.entry.stop("removing", why)
             await stop_versions(slot, "removing")
         await slot.entry.release_snapshot()  # one an eviction kept
 
@@ -107,15 +111,18 @@ class RemovalWatch:
         rollout.failed[version] = why
         if rollout.config_seen is not None:  # the split's weights, spread over the versions left
             rollout.configure(rollout.config_seen, rollout.config_seen)
-        self._pool.note_removed(slot.name, version, why)
+        self._note(slot.name, version, why)
         log.warning("model %s: version %s: %s; it takes no new request, its requests in flight finish",
                     slot.name, version, why, extra={"event": "version_removed", "model": slot.name,
                                                     "version": version})
         self._drain(self._stop_version(entry, why))
 
+    def _note(self, name: str, version: str | None, why: str) -> None:
+        self.recent.append({"model": name, "version": version, "at": time.time(), "reason": why})
+
     @staticmethod
     async def _stop_version(entry: ModelEntry, why: str) -> None:
-        await entry.stop("removing", "unloaded", why)
+        await entry.stop("removing", why)
 
     def _drain(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from servewell.config.model import ModelConfig
 from servewell.config.rollout import RollbackConfig, RolloutConfig
+from servewell.engine.model_lifecycle import RolloutLifecycle, RolloutPhase
 from servewell.engine.protocol import RequestResult
 from servewell.engine.rollout_rules import RollbackRules, RolloutJudge, Verdict
 from servewell.engine.shadow_compare import compare_outputs
@@ -99,10 +100,8 @@ class Rollout:
         self.admin_set = False
         self.shadow_version: str | None = None
         self.shadow_percent = 0.0
-        self.state = "steady"  # steady, canary, rolled_back, promoted
-        self.reason: str | None = None
-        self.evidence: dict[str, Any] = {}
-        self.changed_at = time.time()
+        #: steady, canary, rolled back or promoted, why, with the evidence (engine/model_lifecycle.py)
+        self.lifecycle = RolloutLifecycle(changed_at=time.time())
         self.judge = RolloutJudge(self.stable, RollbackRules())
         self.shadow_counts = {"compared": 0, "shed": 0, "failed": 0}
         self.agreement = {"rows": 0, "top1_matches": 0, "max_abs_diff": 0.0}
@@ -129,7 +128,11 @@ class Rollout:
             self.shadow_version, self.shadow_percent = _file_shadow(config)
         if changed:
             self.weights, self.admin_set = dict(weights), False
-            self._set_state("canary" if self.canaries() else "steady", None, {})
+            self.lifecycle.weights_set(bool(self.canaries()), None, time.time())
+        elif self.lifecycle.phase in (RolloutPhase.STEADY, RolloutPhase.CANARY) and \
+                (self.lifecycle.phase is RolloutPhase.CANARY) != bool(self.canaries()):
+            # The same weights, but a canary's version loaded (or left) since: it takes traffic now (or not).
+            self.lifecycle.weights_set(bool(self.canaries()), None, time.time())
         rules = rules_of(self.settings.rollback)
         if rules != self.judge.rules or self.judge.stable != self.stable:  # else its windows are kept
             self.judge = RolloutJudge(self.stable, rules)
@@ -150,7 +153,7 @@ class Rollout:
             self.weights, self.admin_set = weights, traffic is not None
             for version in weights:
                 self.judge.reset(version)
-            self._set_state("canary" if self.canaries() else "steady", "weights set by an admin", {})
+            self.lifecycle.weights_set(bool(self.canaries()), "weights set by an admin", time.time())
         if shadow_percent is not ...:
             shadow = self.settings.shadow
             self.shadow_percent = float(shadow.percent if shadow is not None and shadow_percent is None
@@ -205,7 +208,7 @@ class Rollout:
         if version == stable.version:
             return stable
         entry = self.candidates.get(version)
-        if entry is None or entry.state != "ready" or entry.stopping is not None:
+        if entry is None or not entry.lifecycle.serving:
             return stable
         return entry
 
@@ -253,10 +256,11 @@ class Rollout:
         """The shadow version's entry when a copy may be queued on it now: it serves and is not a
         batch's worth behind (None: the copy is shed, and counted)."""
         entry = self.candidates.get(version)
-        if entry is None or entry.state != "ready" or entry.stopping is not None or self.shadow_version != version:
+        if entry is None or not entry.lifecycle.serving or self.shadow_version != version:
             return None
         scheduler = entry.scheduler
-        if scheduler.queue_depth + scheduler.running_rows >= max(1, scheduler.limits.max_batch_size) * entry.config.instances:
+        room = max(1, scheduler.limits.max_batch_size) * entry.config.instances
+        if scheduler.queue_depth + scheduler.running_rows >= room:
             self.shadow_shed(version)  # the shadow is behind: drop the copy rather than queue it
             return None
         return entry
@@ -319,21 +323,20 @@ class Rollout:
             return None
         shadow = self.shadow_version if self.shadow_percent > 0 else None
         verdict = self.judge.judge(time.monotonic(), self.canaries(), shadow)
-        if verdict is None or (verdict.action == "promote" and self.state == "promoted"
-                               and self.evidence.get("version") == verdict.version):
+        if verdict is None or (verdict.action == "promote" and self.lifecycle.promoted_already(verdict.version)):
             return None  # promoted already: the rules keep watching it, the promotion is not repeated
         if verdict.action == "rollback":
             if verdict.version != self.stable:  # a stable version is never taken out of traffic
                 self.weights[verdict.version] = 0.0
             if verdict.version == self.shadow_version:
                 self.shadow_percent = 0.0
-            self._set_state("rolled_back", verdict.reason, {"version": verdict.version, "rule": verdict.rule,
-                                                            **verdict.evidence})
+            self.lifecycle.rolled_back(verdict.reason, {"version": verdict.version, "rule": verdict.rule,
+                                                        **verdict.evidence}, time.time())
             log.warning("model %s: rolled back version %s (%s): %s", self.name, verdict.version, verdict.rule,
                         verdict.reason, extra={"model": self.name})
         else:
             self.weights = {verdict.version: 100.0}
-            self._set_state("promoted", verdict.reason, {"version": verdict.version, **verdict.evidence})
+            self.lifecycle.promoted(verdict.reason, {"version": verdict.version, **verdict.evidence}, time.time())
             log.info("model %s: promoted version %s to all traffic: %s", self.name, verdict.version, verdict.reason,
                      extra={"model": self.name})
         self.judge.reset(verdict.version)
@@ -342,18 +345,11 @@ class Rollout:
         self._rebuild()
         return verdict
 
-    def _set_state(self, state: str, reason: str | None, evidence: dict[str, Any]) -> None:
-        self.state, self.reason, self.evidence, self.changed_at = state, reason, evidence, time.time()
-
     def gauges(self) -> RolloutGauges:
         """What the metrics scrape shows of this rollout now."""
-        rolled = self.evidence.get("version") if self.state == "rolled_back" else None
-        return RolloutGauges(self.name, self.state, dict(self._shares),
+        rolled = self.lifecycle.rolled_back_version
+        return RolloutGauges(self.name, self.lifecycle.state, dict(self._shares),
                              {v: 1.0 if v == rolled else 0.0 for v in self.versions()})
-
-    def alert_reason(self) -> str | None:
-        """The rollback the alert names, while it holds."""
-        return self.reason if self.state == "rolled_back" else None
 
     def to_json(self) -> dict[str, Any]:
         """The rollout as /healthz, the console and GET /admin/models/{name}/rollout show it."""
@@ -366,11 +362,12 @@ class Rollout:
             stats[version] = {"requests": s.requests, "errors": s.errors, "error_rate": s.error_rate,
                               "p99_ms": None if s.p99_s is None else round(s.p99_s * 1000, 3)}
         rows = int(self.agreement["rows"])
+        life = self.lifecycle
         return {
-            "state": self.state, "stable": self.stable, "weights": dict(self.weights),
+            "state": life.state, "stable": self.stable, "weights": dict(self.weights),
             "file_weights": dict(self.file_weights), "set_by_admin": self.admin_set,
-            "sticky": self.settings.sticky, "reason": self.reason, "evidence": dict(self.evidence),
-            "changed_at": self.changed_at,
+            "sticky": self.settings.sticky, "reason": life.reason, "evidence": dict(life.evidence),
+            "changed_at": life.changed_at,
             "versions": {v: {"state": e.state, "reason": e.reason, "cpu_policy": e.config.cpu_policy,
                              "instances": [{"instance": i.instance, "pid": i.pid, "alive": i.alive,
                                             "rss_bytes": i.rss_bytes} for i in e.instances()],

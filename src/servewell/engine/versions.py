@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from servewell.config.model_file import signature_problem
 from servewell.config.rollout import VERSIONS_DIRECTORY
-from servewell.engine.entry import StopCause
 from servewell.engine.model_entry import EntryServices, ModelEntry
+from servewell.engine.model_lifecycle import StopCause
 from servewell.engine.model_slot import ModelSlot
 from servewell.engine.repository import outside_repository, read_model_config
 from servewell.engine.rollout import SHADOW_NICE, Rollout
@@ -33,7 +33,7 @@ async def sync_versions(slot: ModelSlot, services: EntryServices, metrics: Serve
     """Make `slot`'s versions what its stable version's model.yaml names (call with `slot.lock`
     held, after the stable version loaded or its model.yaml changed)."""
     stable = slot.entry
-    if not isinstance(stable, ModelEntry) or stable.state not in ("ready", "restarting"):
+    if not isinstance(stable, ModelEntry) or not stable.lifecycle.resident:
         return
     config = stable.config
     rollout = slot.rollout
@@ -44,7 +44,7 @@ async def sync_versions(slot: ModelSlot, services: EntryServices, metrics: Serve
         rollout = slot.rollout = Rollout(stable.name, config, metrics)
     wanted = config.other_versions
     for version in [v for v in rollout.candidates if v not in wanted]:
-        await rollout.candidates.pop(version).stop("unloading", "unloaded", "no longer named by traffic or shadow")
+        await rollout.candidates.pop(version).stop("unloading", "no longer named by traffic or shadow")
     rollout.failed = {}
     await asyncio.gather(*(_load_version(rollout, stable, version, services) for version in sorted(wanted)))
     if config.traffic is None and config.rollout is None:
@@ -65,7 +65,7 @@ async def _load_version(rollout: Rollout, stable: ModelEntry, version: str, serv
             log.warning("model %s: version %s: its directory %s is gone; it takes no new request, its requests in "
                         "flight finish", stable.name, version, directory,
                         extra={"event": "version_removed", "model": stable.name, "version": version})
-            await current.stop("removing", "unloaded", rollout.failed[version])
+            await current.stop("removing", rollout.failed[version])
         return
     try:
         config = await asyncio.to_thread(read_model_config, directory, stable.name)
@@ -92,11 +92,11 @@ async def _load_version(rollout: Rollout, stable: ModelEntry, version: str, serv
                   extra={"model": stable.name})
         return
     current = rollout.candidates.get(version)
-    if current is not None and current.config == config and current.state in ("ready", "restarting"):
+    if current is not None and current.config == config and current.lifecycle.resident:
         return
     fresh = ModelEntry(stable.name, directory, config, services)
     await fresh.load()
-    if fresh.state != "ready":
+    if not fresh.lifecycle.serving:
         rollout.failed[version] = f"failed to load: {fresh.reason}"
         return  # a version that served before keeps serving
     rollout.candidates[version] = fresh
@@ -125,7 +125,7 @@ def rollout_gauges(slots: Iterable[ModelSlot]) -> list[RolloutGauges]:
     return [s.rollout.gauges() for s in slots if s.rollout is not None]
 
 
-async def judge_forever(slots: dict[str, ModelSlot], interval_s: float = JUDGE_INTERVAL_S) -> None:
+async def judge_forever(slots: Mapping[str, ModelSlot], interval_s: float = JUDGE_INTERVAL_S) -> None:
     """Apply the rollout rules of every model each `interval_s` (a background task of the engine)."""
     while True:
         await asyncio.sleep(interval_s)

@@ -197,8 +197,8 @@ def test_a_call_waiting_when_the_door_closes_gets_engine_unavailable(tmp_path: P
 
 def test_the_table_is_pushed_when_it_changes_and_its_key_is_stable_while_nothing_does(tmp_path: Path) -> None:
     async def scenario(remote: RemoteEngine, door: EngineDoor, engine: InferenceEngine) -> None:
-        key = engine.table_key()
-        assert engine.table_key() == key  # nothing changed: the door builds no table this tick
+        key = engine.views.table_key()
+        assert engine.views.table_key() == key  # nothing changed: the door builds no table this tick
         assert remote.knows("broken") and not remote.knows("late")
         (tmp_path / "models" / "late").mkdir()
         (tmp_path / "models" / "late" / "model.yaml").write_text("also: [broken\n")
@@ -206,8 +206,8 @@ def test_the_table_is_pushed_when_it_changes_and_its_key_is_stable_while_nothing
             if remote.knows("late"):
                 break
             await asyncio.sleep(0.02)
-        assert remote.knows("late") and engine.table_key() != key
-        engine.accepting = False  # the head changes too: an ingress learns the engine stopped accepting
+        assert remote.knows("late") and engine.views.table_key() != key
+        engine.gate.close()  # the head changes too: an ingress learns the engine stopped accepting
         for _ in range(100):
             try:
                 remote.check_open()

@@ -11,6 +11,7 @@ import pytest
 
 from inference_requests import request_of
 from servewell.config.model import ModelConfig
+from servewell.engine.model_lifecycle import RolloutPhase, VersionLifecycle, VersionPhase
 from servewell.engine.rollout import Rollout, judged_error
 from servewell.errors import InvalidInput, ModelError, NotFound, Overloaded, WorkerLost
 
@@ -20,10 +21,11 @@ BASE = {"name": "m", "runtime": "onnx", "artifact": "m.onnx",
 
 
 class Version:
-    """What `Rollout.choose` reads of a version's entry."""
+    """What `Rollout.choose` reads of a version's entry: its version and its lifecycle."""
 
-    def __init__(self, version: str, state: str = "ready") -> None:
-        self.version, self.state, self.stopping = version, state, None
+    def __init__(self, version: str) -> None:
+        self.version = version
+        self.lifecycle = VersionLifecycle(VersionPhase.READY)
 
     def ready_entry(self) -> Version:
         return self
@@ -45,7 +47,7 @@ def test_weights_split_requests_that_name_no_version() -> None:
     split, stable = rollout(traffic={"1": 80, "2": 20}, rollout={"sticky": "none"})
     counts = draws(split, stable, 5000)
     assert 0.17 < counts["2"] / 5000 < 0.23, counts
-    assert split.state == "canary" and split.canaries() == ["2"]
+    assert split.lifecycle.state == "canary" and split.canaries() == ["2"]
 
 
 def test_a_route_key_or_tenant_keeps_a_client_on_one_version_and_spreads_clients() -> None:
@@ -71,7 +73,10 @@ def test_a_version_asked_for_wins_and_an_unknown_one_is_404() -> None:
 
 def test_a_version_that_is_not_serving_is_never_drawn() -> None:
     split, stable = rollout(traffic={"1": 0, "2": 100})
-    split.candidates["2"].state = "restarting"
+    split.candidates["2"].lifecycle.workers_lost("its last worker died")
+    assert set(draws(split, stable, 50)) == {"1"}
+    split.candidates["2"].lifecycle.workers_back()
+    split.candidates["2"].lifecycle.draining("unloading")  # being stopped: takes no new request either
     assert set(draws(split, stable, 50)) == {"1"}
 
 
@@ -95,13 +100,14 @@ def test_a_bad_canary_is_rolled_back_and_the_stable_version_never_is() -> None:
         split.judge.request_done("2", time.monotonic(), 0.001, i % 3 == 0)
     verdict = split.judge_now()
     assert verdict is not None and verdict.action == "rollback" and verdict.version == "2"
-    assert split.state == "rolled_back" and split.weights["2"] == 0.0 and split.alert_reason() == verdict.reason
+    assert split.lifecycle.phase is RolloutPhase.ROLLED_BACK and split.weights["2"] == 0.0
+    assert split.lifecycle.alert_reason == verdict.reason
     assert set(draws(split, stable, 50)) == {"1"}
     assert split.gauges().rolled_back == {"1": 0.0, "2": 1.0}
     # A changed traffic in model.yaml ends the verdict: the file wins.
     changed = ModelConfig.model_validate({**BASE, "traffic": {"1": 70, "2": 30}})
     split.configure(changed, None)
-    assert split.state == "canary" and split.weights == {"1": 70.0, "2": 30.0}
+    assert split.lifecycle.state == "canary" and split.weights == {"1": 70.0, "2": 30.0}
 
 
 def test_only_a_versions_own_failures_count_against_it() -> None:
@@ -118,6 +124,6 @@ def test_a_good_canary_is_promoted_when_asked_and_only_then() -> None:
             split.judge.request_done("1", time.monotonic(), 0.001, False)
             split.judge.request_done("2", time.monotonic(), 0.001, False)
         split.judge_now()
-        assert split.state == expected
+        assert split.lifecycle.state == expected
         if promote is not None:
             assert split.weights == {"2": 100.0} and set(draws(split, stable, 30)) == {"2"}
