@@ -260,20 +260,18 @@ class ModelEntry:
             return
         if life.phase is not VersionPhase.LOADING:
             return  # stopped as its last worker came up: the stop owns the phase
-        self._count_load(True)
+        if services.metrics is not None:
+            services.metrics.model_loads.labels(self.name, "success").inc()
         self.load_s = time.perf_counter() - started
         life.loaded()
         log.info("%s ready in %.2f s", self.label, self.load_s, extra={"model": self.name})
 
     def _load_failed(self, reason: str, what: str = "not loaded") -> None:
-        self._count_load(False)
+        if self._services.metrics is not None:
+            self._services.metrics.model_loads.labels(self.name, "failure").inc()
         if self.lifecycle.phase is VersionPhase.LOADING:  # else a stop came meanwhile: it owns the phase
             self.lifecycle.load_failed(reason)
         log.error("%s %s: %s", self.label, what, reason, extra={"model": self.name})
-
-    def _count_load(self, ok: bool) -> None:
-        if self._services.metrics is not None:
-            self._services.metrics.model_loads.labels(self.name, "success" if ok else "failure").inc()
 
     def close(self) -> None:
         """The server is shutting down: restart no worker from now on (requests are still served)."""

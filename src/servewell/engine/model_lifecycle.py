@@ -274,9 +274,12 @@ class VersionLifecycle:
 
     def stopped(self, reason: str | None) -> None:
         """Its workers have stopped and its memory is given back. A failed version stays failed,
-        with its reason; one stopped already keeps its reason."""
+        with its reason; one stopped again (an eviction, then an operator's unload) says why it is
+        stopped now."""
         if self.phase is VersionPhase.DRAINING:
             self._move(VersionPhase.STOPPED, reason)
+        elif self.phase is VersionPhase.STOPPED:
+            self.reason = reason
 
     def _move(self, to: VersionPhase, reason: str | None) -> None:
         _check(VERSION_TRANSITIONS, "model version", self.phase, to)

@@ -127,3 +127,17 @@ def test_a_good_canary_is_promoted_when_asked_and_only_then() -> None:
         assert split.lifecycle.state == expected
         if promote is not None:
             assert split.weights == {"2": 100.0} and set(draws(split, stable, 30)) == {"2"}
+
+
+def test_a_split_whose_canary_left_says_steady_and_canary_again_when_it_is_back() -> None:
+    # The same weights in model.yaml, but the canary's version left the split (its directory was
+    # removed, or it failed to load): no canary takes traffic, so the split is steady (it said canary).
+    split, stable = rollout(traffic={"1": 80, "2": 20})
+    assert split.gauges().state == "canary"
+    config = ModelConfig.model_validate({**BASE, "traffic": {"1": 80, "2": 20}})
+    canary = split.candidates.pop("2")
+    split.configure(config, config)
+    assert split.gauges().state == "steady" and set(draws(split, stable, 30)) == {"1"}
+    split.candidates["2"] = canary  # it loaded again: it takes its share, judged
+    split.configure(config, config)
+    assert split.gauges().state == "canary" and split.canaries() == ["2"]
