@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from servewell.config.model import ModelConfig
-from servewell.engine.model_lifecycle import StopCause, VersionLifecycle, invalid_lifecycle
+from servewell.engine.model_lifecycle import StopCause, VersionLifecycle, invalid_lifecycle, stop_refusal
 from servewell.engine.model_lifecycle import not_ready as not_ready  # where the ingress imports it from
 from servewell.engine.protocol import ModelState, ModelView
 from servewell.errors import ModelNotReady, ServeError
@@ -175,7 +175,7 @@ def ready_entry_or_refusal(entry: Entry) -> ModelEntry:
     """`entry` if it takes new requests; otherwise the error that says why (the model is not ready,
     or it is being unloaded or replaced: its own 503 code, never `shutting_down`)."""
     ready = entry.ready_entry()
-    refusal = ready.lifecycle.refusal(ready.label)
-    if refusal is not None:
-        raise refusal
+    cause = ready.lifecycle.stop_cause  # read on every request: the refusal (and its label) only when stopping
+    if cause is not None:
+        raise stop_refusal(cause, ready.label)
     return ready

@@ -145,7 +145,7 @@ class ModelEntry:
         """This entry if users see it ready; `ModelNotReady` with the reason otherwise (one being
         stopped still says ready: its lifecycle's `refusal` names how it is stopped)."""
         life = self.lifecycle
-        if life.state != "ready":
+        if life.phase is not VersionPhase.READY and life.state != "ready":  # the first test: every request's
             raise not_ready(self.name, life.state, life.reason)
         return self
 
