@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.hostile_cases import CaseResult, case
@@ -38,6 +39,12 @@ def start_server(workdir: Path) -> ServerProcess:
     repository = workdir / "repository"
     subprocess.run([sys.executable, "-m", "servewell.examples.build", "charlm", "--out", str(repository)],
                    check=True, capture_output=True)
+    # 2 ms a step (the example's step_ms), as a larger model's: a stream of 512 parts lasts about a
+    # second, so clients leave mid-stream (the tiny model itself makes 512 parts in ~25 ms).
+    config = repository / "charlm" / "model.yaml"
+    doc = yaml.safe_load(config.read_text())
+    doc["python"]["settings"] = {"step_ms": 2}
+    config.write_text(yaml.safe_dump(doc))
     port = free_port()
     server = ServerProcess("servewell-hostile-streams", [
         sys.executable, "-m", "servewell", "serve", "--host", HOST, "--port", str(port), "--grpc-port", "0",

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import queue
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,6 +18,7 @@ import numpy as np
 import openai
 import pytest
 import tritonclient.grpc as triton_grpc
+import yaml
 
 from error_bodies import error_code, error_of
 from monitoring import scraped_total
@@ -30,9 +33,20 @@ def server(tmp_path_factory: pytest.TempPathFactory, start_module_server: Server
     root = tmp_path_factory.mktemp("generative")
     subprocess.run([sys.executable, "-m", "servewell.examples.build", "generative", "--out", str(root)], check=True,
                    capture_output=True)
+    slow_copy(root)
     served = start_module_server(["--model-repository", str(root), "--max-body-bytes", str(1 << 20)])
     served.wait_ready()
     return served
+
+
+def slow_copy(root: Path) -> None:
+    """`charlm_slow`: charlm taking 2 ms a step (its step_ms setting), so that a stream lasts long
+    enough to be cut by a deadline, a disconnect or a second request (charlm's own step is ~0.1 ms)."""
+    shutil.copytree(root / "charlm", root / "charlm_slow")
+    doc = yaml.safe_load((root / "charlm_slow" / "model.yaml").read_text())
+    doc["name"] = "charlm_slow"
+    doc["python"]["settings"] = {"step_ms": 2}
+    (root / "charlm_slow" / "model.yaml").write_text(yaml.safe_dump(doc))
 
 
 def sse(response: httpx.Response) -> list[dict[str, Any]]:
@@ -84,17 +98,17 @@ def test_infer_stream_answers_oip_responses_and_a_plain_model_in_one_part(server
 
 
 def test_a_deadline_mid_stream_ends_it_with_a_final_event_naming_deadline_exceeded(server: ServerProcess) -> None:
-    with httpx.stream("POST", f"{server.url}/v2/models/charlm/generate_stream", timeout=30,
+    with httpx.stream("POST", f"{server.url}/v2/models/charlm_slow/generate_stream", timeout=30,
                       headers={"X-Request-Timeout-Ms": "40"},
                       json={"text_input": PROMPT, "parameters": {"max_tokens": 100000}}) as response:
         events = sse(response)
     final = events[-1]
     assert final["final"] and final["error"]["code"] == "deadline_exceeded", final
-    assert final["parts"] < 512
+    assert 0 < final["parts"] < 512  # parts came, then the deadline ended it
 
 
 def test_a_1_ms_deadline_on_a_stream_is_answered_deadline_exceeded(server: ServerProcess) -> None:
-    with httpx.stream("POST", f"{server.url}/v2/models/charlm/generate_stream", timeout=30,
+    with httpx.stream("POST", f"{server.url}/v2/models/charlm_slow/generate_stream", timeout=30,
                       headers={"X-Request-Timeout-Ms": "1"},
                       json={"text_input": PROMPT, "parameters": {"max_tokens": 500}}) as response:
         if response.status_code == 200:  # admitted within the millisecond: the stream ends at its next step
@@ -106,18 +120,19 @@ def test_a_1_ms_deadline_on_a_stream_is_answered_deadline_exceeded(server: Serve
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server: ServerProcess) -> None:
-    before = scraped_total(server.url, "servewell_sequences_ended_total", model="charlm", reason="cancelled")
-    with httpx.stream("POST", f"{server.url}/v2/models/charlm/generate_stream", timeout=30,
+    before = scraped_total(server.url, "servewell_sequences_ended_total", model="charlm_slow", reason="cancelled")
+    with httpx.stream("POST", f"{server.url}/v2/models/charlm_slow/generate_stream", timeout=30,
                       json={"text_input": PROMPT, "parameters": {"max_tokens": 100000}}) as response:
         lines = response.iter_lines()
         for line in lines:
             if line.startswith("data: "):
                 break  # one part read: the stream is running; leave
-    eventually(lambda: scraped_total(server.url, "servewell_sequences_ended_total", model="charlm",
+    eventually(lambda: scraped_total(server.url, "servewell_sequences_ended_total", model="charlm_slow",
                                      reason="cancelled") > before, 10, "the sequence was never freed")
-    parts = scraped_total(server.url, "servewell_stream_outputs_total", model="charlm")
+    parts = scraped_total(server.url, "servewell_stream_outputs_total", model="charlm_slow")
+    assert parts < 512  # it was cut short, not finished
     # freed: nothing more is made for it (a later scrape sees the same count of parts)
-    eventually(lambda: scraped_total(server.url, "servewell_stream_outputs_total", model="charlm") == parts, 5,
+    eventually(lambda: scraped_total(server.url, "servewell_stream_outputs_total", model="charlm_slow") == parts, 5,
                "parts are still being made")
 
 
@@ -183,7 +198,7 @@ def test_openai_errors_reach_the_client_with_their_code(server: ServerProcess) -
     client = openai_client(server)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=3)
-    stream = client.chat.completions.create(model="charlm", messages=[{"role": "user", "content": "x"}],
+    stream = client.chat.completions.create(model="charlm_slow", messages=[{"role": "user", "content": "x"}],
                                             max_tokens=100000, stream=True,
                                             extra_headers={"X-Request-Timeout-Ms": "40"})
     with pytest.raises(openai.APIError, match="deadline"):
@@ -259,6 +274,7 @@ def test_the_openai_api_takes_servewells_keys_tenants_and_quotas(tmp_path_factor
     root = tmp_path_factory.mktemp("generative-keys")
     subprocess.run([sys.executable, "-m", "servewell.examples.build", "charlm", "--out", str(root)], check=True,
                    capture_output=True)
+    slow_copy(root)
     key = "solo-secret-0123456789abcdef"
     keys_file = root.parent / "keys.txt"
     keys_file.write_text(f"solo:{key} tenant=solo concurrency=1\n")
@@ -267,16 +283,16 @@ def test_the_openai_api_takes_servewells_keys_tenants_and_quotas(tmp_path_factor
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=served.url + "/v1", api_key="not-a-key", max_retries=0).models.list()
     client = openai.OpenAI(base_url=served.url + "/v1", api_key=key, max_retries=0)
-    stream = client.completions.create(model="charlm", prompt=PROMPT, max_tokens=500, stream=True)
+    stream = client.completions.create(model="charlm_slow", prompt=PROMPT, max_tokens=500, stream=True)
     first = next(iter(stream))  # the tenant's one stream is running: a second one is over its quota
     assert first.choices[0].text
     with pytest.raises(openai.RateLimitError, match="concurrency"):
-        client.completions.create(model="charlm", prompt=PROMPT, max_tokens=3)
+        client.completions.create(model="charlm_slow", prompt=PROMPT, max_tokens=3)
     stream.close()  # the stream ends (its sequence freed at the next step) and its place is given back
 
     def served_again() -> bool:
         try:
-            return client.completions.create(model="charlm", prompt=PROMPT, max_tokens=3).choices[0].text != ""
+            return client.completions.create(model="charlm_slow", prompt=PROMPT, max_tokens=3).choices[0].text != ""
         except openai.RateLimitError:
             return False
 

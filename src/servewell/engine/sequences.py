@@ -2,26 +2,30 @@
 
 A generative model (a `generate:` section in model.yaml) answers each request in parts. Its
 requests come here from the admission chain's last stage, as any request reaches its model's
-scheduler, and each becomes one *sequence*. Each instance (a worker) runs a loop of steps: when a
-step's parts come back, the next step is planned and sent at once:
+scheduler, and each becomes one *sequence*. Each instance (a worker) steps on its own while any
+of its sequences runs (workers/process_main.py `SequenceStepper`), and applies the changes this
+scheduler sends it before each step (`SequenceChanges`, sent at most once per event-loop turn):
 
-1. **leave**: the sequences that must stop before the next step are named to the worker: those
-   whose client went away (the outcome future was cancelled), whose deadline passed (answered 503
-   `deadline_exceeded`), whose reader is too slow (408 `stream_too_slow`) or that reached their
-   most parts (`max_outputs`, or the request's own `max_outputs`);
+1. **leave**: the sequences that must stop: those whose client went away (the outcome future was
+   cancelled), whose deadline passed (answered 503 `deadline_exceeded`), whose reader is too slow
+   (408 `stream_too_slow`); one that reaches its most parts (`max_outputs`, or the request's own)
+   is ended by the worker with its last part;
 2. **join**: waiting sequences take the free places, up to `generate.max_sequences` running per
    instance (`batching: static` lets them join only when none runs: the classic batcher, kept as
    the baseline). The first lane goes first and has `urgent_sequences` places the other lanes
    cannot take, so an urgent sequence joins at the next step however busy the model is; within a
    lane the tenant with the fewest running sequences per unit of weight goes next (tenants share
    the steps by their weights), then the one waiting longest;
-3. **step**: every running sequence makes its next part; each part goes to its sequence's
-   `PartSink` (engine/stream.py) at once, and a sequence that is done answers its outcome future
-   with the whole answer (what a non-streamed request, the payload log and the canary judge see).
+3. **parts**: each step's parts come back as the worker makes them (`StepDone`); each goes to its
+   sequence's `PartSink` (engine/stream.py) at once, and a sequence that is done answers its
+   outcome future with the whole answer (what a non-streamed request, the payload log and the
+   canary judge see). A part never waits for the engine: the time between parts is the model's
+   step plus the worker's own bookkeeping (issue 48's goal: + 0.3 ms at most).
 
 Every future is resolved on every path: done, failed (the model's error for that sequence; a
-failed step fails the sequences it ran), deadline, cancel, a worker lost (503 `worker_lost`),
-`fail_all`, `drain`. No polling: one timer per sequence (its deadline) and the steps' replies.
+failed step fails the sequences it ran), deadline, cancel, a worker lost (503 `worker_lost`) or
+hung (no step for `step_timeout_ms`: 503 `worker_hung`), `fail_all`, `drain`. No polling: one
+timer per sequence (its deadline), one per instance (its step watch) and the steps themselves.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from servewell.errors import (
     WorkerHung,
     WorkerLost,
 )
-from servewell.workers.messages import SequenceJoin, StepDone
+from servewell.workers.messages import SequenceJoin, StepDone, StepFailed
 
 log = logging.getLogger("servewell.engine")
 
@@ -71,13 +75,16 @@ class SequenceRunner(Protocol):
         """Whether it can still run steps."""
         ...
 
-    def send_step(self, joins: tuple[SequenceJoin, ...], leaves: tuple[int, ...]) -> asyncio.Future[StepDone]:
-        """Hand over one step now; the future gives its parts (or fails with a `ServeError`)."""
+    def send_step(self, joins: tuple[SequenceJoin, ...], leaves: tuple[int, ...]) -> None:
+        """Send the changes to apply before its next step now (a `ServeError` when it is gone)."""
+        ...
+
+    def listen_to_steps(self, listener: Callable[[StepDone | StepFailed], None]) -> None:
+        """Give each step it makes to `listener`."""
         ...
 
     def declare_hung(self, reason: str) -> None:
-        """Its step overran `generate.step_timeout_ms`: stop it now (its pool replaces it); the step
-        in flight then fails."""
+        """No step for `generate.step_timeout_ms` while sequences ran: stop it now (its pool replaces it)."""
         ...
 
 
@@ -155,14 +162,15 @@ class SequenceStats:
 class _RunnerLoop:
     """One instance's running sequences and its step in flight."""
 
-    __slots__ = ("runner", "running", "leaving", "busy", "watch")
+    __slots__ = ("runner", "running", "leaving", "flushing", "heard_at", "watch")
 
     def __init__(self, runner: SequenceRunner) -> None:
         self.runner = runner
-        self.running: dict[int, _Sequence] = {}
-        self.leaving: list[int] = []  # told to the worker with the next step
-        self.busy = False
-        self.watch: TimerHandle | None = None  # the step in flight's time limit
+        self.running: dict[int, _Sequence] = {}  # joined (sent) and not ended
+        self.leaving: list[int] = []  # told to the worker with the next changes
+        self.flushing = False  # changes are to be sent at the end of this event-loop turn
+        self.heard_at = 0.0  # when it last stepped (or was given its first sequence)
+        self.watch: TimerHandle | None = None  # its step watch, while sequences run
 
 
 class SequenceScheduler:
@@ -220,7 +228,9 @@ class SequenceScheduler:
         """A ready instance may run steps."""
         if any(loop.runner is runner for loop in self._loops):
             return
-        self._loops.append(_RunnerLoop(runner))
+        loop = _RunnerLoop(runner)
+        self._loops.append(loop)
+        runner.listen_to_steps(lambda message: self._stepped(loop, message))
         self._kick()
 
     def remove_runner(self, runner: SequenceRunner) -> None:
@@ -229,10 +239,8 @@ class SequenceScheduler:
         if loop is None:
             return
         self._loops.remove(loop)
-        if not loop.busy:
-            for seq in list(loop.running.values()):
-                self._end(seq, WorkerLost(f"model '{self.config.name}' lost the worker running this sequence; safe to "
-                                          "retry"))
+        self._lost(loop, WorkerLost(f"model '{self.config.name}' lost the worker running this sequence; safe to "
+                                    "retry"))
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -283,44 +291,70 @@ class SequenceScheduler:
     # --- the step loop -----------------------------------------------------------------------
 
     def _kick(self) -> None:
-        for loop in list(self._loops):
-            if not loop.busy and loop.runner.alive:
-                self._send_step(loop)
+        for loop in self._loops:
+            self._flush_soon(loop)
 
-    def _send_step(self, loop: _RunnerLoop) -> None:
+    def _flush_soon(self, loop: _RunnerLoop) -> None:
+        """Send `loop`'s changes at the end of this event-loop turn: a burst of leaves (500 clients
+        gone at once) or of joins is one message."""
+        if not loop.flushing:
+            loop.flushing = True
+            asyncio.get_running_loop().call_soon(self._flush, loop)
+
+    def _flush(self, loop: _RunnerLoop) -> None:
+        loop.flushing = False
+        if loop not in self._loops or not loop.runner.alive:
+            return
+        was_idle = not loop.running
         joins = self._joins(loop)
         leaves = tuple(loop.leaving)
-        if not joins and not loop.running and not leaves:
+        if not joins and not leaves:
             return
         loop.leaving = []
-        messages = tuple(SequenceJoin(seq.id, dict(seq.request.inputs)) for seq in joins)
+        messages = tuple(SequenceJoin(seq.id, dict(seq.request.inputs), seq.limit) for seq in joins)
         try:
-            future = loop.runner.send_step(messages, leaves)
-        except ServeError as error:  # the worker is gone (its pool replaces it), or the step could not be sent
-            for seq in list(loop.running.values()):
-                self._end(seq, error)
-            loop.leaving = []  # a worker that did not get the step still holds them: a new worker holds none
+            loop.runner.send_step(messages, leaves)
+        except ServeError as error:  # the worker is gone (its pool replaces it), or the changes could not be sent
+            self._lost(loop, error)
             if not loop.runner.alive and loop in self._loops:
                 self._loops.remove(loop)
             return
-        loop.busy = True
-        self._counts["steps"] += 1
-        loop.watch = self._clock.call_at(self._clock.now() + self.settings.step_timeout_ms / 1000.0,
-                                         lambda: self._overran(loop, future))
-        future.add_done_callback(lambda done: self._stepped(loop, done))
+        if was_idle and loop.running:
+            loop.heard_at = self._clock.now()
+        self._watch(loop)
 
-    def _overran(self, loop: _RunnerLoop, future: asyncio.Future[StepDone]) -> None:
-        """A step that never ends (the model's code hangs) holds every sequence of its instance: the
-        worker is declared hung and replaced, its sequences answered `worker_hung`."""
-        if future.done():
+    def _watch(self, loop: _RunnerLoop) -> None:
+        """Arm `loop`'s step watch while it runs sequences (`_overdue`)."""
+        if loop.watch is None and loop.running:
+            loop.watch = self._clock.call_at(loop.heard_at + self.settings.step_timeout_ms / 1000.0,
+                                             lambda: self._overdue(loop))
+
+    def _overdue(self, loop: _RunnerLoop) -> None:
+        """No step came for `step_timeout_ms` while sequences ran (the model's code hangs): the worker
+        is declared hung and replaced, its sequences answered `worker_hung`."""
+        loop.watch = None
+        if not loop.running or loop not in self._loops:
             return
-        log.error("model %s: a step ran longer than generate.step_timeout_ms (%g ms); its worker is replaced",
+        if self._clock.now() - loop.heard_at < self.settings.step_timeout_ms / 1000.0:
+            self._watch(loop)  # it stepped since: watch from its last step
+            return
+        log.error("model %s: no step for %g ms (generate.step_timeout_ms); its worker is replaced",
                   self.config.name, self.settings.step_timeout_ms, extra={"model": self.config.name})
-        loop.runner.declare_hung(f"a step ran longer than generate.step_timeout_ms ({self.settings.step_timeout_ms:g}"
-                                 " ms)")
-        if not future.done():  # a runner that does not fail it itself
-            future.set_exception(WorkerHung(f"model '{self.config.name}''s step overran generate.step_timeout_ms; "
-                                            "its worker was replaced"))
+        loop.runner.declare_hung(f"no step for {self.settings.step_timeout_ms:g} ms (generate.step_timeout_ms)")
+        self._lost(loop, WorkerHung(f"model '{self.config.name}''s worker made no step for "
+                                    f"{self.settings.step_timeout_ms:g} ms; it was replaced"))
+
+    def _lost(self, loop: _RunnerLoop, error: ServeError) -> None:
+        """Every sequence `loop` runs ends with `error` (its worker no longer holds them)."""
+        for seq in list(loop.running.values()):
+            loop.running.pop(seq.id, None)
+            self._end(seq, error)
+        loop.leaving = []
+        if loop.watch is not None:
+            loop.watch.cancel()
+            loop.watch = None
+        self._kick()
+        self._maybe_drained()
 
     def _joins(self, loop: _RunnerLoop) -> list[_Sequence]:
         free = self.settings.max_sequences - len(loop.running)
@@ -375,32 +409,27 @@ class SequenceScheduler:
             del tenants[tenant]
         return seq
 
-    def _stepped(self, loop: _RunnerLoop, future: asyncio.Future[StepDone]) -> None:
-        loop.busy = False
-        if loop.watch is not None:
-            loop.watch.cancel()
-            loop.watch = None
-        if future.cancelled():
-            error: ServeError = WorkerLost("the step was cancelled")
-        else:
-            raised = future.exception()
-            if raised is None:
-                self._deliver(loop, future.result())
-                if loop in self._loops and loop.runner.alive:
-                    self._send_step(loop)
-                self._maybe_drained()
-                return
-            error = raised if isinstance(raised, ServeError) else ModelError(f"the step failed: {raised}")
-        for seq in list(loop.running.values()):
-            self._end(seq, error)
-        loop.leaving = []
-        self._kick()
+    def _stepped(self, loop: _RunnerLoop, message: StepDone | StepFailed) -> None:
+        """A step the worker made (or the failure that ended its sequences)."""
+        if loop not in self._loops:
+            return  # a runner already given up: its sequences were answered
+        loop.heard_at = self._clock.now()
+        if isinstance(message, StepFailed):
+            error = WorkerLost(f"the device failed and the worker restarts: {message.message}") if message.fatal \
+                else ModelError(f"model '{self.config.name}' failed on the step: {message.message}")
+            self._lost(loop, error)
+            return
+        self._counts["steps"] += 1
+        self._deliver(loop, message)
+        if loop.leaving or (self._waiting_count and len(loop.running) < self.settings.max_sequences):
+            self._flush_soon(loop)
         self._maybe_drained()
 
     def _deliver(self, loop: _RunnerLoop, done: StepDone) -> None:
         now = self._clock.now()
-        running = len(loop.running)
-        self._telemetry.step(self.config.name, running, done.compute_s)
+        running = len(done.parts)
+        if done.compute_s:
+            self._telemetry.step(self.config.name, running, done.compute_s)
         share = done.compute_s / running if running else 0.0
         for part in done.parts:
             seq = loop.running.get(part.seq_id)
@@ -415,11 +444,11 @@ class SequenceScheduler:
                 self._part(seq, part.outputs, now)
                 if seq.ended:
                     continue
-            if part.done:
+            if part.done:  # the worker ended it (its model said done, or its last allowed part)
                 loop.running.pop(seq.id, None)
                 self._end(seq, None)
             elif seq.count >= seq.limit:
-                self._end(seq, None)  # its most parts: done (finish_reason length); the worker is told to end it
+                self._end(seq, None)  # its most parts (finish_reason length); the worker is told to end it
 
     def _part(self, seq: _Sequence, outputs: dict[str, np.ndarray], now: float) -> None:
         index = seq.count
@@ -499,7 +528,7 @@ class SequenceScheduler:
                              seq.batch_size)
 
     def _busy(self) -> bool:
-        return self._waiting_count > 0 or any(loop.running or loop.busy for loop in self._loops)
+        return self._waiting_count > 0 or any(loop.running for loop in self._loops)
 
     def _maybe_drained(self) -> None:
         if self._drained is not None and not self._busy():

@@ -1,8 +1,9 @@
 """The sequences one worker of a generative python model runs, one step at a time.
 
-The engine decides, at every step, which sequences leave (done, cancelled, expired, too slow) and
-which join (engine/sequences.py); this runs the step it is given (`SequenceSet.step`) with the
-model's own code, in one of two shapes:
+The engine decides which sequences join and which leave (done, cancelled, expired, too slow:
+engine/sequences.py); the worker applies those changes before its next step (`SequenceSet.apply`)
+and steps on its own while any sequence runs (`SequenceSet.advance`), with the model's own code, in
+one of two shapes:
 
 **Step-wise** (continuous batching inside the model's own batch): the class defines
 
@@ -56,6 +57,7 @@ class SequenceSet:
         self._model = model
         self._states: dict[int, object] = {}  # step-wise: seq id -> its state, in join order
         self._rows: dict[int, int] = {}  # seq id -> rows of its request
+        self._left: dict[int, int] = {}  # seq id -> parts it may still make (absent: no bound)
         self._cohorts: list[_Cohort] = []  # generator models
 
     @property
@@ -63,18 +65,43 @@ class SequenceSet:
         """Sequences started and not yet ended."""
         return len(self._rows)
 
-    def step(self, joins: tuple[SequenceJoin, ...], leaves: tuple[int, ...]) -> list[SequencePart]:
-        """End `leaves`, start `joins`, then make every running sequence's next part. Raises when
-        the step as a whole failed (every sequence has then ended)."""
+    def apply(self, joins: tuple[SequenceJoin, ...], leaves: tuple[int, ...]) -> list[SequencePart]:
+        """End `leaves`, start `joins`; the parts of the joins that failed to start (done, with the error)."""
         self._leave(leaves)
-        parts: list[SequencePart] = []
-        if self._model.stepwise:
-            parts.extend(self._start(joins))
-            parts.extend(self._step())
-        else:
-            parts.extend(self._join_cohorts(joins))
-            parts.extend(self._advance())
+        for join in joins:
+            if join.limit > 0:
+                self._left[join.seq_id] = join.limit
+        failed = self._start(joins) if self._model.stepwise else self._join_cohorts(joins)
+        for part in failed:
+            self._left.pop(part.seq_id, None)
+        return failed
+
+    def advance(self) -> list[SequencePart]:
+        """Every running sequence's next part; a sequence's last allowed part is done. Raises when
+        the step as a whole failed (every sequence has then ended)."""
+        parts = self._step() if self._model.stepwise else self._advance()
+        if not self._left:
+            return parts
+        limited: list[int] = []
+        for index, part in enumerate(parts):
+            left = self._left.get(part.seq_id)
+            if left is None:
+                continue
+            if part.done:
+                del self._left[part.seq_id]
+            elif part.outputs is not None:
+                if left <= 1:  # its last part: it is done, and leaves now
+                    parts[index] = SequencePart(part.seq_id, part.outputs, True)
+                    limited.append(part.seq_id)
+                else:
+                    self._left[part.seq_id] = left - 1
+        self._leave(tuple(limited))
         return parts
+
+    def step(self, joins: tuple[SequenceJoin, ...] = (), leaves: tuple[int, ...] = ()) -> list[SequencePart]:
+        """`apply` then `advance`: one step with these changes."""
+        failed = self.apply(joins, leaves)
+        return failed + (self.advance() if self.running else [])
 
     def close(self) -> None:
         """End every sequence (the worker stops)."""
@@ -195,6 +222,7 @@ class SequenceSet:
         self._cohorts.remove(cohort)
         for seq_id in cohort.ids:
             self._rows.pop(seq_id, None)
+            self._left.pop(seq_id, None)
         close = getattr(cohort.parts, "close", None)
         if callable(close):
             try:
@@ -208,6 +236,8 @@ class SequenceSet:
         if not leaves:
             return
         gone = [seq_id for seq_id in leaves if seq_id in self._rows]
+        for seq_id in leaves:
+            self._left.pop(seq_id, None)
         for seq_id in gone:
             self._rows.pop(seq_id, None)
         if self._model.stepwise:

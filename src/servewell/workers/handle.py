@@ -43,13 +43,13 @@ from servewell.workers.messages import (
     LoadProgress,
     ProfileDone,
     RunBatch,
+    SequenceChanges,
     SequenceJoin,
     Shutdown,
     SpareReady,
     StartProfile,
     StepDone,
     StepFailed,
-    StepSequences,
     StopProfile,
     WorkerLaunch,
     WorkerLoadFailed,
@@ -165,7 +165,8 @@ class WorkerHandle:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[WorkerReady] | None = None
         self._pending: dict[int, asyncio.Future[BatchOutcome]] = {}
-        self._steps: dict[int, asyncio.Future[StepDone]] = {}  # a generative model's steps (`send_step`)
+        #: Where a generative model's steps go as the worker makes them (`listen_to_steps`).
+        self._step_listener: Callable[[StepDone | StepFailed], None] | None = None
         self._profile_reply: asyncio.Future[ProfileDone] | None = None
         #: Every segment of this worker, both directions and the heartbeat, starts with this.
         self.segment_prefix = new_prefix()
@@ -344,32 +345,27 @@ class WorkerHandle:
             raise self._gone_error("the worker process is not running") from None
         return future
 
-    def send_step(self, joins: tuple[SequenceJoin, ...], leaves: tuple[int, ...]) -> asyncio.Future[StepDone]:
-        """Hand a generative model's worker one step (engine/sequences.py): `leaves` end, `joins`
-        start, every running sequence makes its next part; the future resolves with the parts
-        (`ModelError` when the step failed as a whole, `WorkerLost` when the worker died)."""
+    def send_step(self, joins: tuple[SequenceJoin, ...], leaves: tuple[int, ...]) -> None:
+        """Tell a generative model's worker which sequences join and which leave before its next
+        step (engine/sequences.py); it steps on its own while any runs, each step to the listener."""
         if not self.alive or self._conn is None:
             raise self._gone_error("the worker process is not running")
-        step_id = next(self._ids)
-        future: asyncio.Future[StepDone] = asyncio.get_running_loop().create_future()
-        self._steps[step_id] = future
         try:
-            send_message(self._conn, StepSequences(step_id, joins, leaves))
+            send_message(self._conn, SequenceChanges(joins, leaves))
         except (OSError, ValueError):
-            self._steps.pop(step_id, None)
             raise self._gone_error("the worker process is not running") from None
-        return future
+
+    def listen_to_steps(self, listener: Callable[[StepDone | StepFailed], None]) -> None:
+        """Give each step the worker makes (its parts, or the failure that ended its sequences) to `listener`."""
+        self._step_listener = listener
 
     def _fail_waiting(self, error: ServeError) -> None:
-        """Answer every batch and step waiting on this worker with `error`."""
+        """Answer every batch waiting on this worker with `error` (a generative model's sequences are
+        ended by its pool's `worker_gone`)."""
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(error)
-        for step in self._steps.values():
-            if not step.done():
-                step.set_exception(error)
         self._pending.clear()
-        self._steps.clear()
 
     def heartbeat_silence_s(self) -> float:
         """Seconds since the worker's heartbeat counter last moved (0 before it is ready)."""
@@ -459,14 +455,10 @@ class WorkerHandle:
             if self._on_batch_done is not None:
                 self._on_batch_done(self, message)
         elif isinstance(message, (StepDone, StepFailed)):
-            step = self._steps.pop(message.step_id, None)
-            if step is not None and not step.done():
-                if isinstance(message, StepDone):
-                    self.rss_bytes = message.rss_bytes or self.rss_bytes
-                    step.set_result(message)
-                else:
-                    step.set_exception(WorkerLost(f"the device failed and the worker restarts: {message.message}")
-                                       if message.fatal else ModelError(f"model failed on the step: {message.message}"))
+            if isinstance(message, StepDone) and message.rss_bytes:
+                self.rss_bytes = message.rss_bytes
+            if self._step_listener is not None:
+                self._step_listener(message)
         elif isinstance(message, ProfileDone):
             if self._profile_reply is not None and not self._profile_reply.done():
                 self._profile_reply.set_result(message)

@@ -97,20 +97,21 @@ class RunBatch:
 
 @dataclass(slots=True, frozen=True)
 class SequenceJoin:
-    """A sequence that joins a generative model's running batch at this step, with its inputs
-    (small: a prompt; pickled over the pipe, bounded by the model's `generate.max_state_bytes`)."""
+    """A sequence that joins a generative model's running batch at the worker's next step, with its
+    inputs (small: a prompt; pickled over the pipe, bounded by the model's `generate.max_state_bytes`)."""
 
     seq_id: int
     inputs: dict[str, Any]  # name -> numpy array, the request's own rows
+    limit: int = 0  # its most parts: the worker ends it with the last (0: no bound)
 
 
 @dataclass(slots=True, frozen=True)
-class StepSequences:
-    """One step of a generative model (runtimes/python_sequences.py): first the `leaves` end
-    (cancelled, expired, too slow), then the `joins` start, then every running sequence makes its
-    next part. The worker answers `StepDone` (or `StepFailed`)."""
+class SequenceChanges:
+    """What a generative model's worker applies before its next step (runtimes/python_sequences.py):
+    the `leaves` end (cancelled, expired, too slow), the `joins` start. The worker steps on its own
+    while it has sequences, one `StepDone` (or `StepFailed`) per step, and reads what came meanwhile
+    before each step: a change never waits for a round trip, nor a part for the engine's answer."""
 
-    step_id: int
     joins: tuple[SequenceJoin, ...] = ()
     leaves: tuple[int, ...] = ()
 
@@ -224,7 +225,8 @@ class SequencePart:
 
 @dataclass(slots=True, frozen=True)
 class StepDone:
-    """The parts of one step, one per running sequence, and the step's compute time."""
+    """The parts of one step, one per running sequence (or the sequences a change ended: a failed
+    start), and the step's compute time; `step_id` counts the worker's steps."""
 
     step_id: int
     parts: tuple[SequencePart, ...]
@@ -254,7 +256,7 @@ WorkerReply = (SpareReady | ProfileDone | LoadProgress | WorkerReady | WorkerLoa
                | StepDone | StepFailed)
 
 
-WorkerMessage = RunBatch | StepSequences | Shutdown | StartProfile | StopProfile | AdoptSpare | WorkerReply
+WorkerMessage = RunBatch | SequenceChanges | Shutdown | StartProfile | StopProfile | AdoptSpare | WorkerReply
 _RUN, _DONE, _PICKLED = b"M", b"D", b"P"
 
 

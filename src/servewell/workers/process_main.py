@@ -6,6 +6,7 @@ imports a framework (torch, onnxruntime) happens here, never in the frontend.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -35,11 +36,11 @@ from servewell.workers.messages import (
     LoadProgress,
     ProfileDone,
     RunBatch,
+    SequenceChanges,
     Shutdown,
     StartProfile,
     StepDone,
     StepFailed,
-    StepSequences,
     StopProfile,
     WorkerLaunch,
     WorkerLoadFailed,
@@ -274,8 +275,18 @@ def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing
     # Asked once: isinstance against a runtime-checkable Protocol costs 8 us, a tenth of a small
     # batch's whole overhead in the worker.
     splitting = runtime if isinstance(runtime, OomSplitting) else None
+    stepper: SequenceStepper | None = None  # a generative model's sequences, once the first joins
     try:
         while True:
+            # A generative model steps on its own while a sequence runs, whenever no message waits:
+            # a part never waits for the engine's answer to the previous one (issue 48's time
+            # between outputs), and a change (a join, a leave) applies before the next step.
+            if stepper is not None and stepper.running and not conn.poll(0):
+                stepped = stepper.advance()
+                send(stepped)
+                if isinstance(stepped, StepFailed) and stepped.fatal:
+                    return  # the device is unusable in this process
+                continue
             try:
                 message = receive_message(conn)
             except (EOFError, OSError):
@@ -289,11 +300,11 @@ def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing
             if isinstance(message, (StartProfile, StopProfile)):
                 _profile(message, profiler, runtime, send)
                 continue
-            if isinstance(message, StepSequences):  # a generative model's step (runtimes/python_sequences.py)
-                step_reply = _step(message, runtime, rss)
-                send(step_reply)
-                if isinstance(step_reply, StepFailed) and step_reply.fatal:
-                    return
+            if isinstance(message, SequenceChanges):  # joins and leaves (runtimes/python_sequences.py)
+                stepper = stepper or SequenceStepper(runtime, rss)
+                applied = stepper.apply(message)
+                if applied is not None:
+                    send(applied)
                 continue
             if not isinstance(message, RunBatch):
                 continue
@@ -366,15 +377,38 @@ def _run(message: RunBatch, plan: RowPlan, runtime: ModelRuntime, reader: Segmen
                      oom_limited, plan.skipped)
 
 
-def _step(message: StepSequences, runtime: ModelRuntime, rss: RssReading) -> StepDone | StepFailed:
-    """Run one step of a generative model's sequences: who leaves, who joins, every part."""
-    sequence_set = getattr(runtime, "sequence_set", None)
-    if not callable(sequence_set):
-        return StepFailed(message.step_id, "this model's runtime runs no sequences (a generate: section needs a python "
-                                           "model, step-wise or a generator)")
-    started = time.perf_counter()
-    try:
-        parts = sequence_set().step(message.joins, message.leaves)
-    except Exception as exc:
-        return StepFailed(message.step_id, describe_failure(exc), fatal=isinstance(exc, DeviceUnusableError))
-    return StepDone(message.step_id, tuple(parts), time.perf_counter() - started, rss.read())
+class SequenceStepper:
+    """A generative model's sequences in this worker (runtimes/python_sequences.py): the engine's
+    changes applied as they come, one step whenever a sequence runs and nothing waits on the pipe."""
+
+    def __init__(self, runtime: ModelRuntime, rss: RssReading) -> None:
+        factory = getattr(runtime, "sequence_set", None)
+        self._sequences = factory() if callable(factory) else None
+        self._rss = rss
+        self._steps = itertools.count(1)
+
+    @property
+    def running(self) -> bool:
+        """Whether a sequence runs (the worker then steps)."""
+        return self._sequences is not None and self._sequences.running > 0
+
+    def apply(self, changes: SequenceChanges) -> StepDone | StepFailed | None:
+        """Leaves end, joins start; what to tell the engine now (joins that failed to start), if anything."""
+        if self._sequences is None:
+            return StepFailed(next(self._steps), "this model's runtime runs no sequences (a generate: section "
+                                                 "needs a python model, step-wise or a generator)")
+        try:
+            failed = self._sequences.apply(changes.joins, changes.leaves)
+        except Exception as exc:
+            return StepFailed(next(self._steps), describe_failure(exc), fatal=isinstance(exc, DeviceUnusableError))
+        return StepDone(next(self._steps), tuple(failed), 0.0, self._rss.read()) if failed else None
+
+    def advance(self) -> StepDone | StepFailed:
+        """One step of every running sequence."""
+        assert self._sequences is not None
+        started = time.perf_counter()
+        try:
+            parts = self._sequences.advance()
+        except Exception as exc:
+            return StepFailed(next(self._steps), describe_failure(exc), fatal=isinstance(exc, DeviceUnusableError))
+        return StepDone(next(self._steps), tuple(parts), time.perf_counter() - started, self._rss.read())

@@ -25,7 +25,7 @@ from servewell.errors import (
     WorkerHung,
     WorkerLost,
 )
-from servewell.workers.messages import SequenceJoin, SequencePart, StepDone
+from servewell.workers.messages import SequenceJoin, SequencePart, StepDone, StepFailed
 
 HIGH, NORMAL = 0, 1
 
@@ -40,36 +40,50 @@ def config(**generate: Any) -> ModelConfig:
 
 
 class StepRunner:
-    """Records each step it is sent; the test answers the step in flight with `answer`."""
+    """Records the changes it is sent (joins and leaves, as a worker applies them before its next
+    step); the test makes it step with `answer`, its parts going to the scheduler's listener."""
 
     def __init__(self) -> None:
         self.alive = True
         self.instance = 0
-        self.steps: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (joined ids, leaving ids)
+        self.steps: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (joined ids, leaving ids) per message
         self.running: list[int] = []  # what the worker would hold
-        self.future: asyncio.Future[StepDone] | None = None
+        self.limits: dict[int, int] = {}  # parts each may still make (the worker ends it with its last)
+        self.listener: Callable[[StepDone | StepFailed], None] | None = None
         self.hung: str | None = None
 
-    def send_step(self, joins: tuple[SequenceJoin, ...], leaves: tuple[int, ...]) -> asyncio.Future[StepDone]:
-        assert self.future is None or self.future.done(), "a step was sent while one was in flight"
+    def send_step(self, joins: tuple[SequenceJoin, ...], leaves: tuple[int, ...]) -> None:
         self.steps.append((tuple(j.seq_id for j in joins), leaves))
         self.running = [i for i in self.running if i not in leaves] + [j.seq_id for j in joins]
-        self.future = asyncio.get_running_loop().create_future()
-        return self.future
+        self.limits.update({j.seq_id: j.limit for j in joins if j.limit})
+
+    def listen_to_steps(self, listener: Callable[[StepDone | StepFailed], None]) -> None:
+        self.listener = listener
 
     def declare_hung(self, reason: str) -> None:
         self.hung, self.alive = reason, False
 
     def answer(self, done: tuple[int, ...] = (), fail: dict[int, str] | None = None) -> None:
-        """Every running sequence makes one part ('.'), `done` ones finish with theirs."""
+        """One step: every running sequence makes one part ('.'); `done` ones finish with theirs."""
         parts = []
+        ended = set(done) | set(fail or {})
         for seq_id in self.running:
             error = (fail or {}).get(seq_id)
+            left = self.limits.get(seq_id)
+            if left is not None:
+                self.limits[seq_id] = left - 1
+                if left <= 1:
+                    ended.add(seq_id)
             parts.append(SequencePart(seq_id, None if error else {"y": np.frombuffer(b".", np.uint8)[None, :]},
-                                      seq_id in done or error is not None, error))
-        self.running = [i for i in self.running if i not in done and i not in (fail or {})]
-        assert self.future is not None
-        self.future.set_result(StepDone(len(self.steps), tuple(parts), 0.001))
+                                      seq_id in ended, error))
+        self.running = [i for i in self.running if i not in ended]
+        assert self.listener is not None
+        self.listener(StepDone(len(self.steps), tuple(parts), 0.001))
+
+    def fail_step(self, message: str) -> None:
+        self.running = []
+        assert self.listener is not None
+        self.listener(StepFailed(len(self.steps), message))
 
 
 def run(test: Callable[[FakeClock], Coroutine[Any, Any, None]]) -> None:
@@ -86,24 +100,23 @@ async def turn() -> None:
         await asyncio.sleep(0)
 
 
-def test_sequences_join_the_running_batch_at_the_next_step() -> None:
+def test_sequences_join_the_running_batch_without_waiting_for_it() -> None:
     async def body(clock: FakeClock) -> None:
         scheduler = SequenceScheduler(config(), clock)
         runner = StepRunner()
         scheduler.add_runner(runner)
         first = scheduler.submit(req(), 1)
+        await turn()
         assert runner.steps == [((1,), ())]
-        second = scheduler.submit(req(), 1)  # a step is in flight: it joins the next one
         runner.answer()
+        second = scheduler.submit(req(), 1)  # the first runs: the second joins before the next step
         await turn()
         assert runner.steps[-1] == ((2,), ())
         runner.answer(done=(1,))
-        await turn()
         result = await first
         assert bytes(result.outputs["y"].reshape(-1)) == b".."  # its two parts, joined along the open axis
-        assert not second.done() and runner.steps[-1] == ((), ())
+        assert not second.done()
         runner.answer(done=(2,))
-        await turn()
         assert (await second).outputs["y"].shape == (1, 2)
     run(body)
 
@@ -114,15 +127,17 @@ def test_static_batching_lets_nobody_join_while_a_sequence_runs() -> None:
         runner = StepRunner()
         scheduler.add_runner(runner)
         scheduler.submit(req(), 1)
+        await turn()
         later = scheduler.submit(req(), 1)
+        await turn()
+        assert runner.steps == [((1,), ())]  # the second did not join the running batch
         runner.answer()
         await turn()
-        assert runner.steps[-1] == ((), ())  # the waiting one did not join
+        assert len(runner.steps) == 1
         runner.answer(done=(1,))
         await turn()
         assert runner.steps[-1] == ((2,), ())  # the batch emptied: now it joins
         runner.answer(done=(2,))
-        await turn()
         assert later.done()
     run(body)
 
@@ -134,6 +149,7 @@ def test_running_sequences_are_bounded_by_max_sequences() -> None:
         for _ in range(4):
             scheduler.submit(req(), 1)
         scheduler.add_runner(runner)
+        await turn()
         assert runner.steps == [((1, 2), ())]
         assert (scheduler.stats().running, scheduler.stats().waiting) == (2, 2)
         runner.answer(done=(1,))
@@ -149,13 +165,13 @@ def test_an_urgent_sequence_joins_at_the_next_step_however_many_others_run() -> 
         for _ in range(5):
             scheduler.submit(req(NORMAL), 1)
         scheduler.add_runner(runner)
+        await turn()
         assert runner.steps == [((1, 2, 3), ())]  # the normal lane fills three places
-        urgent = scheduler.submit(req(HIGH), 1)
         runner.answer()
+        urgent = scheduler.submit(req(HIGH), 1)
         await turn()
         assert runner.steps[-1] == ((6,), ())  # the urgent one, not the waiting normal ones
         runner.answer(done=(6,))
-        await turn()
         assert urgent.done() and urgent.exception() is None
     run(body)
 
@@ -165,16 +181,18 @@ def test_tenants_share_the_running_places_by_weight() -> None:
         weights = {"heavy": 3.0, "light": 1.0}
         scheduler = SequenceScheduler(config(max_sequences=4, urgent_sequences=0), clock, weights.__getitem__)
         runner = StepRunner()
-        scheduler.add_runner(runner)
         for _ in range(6):  # the light tenant asks first, and more
             scheduler.submit(req(tenant="light"), 1)
         for _ in range(6):
             scheduler.submit(req(tenant="heavy"), 1)
-        runner.answer(done=tuple(runner.running))
+        scheduler.add_runner(runner)
         await turn()
         joined = runner.steps[-1][0]
         tenants = ["light" if i <= 6 else "heavy" for i in joined]
         assert sorted(tenants) == ["heavy", "heavy", "heavy", "light"]  # 3:1 of the four places
+        runner.answer(done=tuple(i for i in joined if i <= 6))  # the light one leaves: light takes its place
+        await turn()
+        assert [("light" if i <= 6 else "heavy") for i in runner.steps[-1][0]] == ["light"]
     run(body)
 
 
@@ -184,13 +202,12 @@ def test_a_deadline_ends_a_running_stream_and_frees_it_at_the_next_step() -> Non
         runner = StepRunner()
         scheduler.add_runner(runner)
         outcome = scheduler.submit(req(deadline_at=clock.now() + 0.001), 1)
-        runner.answer()
         await turn()
+        runner.answer()
         clock.advance(0.002)
         assert isinstance(outcome.exception(), DeadlineExceeded)  # answered when it passed
-        runner.answer()  # the step in flight when it passed
         await turn()
-        assert runner.steps[-1][1] == (1,)  # the next step tells the worker to end it
+        assert runner.steps[-1][1] == (1,)  # the worker ends it before its next step
         assert scheduler.stats().running == 0 and scheduler.stats().expired == 1
     run(body)
 
@@ -212,15 +229,26 @@ def test_a_cancelled_stream_is_freed_at_the_next_step() -> None:
         scheduler.add_runner(runner)
         outcome = scheduler.submit(req(), 1)
         other = scheduler.submit(req(), 1)
-        runner.answer()
         await turn()
+        runner.answer()
         outcome.cancel()  # the client disconnected
         await turn()
-        assert runner.steps[-1][1] == ()  # a step was in flight: the leave waits for the next one
-        runner.answer()
-        await turn()
-        assert runner.steps[-1][1] == (1,) and 1 not in runner.running
+        assert runner.steps[-1] == ((), (1,)) and 1 not in runner.running
         assert not other.done() and scheduler.stats().cancelled == 1
+    run(body)
+
+
+def test_many_leaves_at_once_are_one_message() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(), clock)
+        runner = StepRunner()
+        scheduler.add_runner(runner)
+        outcomes = [scheduler.submit(req(), 1) for _ in range(5)]
+        await turn()
+        for outcome in outcomes[:4]:
+            outcome.cancel()
+        await turn()
+        assert runner.steps[-1] == ((), (1, 2, 3, 4))
     run(body)
 
 
@@ -232,9 +260,10 @@ def test_a_slow_reader_ends_its_stream_with_stream_too_slow() -> None:
         buffer = PartBuffer(2)
         outcome = scheduler.submit(req(), 1, buffer)
         buffer.attach(outcome)
+        await turn()
         for _ in range(3):  # nobody reads: the third part finds the buffer full
             runner.answer()
-            await turn()
+        await turn()
         assert outcome.cancelled()
         assert runner.steps[-1][1] == (1,)
         parts = []
@@ -251,12 +280,13 @@ def test_a_request_gets_at_most_its_max_outputs() -> None:
         runner = StepRunner()
         scheduler.add_runner(runner)
         outcome = scheduler.submit(req(max_outputs=2), 1)
-        for _ in range(2):
-            runner.answer()
-            await turn()
+        unbounded = scheduler.submit(req(), 1)
+        await turn()
+        assert runner.limits == {1: 2, 2: 5}  # the worker ends each with its last part
+        runner.answer()
+        runner.answer()
         result: RequestResult = await outcome
-        assert result.outputs["y"].shape == (1, 2)
-        assert runner.steps[-1][1] == (1,)  # ended by the engine: the worker is told
+        assert result.outputs["y"].shape == (1, 2) and not unbounded.done()
     run(body)
 
 
@@ -266,12 +296,24 @@ def test_a_model_error_ends_only_its_sequence() -> None:
         runner = StepRunner()
         scheduler.add_runner(runner)
         bad, good = scheduler.submit(req(), 1), scheduler.submit(req(), 1)
-        runner.answer(fail={1: "ValueError: no"})
         await turn()
+        runner.answer(fail={1: "ValueError: no"})
         assert isinstance(bad.exception(), ModelError) and "no" in str(bad.exception())
         runner.answer(done=(2,))
-        await turn()
         assert good.exception() is None
+    run(body)
+
+
+def test_a_failed_step_ends_every_sequence_of_its_worker() -> None:
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(), clock)
+        runner = StepRunner()
+        scheduler.add_runner(runner)
+        first, second = scheduler.submit(req(), 1), scheduler.submit(req(), 1)
+        await turn()
+        runner.fail_step("ValueError: step broke")
+        assert all(isinstance(o.exception(), ModelError) for o in (first, second))
+        assert scheduler.stats().running == 0
     run(body)
 
 
@@ -281,13 +323,12 @@ def test_a_lost_worker_fails_its_running_sequences_and_others_wait_for_the_next(
         runner = StepRunner()
         scheduler.add_runner(runner)
         running, waiting = scheduler.submit(req(), 1), scheduler.submit(req(), 1)
-        scheduler.remove_runner(runner)
-        assert runner.future is not None
-        runner.future.set_exception(WorkerLost("gone"))
         await turn()
+        scheduler.remove_runner(runner)
         assert isinstance(running.exception(), WorkerLost) and not waiting.done()
         replacement = StepRunner()
         scheduler.add_runner(replacement)
+        await turn()
         assert replacement.steps == [((2,), ())]
     run(body)
 
@@ -331,30 +372,33 @@ def test_part_buffer_gives_parts_in_order_then_ends_with_the_outcome() -> None:
     run(body)
 
 
-def test_the_inputs_one_step_carries_to_the_worker_are_bounded() -> None:
+def test_the_inputs_one_message_carries_to_the_worker_are_bounded() -> None:
     async def body(clock: FakeClock) -> None:
         scheduler = SequenceScheduler(config(max_state_bytes=100_000), clock)
         runner = StepRunner()
         for _ in range(3):
             scheduler.submit(req(prompt=b"p" * 90_000), 1)  # two would be 180 KB in one message: over 128 KiB
         scheduler.add_runner(runner)
+        await turn()
         assert runner.steps == [((1,), ())]
         runner.answer()
         await turn()
-        assert runner.steps[-1] == ((2,), ())  # the next one joins at the next step
+        assert runner.steps[-1] == ((2,), ())  # the next one joins with the next message
     run(body)
 
 
-def test_a_step_that_never_ends_gets_its_worker_replaced() -> None:
+def test_a_worker_that_stops_stepping_is_replaced() -> None:
     async def body(clock: FakeClock) -> None:
         scheduler = SequenceScheduler(config(step_timeout_ms=1000), clock)
         runner = StepRunner()
         scheduler.add_runner(runner)
         outcome = scheduler.submit(req(), 1)
-        clock.advance(0.9)
-        assert runner.hung is None  # within its time
-        clock.advance(0.2)
         await turn()
+        clock.advance(0.9)
+        runner.answer()  # it steps: the watch counts from here
+        clock.advance(0.9)
+        assert runner.hung is None
+        clock.advance(0.2)
         assert runner.hung is not None and "step_timeout_ms" in runner.hung
         assert isinstance(outcome.exception(), WorkerHung)
     run(body)
