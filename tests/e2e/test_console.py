@@ -438,10 +438,12 @@ def test_each_model_row_has_its_rate_latency_errors_and_p99_split(incident, brow
     assert split["p99_ms"] == slow["signals"]["latency_p99_ms"] and split["compute_ms"] >= SLOW_MS * 0.8
     assert split["reading"] and set(split) == {"p99_ms", "queue_ms", "compute_ms", "preprocess_ms", "postprocess_ms",
                                                "reading", "cause"}
-    assert slow["diagnosis"]["reading"] == split["reading"]  # no earlier cause: the stages' reading is the model's
+    # No earlier cause: the model's reading is the stages' (or, with too few requests, says it cannot tell).
+    assert slow["diagnosis"]["cause"] in ("compute", "unknown"), slow["diagnosis"]
     assert re.fullmatch(r"[\d.]+ (ms|s)", cells["p99"]) and re.fullmatch(r"[\d.]+", cells["rps"])
     assert cells["errors"] == "0.0%"
     assert "compute" in row_text and split["reading"] in row_text
+    assert "What to do:" in row_text  # the model's reading, with its advice, under the split
     assert console_problems(browser) == []
 
 

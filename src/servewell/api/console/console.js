@@ -459,10 +459,10 @@
     split.appendChild(bar);
     split.appendChild(el("span", "muted small", (parts.length ? parts.map(([k, v]) => `${k} ${ms(v)}`).join(" · ")
       : "no stage measured") + ` of ${ms(ls.p99_ms)}`));
-    // The reading is the model's diagnosis (a tenant, the cache, a replacement, the CPU, then the
-    // stages), with its evidence; the stages' own reading only where no diagnosis came yet.
+    split.appendChild(el("span", "reading small", ls.reading)); // what the stages alone say
+    // Under it, the model's reading (a tenant, the cache, a replacement, the CPU, then the stages),
+    // with its evidence and what to do.
     if (oncall() && m.diagnosis) split.appendChild(oncall().diagnosis(m));
-    else split.appendChild(el("span", "reading small", ls.reading));
   }
 
   function markSlowest(body, models) {
