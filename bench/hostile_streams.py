@@ -140,7 +140,7 @@ def never_read(workdir: Path) -> CaseResult:
         "streams_never_read",
         "1,000 streams opened and never read: the server grows by at most 256 MiB of RSS, every urgent probe is "
         "answered 200",
-        grown <= 256 and answers and set(answers) == {"200"},
+        grown <= 256 and bool(answers) and set(answers) == {"200"},
         figures)
 
 

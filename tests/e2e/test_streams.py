@@ -149,7 +149,8 @@ def test_tritonclient_grpc_stream_unchanged(server: ServerProcess) -> None:
                                       parameters={"max_tokens": 6})
         client.async_stream_infer("no-such-model", [tensor], request_id="c")
         text: dict[str, bytes] = {"a": b"", "b": b""}
-        finals, errors = set(), []
+        finals: set[str] = set()
+        errors: list[str] = []
         while len(finals) < 2 or not errors:
             result, error = answers.get(timeout=30)
             if error is not None:
