@@ -33,8 +33,8 @@ def test_a_change_is_kept_with_when_who_what_old_and_new_and_logged_once(caplog:
     assert kept == {"at": 1_000.0, "who": "key ops", "via": "admin API", "what": "batching", "target": "digits",
                     "old": {"max_wait_ms": 5}, "new": {"max_wait_ms": 20},
                     "summary": "batching of digits: max_wait_ms"}
-    (line,) = [r for r in caplog.records if getattr(r, "event", None) == "audit"]
-    assert line.who == "key ops" and line.old == {"max_wait_ms": 5} and line.new == {"max_wait_ms": 20}
+    (line,) = [vars(r) for r in caplog.records if getattr(r, "event", None) == "audit"]
+    assert line["who"] == "key ops" and line["old"] == {"max_wait_ms": 5} and line["new"] == {"max_wait_ms": 20}
 
 
 def test_nothing_is_recorded_when_nothing_changed() -> None:
