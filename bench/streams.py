@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
+import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -245,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             peer = ServerProcess("litserve-peer", [args.peer_python, str(workdir / "peer.py"),
                                                    str(workdir / "repository" / "charlm_continuous"),
                                                    str(peer_port), str(args.step_ms)], peer_port,
-                                 workdir / "peer.log")
+                                 workdir / "peer.log", new_session=True)  # its own group: LitServe forks workers
             peer.start()
             peer.wait_ready(120, "/health")
         for index in range(args.rounds):
@@ -278,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
         if peer is not None:
             peer.stop()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(peer.pid, signal.SIGKILL)  # the workers it forked, in the group it leads
     summary = {
         "settings": vars(args) | {"out": str(args.out)},
         "outputs_ratio_median": statistics.median(r["outputs_ratio"] for r in rounds),
