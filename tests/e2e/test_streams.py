@@ -5,6 +5,7 @@ the official `openai` client; a deadline and a disconnect mid-stream; hostile Op
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import shutil
@@ -19,6 +20,7 @@ import openai
 import pytest
 import tritonclient.grpc as triton_grpc
 import yaml
+from tritonclient.utils import InferenceServerException
 
 from error_bodies import error_code, error_of
 from monitoring import scraped_total
@@ -298,3 +300,19 @@ def test_the_openai_api_takes_servewells_keys_tenants_and_quotas(tmp_path_factor
             return False
 
     eventually(served_again, 10, "the tenant's place never came back")
+    # gRPC's stream checks the key when the call opens, as every call does
+    grpc_client = triton_grpc.InferenceServerClient(served.grpc_url)
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    prompt = np.frombuffer(PROMPT.encode(), np.uint8)[None, :].copy()
+    tensor = triton_grpc.InferInput("text_input", list(prompt.shape), "UINT8")
+    tensor.set_data_from_numpy(prompt)
+    for headers, expected in (({}, "UNAUTHENTICATED"), ({"authorization": f"Bearer {key}"}, None)):
+        grpc_client.start_stream(callback=lambda result, error: answers.put((result, error)), headers=headers)
+        with contextlib.suppress(InferenceServerException):  # refused already: the callback has the reason
+            grpc_client.async_stream_infer("charlm", [tensor], request_id="k", parameters={"max_tokens": 2})
+        result, error = answers.get(timeout=30)
+        grpc_client.stop_stream()
+        if expected is None:
+            assert error is None and result.as_numpy("text_output") is not None
+        else:
+            assert error is not None and expected in str(error.status())
