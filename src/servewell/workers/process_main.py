@@ -281,7 +281,7 @@ def _serve(conn: Connection, runtime: ModelRuntime, model: str, tracing: Tracing
             # A generative model steps on its own while a sequence runs, whenever no message waits:
             # a part never waits for the engine's answer to the previous one (issue 48's time
             # between outputs), and a change (a join, a leave) applies before the next step.
-            if stepper is not None and stepper.running and not conn.poll(0):
+            if stepper is not None and stepper.running and (stepper.due or not conn.poll(0)):
                 stepped = stepper.advance()
                 send(stepped)
                 if isinstance(stepped, StepFailed) and stepped.fatal:
@@ -386,6 +386,9 @@ class SequenceStepper:
         self._sequences = factory() if callable(factory) else None
         self._rss = rss
         self._steps = itertools.count(1)
+        #: A step is owed: changes were applied since the last one (however many more wait, every
+        #: change is followed by a step, so a stream of changes never starves the running sequences).
+        self.due = False
 
     @property
     def running(self) -> bool:
@@ -397,6 +400,7 @@ class SequenceStepper:
         if self._sequences is None:
             return StepFailed(next(self._steps), "this model's runtime runs no sequences (a generate: section "
                                                  "needs a python model, step-wise or a generator)")
+        self.due = True
         try:
             failed = self._sequences.apply(changes.joins, changes.leaves)
         except Exception as exc:
@@ -406,6 +410,7 @@ class SequenceStepper:
     def advance(self) -> StepDone | StepFailed:
         """One step of every running sequence."""
         assert self._sequences is not None
+        self.due = False
         started = time.perf_counter()
         try:
             parts = self._sequences.advance()
