@@ -28,6 +28,8 @@ ADMIN = {"Authorization": "Bearer fair-admin-token-0123456789"}
 def server(tmp_path_factory: pytest.TempPathFactory, start_module_server: ServerFactory) -> ServerProcess:
     root = tmp_path_factory.mktemp("fair-repo")
     slow_model(root, "slow", 100, max_batch_size=1, batching={"max_queue_size": 8})
+    # 3 s a batch, 4 places: five requests fill it for seconds (a lane full without churn)
+    slow_model(root, "stuck", 3000, max_batch_size=1, batching={"max_queue_size": 4, "policy": "idle"})
     keys_file = tmp_path_factory.mktemp("fair-keys") / "keys.txt"
     keys_file.write_text(KEYS_FILE)
     started = start_module_server(["--model-repository", str(root), "--ingress-processes", "2",
@@ -92,19 +94,19 @@ async def headers_only(server: ServerProcess, key: str, path: str = "/v2/models/
 
 
 def test_a_full_lane_refuses_its_holder_before_the_body_is_read(server: ServerProcess) -> None:
-    async def flood_until(stop: asyncio.Event) -> None:  # one client that keeps the lane full
-        while not stop.is_set():
-            await one(server, KEYS["flood"], 1.0)
+    async def fill() -> list[httpx.Response]:  # one runs, four wait: full for about 15 s
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return list(await asyncio.gather(*(
+                client.post("/v2/models/stuck/infer", json=infer_body(1.0), headers={"X-API-Key": KEYS["flood"]})
+                for _ in range(5))))
 
     async def main() -> tuple[bytes, bytes, bytes]:
-        stop = asyncio.Event()
-        flood = [asyncio.ensure_future(flood_until(stop)) for _ in range(20)]
-        await asyncio.sleep(0.5)  # 20 clients, 8 places, 10 batches a second: full from here on
-        answer = await headers_only(server, KEYS["flood"])
-        predict = await headers_only(server, KEYS["flood"], "/predict?model=slow")  # the model named in the URL
-        light = await headers_only(server, KEYS["light"])  # within its share: its body is waited for
-        stop.set()
-        await asyncio.gather(*flood)
+        filling = asyncio.ensure_future(fill())
+        await asyncio.sleep(1.0)  # the five are in (and the engine told the ingress processes)
+        answer = await headers_only(server, KEYS["flood"], "/v2/models/stuck/infer")
+        predict = await headers_only(server, KEYS["flood"], "/predict?model=stuck")  # the model named in the URL
+        light = await headers_only(server, KEYS["light"], "/v2/models/stuck/infer")  # within its share
+        assert all(r.status_code == 200 for r in await filling)
         return answer, predict, light
 
     answer, predict, light = asyncio.run(main())

@@ -52,12 +52,12 @@ class EarlyRefusal:
         else:
             return False
         authorization = api_key = urgency = None
-        for name, value in scope.get("headers", ()):
-            if name == b"x-api-key":
+        for header, value in scope.get("headers", ()):
+            if header == b"x-api-key":
                 api_key = value.decode("latin-1")
-            elif name == b"authorization":
+            elif header == b"authorization":
                 authorization = value.decode("latin-1")
-            elif name == b"x-urgency":
+            elif header == b"x-urgency":
                 urgency = value.decode("latin-1")
         tenant = self._access.tenant_of(self._access.key_id_of(authorization, api_key))
         return self._plane.would_refuse(name, version, urgency, tenant)
