@@ -350,7 +350,9 @@ class BenchRun:
         rss_before, front_before = health["models"][RESNET]["rss_bytes"], health["frontend_rss_bytes"]
         self.say(f"overload: {3 * saturation_rps:.1f} req/s for {plan.overload_s:g} s, deadline "
                  f"{plan.overload_deadline_ms:g} ms, max_queue_size {queue}")
-        self.load("overload_3x", server, RESNET, "/predict", workspace.bodies[RESNET], "open", plan.overload_s,
+        # The model named in the URL: a request its full lane refuses is answered before its body is read.
+        self.load("overload_3x", server, RESNET, f"/predict?model={RESNET}", workspace.bodies[RESNET], "open",
+                  plan.overload_s,
                   rate=3 * saturation_rps, timeout_ms=plan.overload_deadline_ms,
                   watch={"frontend": [server.pid], "workers": pids_before})
         time.sleep(2.0)

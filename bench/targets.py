@@ -206,9 +206,10 @@ def overload_targets(r: Results) -> list[TargetRow]:
     refusal = _p(run, "normal", "p99", "refusal_latency_ms")
     n_refused = run["classes"]["normal"]["refusal_latency_ms"]["n"]
     rows.append(TargetRow("5b", names[1], "-" if refusal is None else f"{refusal:.1f} ms (n={n_refused})",
-                          "<= 10.0", None if refusal is None else refusal <= 10.0,
-                          "from scheduled arrival to the 503 'overloaded' answer; refusals come after the body is "
-                          f"read and parsed, before image decoding (admitted requests: preprocess p50/p99 "
+                          "<= 5.0", None if refusal is None else refusal <= 5.0,
+                          "from scheduled arrival to the 503 'overloaded' answer (issue 46's goal); the model is "
+                          "named in the URL (/predict?model=), so a request its full lane refuses is answered "
+                          f"before its body is read (admitted requests: preprocess p50/p99 "
                           f"{_p(run, 'normal', 'p50', 'preprocess_ms')}/"
                           f"{_p(run, 'normal', 'p99', 'preprocess_ms')} ms)"))
     over = run["classes"]["normal"].get("ok_over_deadline")
