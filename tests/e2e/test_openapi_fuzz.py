@@ -28,6 +28,11 @@ CONTENT_RULES = {
     # Tensors must match the model's inputs (names, datatypes, shapes), encoded images must decode.
     "/v2/models/{name}/infer": ["400", "413", "422"],
     "/v2/models/{name}/versions/{version}/infer": ["400", "413", "422"],
+    # Streams and the OpenAI API need a model that takes text (a text: section); infer_stream's tensors
+    # must match the model's inputs as infer's do.
+    **{f"/v2/models/{{name}}{version}/{route}": ["413", "422"]
+       for version in ("", "/versions/{version}") for route in ("generate", "generate_stream", "infer_stream")},
+    **{f"/v1/{route}": ["413", "422"] for route in ("completions", "chat/completions", "embeddings")},
     # A max_batch_size must be one warm-up proved; reserving an instance needs two.
     "/admin/models/{name}/batching": ["422"],
     # Weights must not all be 0.

@@ -61,6 +61,7 @@ ROLLOUT_FAMILIES = (
 #: The payload log (issue 24), on the dashboard's "Payload log" row.
 PAYLOAD_LOG_FAMILIES = (
     "servewell_payload_log_records_total", "servewell_payload_log_drops_total", "servewell_payload_log_queue_depth",
+    "servewell_payload_log_sink_failing",
 )
 #: Streams of generative models (issue 48): in the time-to-first-output alert.
 STREAM_FAMILIES = (

@@ -112,6 +112,29 @@ _TENSOR = {
     },
 }
 
+#: OIP's `parameters` of a request: its lane and its deadline.
+OIP_PARAMETERS: dict[str, Any] = {
+    "priority": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "minLength": 1}],
+                 "description": "0: default lane, 1: highest, 2: next...; or a lane name."},
+    "timeout": {"type": "integer", "minimum": 0, "maximum": MAX_TIMEOUT_US,
+                "description": "Deadline in whole microseconds, as in Triton (0: none, the "
+                "model's default_timeout_ms; a whole float such as 5000.0 counts)."},
+}
+
+
+def json_body(schema: dict[str, Any]) -> dict[str, Any]:
+    """A required JSON request body of `schema` (for `openapi_extra={"requestBody": ...}`)."""
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+def event_stream_response(description: str, json_too: bool = False) -> dict[int | str, dict[str, Any]]:
+    """A 200 that is a server-sent event stream (`json_too`: or one JSON document, as the request asks)."""
+    content: dict[str, Any] = {"text/event-stream": {"schema": {"type": "string"}}}
+    if json_too:
+        content["application/json"] = {"schema": {"type": "object"}}
+    return {200: {"description": description, "content": content}}
+
+
 #: Body of OIP `infer` in JSON (the binary extension is documented as application/octet-stream).
 INFER_REQUEST_BODY: dict[str, Any] = {
     "required": True,
@@ -123,11 +146,7 @@ INFER_REQUEST_BODY: dict[str, Any] = {
             "properties": {
                 "id": {"type": "string"},
                 "parameters": {"type": "object", "properties": {
-                    "priority": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "minLength": 1}],
-                                 "description": "0: default lane, 1: highest, 2: next...; or a lane name."},
-                    "timeout": {"type": "integer", "minimum": 0, "maximum": MAX_TIMEOUT_US,
-                                "description": "Deadline in whole microseconds, as in Triton (0: none, the "
-                                "model's default_timeout_ms; a whole float such as 5000.0 counts)."},
+                    **OIP_PARAMETERS,
                     "binary_data_output": {"type": "boolean"},
                 }},
                 "inputs": {"type": "array", "minItems": 1, "items": _TENSOR},

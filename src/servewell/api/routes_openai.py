@@ -34,7 +34,8 @@ from fastapi.responses import Response
 from servewell.api.body import check_content_type, read_body
 from servewell.api.dataplane import InferenceCall
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
-from servewell.api.routes_stream import error_doc, max_tokens_of
+from servewell.api.openapi import INFERENCE_HEADERS, error_responses, event_stream_response, json_body
+from servewell.api.routes_stream import MAX_TOKENS_SCHEMA, STREAM_ERRORS, error_doc, max_tokens_of
 from servewell.api.sse import EventStreamResponse, sse_event
 from servewell.api.state import AppState, app_state
 from servewell.api.stream_call import StreamCall
@@ -50,6 +51,40 @@ MAX_EMBEDDING_INPUTS = 256
 #: Most messages in one chat request.
 MAX_MESSAGES = 1024
 ROLES = ("system", "user", "assistant", "tool", "developer")
+
+#: The request fields every generating route shares (sampling parameters are accepted, not listed).
+_GENERATION_FIELDS: dict[str, Any] = {
+    "model": {"type": "string", "minLength": 1, "description": "A model GET /v1/models lists."},
+    "max_tokens": MAX_TOKENS_SCHEMA, "max_completion_tokens": MAX_TOKENS_SCHEMA,
+    "stream": {"type": ["boolean", "null"], "description": "true: server-sent events, ended by data: [DONE]."},
+    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 1, "description": "Choices: one per request."},
+}
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+_COMPLETIONS_EXTRA = {"parameters": INFERENCE_HEADERS, "requestBody": json_body({
+    "title": "CompletionRequest", "type": "object", "required": ["model", "prompt"],
+    "properties": {**_GENERATION_FIELDS, "prompt": {"anyOf": [
+        {"type": "string"}, {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}}]}}})}
+_CHAT_EXTRA = {"parameters": INFERENCE_HEADERS, "requestBody": json_body({
+    "title": "ChatCompletionRequest", "type": "object", "required": ["model", "messages"],
+    "properties": {**_GENERATION_FIELDS,
+                   "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": {
+                       "type": "object", "required": ["role", "content"], "properties": {
+                           "role": {"type": "string", "enum": list(ROLES)},
+                           "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}}}},
+                   "tools": {"type": ["array", "null"], "maxItems": 0,
+                             "description": "Not supported: absent, null or empty."}}})}
+_EMBEDDINGS_EXTRA = {"parameters": INFERENCE_HEADERS, "requestBody": json_body({
+    "title": "EmbeddingRequest", "type": "object", "required": ["model", "input"],
+    "properties": {"model": _GENERATION_FIELDS["model"],
+                   "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1,
+                                                            "maxItems": MAX_EMBEDDING_INPUTS,
+                                                            "items": {"type": "string"}}]},
+                   "encoding_format": {"type": ["string", "null"], "enum": ["float", "base64", None]}}})}
+_GENERATE_ANSWERS = {**error_responses(*STREAM_ERRORS), **event_stream_response(
+    "The completion as one JSON document, or (stream: true) as chunks, ended by data: [DONE].", json_too=True)}
+_EMBEDDINGS_ANSWERS = {**error_responses(*STREAM_ERRORS), 200: {
+    "description": "One embedding per input string.", "content": {"application/json": {"schema": {"type": "object"}}}}}
 
 
 def _json(doc: Any, headers: dict[str, str] | None = None) -> Response:
@@ -112,7 +147,7 @@ def _chat_prompt(doc: dict[str, Any]) -> str:
         raise InvalidInput(f"messages must be a non-empty list of {{role, content}}, got {quote(messages)}")
     if len(messages) > MAX_MESSAGES:
         raise InvalidInput(f"messages holds {len(messages)} messages; at most {MAX_MESSAGES}")
-    if doc.get("tools"):
+    if doc.get("tools") not in (None, []):
         raise InvalidInput("tools are not supported by this server's models")
     lines = []
     for index, message in enumerate(messages):
@@ -155,7 +190,8 @@ async def list_models(request: Request) -> Response:
     return _json({"object": "list", "data": data})
 
 
-@router.post("/completions", summary="Completions (OpenAI-compatible)")
+@router.post("/completions", summary="Completions (OpenAI-compatible)", openapi_extra=_COMPLETIONS_EXTRA,
+             responses=_GENERATE_ANSWERS)
 async def completions(request: Request) -> Response:
     """Text completion of `prompt` by a generative model; streamed with `stream: true`."""
     _, call, doc = await _open_text(request, "completions")
@@ -166,7 +202,8 @@ async def completions(request: Request) -> Response:
     return await _generate(request, call, doc, prompt, chat=False, stream_wanted=stream_wanted)
 
 
-@router.post("/chat/completions", summary="Chat completions (OpenAI-compatible)")
+@router.post("/chat/completions", summary="Chat completions (OpenAI-compatible)", openapi_extra=_CHAT_EXTRA,
+             responses=_GENERATE_ANSWERS)
 async def chat_completions(request: Request) -> Response:
     """A chat's next assistant message by a generative model; streamed with `stream: true`."""
     _, call, doc = await _open_text(request, "chat completions")
@@ -241,7 +278,8 @@ async def _generate(request: Request, call: InferenceCall, doc: dict[str, Any], 
     return EventStreamResponse(events(), on_disconnect=stream.cancel)
 
 
-@router.post("/embeddings", summary="Embeddings (OpenAI-compatible)")
+@router.post("/embeddings", summary="Embeddings (OpenAI-compatible)", openapi_extra=_EMBEDDINGS_EXTRA,
+             responses=_EMBEDDINGS_ANSWERS)
 async def embeddings(request: Request) -> Response:
     """Embedding vectors of one string or a list of strings, by an embedding model (a `text:`
     section with no output: its first FP32 output is the embedding)."""
@@ -258,7 +296,8 @@ async def embeddings(request: Request) -> Response:
             raise InvalidInput(f"input must be a string or a non-empty list of strings, got {quote(raw)}")
         if len(texts) > MAX_EMBEDDING_INPUTS:
             raise InvalidInput(f"input holds {len(texts)} strings; at most {MAX_EMBEDDING_INPUTS} per request")
-        encoding = doc.get("encoding_format") or "float"
+        encoding = doc.get("encoding_format")
+        encoding = "float" if encoding is None else encoding
         if encoding not in ("float", "base64"):
             raise InvalidInput(f"encoding_format must be 'float' or 'base64', got {quote(encoding)}")
         output = next((spec.name for spec in config.outputs if spec.datatype == "FP32"), None)

@@ -30,6 +30,14 @@ from servewell.api.codecs.tensors import parse_infer_request
 from servewell.api.dataplane import InferenceCall
 from servewell.api.http_request import timeout_ms_of, urgency_of
 from servewell.api.model_document import timeout_us_of
+from servewell.api.openapi import (
+    INFER_REQUEST_BODY,
+    INFERENCE_HEADERS,
+    OIP_PARAMETERS,
+    error_responses,
+    event_stream_response,
+    json_body,
+)
 from servewell.api.sse import EventStreamResponse, sse_event
 from servewell.api.state import app_state
 from servewell.api.stream_call import StreamCall, StreamEnd
@@ -42,6 +50,29 @@ router = APIRouter(prefix="/v2", tags=["Streaming"])
 
 #: Largest `max_tokens` a request may ask for (the model's generate.max_outputs bounds it too).
 MAX_TOKENS_LIMIT = 1_000_000
+
+
+#: What /openapi.json says of `parameters.max_tokens` (and OpenAI's `max_tokens`).
+MAX_TOKENS_SCHEMA: dict[str, Any] = {
+    "type": ["integer", "null"], "minimum": 1, "maximum": MAX_TOKENS_LIMIT,
+    "description": "Most parts (tokens) of the answer; absent or null: the model's generate.max_outputs."}
+#: Every error a streaming route answers before its first event (later ones end the stream).
+STREAM_ERRORS = (400, 401, 404, 408, 413, 415, 422, 429, 503)
+_GENERATE_EXTRA = {"parameters": INFERENCE_HEADERS, "requestBody": json_body({
+    "title": "GenerateRequest", "type": "object", "required": ["text_input"],
+    "properties": {
+        "text_input": {"type": "string", "description": "The prompt."},
+        "parameters": {"type": ["object", "null"], "properties": {**OIP_PARAMETERS, "max_tokens": MAX_TOKENS_SCHEMA}},
+    }})}
+_INFER_STREAM_SCHEMA = {**INFER_REQUEST_BODY["content"]["application/json"]["schema"], "title": "InferStreamRequest"}
+_INFER_STREAM_SCHEMA["properties"] = {**_INFER_STREAM_SCHEMA["properties"], "parameters": {
+    "type": "object", "properties": {**OIP_PARAMETERS, "max_tokens": MAX_TOKENS_SCHEMA}}}
+_INFER_STREAM_EXTRA = {"parameters": INFERENCE_HEADERS, "requestBody": json_body(_INFER_STREAM_SCHEMA)}
+_GENERATE_ANSWERS = {**error_responses(*STREAM_ERRORS, oip=True), 200: {
+    "description": "The whole text: model_name, model_version, text_output, finish_reason.",
+    "content": {"application/json": {"schema": {"type": "object"}}}}}
+_STREAM_ANSWERS = {**error_responses(*STREAM_ERRORS, oip=True),
+                   **event_stream_response("One event per part, then a final event (final: true).")}
 
 
 def error_doc(error: ServeError) -> dict[str, Any]:
@@ -93,8 +124,10 @@ async def _generate_request(name: str, request: Request, version: str | None) ->
         _, output = text_model(model.config, "generate")
         if output is None:
             raise InvalidInput(f"model {quote(name)} answers no text (its text: section names no output)")
-        parameters = doc.get("parameters") or {}
-        if not isinstance(parameters, dict):
+        parameters = doc.get("parameters")
+        if parameters is None:
+            parameters = {}
+        elif not isinstance(parameters, dict):
             raise InvalidInput(f"parameters must be an object, got {quote(parameters)}")
         inputs = text_inputs(model.config, prompt)
     stream = StreamCall(call)
@@ -107,8 +140,10 @@ async def _generate_request(name: str, request: Request, version: str | None) ->
     return call, stream, output
 
 
-@router.post("/models/{name}/generate", summary="Generate text (whole answer)")
-@router.post("/models/{name}/versions/{version}/generate", summary="Generate text from a version (whole answer)")
+@router.post("/models/{name}/generate", summary="Generate text (whole answer)", openapi_extra=_GENERATE_EXTRA,
+             responses=_GENERATE_ANSWERS)
+@router.post("/models/{name}/versions/{version}/generate", summary="Generate text from a version (whole answer)",
+             openapi_extra=_GENERATE_EXTRA, responses=_GENERATE_ANSWERS)
 async def generate(name: str, request: Request, version: str | None = None) -> Response:
     """The text a generative model makes for `text_input`, at once (Triton's generate extension)."""
     call, stream, output = await _generate_request(name, request, version)
@@ -126,8 +161,10 @@ async def generate(name: str, request: Request, version: str | None = None) -> R
                     "application/json")
 
 
-@router.post("/models/{name}/generate_stream", summary="Generate text as server-sent events")
-@router.post("/models/{name}/versions/{version}/generate_stream", summary="Generate text from a version as events")
+@router.post("/models/{name}/generate_stream", summary="Generate text as server-sent events",
+             openapi_extra=_GENERATE_EXTRA, responses=_STREAM_ANSWERS)
+@router.post("/models/{name}/versions/{version}/generate_stream", summary="Generate text from a version as events",
+             openapi_extra=_GENERATE_EXTRA, responses=_STREAM_ANSWERS)
 async def generate_stream(name: str, request: Request, version: str | None = None) -> Response:
     """Each piece of text as it is made, one server-sent event each, then a final event."""
     call, stream, output = await _generate_request(name, request, version)
@@ -148,8 +185,10 @@ async def generate_stream(name: str, request: Request, version: str | None = Non
     return EventStreamResponse(events(), on_disconnect=stream.cancel)
 
 
-@router.post("/models/{name}/infer_stream", summary="Infer as server-sent events")
-@router.post("/models/{name}/versions/{version}/infer_stream", summary="Infer on a version as server-sent events")
+@router.post("/models/{name}/infer_stream", summary="Infer as server-sent events",
+             openapi_extra=_INFER_STREAM_EXTRA, responses=_STREAM_ANSWERS)
+@router.post("/models/{name}/versions/{version}/infer_stream", summary="Infer on a version as server-sent events",
+             openapi_extra=_INFER_STREAM_EXTRA, responses=_STREAM_ANSWERS)
 async def infer_stream(name: str, request: Request, version: str | None = None) -> Response:
     """An OIP infer request whose answer comes as events: one OIP response per part, then a final event."""
     state = app_state(request)
