@@ -168,15 +168,22 @@ def test_keys_fail_closed_and_a_broken_keys_file_never_stops_the_watcher(hostile
     put(hostile.keys_file, "# every key revoked\n")  # the revocation of the last key
     eventually(lambda: infer(hostile).status_code == 401, 20, "the revoked key refused")
     assert infer(hostile, None).status_code == 401  # never open
-    state = httpx.get(hostile.url + "/console/api/state", timeout=5)
+    # The console's data: a client that is not an operator (here: one a proxy forwarded, so not a trusted
+    # loopback client) needs a key, and none is in force; the loopback operator still sees the server.
+    state = httpx.get(hostile.url + "/console/api/state", headers={"X-Forwarded-For": "203.0.113.7"}, timeout=5)
     assert state.status_code == 401
+    assert httpx.get(hostile.url + "/console/api/state", timeout=5).status_code == 200
     tensor = triton_grpc.InferInput("x", [1, 1], "FP32")
     tensor.set_data_from_numpy(np.ones((1, 1), dtype=np.float32))
     with triton_grpc.InferenceServerClient(hostile.grpc_url) as client:  # gRPC denies as HTTP does
         with pytest.raises(InferenceServerException) as refused:
             client.infer("slow", [tensor], headers={"x-api-key": KEY})
     assert str(refused.value.status()) == "StatusCode.UNAUTHENTICATED"
-    reasons = [r["reason"] for r in health(hostile)["config"]["rejected"] if r["file"] == "keys.txt"]
+    # /healthz is public: a keys file's reason is the operator's (GET /admin/config), not everyone's
+    public = [r["reason"] for r in health(hostile)["config"]["rejected"] if r["file"] == "keys.txt"]
+    assert public and "see GET /admin/config" in public[0]
+    report = httpx.get(hostile.url + "/admin/config", timeout=5).json()["config"]
+    reasons = [r["reason"] for r in report["rejected"] if r["file"] == "keys.txt"]
     assert reasons and "no API key is in force" in reasons[0]
     assert "rejected, every request that needs an API key is refused" in hostile.log()
     put(hostile.keys_file, f"new:{NEW_KEY}\n")  # the watcher still polls: a new key applies

@@ -106,21 +106,42 @@ def spawn(process: multiprocessing.process.BaseProcess, model: str, jemalloc: bo
 
 def watch_exit(loop: asyncio.AbstractEventLoop, process: multiprocessing.process.BaseProcess, grace_s: float,
                settled: Callable[[], None]) -> None:
-    """Call `settled` once, on the loop, when `process` has exited (it can then be reaped without
-    waiting) or `grace_s` later, whichever comes first. Never blocks the loop: `process.join`
-    would, for as long as a process that closed its sentinel lives, whatever its timeout."""
+    """Call `settled` once, on the loop, when `process`'s exit code can be read without waiting
+    (`process.exitcode`) or `grace_s` later, whichever comes first. Never blocks the loop:
+    `process.join` would, for as long as a process that closed its sentinel lives, whatever its timeout.
+
+    Two signals are watched: the process's pidfd (readable once it exited: a spawned child can then be
+    reaped) and its sentinel. A worker forked by the fork server (workers/spare.py) is the fork
+    server's child: its exit code reaches us only when the fork server has reaped it and written the
+    code to the sentinel, a moment after the pidfd fired; settling on the pidfd alone read no code and
+    killed a process that was already dead ("did not exit within 5 s")."""
     try:
         pidfd = os.pidfd_open(process.pid or 0)
     except (AttributeError, OSError):  # no pidfd here (not Linux 5.3+), or already reaped: a thread waits
         waiter = loop.run_in_executor(None, process.join, grace_s)
         waiter.add_done_callback(lambda _: settled())
         return
+    watched = {pidfd}
+    try:
+        watched.add(process.sentinel)
+    except ValueError:  # not started, or closed
+        pass
 
     def settle() -> None:
-        loop.remove_reader(pidfd)
+        for fd in watched:
+            loop.remove_reader(fd)
+        watched.clear()
         os.close(pidfd)
         overdue.cancel()
         settled()
 
-    loop.add_reader(pidfd, settle)
+    def readable(fd: int) -> None:
+        if process.exitcode is not None:  # waitpid(WNOHANG) or the fork server's word: never blocks
+            settle()
+            return
+        loop.remove_reader(fd)  # it stays readable: each signal is heard once, the other (or the grace) settles
+        watched.discard(fd)
+
+    for fd in watched:
+        loop.add_reader(fd, readable, fd)
     overdue = loop.call_later(grace_s, settle)
