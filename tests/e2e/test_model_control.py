@@ -94,7 +94,8 @@ def test_a_new_model_that_fails_to_load_stays_listed_as_failed_with_its_reason(t
 def test_a_hanging_load_is_killed_at_the_timeout(tmp_path, start_server):
     onnx_model(tmp_path, "small")
     factory_model(tmp_path, "hangs", HANGING)
-    server = start_server(["--model-repository", str(tmp_path), "--load-timeout-s", "15"])
+    # One attempt: a load that timed out is tried again (test_worker_starts covers that), 51 s in all.
+    server = start_server(["--model-repository", str(tmp_path), "--load-timeout-s", "15", "--load-attempts", "1"])
     server.wait_live()
     models = wait_settled(server.url, ["small", "hangs"])
     assert models["hangs"]["state"] == "failed" and "within 15 s" in models["hangs"]["reason"]
