@@ -83,8 +83,11 @@ def measure(server: ServerProcess, bodies: list[Path], clients: int, seconds: fl
     loadgen_s = children_cpu_seconds() - loadgen_before
     requests = max(1, summary["sent"])
     groups = role_groups(spent)
+    latency = summary["classes"]["normal"]["latency_ms"]
     return {
         "ok_per_s": summary["throughput_rps"],
+        "p50_ms": latency["p50"],
+        "p99_ms": latency["p99"],
         "requests": summary["sent"],
         "statuses": summary["status_counts"],
         "roles_us_per_request": {k: round(1e6 * v / requests, 1) for k, v in sorted(spent.items())},
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             for count in counts[shift:] + counts[:shift]:
                 run = measure(servers[count], bodies, args.clients, args.seconds, f"{count}_{r}")
                 runs[count].append(run)
-                print(f"round {r + 1} ingress {count}: {run['ok_per_s']:.0f} ok/s, server "
+                print(f"round {r + 1} ingress {count}: {run['ok_per_s']:.0f} ok/s, p50 {run['p50_ms']} ms, server "
                       f"{run['groups_us_per_request']['total']:.0f} us/request "
                       f"({run['server_cores']} cores), loadgen {run['loadgen_cores']} cores", flush=True)
     finally:
@@ -163,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                   for a, b in zip(runs[c], runs[base], strict=True)] for c in counts}
     summary = {c: {"ok_per_s": statistics.median(r["ok_per_s"] for r in runs[c]),
                    "throughput_ratio": statistics.median(ratios[c]),
+                   "p50_ms": statistics.median(r["p50_ms"] for r in runs[c]),
+                   "p99_ms": statistics.median(r["p99_ms"] for r in runs[c]),
                    "roles_us_per_request": median_of(runs[c], "roles_us_per_request"),
                    "groups_us_per_request": median_of(runs[c], "groups_us_per_request"),
                    "loadgen_cores": statistics.median(r["loadgen_cores"] for r in runs[c]),
@@ -185,7 +190,8 @@ def print_table(report: dict[str, Any]) -> None:
     counts, summary = report["counts"], report["summary"]
     print(f"\nmedian of {report['rounds']} round(s), {report['clients']} clients, OIP JSON, tiny MLP, "
           f"{report['machine_cpus']} CPUs")
-    header = (f"{'ingress':>7} {'ok/s':>8} {'vs ' + str(counts[0]):>7} {'goal':>8} {'server cores':>12} "
+    header = (f"{'ingress':>7} {'ok/s':>8} {'vs ' + str(counts[0]):>7} {'goal':>8} {'p50 ms':>7} {'p99 ms':>7} "
+              f"{'server cores':>12} "
               f"{'loadgen cores':>13}  CPU us/request by role")
     print(header)
     print("-" * (len(header) + 40))
@@ -195,7 +201,8 @@ def print_table(report: dict[str, Any]) -> None:
         if counts[0] == 1 and c == 2:
             goal = f">={GOAL_RATIO}x " + ("ok" if s["throughput_ratio"] >= GOAL_RATIO else "NO")
         roles = ", ".join(f"{k} {v:.0f}" for k, v in s["roles_us_per_request"].items())
-        print(f"{c:>7} {s['ok_per_s']:>8.1f} {s['throughput_ratio']:>6.2f}x {goal:>8} {s['server_cores']:>12.2f} "
+        print(f"{c:>7} {s['ok_per_s']:>8.1f} {s['throughput_ratio']:>6.2f}x {goal:>8} {s['p50_ms']:>7.1f} "
+              f"{s['p99_ms']:>7.1f} {s['server_cores']:>12.2f} "
               f"{s['loadgen_cores']:>13.2f}  {roles}; loadgen {s['loadgen_us_per_request']:.0f}"
               + (f"; {s['errors']} non-200" if s["errors"] else ""))
     print(f"\nprojection from the CPU per request at {report['projection_from']} ingress processes "
