@@ -46,6 +46,17 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def json_object(body: bytes) -> dict[str, Any]:
+    """`body` parsed as one JSON object: 400 for text that is not JSON or JSON that is not an object."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise BadRequest(f"the body must be a JSON object, got {type(doc).__name__}")
+    return doc
+
+
 async def read_json_patch(request: Request, limit: int, model: type[M]) -> M:
     """An admin PATCH body: JSON (415 otherwise), at most `limit` bytes, checked by `model` (400 for
     JSON that does not parse, 422 naming the first few problems; field names come from the client,

@@ -31,7 +31,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from servewell.api.body import check_content_type, read_body
+from servewell.api.body import check_content_type, json_object, read_body
 from servewell.api.dataplane import InferenceCall
 from servewell.api.http_request import disconnected, timeout_ms_of, urgency_of
 from servewell.api.openapi import INFERENCE_HEADERS, error_responses, event_stream_response, json_body
@@ -41,7 +41,7 @@ from servewell.api.state import AppState, app_state
 from servewell.api.stream_call import StreamCall
 from servewell.api.text_tensors import TextPieces, text_inputs, text_model
 from servewell.engine.control import ListModels
-from servewell.errors import BadRequest, InvalidInput, quote
+from servewell.errors import InvalidInput, quote
 from servewell.observability.context import request_id_var
 
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
@@ -93,14 +93,7 @@ def _json(doc: Any, headers: dict[str, str] | None = None) -> Response:
 
 async def _body(request: Request, state: AppState) -> dict[str, Any]:
     check_content_type(request, ("application/json",))
-    body = await read_body(request, state.settings.max_body_bytes)
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise BadRequest(f"the body must be a JSON object, got {type(doc).__name__}")
-    return doc
+    return json_object(await read_body(request, state.settings.max_body_bytes))
 
 
 def _model_name(doc: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from servewell.api.body import check_content_type, read_body
+from servewell.api.body import check_content_type, json_object, read_body
 from servewell.api.codecs.tensors import parse_infer_request
 from servewell.api.dataplane import InferenceCall
 from servewell.api.http_request import timeout_ms_of, urgency_of
@@ -43,7 +43,7 @@ from servewell.api.state import app_state
 from servewell.api.stream_call import StreamCall, StreamEnd
 from servewell.api.text_tensors import TextPieces, text_inputs, text_model
 from servewell.config.tensors import NUMPY_TO_OIP
-from servewell.errors import BadRequest, InvalidInput, ServeError, quote
+from servewell.errors import InvalidInput, ServeError, quote
 from servewell.observability.context import request_id_var
 
 router = APIRouter(prefix="/v2", tags=["Streaming"])
@@ -98,16 +98,6 @@ def max_tokens_of(value: object, field: str = "parameters.max_tokens") -> int:
     return value
 
 
-def _object_body(body: bytes) -> dict[str, Any]:
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise BadRequest(f"the body must be a JSON object, got {type(doc).__name__}")
-    return doc
-
-
 async def _generate_request(name: str, request: Request, version: str | None) -> tuple[InferenceCall, StreamCall,
                                                                                            str]:
     state = app_state(request)
@@ -117,7 +107,7 @@ async def _generate_request(name: str, request: Request, version: str | None) ->
     with call.receiving():
         body = await read_body(request, state.settings.max_body_bytes)
     with call.preprocessing():
-        doc = _object_body(body)
+        doc = json_object(body)
         prompt = doc.get("text_input")
         if not isinstance(prompt, str):
             raise InvalidInput(f"text_input must be a string (the prompt), got {quote(prompt)}")
