@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import tritonclient.grpc as triton_grpc
 import yaml
 from tritonclient.utils import InferenceServerException
 
+from browser import console_problems, headless_chromium
 from error_bodies import error_code, error_of
 from monitoring import scraped_total
 from servers import ServerFactory, ServerProcess
@@ -263,6 +266,48 @@ def test_generate_refuses_what_it_cannot_serve(server: ServerProcess) -> None:
     response = httpx.post(f"{server.url}/v2/models/charlm/generate", timeout=10,
                           json={"text_input": "x", "parameters": {"max_tokens": 0}})
     assert response.status_code == 422 and "max_tokens" in error_of(response)["message"]
+
+
+def test_the_console_shows_a_generative_models_live_streams(server: ServerProcess, tmp_path: Path) -> None:
+    """Issue 48: the console's model row says how many streams run and wait and how many parts they
+    sent, live; the state document carries the same counts for any reader of the models."""
+    stop = threading.Event()
+
+    def streaming() -> None:  # streams of about a second each (charlm_slow: 2 ms a step), one after another
+        while not stop.is_set():
+            with httpx.stream("POST", f"{server.url}/v2/models/charlm_slow/generate_stream", timeout=30,
+                              json={"text_input": PROMPT, "parameters": {"max_tokens": 400}}) as response:
+                for _ in response.iter_lines():
+                    if stop.is_set():
+                        break
+
+    clients = [threading.Thread(target=streaming, daemon=True) for _ in range(3)]
+    for client in clients:
+        client.start()
+    driver = headless_chromium(tmp_path / "chromium-profile")
+    try:
+        driver.get(server.url + "/")
+        row = '#models tr[data-model="charlm_slow"] .stream-line'
+        running = eventually(lambda: int(driver.execute_script(
+            "const l = document.querySelector(arguments[0]); return l ? l.dataset.streamsRunning : 0", row)) or None,
+            30, "the console never showed a running stream")
+        assert 1 <= running <= 3
+        text = driver.execute_script("return document.querySelector(arguments[0]).innerText", row)
+        assert re.search(r"\d+ streams? of \d+", text) and re.search(r"[\d.]+ parts", text), text
+        doc = httpx.get(f"{server.url}/console/api/state", timeout=10).json()
+        streams = next(m for m in doc["models"] if m["name"] == "charlm_slow")["streams"]
+        assert streams["parts"] > 0 and streams["started"] >= 1 and streams["batching"] == "continuous", streams
+        assert next(m for m in doc["models"] if m["name"] == "char_embed")["streams"] is None  # not generative
+        stop.set()
+        for client in clients:
+            client.join(timeout=10)
+        eventually(lambda: driver.execute_script(
+            "const l = document.querySelector(arguments[0]); return l && l.dataset.streamsRunning === '0'", row),
+            30, "the console still shows streams running after every client left")
+        assert console_problems(driver) == []
+    finally:
+        stop.set()
+        driver.quit()
 
 
 def test_stream_figures_are_in_the_metrics(server: ServerProcess) -> None:

@@ -5,8 +5,9 @@ docstring): every ingress process's counters and recent requests are pulled and 
 
 What each part shows to whom (issue 47 added the last five):
 - to anyone the state is open to: the server, the models (each with its `diagnosis`, worker
-  replacements with their gaps, its response cache), the charts, the alerts, and the processes'
-  memory (`memory`: one definition, each process named, its series, growth and time to its limit);
+  replacements with their gaps, its response cache, a generative model's live `streams`), the
+  charts, the alerts, and the processes' memory (`memory`: one definition, each process named,
+  its series, growth and time to its limit);
 - to an operator: the tenants with their admitted / refused / failed counts and their status over
   the last 30 s, refusals by model, lane, tenant and reason (`refusals_by`), who holds each model's
   queue places (`queue_places`), and the audit trail's changes of the chart window (`audit`);
@@ -87,6 +88,7 @@ async def console_document(parts: EngineParts, op: GetConsoleState) -> dict[str,
         entry["compute_by_batch_size"] = feed.compute_by_batch_size(entry["name"])
         _add_golden_signals(entry, feed)
         entry["cache"] = cache_fields(engine, feed, entry["name"])  # as /healthz shows it
+        entry["streams"] = _streams(engine, entry["name"])
     doc["refusals"] = feed.recent.refusals_json(op.recent, clients) if sees_records else None
     own = None if scope.operator else tenant_label(scope.tenant) if scope.tenant is not None else None
     if scope.operator or own is not None:
@@ -101,6 +103,24 @@ async def console_document(parts: EngineParts, op: GetConsoleState) -> dict[str,
 def _memory_series(feed: ConsoleFeed) -> dict[str, Any]:
     series = feed.memory.to_json()
     return {"interval_s": series["interval_s"], "window_s": series["window_s"], "series": series["series"]}
+
+
+def _streams(engine: InferenceEngine, name: str) -> dict[str, Any] | None:
+    """A generative model's live streams (issue 48): sequences running and waiting now, their place
+    bound, and since it loaded the sequences started, the parts sent and how each ended (None for a
+    model that is not generative or not resident). Counts only, no request of anyone's: shown to
+    whoever sees the models, as the queue depth is."""
+    slot = engine.registry.slots.get(name)
+    entry = slot.entry if slot is not None else None
+    sequences = entry.sequences if isinstance(entry, ModelEntry) else None
+    if sequences is None:
+        return None
+    stats = sequences.stats()
+    return {"running": stats.running, "waiting": stats.waiting, "max_sequences": sequences.settings.max_sequences,
+            "batching": sequences.settings.batching, "started": stats.started, "parts": stats.parts,
+            "steps": stats.steps, "ended": {"finished": stats.finished, "cancelled": stats.cancelled,
+                                             "deadline_exceeded": stats.expired, "stream_too_slow": stats.too_slow,
+                                             "failed": stats.failed}}
 
 
 def _refusals_by(feed: ConsoleFeed, own: str | None) -> list[dict[str, Any]]:

@@ -313,6 +313,7 @@
       if (m.load_s !== null) state.appendChild(el("div", "muted small", `loaded in ${m.load_s} s`));
       state.appendChild(poolLine(m));
       if (m.rollout) state.appendChild(rolloutLine(m.rollout));
+      if (m.streams) state.appendChild(streamLine(m.name, m.streams));
       const instances = row.insertCell();
       // An evicted or never loaded model has no worker: its last processes are history, not down.
       const shown = m.residency === "evicted" || m.residency === "not_loaded" ? [] : m.instances;
@@ -355,6 +356,25 @@
       renderSignals(row, m);
     }
     markSlowest(body, models);
+  }
+
+  /* ---------- a generative model's live streams: running and waiting sequences, parts per second ---------- */
+  const lastParts = {}; // model -> {parts, at}: the parts' rate between two polls
+  function streamLine(model, st) {
+    const line = el("div", "stream-line small");
+    line.dataset.streamsRunning = String(st.running);
+    line.dataset.streamsWaiting = String(st.waiting);
+    const now = Date.now() / 1000;
+    const before = lastParts[model];
+    lastParts[model] = { parts: st.parts, at: now };
+    const rate = before && now > before.at && st.parts >= before.parts ? (st.parts - before.parts) / (now - before.at) : null;
+    line.appendChild(el("span", "badge streams" + (st.running ? " live" : ""),
+      `${st.running} stream${st.running === 1 ? "" : "s"} of ${st.max_sequences}`));
+    const facts = [`${st.waiting} waiting`, `${num(st.parts)} parts` + (rate === null ? "" : ` · ${num(rate)}/s`)];
+    line.appendChild(el("span", "muted", facts.join(" · ")));
+    const ended = Object.keys(st.ended).filter((k) => st.ended[k]).map((k) => `${st.ended[k]} ${k}`).join(", ");
+    line.title = `${st.batching} batching; ${st.started} started since load` + (ended ? `; ended: ${ended}` : "");
+    return line;
   }
 
   /* ---------- safe rollouts: a traffic split's state, the weights in force, why it rolled back ---------- */
