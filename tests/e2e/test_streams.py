@@ -288,10 +288,9 @@ def test_the_console_shows_a_generative_models_live_streams(server: ServerProces
     try:
         driver.get(server.url + "/")
         row = '#models tr[data-model="charlm_slow"] .stream-line'
-        running = eventually(lambda: int(driver.execute_script(
+        eventually(lambda: int(driver.execute_script(
             "const l = document.querySelector(arguments[0]); return l ? l.dataset.streamsRunning : 0", row)) or None,
             30, "the console never showed a running stream")
-        assert 1 <= running <= 3
         text = driver.execute_script("return document.querySelector(arguments[0]).innerText", row)
         assert re.search(r"\d+ streams? of \d+", text) and re.search(r"[\d.]+ parts", text), text
         doc = httpx.get(f"{server.url}/console/api/state", timeout=10).json()
