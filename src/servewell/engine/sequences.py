@@ -12,10 +12,8 @@ scheduler sends it before each step (`SequenceChanges`, sent at most once per ev
    is ended by the worker with its last part;
 2. **join**: waiting sequences take the free places, up to `generate.max_sequences` running per
    instance (`batching: static` lets them join only when none runs: the classic batcher, kept as
-   the baseline). The first lane goes first and has `urgent_sequences` places the other lanes
-   cannot take, so an urgent sequence joins at the next step however busy the model is; within a
-   lane the tenant with the fewest running sequences per unit of weight goes next (tenants share
-   the steps by their weights), then the one waiting longest;
+   the baseline), in the order of the waiting room (engine/sequence_queue.py: urgent places for
+   the first lane, tenants by their weights, the bytes one step carries);
 3. **parts**: each step's parts come back as the worker makes them (`StepDone`); each goes to its
    sequence's `PartSink` (engine/stream.py) at once, and a sequence that is done answers its
    outcome future with the whole answer (what a non-streamed request, the payload log and the
@@ -33,24 +31,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from servewell.config.generate import MAX_STATE_BYTES, GenerateSettings
+from servewell.config.generate import GenerateSettings
 from servewell.config.model import ModelConfig
 from servewell.engine.clock import Clock, LoopClock, TimerHandle
 from servewell.engine.protocol import RequestResult
 from servewell.engine.request import InferenceRequest
+from servewell.engine.sequence_queue import SequenceQueue, input_bytes
 from servewell.engine.stream import PartSink, StreamPart, whole_answer
 from servewell.errors import (
     DeadlineExceeded,
     InvalidInput,
     ModelError,
-    Overloaded,
     ServeError,
     ShuttingDown,
     StreamTooSlow,
@@ -184,12 +181,9 @@ class SequenceScheduler:
         self.settings: GenerateSettings = config.generate
         self.lanes: tuple[str, ...] = tuple(config.batching.lanes)
         self._clock: Clock = clock or LoopClock()
-        self._weight_of = weight_of or (lambda tenant: 1.0)
         self._telemetry: StreamTelemetry = telemetry or _NoTelemetry()
-        self._waiting: list[dict[str, deque[_Sequence]]] = [{} for _ in self.lanes]  # lane -> tenant -> queue
-        self._waiting_count = 0
+        self._queue: SequenceQueue[_Sequence] = SequenceQueue(config.name, self.lanes, self.settings, weight_of)
         self._loops: list[_RunnerLoop] = []
-        self._running_by_tenant: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._accepting = True
         self._drained: asyncio.Event | None = None
@@ -200,27 +194,17 @@ class SequenceScheduler:
 
     # --- what others read ----------------------------------------------------------------------
 
-    @property
-    def urgent_sequences(self) -> int:
-        """Places of each instance's `max_sequences` only the first lane may take."""
-        if len(self.lanes) < 2:
-            return 0
-        reserved = self.settings.urgent_sequences
-        if reserved is None:
-            reserved = max(1, self.settings.max_sequences // 8)
-        return min(reserved, self.settings.max_sequences - 1)
-
     def stats(self) -> SequenceStats:
         """Running and waiting sequences, and the counts since the model loaded."""
-        return SequenceStats(sum(len(loop.running) for loop in self._loops), self._waiting_count, **self._counts)
+        return SequenceStats(sum(len(loop.running) for loop in self._loops), self._queue.count, **self._counts)
 
     def lane_depths(self) -> dict[str, int]:
         """Sequences waiting to join, per lane (the model's `servewell_queue_depth`)."""
-        return {name: sum(len(queue) for queue in self._waiting[i].values()) for i, name in enumerate(self.lanes)}
+        return self._queue.lane_depths()
 
     def tenant_depth(self, tenant: str) -> int:
         """Sequences of `tenant` waiting to join (the tenant's per-model queue quota counts them)."""
-        return sum(len(lane.get(tenant, ())) for lane in self._waiting)
+        return self._queue.tenant_depth(tenant)
 
     # --- runners -----------------------------------------------------------------------------
 
@@ -250,12 +234,9 @@ class SequenceScheduler:
         the error that ended it); its parts go to `sink` as they are made."""
         if not self._accepting:
             raise ShuttingDown(f"model '{self.config.name}' is draining and takes no new sequences")
-        lane = request.lane if 0 <= request.lane < len(self.lanes) else len(self.lanes) - 1
-        waiting = sum(len(queue) for queue in self._waiting[lane].values())
-        if waiting >= self.settings.max_waiting:  # per lane: a flood of one lane never shuts out another
-            raise Overloaded(f"model '{self.config.name}' has {waiting} sequences waiting to join in lane "
-                             f"'{self.lanes[lane]}', its generate.max_waiting", tenant=request.tenant)
-        size = _input_bytes(request)
+        lane = self._queue.lane_of(request)
+        self._queue.check_room(lane, request.tenant)
+        size = input_bytes(request)
         if size > self.settings.max_state_bytes:
             raise InvalidInput(f"the request's inputs hold {size} bytes; a sequence of model '{self.config.name}' "
                                f"starts from at most {self.settings.max_state_bytes} (generate.max_state_bytes)")
@@ -264,8 +245,7 @@ class SequenceScheduler:
             limit = min(limit, request.max_outputs)
         outcome: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         seq = _Sequence(next(self._ids), request._replace(lane=lane), sink, outcome, limit, self._clock.now())
-        self._waiting[lane].setdefault(request.tenant, deque()).append(seq)
-        self._waiting_count += 1
+        self._queue.add(seq)
         seq.timer = self._clock.call_at(request.deadline_at, lambda: self._expire(seq))
         outcome.add_done_callback(lambda future: self._left(seq) if future.cancelled() else None)
         self._kick()
@@ -280,10 +260,8 @@ class SequenceScheduler:
 
     def fail_all(self, error: ServeError) -> None:
         """End every waiting and running sequence with `error` (the model is going away)."""
-        for lane in self._waiting:
-            for queue in lane.values():
-                for seq in list(queue):
-                    self._end(seq, error)
+        for seq in self._queue.waiting():
+            self._end(seq, error)
         for loop in self._loops:
             for seq in list(loop.running.values()):
                 self._end(seq, error)
@@ -357,57 +335,17 @@ class SequenceScheduler:
         self._maybe_drained()
 
     def _joins(self, loop: _RunnerLoop) -> list[_Sequence]:
-        free = self.settings.max_sequences - len(loop.running)
-        if free <= 0 or self._waiting_count == 0:
-            return []
+        """The waiting sequences that join `loop`'s running batch now (its free places)."""
         if self.settings.batching == "static" and loop.running:
             return []
+        joins = self._queue.next_joins(self.settings.max_sequences - len(loop.running))
         now = self._clock.now()
-        joins: list[_Sequence] = []
-        urgent = self.urgent_sequences
-        carried = 0  # bytes of inputs this step's message carries (bounded: it crosses the pipe whole)
-        for lane, tenants in enumerate(self._waiting):
-            room = free - len(joins) - (urgent if lane > 0 else 0)
-            while room > 0 and tenants:
-                head = self._peek(tenants)
-                size = _input_bytes(head.request)
-                if joins and carried + size > MAX_STATE_BYTES:
-                    return joins  # the rest join at the next step
-                carried += size
-                seq = self._next_of(tenants)
-                self._waiting_count -= 1
-                if seq.outcome.done():
-                    continue
-                seq.joined_at, seq.runner = now, loop
-                seq.batch_size = len(loop.running) + 1
-                loop.running[seq.id] = seq
-                tenant = seq.request.tenant
-                self._running_by_tenant[tenant] = self._running_by_tenant.get(tenant, 0) + 1
-                self._counts["started"] += 1
-                joins.append(seq)
-                room -= 1
+        for seq in joins:
+            seq.joined_at, seq.runner = now, loop
+            seq.batch_size = len(loop.running) + 1
+            loop.running[seq.id] = seq
+        self._counts["started"] += len(joins)
         return joins
-
-    def _tenant_next(self, tenants: dict[str, deque[_Sequence]]) -> str:
-        """Whose sequence of one lane joins next: the tenant with the fewest running sequences per
-        unit of weight, then the one whose head waited longest."""
-        def share(tenant: str) -> tuple[float, float]:
-            weight = max(self._weight_of(tenant), 1e-9)
-            return (self._running_by_tenant.get(tenant, 0) / weight, tenants[tenant][0].enqueued_at)
-
-        return min(tenants, key=share)
-
-    def _peek(self, tenants: dict[str, deque[_Sequence]]) -> _Sequence:
-        return tenants[self._tenant_next(tenants)][0]
-
-    def _next_of(self, tenants: dict[str, deque[_Sequence]]) -> _Sequence:
-        """The next sequence of one lane (`_tenant_next`), taken out of its queue."""
-        tenant = self._tenant_next(tenants)
-        queue = tenants[tenant]
-        seq = queue.popleft()
-        if not queue:
-            del tenants[tenant]
-        return seq
 
     def _stepped(self, loop: _RunnerLoop, message: StepDone | StepFailed) -> None:
         """A step the worker made (or the failure that ended its sequences)."""
@@ -421,7 +359,7 @@ class SequenceScheduler:
             return
         self._counts["steps"] += 1
         self._deliver(loop, message)
-        if loop.leaving or (self._waiting_count and len(loop.running) < self.settings.max_sequences):
+        if loop.leaving or (self._queue.count and len(loop.running) < self.settings.max_sequences):
             self._flush_soon(loop)
         self._maybe_drained()
 
@@ -491,18 +429,9 @@ class SequenceScheduler:
             seq.timer.cancel()
         loop = seq.runner
         if loop is None:
-            lane = self._waiting[seq.request.lane]
-            queue = lane.get(seq.request.tenant)
-            if queue is not None and seq in queue:
-                queue.remove(seq)
-                self._waiting_count -= 1
-                if not queue:
-                    del lane[seq.request.tenant]
+            self._queue.remove(seq)
         else:
-            tenant = seq.request.tenant
-            self._running_by_tenant[tenant] = self._running_by_tenant.get(tenant, 1) - 1
-            if not self._running_by_tenant[tenant]:
-                del self._running_by_tenant[tenant]
+            self._queue.stopped_running(seq.request.tenant)
             if loop.running.pop(seq.id, None) is not None:
                 loop.leaving.append(seq.id)
         outcome = seq.outcome
@@ -528,12 +457,9 @@ class SequenceScheduler:
                              seq.batch_size)
 
     def _busy(self) -> bool:
-        return self._waiting_count > 0 or any(loop.running for loop in self._loops)
+        return self._queue.count > 0 or any(loop.running for loop in self._loops)
 
     def _maybe_drained(self) -> None:
         if self._drained is not None and not self._busy():
             self._drained.set()
 
-
-def _input_bytes(request: InferenceRequest) -> int:
-    return sum(int(np.asarray(array).nbytes) for array in request.inputs.values())

@@ -21,6 +21,7 @@ from servewell.errors import (
     InvalidInput,
     ModelError,
     Overloaded,
+    ShuttingDown,
     StreamTooSlow,
     WorkerHung,
     WorkerLost,
@@ -411,4 +412,25 @@ def test_waiting_sequences_are_the_models_queue_depth() -> None:
         scheduler.submit(req(NORMAL), 1)
         scheduler.submit(req(NORMAL), 1)
         assert scheduler.lane_depths() == {"high": 1, "normal": 2}
+    run(body)
+
+
+def test_fail_all_answers_every_waiting_and_running_sequence() -> None:
+    """The model going away ends every sequence with its error, the waiting ones of several tenants
+    included (ending one while walking the waiting room must not upset the walk)."""
+    async def body(clock: FakeClock) -> None:
+        scheduler = SequenceScheduler(config(max_sequences=1, urgent_sequences=0), clock)
+        runner = StepRunner()
+        scheduler.add_runner(runner)
+        running = scheduler.submit(req(tenant="a"), 1)
+        await turn()
+        waiting = [scheduler.submit(req(tenant=t), 1) for t in ("a", "b", "b", "c")]
+        await turn()
+        assert scheduler.stats().waiting == 4 and scheduler.stats().running == 1
+        scheduler.fail_all(ShuttingDown("going away"))
+        for outcome in (running, *waiting):
+            with pytest.raises(ShuttingDown):
+                await outcome
+        assert scheduler.stats().waiting == 0 and scheduler.stats().running == 0
+        assert scheduler.lane_depths() == {"high": 0, "normal": 0} and scheduler.tenant_depth("b") == 0
     run(body)
