@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from servewell.config.model import ModelConfig
 from servewell.errors import SharedMemoryFull
@@ -96,6 +97,11 @@ def worker_main(conn: Connection, config: ModelConfig, launch: WorkerLaunch, beg
     # Thread pools read these when the framework is first imported, so set them first.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(config.threads)
+    # numpy, and the OpenBLAS it carries, is imported already (by this module, before a spare is
+    # adopted): its pool was sized to every CPU, and OpenBLAS's threads spin while they wait. A step
+    # of 32 rows of the generative example crossed its threading threshold and the worker of a
+    # `threads: 1` model took 0.96 of this 2-core machine's cores, against 0.24. Resize what is loaded.
+    threadpool_limits(limits=config.threads)
 
     instance = launch.instance
     started = time.perf_counter()
