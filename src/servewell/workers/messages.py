@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
+
 from servewell.config.model import ModelConfig
 from servewell.errors import ServeError
 from servewell.observability.tracing import TracingSettings
@@ -257,7 +259,7 @@ WorkerReply = (SpareReady | ProfileDone | LoadProgress | WorkerReady | WorkerLoa
 
 
 WorkerMessage = RunBatch | SequenceChanges | Shutdown | StartProfile | StopProfile | AdoptSpare | WorkerReply
-_RUN, _DONE, _PICKLED = b"M", b"D", b"P"
+_RUN, _DONE, _STEP, _PICKLED = b"M", b"D", b"S", b"P"
 
 
 def encode_message(message: WorkerMessage) -> bytes:
@@ -277,6 +279,11 @@ def encode_message(message: WorkerMessage) -> bytes:
                 int(message.rss_bytes), int(message.rows_computed),
                 tuple((name, float(seconds)) for name, seconds in message.steps), None if oom is None else int(oom),
                 tuple(map(int, message.skipped))))
+        if type(message) is StepDone:  # one a step while sequences run: pickling its parts cost ~10 us each
+            return _STEP + marshal.dumps((
+                int(message.step_id), float(message.compute_s), int(message.rss_bytes),
+                tuple((int(p.seq_id), None if p.outputs is None else _array_tuples(p.outputs), bool(p.done), p.error)
+                      for p in message.parts)))
     except ValueError:
         pass
     return _PICKLED + pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -291,6 +298,10 @@ def decode_message(frame: bytes) -> WorkerMessage:
     if kind == _DONE:
         batch_id, segment, refs, compute_s, rss, rows, steps, oom_limited, skipped = marshal.loads(body)
         return BatchDone(batch_id, segment, _refs(refs), compute_s, rss, rows, steps, oom_limited, skipped)
+    if kind == _STEP:
+        step_id, compute_s, rss, parts = marshal.loads(body)
+        return StepDone(step_id, tuple(SequencePart(seq_id, None if outputs is None else _arrays(outputs), done, error)
+                                       for seq_id, outputs, done, error in parts), compute_s, rss)
     if kind == _PICKLED:
         message: WorkerMessage = pickle.loads(body)
         return message
@@ -313,3 +324,18 @@ def _ref_tuples(refs: tuple[TensorRef, ...]) -> tuple[tuple[Any, ...], ...]:
 
 def _refs(rows: tuple[tuple[Any, ...], ...]) -> tuple[TensorRef, ...]:
     return tuple(TensorRef(*row) for row in rows)
+
+
+def _array_tuples(outputs: dict[str, Any]) -> tuple[tuple[str, bytes, str, tuple[int, ...]], ...]:
+    """A part's outputs as (name, bytes, dtype, shape): `ValueError` for anything but an array of
+    numbers or bytes (the message is then pickled whole)."""
+    rows = []
+    for name, array in outputs.items():
+        if type(array) is not np.ndarray or array.dtype.hasobject or type(name) is not str:
+            raise ValueError("not a plain array")
+        rows.append((name, array.tobytes(), array.dtype.str, tuple(map(int, array.shape))))
+    return tuple(rows)
+
+
+def _arrays(rows: tuple[tuple[str, bytes, str, tuple[int, ...]], ...]) -> dict[str, Any]:
+    return {name: np.frombuffer(data, dtype).reshape(shape) for name, data, dtype, shape in rows}

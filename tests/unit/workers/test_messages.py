@@ -14,7 +14,9 @@ from servewell.workers.messages import (
     BatchFailed,
     LoadProgress,
     RunBatch,
+    SequencePart,
     Shutdown,
+    StepDone,
     TensorRef,
     decode_message,
     encode_message,
@@ -35,6 +37,31 @@ def test_batch_messages_are_marshalled_and_come_back_equal(message: RunBatch | B
     frame = encode_message(message)
     assert frame[:1] in (b"M", b"D")
     assert decode_message(frame) == message
+
+
+def test_a_step_is_marshalled_with_its_parts_arrays_and_comes_back_equal() -> None:
+    text = np.frombuffer(b"ab", dtype=np.uint8)[None, :]
+    message = StepDone(np.int64(4), (SequencePart(1, {"text_output": text, "logit": np.float32([[0.5]])}),  # type: ignore[arg-type]
+                                     SequencePart(2, None, True), SequencePart(3, None, True, "boom")),
+                       np.float64(0.002), 10 << 20)  # type: ignore[arg-type]
+    frame = encode_message(message)
+    assert frame[:1] == b"S"
+    decoded = decode_message(frame)
+    assert isinstance(decoded, StepDone) and type(decoded.step_id) is int
+    assert (decoded.step_id, decoded.compute_s, decoded.rss_bytes) == (4, 0.002, 10 << 20)
+    first = decoded.parts[0].outputs
+    assert first is not None and first["text_output"].tobytes() == b"ab" and first["text_output"].shape == (1, 2)
+    assert first["logit"].dtype == np.float32 and float(first["logit"][0, 0]) == 0.5
+    assert decoded.parts[1:] == message.parts[1:]
+
+
+def test_a_step_whose_part_holds_objects_is_pickled_whole() -> None:
+    message = StepDone(1, (SequencePart(1, {"text_output": np.array(["x"], dtype=object)}),), 0.001)
+    frame = encode_message(message)
+    assert frame[:1] == b"P"
+    decoded = decode_message(frame)
+    assert isinstance(decoded, StepDone) and decoded.parts[0].outputs is not None
+    assert decoded.parts[0].outputs["text_output"].tolist() == ["x"]
 
 
 @pytest.mark.parametrize("message", [Shutdown(), LoadProgress("warm-up", 1.5), BatchFailed(3, "boom", fatal=True)])
