@@ -57,21 +57,23 @@ class EventStreamResponse(Response):
             self._on_disconnect()
 
         watcher = asyncio.ensure_future(watch())
+        writes = _WriteWatch(self._write_timeout_s)
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in self._events:
                 if gone.is_set():
                     break
                 try:
-                    await asyncio.wait_for(send({"type": "http.response.body", "body": chunk, "more_body": True}),
-                                           self._write_timeout_s)
-                except (TimeoutError, OSError):
+                    with writes:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except (_TooSlow, OSError):
                     self._on_disconnect()  # it stopped reading: the stream ends, the connection closes
                     gone.set()
                     break
             if not gone.is_set():
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            writes.close()
             watcher.cancel()
             with contextlib.suppress(BaseException):
                 await watcher
@@ -79,3 +81,51 @@ class EventStreamResponse(Response):
             if closer is not None:
                 with contextlib.suppress(Exception):
                     await closer()
+
+
+class _TooSlow(Exception):
+    """A write waited for its client longer than the write timeout."""
+
+
+class _WriteWatch:
+    """Ends a write that waits longer than `timeout_s` (`_TooSlow` from the `with` block around it).
+
+    A write to a client that reads returns without waiting (it lands in the socket's buffer), so a
+    per-write timer (`asyncio.wait_for`: a task a write) cost more than the event's encoding did.
+    One check every `timeout_s / 4` (at most a second) looks at the write in progress and cancels
+    the writer's task if it began over `timeout_s` ago."""
+
+    __slots__ = ("_timeout_s", "_interval_s", "_loop", "_task", "_since", "_stuck", "_timer")
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._interval_s = min(1.0, timeout_s / 4)
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._since: float | None = None  # when the write in progress began
+        self._stuck = False
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(self._interval_s, self._check)
+
+    def __enter__(self) -> None:
+        self._since = self._loop.time()
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _tb: object) -> bool:
+        self._since = None
+        if kind is asyncio.CancelledError and self._stuck and self._task is not None:
+            self._task.uncancel()  # this watch's own cancellation: the write is over, the stream ends
+            raise _TooSlow()
+        return False
+
+    def _check(self) -> None:
+        since = self._since
+        if since is not None and self._loop.time() - since >= self._timeout_s and self._task is not None:
+            self._stuck = True  # the task waits in this write (`_since` is cleared as soon as it returns)
+            self._task.cancel()
+            self._timer = None
+            return
+        self._timer = self._loop.call_later(self._interval_s, self._check)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
