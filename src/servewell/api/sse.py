@@ -109,12 +109,11 @@ class _WriteWatch:
     def __enter__(self) -> None:
         self._since = self._loop.time()
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _tb: object) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _tb: object) -> None:
         self._since = None
         if kind is asyncio.CancelledError and self._stuck and self._task is not None:
             self._task.uncancel()  # this watch's own cancellation: the write is over, the stream ends
             raise _TooSlow()
-        return False
 
     def _check(self) -> None:
         since = self._since

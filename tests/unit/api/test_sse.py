@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
 from servewell.api.sse import EventStreamResponse, sse_event
@@ -24,10 +24,10 @@ async def _never_disconnects() -> dict[str, Any]:
 
 
 def test_every_event_is_written_then_the_body_ends() -> None:
-    sent: list[dict[str, Any]] = []
+    sent: list[MutableMapping[str, Any]] = []
     ended: list[bool] = []
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
     async def main() -> None:
@@ -44,7 +44,7 @@ def test_a_write_the_client_does_not_take_ends_the_stream_after_the_timeout() ->
     ended: list[float] = []
     writes = [0]
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         if message["type"] == "http.response.body":
             writes[0] += 1
             if writes[0] == 2:  # the client stops reading at the second event
@@ -67,7 +67,7 @@ def test_slow_parts_are_not_a_slow_client() -> None:
     ended: list[bool] = []
     sent: list[bytes] = []
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         if message["type"] == "http.response.body":
             sent.append(message["body"])
 
@@ -81,7 +81,7 @@ def test_slow_parts_are_not_a_slow_client() -> None:
 
 
 def test_a_cancellation_from_outside_still_cancels() -> None:
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         if message["type"] == "http.response.body":
             await asyncio.Event().wait()
 

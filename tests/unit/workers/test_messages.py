@@ -4,6 +4,7 @@ pickled, each decoded back to an equal message, and a frame this server did not 
 from __future__ import annotations
 
 import multiprocessing
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,9 +42,10 @@ def test_batch_messages_are_marshalled_and_come_back_equal(message: RunBatch | B
 
 def test_a_step_is_marshalled_with_its_parts_arrays_and_comes_back_equal() -> None:
     text = np.frombuffer(b"ab", dtype=np.uint8)[None, :]
-    message = StepDone(np.int64(4), (SequencePart(1, {"text_output": text, "logit": np.float32([[0.5]])}),  # type: ignore[arg-type]
-                                     SequencePart(2, None, True), SequencePart(3, None, True, "boom")),
-                       np.float64(0.002), 10 << 20)  # type: ignore[arg-type]
+    step_id: Any = np.int64(4)  # numpy numbers arrive as plain ones
+    parts = (SequencePart(1, {"text_output": text, "logit": np.array([[0.5]], np.float32)}),
+             SequencePart(2, None, True), SequencePart(3, None, True, "boom"))
+    message = StepDone(step_id, parts, float(np.float64(0.002)), 10 << 20)
     frame = encode_message(message)
     assert frame[:1] == b"S"
     decoded = decode_message(frame)
