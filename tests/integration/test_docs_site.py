@@ -90,7 +90,8 @@ def test_the_hand_written_pages_name_only_flags_codes_and_metrics_that_exist(pag
     flags |= {"--help", "--version", "--strict", "--find-links", "--extra-index-url", "--dev-addr", "--site-dir",
               "--outdir", "--build-context", "--network", "--stop-timeout", "--rm", "--runtime", "--out",
               "--attacks", "--cases", "--rounds", "--seconds", "--clients", "--minutes", "--scrape-every-s",
-              "--tensors", "--ingress-processes", "--other-src", "--shadow-only", "--worker-nice"}
+              "--tensors", "--ingress-processes", "--other-src", "--shadow-only", "--worker-nice",
+                  "--step-ms"}
     metrics = {family.name for family in docs_reference.metric_families()}
     problems = []
     for page in hand_written_pages():

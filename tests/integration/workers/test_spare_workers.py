@@ -35,7 +35,7 @@ def process_gone(pid: int) -> bool:
     status = Path(f"/proc/{pid}/status")
     try:
         return "zombie" in status.read_text().lower()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between the open and the read
         return True
 
 
