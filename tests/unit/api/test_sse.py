@@ -10,6 +10,9 @@ from typing import Any
 
 from servewell.api.sse import EventStreamResponse, sse_event
 
+#: A response that has not ended by then fails its test (a broken write watch would hang it).
+BOUND_S = 10.0
+
 
 async def _events(count: int, gap_s: float = 0.0) -> AsyncIterator[bytes]:
     for index in range(count):
@@ -32,7 +35,7 @@ def test_every_event_is_written_then_the_body_ends() -> None:
 
     async def main() -> None:
         response = EventStreamResponse(_events(3), on_disconnect=lambda: ended.append(True), write_timeout_s=0.2)
-        await response({"type": "http"}, _never_disconnects, send)
+        await asyncio.wait_for(response({"type": "http"}, _never_disconnects, send), BOUND_S)
 
     asyncio.run(main())
     bodies = [m["body"] for m in sent if m["type"] == "http.response.body"]
@@ -54,7 +57,7 @@ def test_a_write_the_client_does_not_take_ends_the_stream_after_the_timeout() ->
         began = time.monotonic()
         response = EventStreamResponse(_events(5), on_disconnect=lambda: ended.append(time.monotonic()),
                                        write_timeout_s=0.4)
-        await response({"type": "http"}, _never_disconnects, send)
+        await asyncio.wait_for(response({"type": "http"}, _never_disconnects, send), BOUND_S)
         return began
 
     began = asyncio.run(main())
@@ -74,7 +77,7 @@ def test_slow_parts_are_not_a_slow_client() -> None:
     async def main() -> None:
         response = EventStreamResponse(_events(3, gap_s=0.3), on_disconnect=lambda: ended.append(True),
                                        write_timeout_s=0.2)
-        await response({"type": "http"}, _never_disconnects, send)
+        await asyncio.wait_for(response({"type": "http"}, _never_disconnects, send), BOUND_S)
 
     asyncio.run(main())
     assert len(sent) == 4 and not ended
@@ -91,7 +94,7 @@ def test_a_cancellation_from_outside_still_cancels() -> None:
         await asyncio.sleep(0.1)
         task.cancel()
         try:
-            await task
+            await asyncio.wait_for(task, BOUND_S)
         except asyncio.CancelledError:
             return True
         return False
