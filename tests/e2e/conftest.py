@@ -7,6 +7,7 @@ than a few servers and their workers at a time.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +18,15 @@ from servers import ServerFactory, ServerProcess
 
 @pytest.fixture(scope="session")
 def servewell_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One cache directory per test session, so the built-in model is built once."""
-    return tmp_path_factory.mktemp("servewell-cache")
+    """One cache directory per test run, so the built-in model is built once: under pytest-xdist the
+    processes share it (the build takes a lock per model and checks its stamp, as servers sharing
+    a user's cache do; it took 20 to 30 s of each process's first test)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each process's own
+    cache = root / "servewell-cache"
+    cache.mkdir(exist_ok=True)
+    return cache
 
 
 @pytest.fixture(scope="module")

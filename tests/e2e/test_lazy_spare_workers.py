@@ -1,7 +1,7 @@
 """A lazy server with its defaults for fast cold starts (one spare worker, warm-up of the first
-batch sizes; loads at normal priority): each model's first request loads it on the spare (its worker's pid is the spare's,
-per the log), warmed up at batch sizes 1 and 2 only, and gets what the model computes; the spare
-is replaced for the next model; no spare outlives the server."""
+batch sizes; loads at normal priority): each model's first request loads it on the spare (its
+worker's pid is the spare's, per the log), warmed up at batch sizes 1 and 2 only, and gets what
+the model computes; the spare is replaced for the next model; no spare outlives the server."""
 
 from __future__ import annotations
 

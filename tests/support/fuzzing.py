@@ -14,7 +14,7 @@ LONG = os.environ.get("SERVEWELL_FUZZ") == "long"
 #: Examples per hypothesis property: small enough that `make test` stays fast.
 PROPERTY_EXAMPLES = 2000 if LONG else 150
 #: Examples per API operation for schemathesis.
-API_EXAMPLES = 300 if LONG else 25
+API_EXAMPLES = 300 if LONG else 10
 
 settings.register_profile(
     "servewell", max_examples=PROPERTY_EXAMPLES, deadline=None, database=None, derandomize=not LONG,
