@@ -1,8 +1,9 @@
-"""Frontend side of one worker process: spawn it, follow its load, hand it batches, watch it.
+"""Frontend side of one worker process: spawn it (or adopt a spare), follow its load, watch it, end it.
 
-The event loop watches the pipe's file descriptor (`add_reader`): it reads replies when
-they arrive, never polls, and learns of a worker's death (pipe EOF) the moment it happens.
-No reader thread, so no GIL hand-offs between a thread and the loop on every batch.
+What crosses its pipe once it runs (batches, steps, profiles, their outcomes) is the
+`WorkerChannel`'s (workers/channel.py); this handle is the process's lifecycle, and the
+`BatchRunner` its model's scheduler sees. The channel learns of a worker's death (pipe EOF) the
+moment it happens and tells the handle.
 
 A worker that stops making progress without dying (SIGSTOP, a deadlock, a wedged device) closes
 no pipe; its heartbeat counter (a shared-memory cell a thread of the worker increments) stops
@@ -14,13 +15,11 @@ handle's name prefix, and all of them are removed whenever the worker ends, howe
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -28,9 +27,10 @@ import numpy as np
 
 from servewell.config.model import ModelConfig
 from servewell.engine.batch_runner import BatchOutcome
-from servewell.errors import ModelError, ServeError, WorkerHung, WorkerLost
+from servewell.errors import ServeError, WorkerHung, WorkerLost
 from servewell.observability.tracing import TracingSettings
 from servewell.observability.worker_events import WorkerEventSink
+from servewell.workers.channel import WorkerChannel
 from servewell.workers.child_main import run_child
 from servewell.workers.cold_start import ColdStartBreakdown, breakdown_of
 from servewell.workers.entry import run_worker
@@ -39,39 +39,22 @@ from servewell.workers.load_slots import LoadRetryPolicy, LoadSlots
 from servewell.workers.messages import (
     AdoptSpare,
     BatchDone,
-    BatchFailed,
     LoadProgress,
-    ProfileDone,
-    RunBatch,
-    SequenceChanges,
     SequenceJoin,
     Shutdown,
     SpareReady,
-    StartProfile,
     StepDone,
     StepFailed,
-    StopProfile,
     WorkerLaunch,
     WorkerLoadFailed,
     WorkerMessage,
     WorkerReady,
-    receive_message,
     send_message,
 )
 from servewell.workers.output_cap import OutputLimits
 from servewell.workers.process_start import end_group, find_jemalloc, output_pipe, spawn, watch_exit
-from servewell.workers.shm import (
-    COPIES,
-    OFF_LOOP_BYTES,
-    HeartbeatCell,
-    SegmentReader,
-    SharedArena,
-    copies_of,
-    new_prefix,
-    remove_segments,
-    shm_directory,
-)
-from servewell.workers.spare import SpareWorkers, why_fresh
+from servewell.workers.shm import HeartbeatCell, SharedArena, new_prefix, remove_segments, shm_directory
+from servewell.workers.spare import SpareProcess, SpareWorkers, why_fresh
 from servewell.workers.worker_output import WorkerOutput
 
 log = logging.getLogger("servewell.workers")
@@ -159,20 +142,16 @@ class WorkerHandle:
         self.instance = instance
         self.model_dir = model_dir
         self._on_progress = on_progress
-        self._ids = itertools.count(1)
         self._process: multiprocessing.process.BaseProcess | None = None
-        self._conn: Connection | None = None
+        #: Its pipe and segments once `start` made them (batches, steps, profiles).
+        self._channel: WorkerChannel | None = None
+        #: Where a generative model's steps go (`listen_to_steps`), for each channel a start makes.
+        self._step_listener: Callable[[StepDone | StepFailed], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[WorkerReady] | None = None
-        self._pending: dict[int, asyncio.Future[BatchOutcome]] = {}
-        #: Where a generative model's steps go as the worker makes them (`listen_to_steps`).
-        self._step_listener: Callable[[StepDone | StepFailed], None] | None = None
-        self._profile_reply: asyncio.Future[ProfileDone] | None = None
         #: Every segment of this worker, both directions and the heartbeat, starts with this.
         self.segment_prefix = new_prefix()
-        self._arena: SharedArena | None = None
-        self._reader = SegmentReader()
-        self._copies: set[asyncio.Future[dict[str, np.ndarray]]] = set()  # large outputs being copied out
+        self._arena_prefix = f"{self.segment_prefix}-in"  # the batches' input arena
         self._heartbeat: HeartbeatCell | None = None
         self._beat = 0
         self._beat_at = 0.0
@@ -242,7 +221,10 @@ class WorkerHandle:
             self._heartbeat = HeartbeatCell(f"{self.segment_prefix}-hb", create=True)
             # The batch arena is made (and its memory reserved) now, not at the first batch: a worker
             # that is ready keeps serving small batches when /dev/shm fills up later (issue 45 H14).
-            self._arena = SharedArena(prefix=f"{self.segment_prefix}-in")
+            self._channel = WorkerChannel(SharedArena(prefix=self._arena_prefix), self._dispatch, self._lost,
+                                          self._on_done)
+            if self._step_listener is not None:
+                self._channel.listen_to_steps(self._step_listener)
         except OSError as exc:  # /dev/shm full or not writable: the load fails saying so
             self._release_segments()
             raise WorkerLoadError(f"no shared memory for the worker's segments in {shm_directory()}: {exc}") from None
@@ -252,44 +234,12 @@ class WorkerHandle:
             settings.log_level, settings.log_format, settings.tracing, self.device, settings.warmup_first_only,
             settings.load_cpu_policy, settings.max_output_bytes,
         )
-        name = f"servewell-worker-{self.config.name}"
-        spare = settings.spares.take(self.config) if settings.spares is not None else None
-        if spare is None and settings.spares is not None and settings.spares.fork_on_demand:
-            spare = await settings.spares.fork_for(self.config)
-            if spare is not None and self._life.ended:  # stopped while the spare was forked
-                spare.conn.close()  # it exits on EOF; PR_SET_PDEATHSIG covers the rest
-                if spare.output is not None:
-                    spare.output.close()
-                self._release_segments()
-                raise WorkerLoadError("the worker was stopped before it started")
-        fresh_reason = ""
-        if spare is not None:
-            self._process, parent, self._output = spare.process, spare.conn, spare.output
-            try:
-                send_message(parent, AdoptSpare(self.config, launch, name))
-            except (OSError, ValueError):
-                pass  # it died just now: its pipe's EOF fails this start like a fresh worker's death
-        else:
-            fresh_reason = why_fresh(settings.spares, self.config)
-            ctx = multiprocessing.get_context("spawn")
-            parent, child = ctx.Pipe(duplex=True)
-            read_fd, output = output_pipe()
-            process = ctx.Process(target=run_child, args=(output, run_worker, child, self.config, launch), name=name,
-                                  daemon=True)
-            self._process = process
-            try:
-                spawn(process, self.config.name, self.config.allocator == "jemalloc")
-            finally:
-                child.close()
-                output.close()
-            self._output = WorkerOutput(read_fd, settings.output, "")
-            self._output.start(self._loop)
+        spare, parent, fresh_reason = await self._launch(launch)
         if self._output is not None:
             self._output.relabel(f"model {self.config.name} instance {self.instance} (worker {self.pid})",
                                  model=self.config.name, instance=self.instance, pid=self.pid)
-        self._conn = parent
         self._life.spawned()
-        self._loop.add_reader(parent.fileno(), self._on_readable)
+        self._channel.attach(parent, self._loop)
         try:
             info = await asyncio.wait_for(asyncio.shield(self._ready), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
@@ -307,6 +257,43 @@ class WorkerHandle:
                                        spare is not None, fresh_reason)
         return info
 
+    async def _launch(self, launch: WorkerLaunch) -> tuple[SpareProcess | None, Connection, str]:
+        """The worker's process: an idle spare adopted, one forked now, or a fresh spawn (sets
+        `_process` and `_output`). Returns the spare (None: spawned), the engine's end of its pipe,
+        and why it was spawned ("" for a spare)."""
+        settings = self._settings
+        name = f"servewell-worker-{self.config.name}"
+        spare = settings.spares.take(self.config) if settings.spares is not None else None
+        if spare is None and settings.spares is not None and settings.spares.fork_on_demand:
+            spare = await settings.spares.fork_for(self.config)
+            if spare is not None and self._life.ended:  # stopped while the spare was forked
+                spare.conn.close()  # it exits on EOF; PR_SET_PDEATHSIG covers the rest
+                if spare.output is not None:
+                    spare.output.close()
+                self._release_segments()
+                raise WorkerLoadError("the worker was stopped before it started")
+        if spare is not None:
+            self._process, self._output = spare.process, spare.output
+            try:
+                send_message(spare.conn, AdoptSpare(self.config, launch, name))
+            except (OSError, ValueError):
+                pass  # it died just now: its pipe's EOF fails this start like a fresh worker's death
+            return spare, spare.conn, ""
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        read_fd, output = output_pipe()
+        process = ctx.Process(target=run_child, args=(output, run_worker, child, self.config, launch), name=name,
+                              daemon=True)
+        self._process = process
+        try:
+            spawn(process, self.config.name, self.config.allocator == "jemalloc")
+        finally:
+            child.close()
+            output.close()
+        self._output = WorkerOutput(read_fd, settings.output, "")
+        self._output.start(asyncio.get_running_loop())
+        return None, parent, why_fresh(settings.spares, self.config)
+
     async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
                   deadlines: Sequence[float] = ()) -> BatchOutcome:
         """Run one batch (`send_batch`) and wait for its outcome."""
@@ -317,55 +304,31 @@ class WorkerHandle:
         """Hand the worker one batch made of the row blocks in `parts`, concatenated along axis 0,
         now; the future resolves with its outcome. The worker skips the blocks (requests) whose
         `deadlines` passed before it computes."""
-        if not self.alive or self._conn is None:
-            raise self._gone_error("the worker process is not running")
-        if self._arena is None:
-            self._arena = SharedArena(prefix=f"{self.segment_prefix}-in")
-        shapes = {}
-        for name, blocks in parts.items():
-            rows = sum(b.shape[0] for b in blocks)
-            shapes[name] = ((rows, *blocks[0].shape[1:]), blocks[0].dtype)
-        views = self._arena.views(shapes)
-        for name, blocks in parts.items():
-            start = 0
-            for block in blocks:
-                views[name][start : start + block.shape[0]] = block
-                start += block.shape[0]
-        refs = self._arena.refs_of(views)
-        del views  # the arena may need to grow next time; hold no views into it
-        batch_id = next(self._ids)
-        future: asyncio.Future[BatchOutcome] = asyncio.get_running_loop().create_future()
-        self._pending[batch_id] = future
+        channel = self._running_channel()
         try:
-            first = next(iter(parts.values()), [])
-            send_message(self._conn, RunBatch(batch_id, self._arena.name, refs, traceparent,
-                                              tuple(b.shape[0] if b.ndim else 1 for b in first), tuple(deadlines)))
+            return channel.send_batch(parts, traceparent, deadlines, self._arena_prefix)
         except (OSError, ValueError):
-            self._pending.pop(batch_id, None)
             raise self._gone_error("the worker process is not running") from None
-        return future
 
     def send_step(self, joins: tuple[SequenceJoin, ...], leaves: tuple[int, ...]) -> None:
         """Tell a generative model's worker which sequences join and which leave before its next
         step (engine/sequences.py); it steps on its own while any runs, each step to the listener."""
-        if not self.alive or self._conn is None:
-            raise self._gone_error("the worker process is not running")
+        channel = self._running_channel()
         try:
-            send_message(self._conn, SequenceChanges(joins, leaves))
+            channel.send_step(joins, leaves)
         except (OSError, ValueError):
             raise self._gone_error("the worker process is not running") from None
 
     def listen_to_steps(self, listener: Callable[[StepDone | StepFailed], None]) -> None:
         """Give each step the worker makes (its parts, or the failure that ended its sequences) to `listener`."""
         self._step_listener = listener
+        if self._channel is not None:
+            self._channel.listen_to_steps(listener)
 
-    def _fail_waiting(self, error: ServeError) -> None:
-        """Answer every batch waiting on this worker with `error` (a generative model's sequences are
-        ended by its pool's `worker_gone`)."""
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(error)
-        self._pending.clear()
+    def _running_channel(self) -> WorkerChannel:
+        if not self.alive or self._channel is None:
+            raise self._gone_error("the worker process is not running")
+        return self._channel
 
     def heartbeat_silence_s(self) -> float:
         """Seconds since the worker's heartbeat counter last moved (0 before it is ready)."""
@@ -384,49 +347,20 @@ class WorkerHandle:
             return
         was_ready = self._life.phase is WorkerPhase.READY
         self.kill()
-        self._stop_reading()
+        if self._channel is not None:
+            self._channel.close()
         self._life.hung(reason)
         self._reap_later()
         self._finish_loss(was_ready)
 
     async def profile(self, seconds: float, directory: str) -> str:
         """Profile this worker's batches for `seconds`; the path of the Chrome trace file."""
-        await self._profile_step(StartProfile(directory))
-        await asyncio.sleep(seconds)
-        reply = await self._profile_step(StopProfile())
-        if reply.path is None:
-            raise ModelError("profiling produced no trace file")
-        return reply.path
-
-    async def _profile_step(self, message: StartProfile | StopProfile) -> ProfileDone:
-        if not self.alive or self._conn is None:
+        if not self.alive or self._channel is None:
             raise WorkerLost("the worker process is not running")
-        reply: asyncio.Future[ProfileDone] = asyncio.get_running_loop().create_future()
-        self._profile_reply = reply
-        send_message(self._conn, message)
-        done = await asyncio.wait_for(reply, timeout=60)
-        if done.error:
-            raise ModelError(f"profiling failed: {done.error}")
-        return done
-
-    def _on_readable(self) -> None:
-        conn = self._conn
-        try:
-            # Messages are small and written whole, so a readable pipe holds a whole message. One
-            # per call: the loop's readiness is level-triggered, so a second one calls again, and
-            # the `poll` that asked first cost more than the read (a selector built per call).
-            if conn is not None and not conn.closed:
-                self._dispatch(receive_message(conn))
-        except (EOFError, OSError):
-            self._stop_reading()
-            self._lost()
-
-    def _stop_reading(self) -> None:
-        if self._conn is not None and self._loop is not None and not self._conn.closed:
-            self._loop.remove_reader(self._conn.fileno())
-            self._conn.close()
+        return await self._channel.profile(seconds, directory)
 
     def _dispatch(self, message: WorkerMessage) -> None:
+        """A message about the process itself (the channel keeps the batches' and steps')."""
         if isinstance(message, SpareReady):
             return  # an adopted spare said it was ready before it read its model
         if isinstance(message, LoadProgress):
@@ -441,55 +375,17 @@ class WorkerHandle:
             if self._ready is not None and not self._ready.done():
                 error = WorkerLoadStarved if message.starved else WorkerLoadError
                 self._ready.set_exception(error(message.reason))
-        elif isinstance(message, BatchDone):
-            future = self._pending.pop(message.batch_id, None)
-            self.rss_bytes = message.rss_bytes
-            self.rows_computed = message.rows_computed
-            if future is not None and not future.done():
-                if sum(ref.nbytes for ref in message.outputs) >= OFF_LOOP_BYTES:
-                    self._deliver_off_loop(future, message)
-                else:
-                    outputs = self._reader.arrays(message.segment, message.outputs, copy=True) \
-                        if message.outputs else {}
-                    future.set_result(BatchOutcome(outputs, message.compute_s, message.steps, message.skipped))
-            if self._on_batch_done is not None:
-                self._on_batch_done(self, message)
-        elif isinstance(message, (StepDone, StepFailed)):
-            if isinstance(message, StepDone) and message.rss_bytes:
-                self.rss_bytes = message.rss_bytes
-            if self._step_listener is not None:
-                self._step_listener(message)
-        elif isinstance(message, ProfileDone):
-            if self._profile_reply is not None and not self._profile_reply.done():
-                self._profile_reply.set_result(message)
-        elif isinstance(message, BatchFailed):
-            future = self._pending.pop(message.batch_id, None)
-            if future is not None and not future.done():
-                if message.refusal is not None:  # not the model raising: an answer too large, /dev/shm full
-                    future.set_exception(message.refusal)
-                elif message.fatal:
-                    future.set_exception(WorkerLost(f"the device failed and the worker restarts: {message.message}"))
-                else:
-                    future.set_exception(ModelError(f"model failed on the batch: {message.message}"))
 
-    def _deliver_off_loop(self, future: asyncio.Future[BatchOutcome], done: BatchDone) -> None:
-        """Copy a large batch's outputs out of the worker's arena on the copy thread, then resolve
-        `future`: the worker writes its arena again only for a batch sent after that (the runner
-        is busy until the future resolves), and the event loop serves meanwhile (issue 45 H1)."""
-        views = self._reader.arrays(done.segment, done.outputs, copy=False)
-        copying = asyncio.ensure_future(COPIES.run(partial(copies_of, views)))
-        self._copies.add(copying)
-
-        def delivered(task: asyncio.Future[dict[str, np.ndarray]]) -> None:
-            self._copies.discard(task)
-            if future.done():
-                return
-            if task.cancelled() or task.exception() is not None:
-                future.set_exception(WorkerLost(f"the batch's outputs could not be read: {task!r}"))
-            else:
-                future.set_result(BatchOutcome(task.result(), done.compute_s, done.steps, done.skipped))
-
-        copying.add_done_callback(delivered)
+    def _on_done(self, done: BatchDone | StepDone) -> None:
+        """A batch or a step finished: what the worker says of its memory and rows, then the pool's hook."""
+        if isinstance(done, StepDone):
+            if done.rss_bytes:
+                self.rss_bytes = done.rss_bytes
+            return
+        self.rss_bytes = done.rss_bytes
+        self.rows_computed = done.rows_computed
+        if self._on_batch_done is not None:
+            self._on_batch_done(self, done)
 
     def _gone_error(self, why: str) -> ServeError:
         if self.hung_reason is not None:
@@ -534,9 +430,9 @@ class WorkerHandle:
         reason = f"worker process {self.pid} {self.exit_reason}"
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(WorkerLoadCrashed(f"{reason} while loading"))
-        if self._profile_reply is not None and not self._profile_reply.done():
-            self._profile_reply.set_exception(WorkerLost(reason))
-        self._fail_waiting(self._gone_error(f"{reason}; the request was not completed and is safe to retry"))
+        if self._channel is not None:
+            self._channel.fail_waiting(
+                self._gone_error(f"{reason}; the request was not completed and is safe to retry"))
         self._release_segments()
         end_group(self.pid)  # what its model forked dies with it
         self._close_output()
@@ -554,10 +450,8 @@ class WorkerHandle:
     def _release_segments(self) -> None:
         """Unmap and remove every segment of this worker: ours, and those the worker made (by name,
         since a killed worker removes nothing)."""
-        self._reader.close()
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        if self._channel is not None:
+            self._channel.release()
         if self._heartbeat is not None:
             self._heartbeat.close()
             self._heartbeat = None
@@ -579,9 +473,9 @@ class WorkerHandle:
         """Ask the worker to exit after its current batch; kill it if it does not within `timeout_s`
         (0: kill it now)."""
         self._on_lost = None
-        if self._conn is not None and self.alive and timeout_s > 0:
+        if self._channel is not None and self.alive and timeout_s > 0:
             try:
-                send_message(self._conn, Shutdown())
+                self._channel.send(Shutdown())
             except (OSError, ValueError):
                 pass
         if self._process is not None and self._process.pid is not None:
@@ -595,8 +489,9 @@ class WorkerHandle:
             self._life.exited(describe_exit(self._process.exitcode if self._process else None))
         elif not self._life.ended:
             self._life.stopped()
-        self._stop_reading()
-        self._fail_waiting(WorkerLost("the worker was stopped before the batch finished"))
+        if self._channel is not None:
+            self._channel.close()
+            self._channel.fail_waiting(WorkerLost("the worker was stopped before the batch finished"))
         self._release_segments()
         self._close_output()
 
