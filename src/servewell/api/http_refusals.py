@@ -3,13 +3,12 @@ complete JSON error responses, and small ASGI apps for refusals that wait their 
 
 from __future__ import annotations
 
-import uuid
-
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from servewell.api.errors import error_document
+from servewell.observability.context import new_request_id
 
 
 class StopParsing(Exception):
@@ -27,7 +26,7 @@ class Refusal(Exception):
 def error_head_and_body(status: int, code: str, message: str, retry_after_s: int | None = None,
                         extra_headers: list[tuple[bytes, bytes]] | None = None) -> bytes:
     """A complete `Connection: close` HTTP/1.1 response carrying the JSON error body."""
-    request_id = uuid.uuid4().hex
+    request_id = new_request_id()
     body = orjson.dumps({"error": {"code": code, "message": message, "request_id": request_id}})
     headers = list(extra_headers or [])
     headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -42,7 +41,7 @@ def unavailable_app(message: str) -> ASGIApp:
     """An app answering every request 503 `unavailable` with `message` and a one-second retry hint."""
 
     async def unavailable(scope: Scope, receive: Receive, send: Send) -> None:
-        request_id = uuid.uuid4().hex
+        request_id = new_request_id()
         body = orjson.dumps(error_document(scope["path"], "unavailable", message, request_id))
         await send({"type": "http.response.start", "status": 503, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

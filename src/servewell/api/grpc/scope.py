@@ -20,7 +20,6 @@ import logging
 import math
 import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -40,6 +39,7 @@ from servewell.observability.context import (
     BatchPlacement,
     client_var,
     model_var,
+    new_request_id,
     placement_var,
     request_id_var,
     request_trace_var,
@@ -120,7 +120,7 @@ class RpcScope:
         started = time.perf_counter()
         metadata = context.invocation_metadata()
         given = metadata_value(metadata, "x-request-id")
-        request_id = given if given is not None and _SAFE_ID.match(given) else uuid.uuid4().hex
+        request_id = given if given is not None and _SAFE_ID.match(given) else new_request_id()
         tokens = (request_id_var.set(request_id), model_var.set(""), stages_var.set({}),
                   placement_var.set(BatchPlacement()),
                   route_key_var.set((metadata_value(metadata, "x-route-key") or "")[:MAX_ROUTE_KEY_CHARS]))
