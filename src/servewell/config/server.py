@@ -140,8 +140,8 @@ class ServerConfig(BaseModel):
         "with a Retry-After from the measured load time.",
     )
     idle_unload_s: float = Field(
-        0.0, ge=0, description="Unload a model (not pinned) after this many seconds without a request; a model's "
-        "own idle_unload_s wins (0: never).",
+        0.0, ge=0, description="Unload a model (not pinned) after this many seconds without a request, counted from "
+        "the end of the load a request started if that came later; a model's own idle_unload_s wins (0: never).",
     )
     admin_token: str | None = Field(
         None, description="Bearer token for /admin endpoints; when unset they answer loopback clients only."

@@ -269,6 +269,7 @@ class ModelPool:
             if self._loaded is not None:
                 await self._loaded(slot)  # a cold load follows the split as a load at start does
         seconds = time.monotonic() - started
+        slot.resident_at = time.time()
         slot.load_s = entry.load_s or seconds
         slot.cold_starts += 1
         if self._metrics is not None:

@@ -22,8 +22,8 @@ class ModelSlot:
     """Where one model name's current entry lives; a reload or a lazy load swaps the entry, not
     the slot. Also what the pool knows of the name across loads: residency, last use, pin, counts."""
 
-    __slots__ = ("entry", "lock", "lifecycle", "profiling", "last_used_at", "pinned_by_admin", "waiting", "loader",
-                 "cold_starts", "evictions", "load_s", "estimated_bytes", "wanted_at", "rollout", "_eviction",
+    __slots__ = ("entry", "lock", "lifecycle", "profiling", "last_used_at", "resident_at", "pinned_by_admin", "waiting",
+                 "loader", "cold_starts", "evictions", "load_s", "estimated_bytes", "wanted_at", "rollout", "_eviction",
                  "measured_bytes", "measured_config")
 
     def __init__(self, entry: Entry) -> None:
@@ -32,6 +32,7 @@ class ModelSlot:
         self.lifecycle = ResidencyLifecycle()
         self.profiling = False  # a profile capture runs on one of its workers (it must not be evicted)
         self.last_used_at: float | None = None  # wall clock of the last request (None: never used)
+        self.resident_at: float | None = None  # wall clock a lazy load last made it resident
         self.pinned_by_admin: bool | None = None  # POST .../pin or /unpin; None: model.yaml's pinned
         self.waiting = 0  # requests waiting for this model's lazy load
         self.loader: asyncio.Task[None] | None = None  # the lazy load under way (engine/model_pool.py)
@@ -110,6 +111,15 @@ class ModelSlot:
     def used(self) -> None:
         """A request for this model arrived."""
         self.last_used_at = time.time()
+
+    def idle_s(self, now: float) -> float:
+        """Seconds it has gone without a request at wall clock `now`, counted from its last request
+        or from the load that made it resident, whichever came later: a load that took longer than
+        `idle_unload_s` was otherwise evicted the moment it ended, before the request that asked
+        for it (refused `model_loading`) came back for it. 0 while no request ever asked for it."""
+        if self.last_used_at is None:
+            return 0.0
+        return now - max(self.last_used_at, self.resident_at or 0.0)
 
 
 def is_pipeline(slot: ModelSlot) -> bool:

@@ -220,7 +220,7 @@ class PoolMemory:
                 limit = self._idle_unload_s(slot)
                 if limit <= 0 or not self.evictable(slot):
                     continue
-                idle = now - (slot.last_used_at or now)
+                idle = slot.idle_s(now)
                 if idle >= limit:
                     try:
                         async with self._room:

@@ -81,3 +81,16 @@ def test_a_version_being_stopped_refuses_new_requests_with_its_cause_while_it_st
         assert (entry.state, entry.reason) == ("unloaded", "evicted (memory): test")
 
     asyncio.run(main())
+
+
+def test_idleness_counts_from_the_load_when_it_ended_after_the_last_request(tmp_path: Path) -> None:
+    # Seen under make test: a load that took 0.9 s of an idle_unload_s of 1 left the model resident
+    # for 1.4 s, and a client polling for it missed it; a longer load would be evicted on arrival.
+    slot, _, _ = served(tmp_path)
+    assert slot.idle_s(1000.0) == 0.0  # nobody asked for it yet: never idle-evicted
+    slot.last_used_at = 100.0  # the request that asked for the load (refused model_loading)
+    assert slot.idle_s(104.0) == 4.0
+    slot.resident_at = 103.0  # the load ended three seconds later
+    assert slot.idle_s(104.0) == 1.0
+    slot.last_used_at = 103.5  # a request after the load counts from itself
+    assert slot.idle_s(104.0) == 0.5
