@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import string
 from collections.abc import Mapping
-from types import SimpleNamespace
 from typing import Any
 
 import orjson
@@ -17,25 +16,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import compile_path
 
+from app_state import bare_state
 from servewell.api import routes_simple, routes_v2
 from servewell.api.app import create_app
 from servewell.api.errors import error_response
 from servewell.api.hot_routes import HotRoute, HotRouteDispatcher, HotRouteTable
-from servewell.api.keys import InferenceAccess
-from servewell.api.state import LiveKnobs
 from servewell.errors import NotFound, ServeError
-from servewell.tenancy.keys import KeyRing
 
 INFER = "/v2/models/{name}/infer"
 INFER_VERSION = "/v2/models/{name}/versions/{version}/infer"
 PREDICT = "/predict"
 
 
-def bare_state() -> SimpleNamespace:
-    """What create_app reads of the state to build routes and middleware (no engine: no request runs)."""
-    return SimpleNamespace(metrics=None, settings=SimpleNamespace(slow_request_ms=300.0),
-                           access=InferenceAccess(KeyRing()), knobs=LiveKnobs(0.3, False),
-                           console=SimpleNamespace(recent=None))
 
 
 async def echo(request: Request, params: Mapping[str, str]) -> Response:

@@ -4,24 +4,14 @@ schema too, and every error response documents the JSON error body."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import jsonschema_rs  # schemathesis's validator (the test extra installs it)
 import pytest
 
+from app_state import bare_state
 from servewell.api.app import create_app
-from servewell.api.keys import InferenceAccess
-from servewell.api.state import LiveKnobs
-from servewell.tenancy.keys import KeyRing
-
-
-def bare_state() -> SimpleNamespace:
-    """What create_app reads of the state to build routes and middleware (no engine: no request runs)."""
-    return SimpleNamespace(metrics=None, settings=SimpleNamespace(slow_request_ms=300.0),
-                           access=InferenceAccess(KeyRing()), knobs=LiveKnobs(0.3, False),
-                           console=SimpleNamespace(recent=None))
 
 
 @pytest.fixture(scope="module")
