@@ -1,12 +1,13 @@
 """Weighted fair shares between tenants inside a lane (engine/batch_queue.py, issue 22): with one
 tenant the queue is the earliest-deadline-first heap it was; with several, rows go to tenants in
-proportion to their weights, a heavy tenant waits behind itself, idle time is not banked."""
+proportion to their weights, a heavy tenant waits behind itself, and share left unused while idle
+is banked only up to `BURST_BATCHES` batches."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from servewell.engine.batch_queue import BatchQueue, QueuedItem
+from servewell.engine.batch_queue import BURST_BATCHES, BatchQueue, QueuedItem
 
 
 def item(tenant: str, deadline: float, rows: int = 1, shape: str = "s", lane: int = 0) -> QueuedItem[str]:
@@ -50,14 +51,14 @@ def test_shares_follow_the_weights() -> None:
     assert taken == {"a": 80, "b": 160, "c": 320}
 
 
-def test_idle_time_is_not_banked() -> None:
+def test_a_tenant_the_lane_never_served_starts_level_with_the_clock() -> None:
     queue: BatchQueue[str] = BatchQueue(1, 1000)
     for i in range(100):
         queue.push(item("early", i))
     for _ in range(10):
         queue.take_batch(8)  # 'early' alone: 80 rows, its virtual time is 80
     for i in range(40):
-        queue.push(item("late", 1000 + i))  # busy now: starts level with 'early', not 80 rows behind
+        queue.push(item("late", 1000 + i))  # new: starts level with 'early', not 80 rows behind, no credit
     taken = Counter(i.tenant for i in queue.take_batch(8) + queue.take_batch(8))
     assert taken == {"early": 8, "late": 8}
 
@@ -72,6 +73,39 @@ def test_rows_a_tenant_got_alone_are_not_held_against_it() -> None:
     queue.push(item("light", 500))  # light again, behind a heavy backlog
     first_two = [i.tenant for i in queue.take_batch(4) + queue.take_batch(4)]
     assert "light" in first_two, first_two  # not after heavy's next 50 rows
+
+
+def test_a_returning_tenant_spends_at_most_its_banked_batches_ahead_of_a_flood() -> None:
+    queue: BatchQueue[str] = BatchQueue(1, 10_000)
+    queue.push(item("light", 0))
+    queue.push(item("heavy", 1))
+    drain(queue, 4)  # both served once: the lane knows them
+    for i in range(400):
+        queue.push(item("heavy", 10 + i))
+    for _ in range(50):
+        queue.take_batch(4)  # 200 rows of heavy while light is idle: far more share unused than the bound
+    for i in range(40):
+        queue.push(item("light", 1000 + i))  # a burst, after heavy's queued requests by deadline
+    tenants = [i.tenant for _ in range(BURST_BATCHES + 2) for i in queue.take_batch(4)]
+    banked, after = tenants[:4 * BURST_BATCHES], tenants[4 * BURST_BATCHES:]
+    assert BURST_BATCHES >= 2 and banked == ["light"] * 4 * BURST_BATCHES  # whole batches, not one row in two
+    assert Counter(after) == {"light": 4, "heavy": 4}  # then its share, level with the flood
+
+
+def test_a_tenant_that_idles_between_bursts_gets_no_more_than_its_share() -> None:
+    # A tenant whose every burst is served whole goes idle after each: returning at once, it has
+    # left no share unused, so it banks nothing and a flood keeps its half.
+    queue: BatchQueue[str] = BatchQueue(1, 10_000)
+    for i in range(2000):
+        queue.push(item("heavy", 10_000 + i))
+    taken: Counter[str] = Counter()
+    for burst in range(100):
+        for i in range(4):
+            queue.push(item("bursty", burst * 4 + i))
+        while queue.tenant_depth("bursty"):
+            taken.update(i.tenant for i in queue.take_batch(4))
+    assert taken["bursty"] == 400
+    assert taken["heavy"] >= 400 - 4 * BURST_BATCHES  # its half, less at most one banked bound
 
 
 def test_weights_apply_to_whole_rows_and_batches_keep_one_shape() -> None:
