@@ -29,6 +29,7 @@ The one rule for every view of requests and tenants (issue 45, H2: `AccessRule.c
 
 from __future__ import annotations
 
+import copy
 import hmac
 import ipaddress
 from collections.abc import Iterable
@@ -104,7 +105,10 @@ class Caller:
         """Return for an operator; raise why not otherwise (401 without credentials where a token
         is configured, 403 for a tenant's key or an address the rule does not trust)."""
         if self.denial is not None:
-            raise self.denial
+            # A copy: the original raised here would hold this frame (its traceback), and the
+            # frame this caller, and the caller the original: a cycle per refused request, freed
+            # only by the cyclic collector (api/remote_engine.py's `admit` says what that cost).
+            raise copy.copy(self.denial)
 
 
 class AccessRule:

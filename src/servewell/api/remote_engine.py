@@ -104,7 +104,15 @@ class RemoteModel:
         engine.check_open()
         refusal = engine.full_lane_refusal(self.name, self._lanes, lane, tenant)
         if refusal is not None:
-            raise refusal
+            try:
+                raise refusal
+            finally:
+                # This frame, in the error's traceback, must not hold the error: that cycle (error,
+                # traceback, every frame up to the handler, their locals: the request, its call,
+                # its connection) is freed only by the cyclic collector. Under a flood of refusals
+                # an ingress process's young collections found 11,000 such objects each, and
+                # paused it 10-30 ms each time (tenant_fairness, admission phase).
+                refusal = None
 
 
 class RemoteEngine:
