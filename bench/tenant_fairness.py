@@ -303,6 +303,7 @@ def judge(report: dict[str, Any]) -> dict[str, Any]:
     return {
         "admission_light_served": admitted["ok"] / max(1, admitted["sent"]),
         "admission_light_p99_ratio": admitted["latency_ms"]["p99"] / admitted_alone["latency_ms"]["p99"],
+        "admission_light_p90_ratio": admitted["latency_ms"]["p90"] / admitted_alone["latency_ms"]["p90"],
         "admission_heavy_statuses": report["admission"]["heavy"]["statuses"],
         "light_p99_ratio_fair": fair["latency_ms"]["p99"] / alone["latency_ms"]["p99"],
         "light_p99_ratio_fifo": fifo["latency_ms"]["p99"] / alone["latency_ms"]["p99"],
@@ -335,6 +336,7 @@ def print_table(report: dict[str, Any], v: dict[str, Any]) -> None:
          f">= {GOAL_ADMITTED}", v["admission_light_served"] >= GOAL_ADMITTED),
         ("admission: light p99, with heavy at 4 C / alone", f"{v['admission_light_p99_ratio']:.2f}x",
          f"<= {GOAL_P99_RATIO}x", v["admission_light_p99_ratio"] <= GOAL_P99_RATIO),
+        ("  light p90, with heavy at 4 C / alone", f"{v['admission_light_p90_ratio']:.2f}x", "(reference)", None),
         ("  heavy's answers", str(v["admission_heavy_statuses"]), "(reference)", None),
         ("worker killed: lost in flight per tenant", str(v["fault_failed"]), f"<= {BATCH} each",
          all(n <= BATCH for n in v["fault_failed"].values()) and not any(v["fault_other"].values())),
