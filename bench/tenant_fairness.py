@@ -51,6 +51,7 @@ import yaml
 from bench.processes import ServerProcess, free_port, http_json
 from bench.workspace import RESULTS, WORK
 from servewell.perf.httpclient import encode_request
+from servewell.perf.loop import collector_paused
 from servewell.perf.oip_http import HttpOipConnection
 from servewell.perf.stats import summarize_ms
 
@@ -189,8 +190,9 @@ async def open_loop(clients: dict[str, tuple[Client, list[float]]], on_half: Any
         on_half()
 
     extra = [asyncio.create_task(halfway())] if on_half is not None else []
-    await asyncio.gather(*(schedule(c, times) for c, times in clients.values()), *extra)
-    await asyncio.gather(*tasks)
+    with collector_paused():  # its pauses would count as the server's latency (servewell.perf.loop)
+        await asyncio.gather(*(schedule(c, times) for c, times in clients.values()), *extra)
+        await asyncio.gather(*tasks)
 
 
 async def closed_loop(clients: dict[str, Client], per_tenant: int, seconds: float) -> None:

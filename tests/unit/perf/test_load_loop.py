@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 
 import pytest
@@ -182,3 +183,18 @@ def test_a_closed_loop_client_waits_its_think_time_after_each_answer():
     assert thinking.sent <= 11 < busy.sent  # 0.2 s holds at most 10 waits of 20 ms
     with pytest.raises(ValueError, match="think_s"):
         LoadShape("closed", think_s=-1.0)
+
+
+def test_the_cyclic_collector_is_off_while_load_runs_and_back_after():
+    enabled_during: list[bool] = []
+
+    class Watching(FakeConnection):
+        async def send(self, payload):
+            enabled_during.append(gc.isenabled())
+            return await super().send(payload)
+
+    shape = LoadShape("closed", concurrency=2, duration_s=30.0, warmup_s=0.0, max_requests=20)
+    assert gc.isenabled()
+    recorder = asyncio.run(run_load(shape, Watching, RoundRobin(["ok"])))
+    assert recorder.sent == 20 and enabled_during == [False] * 20  # its pauses would count as latency
+    assert gc.isenabled()
