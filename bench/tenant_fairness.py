@@ -174,6 +174,11 @@ def bursts(rate: float, seconds: float, rng: random.Random, on_s: float = 0.25) 
 
 async def open_loop(clients: dict[str, tuple[Client, list[float]]], on_half: Any = None) -> None:
     """Send each client's arrivals on time (each in a task); `on_half()` is called halfway."""
+    with collector_paused():  # its pauses would count as the server's latency (servewell.perf.loop)
+        await _open_loop(clients, on_half)
+
+
+async def _open_loop(clients: dict[str, tuple[Client, list[float]]], on_half: Any) -> None:
     start = time.monotonic() + 0.05
     tasks: list[asyncio.Task[None]] = []
     span = max((times[-1] for _, times in clients.values() if times), default=0.0)
@@ -190,9 +195,8 @@ async def open_loop(clients: dict[str, tuple[Client, list[float]]], on_half: Any
         on_half()
 
     extra = [asyncio.create_task(halfway())] if on_half is not None else []
-    with collector_paused():  # its pauses would count as the server's latency (servewell.perf.loop)
-        await asyncio.gather(*(schedule(c, times) for c, times in clients.values()), *extra)
-        await asyncio.gather(*tasks)
+    await asyncio.gather(*(schedule(c, times) for c, times in clients.values()), *extra)
+    await asyncio.gather(*tasks)
 
 
 async def closed_loop(clients: dict[str, Client], per_tenant: int, seconds: float) -> None:

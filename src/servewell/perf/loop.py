@@ -346,18 +346,18 @@ async def run_load(shape: LoadShape, connect: Callable[[], Connection], source: 
     a second with the recorder and the seconds since the step started (for a progress display).
     """
     loop = asyncio.get_running_loop()
-    start = loop.time() + 0.05
-    recorder = Recorder(start, start + shape.warmup_s, start + shape.duration_s)
-    ticker = loop.create_task(_ticker(recorder, tick)) if tick is not None else None
-    try:
-        with collector_paused():
+    with collector_paused():  # first: its collection before the step must not delay the first arrivals
+        start = loop.time() + 0.05
+        recorder = Recorder(start, start + shape.warmup_s, start + shape.duration_s)
+        ticker = loop.create_task(_ticker(recorder, tick)) if tick is not None else None
+        try:
             if shape.mode == "closed":
                 await _closed_loop(shape, connect, source, recorder)
             else:
                 await _open_loop(shape, connect, source, recorder)
-    finally:
-        if ticker is not None:
-            ticker.cancel()
+        finally:
+            if ticker is not None:
+                ticker.cancel()
     if recorder.capped:
         _close_window_at_cap(recorder)
     return recorder
