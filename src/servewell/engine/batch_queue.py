@@ -16,7 +16,7 @@ its own virtual time, but never more than `BURST_BATCHES` full batches (rows ove
 behind the clock. So a tenant that left part of its share unused while idle may spend up to that
 much of it at once when it returns: a burst of a tenant within its share is served ahead of a
 flood, not interleaved with it row by row (issue 46: a light tenant at 40 % of the model's
-capacity saw its p90 grow 2.1x beside a flood at 4x without this credit, 1.2x with it: the
+capacity saw its p90 grow 2.1x beside a flood at 4x without this credit, 1.1-1.2x with it: the
 admission phase of `bench.tenant_fairness`). The credit is only share left unused, and bounded,
 so shares over any busy period still follow the weights. A tenant the lane has never served
 starts at the clock, with no credit: a flood's first requests never jump the queue.
