@@ -25,7 +25,7 @@ def get(app: object, path: str, headers: dict[str, str] | None = None) -> httpx.
 
 
 def test_an_unexpected_error_in_a_route_fastapi_dispatches_is_the_json_500_with_the_request_id(caplog):
-    app = create_app(bare_state())  # type: ignore[arg-type]
+    app = create_app(bare_state())
 
     async def broken() -> None:
         raise RuntimeError("a bug in a route")

@@ -141,13 +141,17 @@ def test_a_request_the_engine_refuses_leaves_no_cycle(watched: bool) -> None:
                               ImageLimits(1), None, Tracing(TracingSettings(None, "grpc", 0.0)),
                               tenant_of=lambda key_id: "")
             never = asyncio.Event()
+
+            async def disconnect() -> None:  # a client that stays
+                await never.wait()
+
             with collector_off():
                 for _ in range(ROUNDS):
                     call = plane.call()
                     await call.open("m")
                     with pytest.raises(Overloaded):
                         await call.infer({"x": np.zeros((1, 4), np.float32)},
-                                         disconnected=never.wait() if watched else None)
+                                         disconnected=disconnect() if watched else None)
                     del call
                 await asyncio.sleep(0)  # the cancelled watchers finish
                 await asyncio.sleep(0)
