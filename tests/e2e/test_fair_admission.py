@@ -114,3 +114,40 @@ def test_a_full_lane_refuses_its_holder_before_the_body_is_read(server: ServerPr
         assert refusal.startswith(b"HTTP/1.1 503") and b"overloaded" in refusal and b"tenant 'flood'" in refusal, \
             refusal
     assert not light.startswith(b"HTTP/1.1 503"), light  # its body was waited for (408 once it did not come)
+
+
+def test_places_promised_to_requests_still_being_read_fill_a_nearly_full_lane(server: ServerProcess) -> None:
+    """Two of `stuck`'s four places are free, shared between the two ingress processes: of three
+    requests whose bodies are still coming, at least one is refused before its body is read, as
+    the free places are promised to the others (engine/promised.py)."""
+    async def fill() -> list[httpx.Response]:  # one runs, two wait: two places free for about 9 s
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return list(await asyncio.gather(*(
+                client.post("/v2/models/stuck/infer", json=infer_body(1.0), headers={"X-API-Key": KEYS["flood"]})
+                for _ in range(3))))
+
+    async def main() -> list[bytes]:
+        filling = asyncio.ensure_future(fill())
+        await asyncio.sleep(1.0)  # the three are in (and the engine told the ingress processes)
+        answers, writers = [], []
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writers.append(writer)
+            writer.write((f"POST /v2/models/stuck/infer HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEYS['flood']}\r\n"
+                          "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n").encode())
+            await writer.drain()
+            try:
+                answers.append(await asyncio.wait_for(reader.read(4096), 0.5))
+            except TimeoutError:
+                answers.append(b"")  # admitted: its place is promised while its body is awaited
+        for writer in writers:
+            writer.close()
+        assert all(r.status_code == 200 for r in await filling)
+        return answers
+
+    answers = asyncio.run(main())
+    refused = [a for a in answers if a]
+    assert refused and len(refused) < 3, answers
+    for answer in refused:
+        assert answer.startswith(b"HTTP/1.1 503") and b"on their way in" in answer and b"tenant 'flood'" in answer, \
+            answer

@@ -27,7 +27,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 from opentelemetry import trace
@@ -37,6 +37,7 @@ from servewell.api.codecs.image import ImageLimits, decode_base64, decode_planne
 from servewell.api.codecs.tensors import DecodedTensor
 from servewell.api.decode_scheduler import DecodeScheduler
 from servewell.config.model import ModelConfig
+from servewell.engine.promised import Promise
 from servewell.engine.protocol import RequestResult, ServedModel, ServingEngine
 from servewell.engine.request import InferenceRequest
 from servewell.errors import ClientClosed, InvalidInput, Overloaded, ServeError, quote
@@ -105,17 +106,18 @@ class DataPlane:
             lanes = model.config.batching.lanes
             self._metrics.count(model.name, lanes[lane] if lane < len(lanes) else str(lane), outcome)
 
-    def would_refuse(self, name: str, version: str | None, urgency: str | None, tenant: str) -> bool:
-        """Whether `InferenceCall.open` will refuse this request (its model known to this process
-        now, without asking another): the check `api/early_refusal.py` runs on a request's head."""
+    def admit_early(self, name: str, version: str | None, urgency: str | None,
+                    tenant: str) -> Literal[True] | Promise | None:
+        """True when `InferenceCall.open` will refuse this request (its model known to this process
+        now, without asking another), else its promise of a place in the lane, which its request
+        holds while its body arrives: the check `api/early_refusal.py` runs on a request's head."""
         try:
             model = self.engine.resolve_now(name, version)
             if model is None:
-                return False
-            model.admit(model.resolve_lane(urgency), tenant)
+                return None
+            return model.admit(model.resolve_lane(urgency), tenant)
         except ServeError:
             return True
-        return False
 
     def refused(self, model: ServedModel, lane: int, tenant: str, error: ServeError) -> None:
         """Count a refusal (429, 503) of `tenant`'s request before it reached the engine, as the
@@ -154,7 +156,7 @@ class InferenceCall:
     """One request on its way through the data plane."""
 
     __slots__ = ("_plane", "_started", "arrived_at", "_model", "_version", "_urgency", "_lane", "_key_id", "_tenant",
-                 "preprocess_s", "postprocess_s")
+                 "_promise", "preprocess_s", "postprocess_s")
 
     def __init__(self, plane: DataPlane) -> None:
         self._plane = plane
@@ -167,6 +169,9 @@ class InferenceCall:
         self._lane = 0
         self._key_id = ""
         self._tenant = ""
+        # Its place in the lane, promised by `open` while the request is read and decoded: dropped
+        # when the request is built, or with this call (engine/promised.py).
+        self._promise: Promise | None = None
         self.preprocess_s = 0.0
         self.postprocess_s = 0.0
 
@@ -188,7 +193,7 @@ class InferenceCall:
         self._tenant = self._plane.tenant_of(self._key_id)
         self._lane = model.resolve_lane(urgency)
         try:
-            model.admit(self._lane, self._tenant)
+            self._promise = model.admit(self._lane, self._tenant)
         except ServeError as error:  # refused before the body was read: counted here, for its tenant
             self._plane.refused(model, self._lane, self._tenant, error)
             raise
@@ -319,6 +324,7 @@ class InferenceCall:
         """The one request object for these inputs (`infer`'s rules for the lane and the absolute
         deadline; a stream's calls it too: api/stream_call.py)."""
         model = self.model
+        self._promise = None  # the request is built: it is the engine's to queue now
         lane = self._lane if priority is None or self._urgency else model.resolve_lane(None, priority)
         deadline = self.arrived_at + (timeout_ms / 1000.0 if timeout_ms is not None else model.default_timeout_s)
         if not_after is not None:

@@ -1,4 +1,5 @@
-"""Whether an inference request will be refused before its body is needed (`EarlyRefusal`).
+"""Whether an inference request will be refused before its body is needed (`EarlyRefusal`), and
+if not, its promise of a place in its model's lane while its body arrives (engine/promised.py).
 
 For the OIP inference paths (the model in the path) and `/predict?model=NAME`. The HTTP protocol
 defers starting the app until a body that is still arriving is all in (a slow
@@ -12,19 +13,21 @@ head only, says so; the app then starts at once and the route's admission check 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import unquote_plus
 
 from servewell.api.dataplane import DataPlane
 from servewell.api.keys import InferenceAccess
 from servewell.api.state import AppState
+from servewell.engine.promised import Promise
 
 #: The OIP inference paths (a model in the path: the model is known before the body).
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 
 
 class EarlyRefusal:
-    """`refused_early(scope)` for `api/http_limits.py`: cheap, synchronous, never raises."""
+    """`refused_early(scope)` for `api/http_limits.py`: cheap, synchronous, never raises. True: it
+    will be refused; else the promise of a place its request holds until the app starts."""
 
     __slots__ = ("_plane", "_access")
 
@@ -38,9 +41,9 @@ class EarlyRefusal:
         state: AppState = app.state.servewell
         return cls(state.plane, state.access)
 
-    def __call__(self, scope: Any) -> bool:
+    def __call__(self, scope: Any) -> Literal[True] | Promise | None:
         if scope.get("method") != "POST":
-            return False
+            return None
         path = scope.get("path", "")
         match = _INFER_PATH.fullmatch(path)
         if match is not None:
@@ -48,9 +51,9 @@ class EarlyRefusal:
         elif path == "/predict":  # only with the model in its query (routes_simple.py)
             name, version = _query_model(scope.get("query_string", b"")), None
             if not name:
-                return False
+                return None
         else:
-            return False
+            return None
         authorization = api_key = urgency = None
         for header, value in scope.get("headers", ()):
             if header == b"x-api-key":
@@ -60,7 +63,7 @@ class EarlyRefusal:
             elif header == b"x-urgency":
                 urgency = value.decode("latin-1")
         tenant = self._access.tenant_of(self._access.key_id_of(authorization, api_key))
-        return self._plane.would_refuse(name, version, urgency, tenant)
+        return self._plane.admit_early(name, version, urgency, tenant)
 
 
 def _query_model(query: bytes) -> str | None:

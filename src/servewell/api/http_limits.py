@@ -39,7 +39,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Iterable
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import httptools
 from uvicorn.config import Config
@@ -55,6 +55,7 @@ from servewell.api.http_refusals import Refusal, StopParsing, connection_limit_a
 from servewell.api.limit_log import LimitEventLog
 from servewell.api.response_writes import hold_heads
 from servewell.config.server import ServerConfig
+from servewell.engine.promised import Promise
 
 log = logging.getLogger("servewell.http")
 
@@ -131,7 +132,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._body_started_at = 0.0
         self._body_bytes = 0
         self._pipeline_full = False  # the last request this connection may queue has been parsed
-        self._deferred: tuple[Any, Any] | None = None  # (cycle, app) waiting for its body to be all in
+        # (cycle, app, its promise of a place) waiting for its body to be all in
+        self._deferred: tuple[Any, Any, Promise | None] | None = None
         self._deferred_body = GatheredBody()  # its body so far, joined once when it is all in
         self._send_timer: asyncio.TimerHandle | None = None
 
@@ -146,6 +148,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._set_deadline(self.loop.time() + self.limits.header_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._deferred = None  # a request whose body never came: its promise of a place goes now
         self._cancel_timer()
         self._cancel_send_timer()
         self.slots.release(self)
@@ -311,11 +314,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         408 slowed every other request 10-30x). Bodies without a length, or with
         `Expect: 100-continue` (the app's first read sends the 100), start the app at once; so does a
         request the admission checks will refuse (`refused_early`: a full lane its tenant holds most
-        of), which is then answered before its body is read."""
-        if cycle.more_body and not cycle.waiting_for_100_continue and self._body_fits_buffer() \
-                and not (self.refused_early is not None and self.refused_early(cycle.scope)):
-            self._deferred = (cycle, app)
-            return
+        of), which is then answered before its body is read. A request that waits for its body
+        holds its promise of a place in its model's lane meanwhile (dropped when the app starts,
+        whose admission check promises again, or with this connection)."""
+        if cycle.more_body and not cycle.waiting_for_100_continue and self._body_fits_buffer():
+            early = self.refused_early(cycle.scope) if self.refused_early is not None else None
+            if early is not True:
+                self._deferred = (cycle, app, early)
+                return
         super()._start_asgi_task(cycle, app)
 
     def _body_fits_buffer(self) -> bool:
@@ -337,8 +343,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.cycle.body += self._deferred_body.take()
         super().on_message_complete()
         if deferred and self._deferred is not None:
-            cycle, app = self._deferred
-            self._deferred = None
+            cycle, app, _ = self._deferred
+            self._deferred = None  # and its promise: the app's admission check promises again
             super()._start_asgi_task(cycle, app)
         if self._pipeline_full:
             return
@@ -469,9 +475,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
 
 class RefusedEarly(Protocol):
-    """Whether a request (its ASGI scope, head only) will be refused before its body is needed."""
+    """Looks at a request's head (its ASGI scope): True when it will be refused before its body is
+    needed; otherwise what to hold while its body arrives (its promise of a place in its model's
+    lane, engine/promised.py), or None."""
 
-    def __call__(self, scope: Any) -> bool: ...
+    def __call__(self, scope: Any) -> Literal[True] | Promise | None: ...
 
 
 def limited_protocol(limits: HttpLimits,

@@ -53,6 +53,7 @@ from servewell.engine.envelope import (
 )
 from servewell.engine.full_lanes import lane_full
 from servewell.engine.lanes import resolve_lane
+from servewell.engine.promised import Promise, PromisedPlaces
 from servewell.engine.protocol import Readiness, RequestResult
 from servewell.engine.request import InferenceRequest
 from servewell.engine.shared_tensors import Release, TensorLeases, TensorStore, ThreadSafeReleases, tensor_bytes
@@ -96,23 +97,26 @@ class RemoteModel:
         """Lane index for a request's urgency and/or OIP priority (engine/lanes.py)."""
         return resolve_lane(self._lanes, urgency, priority)
 
-    def admit(self, lane: int, tenant: str = "") -> None:
+    def admit(self, lane: int, tenant: str = "") -> Promise:
         """Refuse now what the engine would refuse at once: the engine gone, the server shutting
         down, a full lane that `tenant` holds most of beyond its share (as the engine last said:
-        engine/full_lanes.py). The engine's admission chain decides the rest when the envelope arrives."""
+        engine/full_lanes.py), counting the places this process promised to requests it is still
+        reading or decoding (engine/promised.py). The engine's admission chain decides the rest when
+        the envelope arrives. Returns the request's promise of a place: hold it until the request is built."""
         engine = self._engine
         engine.check_open()
         refusal = engine.full_lane_refusal(self.name, self._lanes, lane, tenant)
-        if refusal is not None:
-            try:
-                raise refusal
-            finally:
-                # This frame, in the error's traceback, must not hold the error: that cycle (error,
-                # traceback, every frame up to the handler, their locals: the request, its call,
-                # its connection) is freed only by the cyclic collector. Under a flood of refusals
-                # an ingress process's young collections found 11,000 such objects each, and
-                # paused it 10-30 ms each time (tenant_fairness, admission phase).
-                refusal = None
+        if refusal is None:
+            return engine.promised.promise((self.name, lane))
+        try:
+            raise refusal
+        finally:
+            # This frame, in the error's traceback, must not hold the error: that cycle (error,
+            # traceback, every frame up to the handler, their locals: the request, its call,
+            # its connection) is freed only by the cyclic collector. Under a flood of refusals
+            # an ingress process's young collections found 11,000 such objects each, and
+            # paused it 10-30 ms each time (tenant_fairness, admission phase).
+            refusal = None
 
 
 class RemoteEngine:
@@ -137,6 +141,8 @@ class RemoteEngine:
         self._pending: dict[int, asyncio.Future[RequestResult]] = {}
         self._sinks: dict[int, PartSink] = {}  # streams: where their parts go (engine/stream.py)
         self._full_lanes: dict[tuple[str, str, int], LaneState] = {}  # whom full lanes refuse (the engine's word)
+        #: places of (model, lane) promised to requests this process admitted and is still reading or decoding
+        self.promised = PromisedPlaces()
         self._placements: dict[int, BatchPlacement] = {}  # the request's record, filled from its outcome
         self._asks: dict[int, asyncio.Future[Any]] = {}  # Resolve and ControlCall, failed when the door is lost
         self._ids = itertools.count(1)
@@ -277,7 +283,9 @@ class RemoteEngine:
 
     def full_lane_refusal(self, model: str, lanes: tuple[str, ...], lane: int, tenant: str) -> ServeError | None:
         """The refusal the engine's scheduler would answer `tenant`'s request to `model`'s full
-        `lane` with, as the engine last published it (None: send it on)."""
+        `lane` with, as the engine last published it (None: send it on). A lane the engine said was
+        nearly full is full here once the requests this process is still reading or decoding hold
+        this process's share of its free places (engine/door.py deals the shares)."""
         table = self._table
         entry = table.models.get(model) if table is not None else None
         if entry is None or not self._full_lanes:
@@ -285,7 +293,10 @@ class RemoteEngine:
         state = self._full_lanes.get((model, entry.version, lane))
         if state is None or state.held is None or tenant not in state.held or entry.versions:
             return None  # a split's versions each have their own lanes: the engine draws, then decides
-        return lane_full(model, lanes[lane], state.depth, tenant, state.held[tenant], state.retry_after_s)
+        promised = self.promised.count((model, lane)) if state.free else 0
+        if promised < state.free:
+            return None
+        return lane_full(model, lanes[lane], state.depth, tenant, state.held[tenant], state.retry_after_s, promised)
 
     def check_open(self) -> None:
         """Raise what every request would get now: the engine gone, or shutting down."""

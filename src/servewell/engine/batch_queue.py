@@ -173,10 +173,11 @@ class BatchQueue(Generic[T]):
         self._counts[item.lane] += 1
         return Admission(True, displaced)
 
-    def would_admit(self, lane: int, tenant: str) -> bool:
+    def would_admit(self, lane: int, tenant: str, promised: int = 0) -> bool:
         """Whether a request of `tenant` would be queued in `lane` now (pushing out another
-        tenant's if need be): the check before a request's body is read."""
-        if self._counts[lane] < self.max_queue_size:
+        tenant's if need be): the check before a request's body is read. `promised`: places of the
+        lane already promised to requests on their way in (engine/promised.py), counted as taken."""
+        if self._counts[lane] + promised < self.max_queue_size:
             return True
         return self.holder_beyond_share(lane, tenant) != tenant
 

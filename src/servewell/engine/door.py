@@ -191,12 +191,11 @@ class EngineDoor:
         self._engine.full_lanes.listeners.append(self._lane_changed)
 
     def _lane_changed(self, change: BoardChange) -> None:
-        """A full lane now refuses other tenants (or nobody): every ingress hears it (in its next frame)."""
-        model, version, lane, refusals = change
-        state = LaneState(model, version, lane, None) if refusals is None else \
-            LaneState(model, version, lane, refusals.held, refusals.depth, refusals.retry_after_s)
-        for ingress in self._ingresses:
-            ingress.writer.send(state)
+        """A (nearly) full lane now refuses other tenants, has other places free, or is far from
+        full again: every ingress hears it (in its next frame)."""
+        ingresses = len(self._ingresses)
+        for rank, ingress in enumerate(self._ingresses):
+            ingress.writer.send(_lane_state(change, rank, ingresses))
 
     async def stop(self) -> None:
         """Close the listener and every connection (their queued requests are cancelled)."""
@@ -245,8 +244,9 @@ class EngineDoor:
             ingress.writer.send(model_table(self._engine))
             ingress.writer.send(self._live())
             for (model, version, lane), refusals in self._engine.full_lanes.lanes.items():
-                ingress.writer.send(LaneState(model, version, lane, refusals.held, refusals.depth,
-                                              refusals.retry_after_s))
+                # dealt as the last of the ingress processes (the others' shares were dealt before it came)
+                ingress.writer.send(_lane_state((model, version, lane, refusals), len(self._ingresses) - 1,
+                                                len(self._ingresses)))
 
         def received(message: Any) -> None:
             self._on_message(box[0], message)
@@ -465,3 +465,16 @@ class EngineDoor:
                 self._last_live = live_print
                 for ingress in self._ingresses:
                     ingress.writer.send(live)
+
+
+def _lane_state(change: BoardChange, rank: int, ingresses: int) -> LaneState:
+    """What the `rank`th of `ingresses` ingress processes is told of one published lane
+    (engine/full_lanes.py): its share of the places still free, which it may promise to requests
+    it is reading or decoding (engine/promised.py). The shares add up to the places free, so the
+    ingress processes together never let more requests through than the lane can queue; a share
+    left unused is dealt again at the lane's next change."""
+    model, version, lane, refusals = change
+    if refusals is None:
+        return LaneState(model, version, lane, None)
+    share = refusals.free // ingresses + (1 if rank < refusals.free % ingresses else 0)
+    return LaneState(model, version, lane, refusals.held, refusals.depth, refusals.retry_after_s, share)

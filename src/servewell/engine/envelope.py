@@ -139,9 +139,10 @@ class LiveSettings:
 
 @dataclass(slots=True, frozen=True)
 class LaneState:
-    """Whom one model version's full lane refuses now (engine/full_lanes.py): tenant -> places it
-    holds, and the Retry-After; `held` None once the lane refuses nobody. Sent when it changes, and
-    every lane that refuses someone when an ingress connects."""
+    """Whom one model version's full (or nearly full) lane refuses (engine/full_lanes.py): tenant
+    -> places it holds, this ingress's share of the places still free (0: none left to it), and
+    the Retry-After; `held` None once the lane is far from full. Sent when it changes, and every
+    such lane when an ingress connects."""
 
     model: str
     version: str
@@ -149,6 +150,7 @@ class LaneState:
     held: dict[str, int] | None
     depth: int = 0  # requests queued in the lane
     retry_after_s: float = 1.0
+    free: int = 0  # places left before the lane is full that this ingress may promise (engine/promised.py)
 
 
 @dataclass(slots=True, frozen=True)

@@ -11,6 +11,7 @@ from servewell.config.model import ModelConfig
 from servewell.engine.entry import ready_entry_or_refusal
 from servewell.engine.lanes import resolve_lane
 from servewell.engine.model_slot import ModelSlot
+from servewell.engine.promised import Promise
 from servewell.errors import NotFound, ShuttingDown
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ class LocalModel:
         batching = scheduler.limits.batching if scheduler is not None else self.config.batching
         return batching.default_timeout_ms / 1000.0
 
-    def admit(self, lane: int, tenant: str = "") -> None:
+    def admit(self, lane: int, tenant: str = "") -> Promise | None:
         """Refuse now what the admission chain would refuse at once: the server shutting down, the
         model removed or not taking requests, or a full lane that `tenant` holds most of beyond
         its share. A model that is not resident but loads on a request is admitted (it loads then)."""
@@ -53,7 +54,7 @@ class LocalModel:
         check_open = getattr(entry, "check_open", None)
         if check_open is not None:  # a pipeline: its steps are admitted one by one
             check_open()
-            return
+            return None
         if not slot.resident and self._engine.pool.loadable(slot):
-            return
-        ready_entry_or_refusal(entry).scheduler.admit(lane, tenant)
+            return None
+        return ready_entry_or_refusal(entry).scheduler.admit(lane, tenant)

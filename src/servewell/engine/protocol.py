@@ -20,6 +20,7 @@ from servewell.config.model import ModelConfig, TensorSpec
 from servewell.engine.request import InferenceRequest
 
 if TYPE_CHECKING:
+    from servewell.engine.promised import Promise
     from servewell.engine.stream import PartSink
 
 ModelState = Literal["loading", "ready", "restarting", "failed", "invalid", "unloaded"]
@@ -177,9 +178,11 @@ class ServedModel(Protocol):
         """The model's default request timeout as in force (what a request without its own gets)."""
         ...
 
-    def admit(self, lane: int, tenant: str = "") -> None:
+    def admit(self, lane: int, tenant: str = "") -> Promise | None:
         """Refuse now (`Overloaded`, `ShuttingDown`, `ModelNotReady`) what the admission chain would
-        refuse at once, before the caller spends anything on reading or decoding the request."""
+        refuse at once, before the caller spends anything on reading or decoding the request.
+        Returns the request's promise of a place in `lane` (engine/promised.py) where its lane
+        counts them: the caller holds it until it builds the request."""
         ...
 
 

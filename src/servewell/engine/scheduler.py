@@ -24,6 +24,7 @@ from servewell.engine.batch_queue import BatchQueue, QueuedItem
 from servewell.engine.batch_runner import BatchRunner
 from servewell.engine.clock import Clock, LoopClock, precise_time
 from servewell.engine.full_lanes import FullLanes, Publish, lane_full
+from servewell.engine.promised import Promise, PromisedPlaces
 from servewell.engine.protocol import RequestResult
 from servewell.engine.pump_wakeups import PumpWakeups
 from servewell.engine.request import InferenceRequest
@@ -68,6 +69,7 @@ class ModelScheduler:
         self._serials = itertools.count()
         self.stats = SchedulerStats()
         self._full_lanes = FullLanes(full_lanes)  # who a full lane refuses, for the ingress processes
+        self._promised = PromisedPlaces()  # places promised to requests admitted by `admit`, not queued yet
         self._execution = BatchExecution(config, self._telemetry, self._clock, self._learned, self.stats,
                                          self._expire, self.limits.compute_budget_s, self._batch_ended)
 
@@ -122,26 +124,35 @@ class ModelScheduler:
         """Requests inside batches on runners right now."""
         return sum(len(batch) for batch in self._in_flight.values())
 
-    def admit(self, lane: int, tenant: str = "") -> None:
+    def admit(self, lane: int, tenant: str = "") -> Promise:
         """Refuse at once (`Overloaded`, `ShuttingDown`) what `submit` would refuse, before the
         caller spends anything on decoding the request: a full lane refuses `tenant` only when it
-        holds the most of the lane beyond its weighted share (`BatchQueue`'s fair admission)."""
+        holds the most of the lane beyond its weighted share (`BatchQueue`'s fair admission), and
+        places promised to requests admitted here but not queued yet count as taken. Returns the
+        request's own promise of a place: hold it until the request is built."""
         if not self._accepting:
             raise ShuttingDown("the server is shutting down and accepts no new requests")
-        if not self._queue.would_admit(lane, tenant):
-            raise self._refuse(lane, tenant)
+        promised = self._promised.count(lane)
+        if not self._queue.would_admit(lane, tenant, promised):
+            raise self._refuse(lane, tenant, promised)
+        return self._promised.promise(lane)
 
     def lane_places(self, lane: int) -> dict[str, int]:
         """Who holds `lane`'s queue places: queued requests per tenant."""
         return self._queue.places(lane)
 
-    def _refuse(self, lane: int, tenant: str) -> Overloaded:
-        """Count a refusal of `tenant`'s request by a full lane and build its error (naming the
-        tenant and its places), Retry-After from the predicted drain."""
+    def _refresh_full_lanes(self) -> None:
+        """Tell the ingress processes (engine/full_lanes.py) what changed in the (nearly) full lanes."""
+        self._full_lanes.refresh(self._queue, len(self.lanes), self._predicted_drain_s, self.limits.max_batch_size)
+
+    def _refuse(self, lane: int, tenant: str, promised: int = 0) -> Overloaded:
+        """Count a refusal of `tenant`'s request by a full lane (`promised` of its places promised
+        to requests on their way in) and build its error (naming the tenant and its places),
+        Retry-After from the predicted drain."""
         self.stats.rejected += 1
         self._telemetry.count(lane, "rejected")
         return lane_full(self.config.name, self.lanes[lane], self._queue.depth(lane), tenant,
-                         self._queue.places(lane).get(tenant, 0), self._predicted_drain_s())
+                         self._queue.places(lane).get(tenant, 0), self._predicted_drain_s(), promised)
 
     def submit(self, request: InferenceRequest, rows: int, coalesce: bool = False) -> asyncio.Future[RequestResult]:
         """Queue `request` in its lane; its future resolves with the result or a `ServeError`.
@@ -190,7 +201,7 @@ class ModelScheduler:
             # new deadline may need the timer (a pump per submit cost a tenth of the engine's CPU
             # per request at saturation, expiring and timing nothing new).
             self._wakeups.by(item.deadline_at)
-            self._full_lanes.refresh(self._queue, len(self.lanes), self._predicted_drain_s)
+            self._refresh_full_lanes()
         return future
 
     def _on_cancel(self, item: Request) -> None:
@@ -199,7 +210,7 @@ class ModelScheduler:
             self._telemetry.count(item.lane, "cancelled")
         self._queue.cancel(item)
         self._check_drained()
-        self._full_lanes.refresh(self._queue, len(self.lanes), self._predicted_drain_s)
+        self._refresh_full_lanes()
 
     # --- the pump ------------------------------------------------------------------------
 
@@ -237,7 +248,7 @@ class ModelScheduler:
             wake_at = deadline
         self._wakeups.at(wake_at)
         self._check_drained()
-        self._full_lanes.refresh(self._queue, len(self.lanes), self._predicted_drain_s)
+        self._refresh_full_lanes()
 
     def _expire(self, item: Request, why: str) -> None:
         self.stats.expired += 1
@@ -310,7 +321,7 @@ class ModelScheduler:
                 for item in batch:
                     fail(item, error)
         self._check_drained()
-        self._full_lanes.refresh(self._queue, len(self.lanes), self._predicted_drain_s)
+        self._refresh_full_lanes()
 
     def stop_accepting(self) -> None:
         """Refuse new requests from now on (`ShuttingDown`); queued ones still run."""

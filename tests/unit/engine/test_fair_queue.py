@@ -161,6 +161,15 @@ def test_the_tenant_beyond_its_share_is_refused_itself_and_displaces_nobody() ->
     assert queue.places(0) == {"flood": 6, "light": 4}
 
 
+def test_places_promised_to_requests_on_their_way_in_fill_the_lane_for_its_holder_only() -> None:
+    queue: BatchQueue[str] = BatchQueue(1, 10)
+    for i in range(7):
+        queue.push(item("flood", i))
+    assert queue.would_admit(0, "flood", promised=2)  # 7 queued + 2 on their way: one place left
+    assert not queue.would_admit(0, "flood", promised=3)  # all ten spoken for: flood holds the most
+    assert queue.would_admit(0, "light", promised=3)  # within its share: it would push out flood's newest
+
+
 def test_a_light_tenant_keeps_its_requests_while_another_floods_a_full_lane() -> None:
     """A flood 10x the lane's size never costs the light tenant a queued request."""
     queue: BatchQueue[str] = BatchQueue(1, 20)
