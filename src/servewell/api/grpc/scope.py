@@ -21,7 +21,7 @@ import math
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 from opentelemetry import context as otel_context
@@ -84,6 +84,15 @@ _DIGESTED = frozenset((CallUnimplemented.code, CallLimitReached.code, ReceiveTim
 def retry_after_value(retry_after_s: float) -> str:
     """A `retry-after` trailer value: whole seconds, at least 1 (as HTTP's Retry-After)."""
     return str(max(1, math.ceil(retry_after_s)))
+
+
+def _failed(context: RpcContext, code: grpc.StatusCode, details: str) -> None:
+    """End the call with status `code` and no reply (what the handler returns then is not sent).
+    Not `context.abort`: the `AbortError` it raises stays on grpc's call state, and with it this
+    frame and every frame up to the handler (the request, its call, its tensors), a reference cycle
+    per failed call left to the cyclic collector, whose pauses a flood of refusals makes long."""
+    context.set_code(code)
+    context.set_details(details)
 
 
 class RpcScope:
@@ -166,8 +175,8 @@ class RpcScope:
             if exc.retry_after_s is not None:
                 trailers.append(("retry-after", retry_after_value(exc.retry_after_s)))
             context.set_trailing_metadata(tuple(trailers))
-            await context.abort(status_code(exc), exc.message)
-            raise  # abort raises; this line only satisfies the type checker
+            _failed(context, status_code(exc), exc.message)
+            return cast(T, None)  # not sent: the call ends with the status
         except asyncio.CancelledError:
             status, code = 499, "cancelled"  # the client cancelled or its deadline passed: not a server error
             raise
@@ -176,8 +185,8 @@ class RpcScope:
         except Exception:
             status, code = 500, "internal"
             log.exception("unhandled error while serving gRPC %s", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal server error; request id {request_id}")
-            raise
+            _failed(context, grpc.StatusCode.INTERNAL, f"internal server error; request id {request_id}")
+            return cast(T, None)
         finally:
             elapsed = time.perf_counter() - started
             self._finish(method, status, code, elapsed, span, probe, received)
