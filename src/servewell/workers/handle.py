@@ -1,9 +1,10 @@
-"""Frontend side of one worker process: spawn it (or adopt a spare), follow its load, watch it, end it.
+"""Frontend side of one worker process: start it, follow its load, watch it, end it.
 
 What crosses its pipe once it runs (batches, steps, profiles, their outcomes) is the
-`WorkerChannel`'s (workers/channel.py); this handle is the process's lifecycle, and the
-`BatchRunner` its model's scheduler sees. The channel learns of a worker's death (pipe EOF) the
-moment it happens and tells the handle.
+`WorkerChannel`'s (workers/channel.py); how its process is made (a spare adopted or forked, or a
+fresh spawn) and ended with its group is `WorkerProcess`'s (workers/worker_process.py); this
+handle is the worker's lifecycle, and the `BatchRunner` its model's scheduler sees. The channel
+learns of a worker's death (pipe EOF) the moment it happens and tells the handle.
 
 A worker that stops making progress without dying (SIGSTOP, a deadlock, a wedged device) closes
 no pipe; its heartbeat counter (a shared-memory cell a thread of the worker increments) stops
@@ -16,11 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -31,13 +30,10 @@ from servewell.errors import ServeError, WorkerHung, WorkerLost
 from servewell.observability.tracing import TracingSettings
 from servewell.observability.worker_events import WorkerEventSink
 from servewell.workers.channel import WorkerChannel
-from servewell.workers.child_main import run_child
 from servewell.workers.cold_start import ColdStartBreakdown, breakdown_of
-from servewell.workers.entry import run_worker
 from servewell.workers.lifecycle import WorkerLifecycle, WorkerPhase, WorkerState, describe_exit
 from servewell.workers.load_slots import LoadRetryPolicy, LoadSlots
 from servewell.workers.messages import (
-    AdoptSpare,
     BatchDone,
     LoadProgress,
     SequenceJoin,
@@ -49,13 +45,12 @@ from servewell.workers.messages import (
     WorkerLoadFailed,
     WorkerMessage,
     WorkerReady,
-    send_message,
 )
 from servewell.workers.output_cap import OutputLimits
-from servewell.workers.process_start import end_group, find_jemalloc, output_pipe, spawn, watch_exit
+from servewell.workers.process_start import find_jemalloc
 from servewell.workers.shm import HeartbeatCell, SharedArena, new_prefix, remove_segments, shm_directory
-from servewell.workers.spare import SpareProcess, SpareWorkers, why_fresh
-from servewell.workers.worker_output import WorkerOutput
+from servewell.workers.spare import SpareWorkers
+from servewell.workers.worker_process import StoppedBeforeStart, WorkerProcess
 
 log = logging.getLogger("servewell.workers")
 
@@ -142,7 +137,7 @@ class WorkerHandle:
         self.instance = instance
         self.model_dir = model_dir
         self._on_progress = on_progress
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self._process = WorkerProcess()  # its operating-system process, once `start` launched it
         #: Its pipe and segments once `start` made them (batches, steps, profiles).
         self._channel: WorkerChannel | None = None
         #: Where a generative model's steps go (`listen_to_steps`), for each channel a start makes.
@@ -167,7 +162,6 @@ class WorkerHandle:
         self.load_attempt = 1
         #: While it waits to retry a failed load (state "backoff"): when it will start (Unix seconds).
         self.next_attempt_at: float | None = None
-        self._output: WorkerOutput | None = None
 
     @property
     def alive(self) -> bool:
@@ -193,7 +187,7 @@ class WorkerHandle:
     @property
     def pid(self) -> int | None:
         """Process id of the worker, once started."""
-        return self._process.pid if self._process else None
+        return self._process.pid
 
     def backing_off(self, attempt: int, next_attempt_at: float) -> None:
         """This worker is load attempt `attempt` of its instance, waiting to start at
@@ -234,10 +228,13 @@ class WorkerHandle:
             settings.log_level, settings.log_format, settings.tracing, self.device, settings.warmup_first_only,
             settings.load_cpu_policy, settings.max_output_bytes,
         )
-        spare, parent, fresh_reason = await self._launch(launch)
-        if self._output is not None:
-            self._output.relabel(f"model {self.config.name} instance {self.instance} (worker {self.pid})",
-                                 model=self.config.name, instance=self.instance, pid=self.pid)
+        try:
+            spare, parent, fresh_reason = await self._process.launch(self.config, launch, settings.spares,
+                                                                     settings.output, lambda: self._life.ended)
+        except StoppedBeforeStart as stopped:
+            self._release_segments()
+            raise WorkerLoadError(str(stopped)) from None
+        self._process.relabel(self.config.name, self.instance)
         self._life.spawned()
         self._channel.attach(parent, self._loop)
         try:
@@ -256,43 +253,6 @@ class WorkerHandle:
         self.cold_start = breakdown_of(self.config.name, self.instance, info, requested_at, self.ready_at,
                                        spare is not None, fresh_reason)
         return info
-
-    async def _launch(self, launch: WorkerLaunch) -> tuple[SpareProcess | None, Connection, str]:
-        """The worker's process: an idle spare adopted, one forked now, or a fresh spawn (sets
-        `_process` and `_output`). Returns the spare (None: spawned), the engine's end of its pipe,
-        and why it was spawned ("" for a spare)."""
-        settings = self._settings
-        name = f"servewell-worker-{self.config.name}"
-        spare = settings.spares.take(self.config) if settings.spares is not None else None
-        if spare is None and settings.spares is not None and settings.spares.fork_on_demand:
-            spare = await settings.spares.fork_for(self.config)
-            if spare is not None and self._life.ended:  # stopped while the spare was forked
-                spare.conn.close()  # it exits on EOF; PR_SET_PDEATHSIG covers the rest
-                if spare.output is not None:
-                    spare.output.close()
-                self._release_segments()
-                raise WorkerLoadError("the worker was stopped before it started")
-        if spare is not None:
-            self._process, self._output = spare.process, spare.output
-            try:
-                send_message(spare.conn, AdoptSpare(self.config, launch, name))
-            except (OSError, ValueError):
-                pass  # it died just now: its pipe's EOF fails this start like a fresh worker's death
-            return spare, spare.conn, ""
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe(duplex=True)
-        read_fd, output = output_pipe()
-        process = ctx.Process(target=run_child, args=(output, run_worker, child, self.config, launch), name=name,
-                              daemon=True)
-        self._process = process
-        try:
-            spawn(process, self.config.name, self.config.allocator == "jemalloc")
-        finally:
-            child.close()
-            output.close()
-        self._output = WorkerOutput(read_fd, settings.output, "")
-        self._output.start(asyncio.get_running_loop())
-        return None, parent, why_fresh(settings.spares, self.config)
 
     async def run(self, parts: dict[str, list[np.ndarray]], traceparent: str | None = None,
                   deadlines: Sequence[float] = ()) -> BatchOutcome:
@@ -350,7 +310,7 @@ class WorkerHandle:
         if self._channel is not None:
             self._channel.close()
         self._life.hung(reason)
-        self._reap_later()
+        self._process.reap_later(self._loop)
         self._finish_loss(was_ready)
 
     async def profile(self, seconds: float, directory: str) -> str:
@@ -399,9 +359,8 @@ class WorkerHandle:
         if self._life.ended:
             return  # already handled (declared hung, then its pipe closed)
         was_ready = self._life.phase is WorkerPhase.READY
-        process = self._process
-        code = process.exitcode if process else None  # waitpid(WNOHANG): never blocks
-        if process is None or code is not None or self._loop is None:
+        code = self._process.exitcode  # waitpid(WNOHANG): never blocks
+        if not self._process.launched or code is not None or self._loop is None:
             self._life.exited(describe_exit(code))
             self._finish_loss(was_ready)
             return
@@ -409,20 +368,17 @@ class WorkerHandle:
         # the exit and never waits for it (it used to, in `process.join`, which blocks for as long as
         # a worker that closed its pipe and its sentinel lives on, however short the timeout).
         self._life.exiting()
-        watch_exit(self._loop, process, EXIT_GRACE_S, lambda: self._reaped(was_ready))
+        self._process.watch_exit(self._loop, EXIT_GRACE_S, lambda: self._reaped(was_ready))
 
     def _reaped(self, was_ready: bool) -> None:
         if self._life.phase is not WorkerPhase.EXITING:
             return  # stopped meanwhile: `stop` answered everything
-        process = self._process
-        code = process.exitcode if process else None
-        if process is not None and code is None:
-            # It closed its pipe, so it can serve nothing more, yet it did not exit: end it.
-            process.kill()
-            self._reap_later()
+        if self._process.kill_unreaped():
+            # It closed its pipe, so it can serve nothing more, yet it did not exit: ended now.
+            self._process.reap_later(self._loop)
             self._life.exited(f"closed its pipe but did not exit within {EXIT_GRACE_S:g} s; killed")
         else:
-            self._life.exited(describe_exit(code))
+            self._life.exited(describe_exit(self._process.exitcode))
         self._finish_loss(was_ready)
 
     def _finish_loss(self, was_ready: bool) -> None:
@@ -434,18 +390,12 @@ class WorkerHandle:
             self._channel.fail_waiting(
                 self._gone_error(f"{reason}; the request was not completed and is safe to retry"))
         self._release_segments()
-        end_group(self.pid)  # what its model forked dies with it
-        self._close_output()
+        self._process.end_group()  # what its model forked dies with it
+        self._process.close_output()
         # Only a worker that was serving is restarted by its pool: one that dies while loading
         # fails its start instead (the pool's restart loop owns that).
         if was_ready and self._on_lost is not None:
             self._on_lost(self)
-
-    def _reap_later(self) -> None:
-        """Collect a killed process off the event loop (it may take a moment to die)."""
-        process = self._process
-        if process is not None and self._loop is not None:
-            self._loop.run_in_executor(None, process.join, 10.0)
 
     def _release_segments(self) -> None:
         """Unmap and remove every segment of this worker: ours, and those the worker made (by name,
@@ -457,17 +407,10 @@ class WorkerHandle:
             self._heartbeat = None
         remove_segments(self.segment_prefix)
 
-    def _close_output(self) -> None:
-        if self._output is not None:
-            self._output.close()  # what it wrote last (a crash's stack) is forwarded first
-            self._output = None
-
     def kill(self) -> None:
         """End the worker and everything its model forked at once (hung load or batch, shutdown
         timeout)."""
-        if self._process is not None and self._process.is_alive():
-            self._process.kill()
-            end_group(self._process.pid)
+        self._process.kill()
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Ask the worker to exit after its current batch; kill it if it does not within `timeout_s`
@@ -478,28 +421,13 @@ class WorkerHandle:
                 self._channel.send(Shutdown())
             except (OSError, ValueError):
                 pass
-        if self._process is not None and self._process.pid is not None:
-            loop = asyncio.get_running_loop()
-            if timeout_s > 0:
-                await loop.run_in_executor(None, _join_then_end_group, self._process, timeout_s)
-            if self._process.is_alive():
-                self.kill()
-                await loop.run_in_executor(None, _join_then_end_group, self._process, 5.0)
+        await self._process.join(timeout_s)
         if self._life.phase is WorkerPhase.EXITING:  # its pipe had closed: now it is reaped
-            self._life.exited(describe_exit(self._process.exitcode if self._process else None))
+            self._life.exited(describe_exit(self._process.exitcode))
         elif not self._life.ended:
             self._life.stopped()
         if self._channel is not None:
             self._channel.close()
             self._channel.fail_waiting(WorkerLost("the worker was stopped before the batch finished"))
         self._release_segments()
-        self._close_output()
-
-
-def _join_then_end_group(process: multiprocessing.process.BaseProcess, timeout_s: float) -> None:
-    """Wait up to `timeout_s` for `process` to exit; once it has, end what is left of its group at
-    once (in the same thread: its pid, which names the group, was just reaped and is not reused
-    for a long while)."""
-    process.join(timeout_s)
-    if process.exitcode is not None:
-        end_group(process.pid)
+        self._process.close_output()
