@@ -46,7 +46,7 @@ def collector_off() -> Iterator[None]:
         gc.enable()
 
 
-def cyclic_garbage_of(refuse: Callable[[], None], expected: type[ServeError]) -> int:
+def cyclic_garbage_of(refuse: Callable[[], object], expected: type[ServeError]) -> int:
     """Objects only the cyclic collector would free after `ROUNDS` refusals, each caught as a
     handler would (the error dropped once answered)."""
     with collector_off():
