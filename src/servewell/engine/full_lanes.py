@@ -2,14 +2,14 @@
 
 A model's scheduler is the one judge of a full lane (`BatchQueue`'s fair admission: the tenant
 holding the most places beyond its share is refused). `FullLanes` watches its queue after every
-change and publishes, per lane that is full or nearly full (at most `near` places free), the
-tenants a request would be refused for once it is full (with the places each holds), the places
-still free and the Retry-After, only when these change: an ingress process keeps the latest of
-these (`LaneState`, engine/envelope.py) and refuses those tenants' requests at once, with the
-same error (`lane_full`) the scheduler would answer after the request crossed to the engine,
-when the lane is full or the places still free are all promised to requests that the ingress is
-still reading or decoding (engine/promised.py). The engine stays the judge: a request the ingress
-lets through is decided there.
+change and publishes, per lane that is full or nearly full (at most half its places free, or a
+batch's), the tenants a request would be refused for once it is full (with the places each
+holds), the places still free and the Retry-After, only when these change: an ingress process
+keeps the latest of these (`LaneState`, engine/envelope.py) and refuses those tenants' requests
+at once, with the same error (`lane_full`) the scheduler would answer after the request crossed
+to the engine, when the lane is full or its share of the places still free is promised to
+requests that it is still reading or decoding (engine/promised.py). The engine stays the judge:
+a request the ingress lets through is decided there.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class LaneRefusals:
     free: int = 0  # places left before it is full
 
 
-#: (lane index, refusals now or None once the lane refuses nobody).
+#: (lane index, refusals now, or None once the lane is far from full).
 Publish = Callable[[int, LaneRefusals | None], None]
 
 
